@@ -1,0 +1,1 @@
+//! Compute backends. The CPU backend is the reference; CUDA comes later.

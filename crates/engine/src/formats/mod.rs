@@ -1,0 +1,71 @@
+//! Model file formats: GGUF files, Hugging Face and MLX safetensors directories.
+//!
+//! Every importer produces a [`ModelSource`]: a [`ModelConfig`], a [`TensorMap`] keyed by
+//! canonical (Hugging Face) tensor names, and where the tokenizer lives. GGUF keeps its
+//! q/k row order (rotate adjacent pairs, `RopeStyle::Interleaved`); everything else uses
+//! Hugging Face's rotate-half order.
+
+pub mod gguf;
+pub mod gguf_names;
+
+use crate::config::ModelConfig;
+use crate::quant::Weight;
+use crate::{Error, Result};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Tensors by canonical name. 1-D tensors (norms, biases) are `Weight::Dense` with rows = 1.
+pub type TensorMap = BTreeMap<String, Weight>;
+
+pub enum TokenizerSource {
+    /// GGUF metadata (`tokenizer.ggml.*`), read from this file.
+    Gguf(PathBuf),
+    /// A directory with tokenizer.json (+ tokenizer_config.json).
+    Dir(PathBuf),
+}
+
+pub struct ModelSource {
+    pub path: PathBuf,
+    /// "gguf", "mlx", "hf".
+    pub format: &'static str,
+    pub config: ModelConfig,
+    pub tensors: TensorMap,
+    pub tokenizer: TokenizerSource,
+    /// Size of the model file(s) on disk.
+    pub file_bytes: u64,
+}
+
+impl ModelSource {
+    pub fn take(&mut self, name: &str) -> Result<Weight> {
+        self.tensors
+            .remove(name)
+            .ok_or_else(|| Error::format(&self.path, format!("tensor {name} is missing")))
+    }
+}
+
+/// Open a model: a .gguf file, or a directory holding config.json + *.safetensors.
+pub fn load(path: &Path, progress: bool) -> Result<ModelSource> {
+    if path.is_dir() {
+        Err(Error::Unsupported(format!(
+            "{}: safetensors directories are not wired in yet",
+            path.display()
+        )))
+    } else if path.exists() {
+        gguf_names::load_gguf(path, progress)
+    } else {
+        Err(Error::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+        ))
+    }
+}
+
+/// Canonical tensor names (Hugging Face Llama layout).
+pub mod names {
+    pub const EMBED: &str = "model.embed_tokens.weight";
+    pub const NORM: &str = "model.norm.weight";
+    pub const LM_HEAD: &str = "lm_head.weight";
+    pub fn layer(i: usize, suffix: &str) -> String {
+        format!("model.layers.{i}.{suffix}")
+    }
+}

@@ -1,0 +1,1 @@
+//! Model architectures (backend-agnostic forward passes).

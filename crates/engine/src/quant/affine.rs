@@ -1,0 +1,378 @@
+//! The one internal weight format: MLX-style affine groups.
+//!
+//! A matrix `[rows (out), cols (in)]` is split along the input dim into groups of `group`
+//! values; each group has a `scale` and a `bias` and w ≈ scale·q + bias with
+//! q ∈ [0, 2^bits). Each row's q values form one continuous LSB-first bit stream stored in
+//! little-endian u32 words (value i at bits [i·bits, (i+1)·bits)). For 2/4/8 bits that is
+//! MLX's u32 packing; for 3/5/6 bits it equals MLX's byte packing (8 values in 3/5 bytes,
+//! 4 values in 3 bytes), so MLX files load without repacking.
+
+use crate::{Error, Result};
+use half::{bf16, f16};
+
+pub const BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
+pub const GROUPS: [usize; 4] = [16, 32, 64, 128];
+
+/// Precision of scales/biases; kept from the source so imports are lossless.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ScaleDtype {
+    F16,
+    BF16,
+    F32,
+}
+
+impl ScaleDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            ScaleDtype::F16 => "f16",
+            ScaleDtype::BF16 => "bf16",
+            ScaleDtype::F32 => "f32",
+        }
+    }
+    pub fn size(self) -> usize {
+        match self {
+            ScaleDtype::F32 => 4,
+            _ => 2,
+        }
+    }
+}
+
+/// Per-group scales or biases in their source precision.
+#[derive(Clone, Debug)]
+pub enum Scales {
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    F32(Vec<f32>),
+}
+
+impl Scales {
+    pub fn from_f32(v: &[f32], dtype: ScaleDtype) -> Scales {
+        match dtype {
+            ScaleDtype::F16 => Scales::F16(v.iter().map(|&x| f16::from_f32(x)).collect()),
+            ScaleDtype::BF16 => Scales::BF16(v.iter().map(|&x| bf16::from_f32(x)).collect()),
+            ScaleDtype::F32 => Scales::F32(v.to_vec()),
+        }
+    }
+    #[inline]
+    pub fn get(&self, i: usize) -> f32 {
+        match self {
+            Scales::F16(v) => v[i].to_f32(),
+            Scales::BF16(v) => v[i].to_f32(),
+            Scales::F32(v) => v[i],
+        }
+    }
+    pub fn len(&self) -> usize {
+        match self {
+            Scales::F16(v) => v.len(),
+            Scales::BF16(v) => v.len(),
+            Scales::F32(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> ScaleDtype {
+        match self {
+            Scales::F16(_) => ScaleDtype::F16,
+            Scales::BF16(_) => ScaleDtype::BF16,
+            Scales::F32(_) => ScaleDtype::F32,
+        }
+    }
+    /// Copy `out.len()` values starting at `start` into f32.
+    #[inline]
+    pub fn read_into(&self, start: usize, out: &mut [f32]) {
+        let n = out.len();
+        match self {
+            Scales::F16(v) => v[start..start + n]
+                .iter()
+                .zip(out)
+                .for_each(|(s, o)| *o = s.to_f32()),
+            Scales::BF16(v) => v[start..start + n]
+                .iter()
+                .zip(out)
+                .for_each(|(s, o)| *o = s.to_f32()),
+            Scales::F32(v) => out.copy_from_slice(&v[start..start + n]),
+        }
+    }
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.len()];
+        self.read_into(0, &mut out);
+        out
+    }
+    pub fn byte_size(&self) -> usize {
+        self.len() * self.dtype().size()
+    }
+}
+
+/// A quantized matrix `[rows, cols]` in affine groups along `cols`.
+#[derive(Clone, Debug)]
+pub struct AffineTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub bits: u32,
+    pub group: usize,
+    /// `rows × words_per_row()` u32 words.
+    pub packed: Vec<u32>,
+    /// `rows × cols/group`.
+    pub scales: Scales,
+    pub biases: Scales,
+}
+
+pub fn check_scheme(bits: u32, group: usize, cols: usize) -> Result<()> {
+    if !BITS.contains(&bits) {
+        return Err(Error::Unsupported(format!(
+            "{bits}-bit affine quantization (supported: 2,3,4,5,6,8)"
+        )));
+    }
+    if !GROUPS.contains(&group) {
+        return Err(Error::Unsupported(format!(
+            "affine group size {group} (supported: 16,32,64,128)"
+        )));
+    }
+    if cols % group != 0 || (cols * bits as usize) % 32 != 0 {
+        return Err(Error::Invalid(format!(
+            "input dim {cols} is not a multiple of group {group} (or its {bits}-bit row is not whole u32 words)"
+        )));
+    }
+    Ok(())
+}
+
+impl AffineTensor {
+    /// Assemble from parts, checking every length.
+    pub fn new(
+        rows: usize,
+        cols: usize,
+        bits: u32,
+        group: usize,
+        packed: Vec<u32>,
+        scales: Scales,
+        biases: Scales,
+    ) -> Result<Self> {
+        check_scheme(bits, group, cols)?;
+        let t = AffineTensor {
+            rows,
+            cols,
+            bits,
+            group,
+            packed,
+            scales,
+            biases,
+        };
+        let ng = rows * (cols / group);
+        if t.packed.len() != rows * t.words_per_row()
+            || t.scales.len() != ng
+            || t.biases.len() != ng
+        {
+            return Err(Error::Invalid(format!(
+                "affine tensor [{rows}, {cols}] {bits}-bit g{group}: got {} words, {} scales, {} biases; expected {}, {ng}, {ng}",
+                t.packed.len(),
+                t.scales.len(),
+                t.biases.len(),
+                rows * t.words_per_row()
+            )));
+        }
+        Ok(t)
+    }
+
+    #[inline]
+    pub fn words_per_row(&self) -> usize {
+        self.cols * self.bits as usize / 32
+    }
+    #[inline]
+    pub fn groups_per_row(&self) -> usize {
+        self.cols / self.group
+    }
+    pub fn row_words(&self, r: usize) -> &[u32] {
+        let w = self.words_per_row();
+        &self.packed[r * w..(r + 1) * w]
+    }
+    pub fn byte_size(&self) -> usize {
+        self.packed.len() * 4 + self.scales.byte_size() + self.biases.byte_size()
+    }
+
+    /// Dequantize row `r` into `out` (len `cols`), f32.
+    pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
+        assert_eq!(out.len(), self.cols);
+        let words = self.row_words(r);
+        let gpr = self.groups_per_row();
+        for g in 0..gpr {
+            let s = self.scales.get(r * gpr + g);
+            let b = self.biases.get(r * gpr + g);
+            for i in g * self.group..(g + 1) * self.group {
+                out[i] = s * get_q(words, self.bits, i) as f32 + b;
+            }
+        }
+    }
+
+    pub fn dequantize(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        for (r, row) in out.chunks_mut(self.cols).enumerate() {
+            self.dequant_row(r, row);
+        }
+        out
+    }
+
+    /// Quantize an f32 matrix with MLX's `affine_quantize` rule (see `quantize_group`).
+    pub fn quantize(
+        w: &[f32],
+        rows: usize,
+        cols: usize,
+        bits: u32,
+        group: usize,
+        dtype: ScaleDtype,
+    ) -> Result<Self> {
+        check_scheme(bits, group, cols)?;
+        if w.len() != rows * cols {
+            return Err(Error::Invalid(format!(
+                "quantize: {} values for [{rows}, {cols}]",
+                w.len()
+            )));
+        }
+        let wpr = cols * bits as usize / 32;
+        let mut packed = vec![0u32; rows * wpr];
+        let ng = rows * (cols / group);
+        let (mut scales, mut biases) = (vec![0f32; ng], vec![0f32; ng]);
+        let mut q = vec![0u32; group];
+        for r in 0..rows {
+            let words = &mut packed[r * wpr..(r + 1) * wpr];
+            for g in 0..cols / group {
+                let gi = r * (cols / group) + g;
+                let vals = &w[r * cols + g * group..r * cols + (g + 1) * group];
+                let (s, b) = quantize_group(vals, bits, dtype, &mut q);
+                scales[gi] = s;
+                biases[gi] = b;
+                for (j, &qv) in q.iter().enumerate() {
+                    set_q(words, bits, g * group + j, qv);
+                }
+            }
+        }
+        AffineTensor::new(
+            rows,
+            cols,
+            bits,
+            group,
+            packed,
+            Scales::from_f32(&scales, dtype),
+            Scales::from_f32(&biases, dtype),
+        )
+    }
+}
+
+/// MLX `affine_quantize` for one group: returns (scale, bias) as stored (already rounded
+/// to `dtype`, returned as f32) and writes q. Formula from MLX quantized.h:
+/// n_bins = 2^bits−1; scale = max((wmax−wmin)/n_bins, eps), signed towards the edge with
+/// the larger magnitude; edge snapped so that q0 = round(edge/scale) is exact; then
+/// q = min(round((w−bias)/scale), n_bins).
+pub fn quantize_group(vals: &[f32], bits: u32, dtype: ScaleDtype, q: &mut [u32]) -> (f32, f32) {
+    let n_bins = ((1u32 << bits) - 1) as f32;
+    let eps = 1e-7f32;
+    let (mut wmin, mut wmax) = (f32::INFINITY, f32::NEG_INFINITY);
+    for &v in vals {
+        wmin = wmin.min(v);
+        wmax = wmax.max(v);
+    }
+    let mut scale = ((wmax - wmin) / n_bins).max(eps);
+    let side = wmin.abs() > wmax.abs();
+    scale = if side { scale } else { -scale };
+    let edge = if side { wmin } else { wmax };
+    let q0 = (edge / scale).round();
+    let mut bias = 0.0;
+    if q0 != 0.0 {
+        scale = edge / q0;
+        bias = edge;
+    }
+    let (scale, bias) = (round_to(scale, dtype), round_to(bias, dtype));
+    for (qi, &v) in q.iter_mut().zip(vals) {
+        *qi = ((v - bias) / scale).round().clamp(0.0, n_bins) as u32;
+    }
+    (scale, bias)
+}
+
+#[inline]
+pub fn round_to(x: f32, dtype: ScaleDtype) -> f32 {
+    match dtype {
+        ScaleDtype::F16 => f16::from_f32(x).to_f32(),
+        ScaleDtype::BF16 => bf16::from_f32(x).to_f32(),
+        ScaleDtype::F32 => x,
+    }
+}
+
+/// Read value `i` of a packed LSB-first bit stream.
+#[inline]
+pub fn get_q(words: &[u32], bits: u32, i: usize) -> u32 {
+    let bit = i * bits as usize;
+    let (w, off) = (bit / 32, (bit % 32) as u32);
+    let lo = words[w] as u64;
+    let hi = if off + bits > 32 {
+        words[w + 1] as u64
+    } else {
+        0
+    };
+    (((hi << 32) | lo) >> off) as u32 & ((1u32 << bits) - 1)
+}
+
+/// Write value `i` (< 2^bits) of a packed LSB-first bit stream (the slot must be zero).
+#[inline]
+pub fn set_q(words: &mut [u32], bits: u32, i: usize, q: u32) {
+    let bit = i * bits as usize;
+    let (w, off) = (bit / 32, (bit % 32) as u32);
+    let v = (q as u64) << off;
+    words[w] |= v as u32;
+    if off + bits > 32 {
+        words[w + 1] |= (v >> 32) as u32;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pack_roundtrip_all_bits() {
+        for bits in BITS {
+            let n = 128;
+            let mut words = vec![0u32; n * bits as usize / 32];
+            let vals: Vec<u32> = (0..n)
+                .map(|i| (i as u32 * 2654435761) >> (32 - bits))
+                .collect();
+            for (i, &v) in vals.iter().enumerate() {
+                set_q(&mut words, bits, i, v);
+            }
+            for (i, &v) in vals.iter().enumerate() {
+                assert_eq!(get_q(&words, bits, i), v, "bits {bits} i {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantize_error_is_bounded_by_half_a_step() {
+        let (rows, cols) = (4, 128);
+        let w: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
+            .collect();
+        for bits in BITS {
+            let t = AffineTensor::quantize(&w, rows, cols, bits, 32, ScaleDtype::F32).unwrap();
+            let d = t.dequantize();
+            for r in 0..rows {
+                for g in 0..cols / 32 {
+                    let s = t.scales.get(r * 4 + g).abs();
+                    for i in g * 32..(g + 1) * 32 {
+                        let e = (d[r * cols + i] - w[r * cols + i]).abs();
+                        assert!(
+                            e <= 0.5 * s + 1e-6,
+                            "bits {bits}: err {e} > step/2 {}",
+                            s / 2.0
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rejects_bad_schemes() {
+        assert!(check_scheme(7, 32, 64).is_err());
+        assert!(check_scheme(4, 48, 96).is_err());
+        assert!(check_scheme(4, 32, 48).is_err());
+    }
+}

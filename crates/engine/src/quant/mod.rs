@@ -1,0 +1,103 @@
+//! Quantized weights: the internal affine format and the importers of GGUF block types.
+
+pub mod affine;
+pub mod ggml;
+pub mod kquants;
+
+pub use affine::{AffineTensor, ScaleDtype, Scales};
+
+use half::{bf16, f16};
+
+/// An unquantized matrix `[rows, cols]` in its source precision.
+#[derive(Clone, Debug)]
+pub enum DenseData {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+#[derive(Clone, Debug)]
+pub struct DenseTensor {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: DenseData,
+}
+
+impl DenseTensor {
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        let s = r * self.cols..(r + 1) * self.cols;
+        match &self.data {
+            DenseData::F32(v) => out.copy_from_slice(&v[s]),
+            DenseData::F16(v) => v[s].iter().zip(out).for_each(|(a, o)| *o = a.to_f32()),
+            DenseData::BF16(v) => v[s].iter().zip(out).for_each(|(a, o)| *o = a.to_f32()),
+        }
+    }
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        let mut out = vec![0.0; self.rows * self.cols];
+        for (r, row) in out.chunks_mut(self.cols.max(1)).enumerate() {
+            self.row_f32(r, row);
+        }
+        out
+    }
+    pub fn byte_size(&self) -> usize {
+        let n = self.rows * self.cols;
+        match self.data {
+            DenseData::F32(_) => n * 4,
+            _ => n * 2,
+        }
+    }
+    pub fn dtype_name(&self) -> &'static str {
+        match self.data {
+            DenseData::F32(_) => "f32",
+            DenseData::F16(_) => "f16",
+            DenseData::BF16(_) => "bf16",
+        }
+    }
+}
+
+/// A weight matrix as the model sees it: quantized affine groups or dense.
+#[derive(Clone, Debug)]
+pub enum Weight {
+    Affine(AffineTensor),
+    Dense(DenseTensor),
+}
+
+impl Weight {
+    pub fn rows(&self) -> usize {
+        match self {
+            Weight::Affine(t) => t.rows,
+            Weight::Dense(t) => t.rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            Weight::Affine(t) => t.cols,
+            Weight::Dense(t) => t.cols,
+        }
+    }
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        match self {
+            Weight::Affine(t) => t.dequant_row(r, out),
+            Weight::Dense(t) => t.row_f32(r, out),
+        }
+    }
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        match self {
+            Weight::Affine(t) => t.dequantize(),
+            Weight::Dense(t) => t.to_f32_vec(),
+        }
+    }
+    pub fn byte_size(&self) -> usize {
+        match self {
+            Weight::Affine(t) => t.byte_size(),
+            Weight::Dense(t) => t.byte_size(),
+        }
+    }
+    /// Short description for `inspect`: "q4 g32 f16" or "bf16".
+    pub fn describe(&self) -> String {
+        match self {
+            Weight::Affine(t) => format!("q{} g{} {}", t.bits, t.group, t.scales.dtype().name()),
+            Weight::Dense(t) => t.dtype_name().to_string(),
+        }
+    }
+}
