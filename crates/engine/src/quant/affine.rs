@@ -333,7 +333,7 @@ mod tests {
             let n = 128;
             let mut words = vec![0u32; n * bits as usize / 32];
             let vals: Vec<u32> = (0..n)
-                .map(|i| (i as u32 * 2654435761) >> (32 - bits))
+                .map(|i| (i as u32).wrapping_mul(2654435761) >> (32 - bits))
                 .collect();
             for (i, &v) in vals.iter().enumerate() {
                 set_q(&mut words, bits, i, v);
@@ -345,7 +345,7 @@ mod tests {
     }
 
     #[test]
-    fn quantize_error_is_bounded_by_half_a_step() {
+    fn quantize_error_is_bounded_by_one_step() {
         let (rows, cols) = (4, 128);
         let w: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
