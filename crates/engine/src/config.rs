@@ -77,17 +77,18 @@ impl ModelConfig {
 
     pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
         let arch_name = g.req_str("general.architecture")?;
-        let (arch, rope_style) =
-            match arch_name {
-                "llama" | "mistral" | "minicpm5" => (Arch::Llama, RopeStyle::Interleaved),
-                "qwen2" => (Arch::Qwen2, RopeStyle::Half),
-                other => return Err(Error::format(
+        let (arch, rope_style) = match arch_name {
+            "llama" | "mistral" | "minicpm5" => (Arch::Llama, RopeStyle::Interleaved),
+            "qwen2" => (Arch::Qwen2, RopeStyle::Half),
+            other => {
+                return Err(Error::format(
                     &g.path,
                     format!(
                         "general.architecture {other:?} is not supported (llama, mistral, qwen2)"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         let k = |s: &str| format!("{arch_name}.{s}");
         let hidden = g.req_u64(&k("embedding_length"))? as usize;
         let n_heads = g.req_u64(&k("attention.head_count"))? as usize;
