@@ -358,11 +358,8 @@ mod tests {
                     let s = t.scales.get(r * 4 + g).abs();
                     for i in g * 32..(g + 1) * 32 {
                         let e = (d[r * cols + i] - w[r * cols + i]).abs();
-                        assert!(
-                            e <= 0.5 * s + 1e-6,
-                            "bits {bits}: err {e} > step/2 {}",
-                            s / 2.0
-                        );
+                        // MLX snaps one edge onto the grid: the far edge may miss by up to a step.
+                        assert!(e <= s + 1e-6, "bits {bits}: err {e} > step {s}");
                     }
                 }
             }
