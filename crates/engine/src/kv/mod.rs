@@ -1,1 +1,4 @@
-//! KV caches.
+//! KV caches. Preallocated to a maximum length and updated in place (never concatenated),
+//! so decode steps have fixed shapes.
+
+pub mod dense;

@@ -1,1 +1,5 @@
-//! Model architectures (backend-agnostic forward passes).
+//! Model architectures, written once against the backend ops.
+
+pub mod llama;
+
+pub use llama::{Llama, Logits};

@@ -1,0 +1,61 @@
+//! Causal attention over the dense bf16 KV cache, f32 math, GQA.
+//!
+//! Parallel over (query row, head). Each task streams the cached keys of its kv head once
+//! (scores), softmaxes in f32, then streams the values once.
+
+use crate::kv::dense::DenseKv;
+use rayon::prelude::*;
+
+/// q `[m, n_heads·hd]` at positions pos0..pos0+m; the cache already holds 0..pos0+m.
+/// out `[m, n_heads·hd]`.
+pub fn attention(
+    q: &[f32],
+    m: usize,
+    n_heads: usize,
+    hd: usize,
+    kv: &DenseKv,
+    layer: usize,
+    pos0: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(
+        out.len(),
+        m * n_heads * hd,
+        "attention: out is not [{m}, {n_heads}·{hd}]"
+    );
+    let n_kv = kv.width / hd;
+    let group = n_heads / n_kv;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
+    out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
+        let (t, h) = (idx / n_heads, idx % n_heads);
+        let kvh = h / group;
+        let len = pos0 + t + 1;
+        let qh = &q[t * n_heads * hd + h * hd..][..hd];
+        let mut scores = Vec::with_capacity(len);
+        let mut kf = vec![0f32; hd];
+        let mut max = f32::NEG_INFINITY;
+        for p in 0..len {
+            let kr = &kc[p * kv.width + kvh * hd..][..hd];
+            for (d, s) in kf.iter_mut().zip(kr) {
+                *d = s.to_f32();
+            }
+            let s = super::matmul::dot(qh, &kf) * scale;
+            max = max.max(s);
+            scores.push(s);
+        }
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        o.fill(0.0);
+        for (p, &w) in scores.iter().enumerate() {
+            let w = w / sum;
+            let vr = &vc[p * kv.width + kvh * hd..][..hd];
+            for (a, b) in o.iter_mut().zip(vr) {
+                *a += w * b.to_f32();
+            }
+        }
+    });
+}

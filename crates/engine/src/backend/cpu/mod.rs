@@ -1,0 +1,111 @@
+//! The CPU backend: f32 activations, quantized weights used in place (rayon over rows),
+//! dense bf16 KV cache. It is also the reference every other backend is tested against.
+
+pub mod attention;
+pub mod matmul;
+pub mod ops;
+
+use super::{Backend, Rope};
+use crate::config::ModelConfig;
+use crate::kv::dense::DenseKv;
+use crate::quant::Weight;
+use crate::Result;
+
+/// Row-major f32 activations `[rows, cols]`.
+#[derive(Clone, Debug)]
+pub struct CpuAct {
+    pub rows: usize,
+    pub cols: usize,
+    pub data: Vec<f32>,
+}
+
+pub struct Cpu;
+
+impl Backend for Cpu {
+    type Act = CpuAct;
+    type Mat = Weight;
+    type Vector = Vec<f32>;
+    type Kv = DenseKv;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn matrix(&self, w: Weight) -> Result<Weight> {
+        Ok(w)
+    }
+    fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
+        Ok(v)
+    }
+    fn act(&self, rows: usize, cols: usize) -> CpuAct {
+        CpuAct {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
+    }
+    fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<DenseKv> {
+        Ok(DenseKv::new(
+            cfg.n_layers,
+            max_seq,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+        ))
+    }
+    fn kv_capacity(&self, kv: &DenseKv) -> usize {
+        kv.max_seq
+    }
+    fn embed(&self, table: &Weight, tokens: &[u32], out: &mut CpuAct) {
+        ops::embed(table, tokens, &mut out.data);
+    }
+    fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) {
+        ops::rms_norm(&x.data, w, eps, &mut out.data);
+    }
+    fn matmul(&self, x: &CpuAct, w: &Weight, out: &mut CpuAct) {
+        matmul::matmul(&x.data, x.rows, w, &mut out.data);
+    }
+    fn add_bias(&self, x: &mut CpuAct, b: &Vec<f32>) {
+        ops::add_bias(&mut x.data, b);
+    }
+    fn rope(&self, x: &mut CpuAct, n_heads: usize, pos0: usize, rope: &Rope) {
+        ops::rope(&mut x.data, x.cols, n_heads, pos0, rope);
+    }
+    fn attention(
+        &self,
+        q: &CpuAct,
+        k: &CpuAct,
+        v: &CpuAct,
+        kv: &mut DenseKv,
+        layer: usize,
+        pos0: usize,
+        out: &mut CpuAct,
+    ) {
+        kv.write(layer, pos0, &k.data, &v.data);
+        let hd = kv.head_dim;
+        attention::attention(
+            &q.data,
+            q.rows,
+            q.cols / hd,
+            hd,
+            kv,
+            layer,
+            pos0,
+            &mut out.data,
+        );
+    }
+    fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, out: &mut CpuAct) {
+        ops::silu_mul(&gate.data, &up.data, &mut out.data);
+    }
+    fn add(&self, x: &mut CpuAct, y: &CpuAct) {
+        ops::add(&mut x.data, &y.data);
+    }
+    fn slice_rows(&self, x: &CpuAct, first: usize) -> CpuAct {
+        CpuAct {
+            rows: x.rows - first,
+            cols: x.cols,
+            data: x.data[first * x.cols..].to_vec(),
+        }
+    }
+    fn read_rows(&self, x: &CpuAct, first: usize) -> Vec<f32> {
+        x.data[first * x.cols..].to_vec()
+    }
+}

@@ -1,0 +1,221 @@
+//! The Llama family: Llama 2/3, SmolLM2, MiniCPM5 (plain Llama), Mistral, Qwen2 (q/k/v
+//! biases). One forward pass, top to bottom. Shapes: m = tokens in this call, d = hidden,
+//! h/kvh = query/kv heads, hd = head dim, f = ffn width, V = vocab.
+
+use crate::backend::{Backend, Rope};
+use crate::config::ModelConfig;
+use crate::formats::{names, ModelSource};
+use crate::quant::Weight;
+use crate::{Error, Result};
+
+pub struct Layer<B: Backend> {
+    attn_norm: B::Vector,         // [d]
+    wq: B::Mat,                   // [h·hd, d]
+    wk: B::Mat,                   // [kvh·hd, d]
+    wv: B::Mat,                   // [kvh·hd, d]
+    bias: Option<[B::Vector; 3]>, // q/k/v biases (Qwen2)
+    wo: B::Mat,                   // [d, h·hd]
+    mlp_norm: B::Vector,          // [d]
+    w_gate: B::Mat,               // [f, d]
+    w_up: B::Mat,                 // [f, d]
+    w_down: B::Mat,               // [d, f]
+}
+
+pub struct Llama<B: Backend> {
+    pub cfg: ModelConfig,
+    pub backend: B,
+    embed: B::Mat, // [V, d]
+    layers: Vec<Layer<B>>,
+    norm: B::Vector,         // [d]
+    lm_head: Option<B::Mat>, // [V, d]; None = tied to embed
+    rope: Rope,
+}
+
+/// Which positions' logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last position: `[V]` (generation).
+    Last,
+    /// Every position: `[m, V]` (teacher forcing, perplexity).
+    All,
+}
+
+fn vector(w: Weight, name: &str, len: usize, src: &ModelSource) -> Result<Vec<f32>> {
+    let v = w.to_f32_vec();
+    if v.len() != len {
+        return Err(Error::format(
+            &src.path,
+            format!("tensor {name}: {} values, expected {len}", v.len()),
+        ));
+    }
+    Ok(v)
+}
+
+impl<B: Backend> Llama<B> {
+    /// Take the weights out of `src` (canonical names) and hand them to the backend.
+    pub fn load(backend: B, src: &mut ModelSource) -> Result<Self> {
+        let cfg = src.config.clone();
+        let (d, hd, f) = (cfg.hidden, cfg.head_dim, cfg.ffn);
+        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        let mat = |src: &mut ModelSource, name: &str, rows: usize, cols: usize| -> Result<B::Mat> {
+            let w = src.take(name)?;
+            if w.rows() != rows || w.cols() != cols {
+                return Err(Error::format(
+                    &src.path,
+                    format!(
+                        "tensor {name}: shape [{}, {}], expected [{rows}, {cols}]",
+                        w.rows(),
+                        w.cols()
+                    ),
+                ));
+            }
+            backend.matrix(w)
+        };
+        let vec = |src: &mut ModelSource, name: &str, len: usize| -> Result<B::Vector> {
+            let w = src.take(name)?;
+            backend.vector(vector(w, name, len, src)?)
+        };
+        let embed = mat(src, names::EMBED, cfg.vocab, d)?;
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for i in 0..cfg.n_layers {
+            let n = |s: &str| names::layer(i, s);
+            let bias = if cfg.qkv_bias {
+                Some([
+                    vec(src, &n("self_attn.q_proj.bias"), qd)?,
+                    vec(src, &n("self_attn.k_proj.bias"), kvd)?,
+                    vec(src, &n("self_attn.v_proj.bias"), kvd)?,
+                ])
+            } else {
+                None
+            };
+            layers.push(Layer {
+                attn_norm: vec(src, &n("input_layernorm.weight"), d)?,
+                wq: mat(src, &n("self_attn.q_proj.weight"), qd, d)?,
+                wk: mat(src, &n("self_attn.k_proj.weight"), kvd, d)?,
+                wv: mat(src, &n("self_attn.v_proj.weight"), kvd, d)?,
+                bias,
+                wo: mat(src, &n("self_attn.o_proj.weight"), d, qd)?,
+                mlp_norm: vec(src, &n("post_attention_layernorm.weight"), d)?,
+                w_gate: mat(src, &n("mlp.gate_proj.weight"), f, d)?,
+                w_up: mat(src, &n("mlp.up_proj.weight"), f, d)?,
+                w_down: mat(src, &n("mlp.down_proj.weight"), d, f)?,
+            });
+        }
+        let norm = vec(src, names::NORM, d)?;
+        let lm_head = match src.tensors.contains_key(names::LM_HEAD) && !cfg.tie_embeddings {
+            true => Some(mat(src, names::LM_HEAD, cfg.vocab, d)?),
+            false => None,
+        };
+        let mut inv_freq = cfg.rope_inv_freq();
+        // Llama 3 GGUFs store their frequency scaling as per-pair divisors.
+        if let Some(w) = src.tensors.remove("rope_freqs") {
+            let factors = vector(w, "rope_freqs.weight", inv_freq.len(), src)?;
+            inv_freq.iter_mut().zip(factors).for_each(|(f, s)| *f /= s);
+        }
+        let rope = Rope {
+            inv_freq,
+            style: cfg.rope_style,
+            linear: cfg.rope_linear,
+        };
+        Ok(Llama {
+            cfg,
+            backend,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+        })
+    }
+
+    pub fn new_cache(&self, max_seq: usize) -> Result<B::Kv> {
+        self.backend.kv_cache(&self.cfg, max_seq)
+    }
+
+    /// Run `tokens` at positions pos0.. through the model, appending to `kv`.
+    /// Returns logits `[V]` (Last) or `[m, V]` (All).
+    pub fn forward(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut B::Kv,
+        which: Logits,
+    ) -> Result<Vec<f32>> {
+        let b = &self.backend;
+        let c = &self.cfg;
+        let m = tokens.len();
+        let cap = b.kv_capacity(kv);
+        if m == 0 {
+            return Err(Error::Invalid("forward: no tokens".into()));
+        }
+        if pos0 + m > cap {
+            return Err(Error::Invalid(format!(
+                "{} tokens at position {pos0} exceed the context of {cap} tokens",
+                m
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(Error::Invalid(format!(
+                "token id {t} is outside the vocabulary ({})",
+                c.vocab
+            )));
+        }
+        let (d, hd) = (c.hidden, c.head_dim);
+        let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let mut x = b.act(m, d); // [m, d] residual stream
+        let mut xn = b.act(m, d); // [m, d] normed
+        let mut q = b.act(m, qd); // [m, h·hd]
+        let mut k = b.act(m, kvd); // [m, kvh·hd]
+        let mut v = b.act(m, kvd); // [m, kvh·hd]
+        let mut att = b.act(m, qd); // [m, h·hd]
+        let mut o = b.act(m, d); // [m, d]
+        let mut gate = b.act(m, c.ffn); // [m, f]
+        let mut up = b.act(m, c.ffn); // [m, f]
+        let mut act = b.act(m, c.ffn); // [m, f]
+
+        b.embed(&self.embed, tokens, &mut x);
+        for (li, l) in self.layers.iter().enumerate() {
+            // attention block
+            b.rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
+            b.matmul(&xn, &l.wq, &mut q);
+            b.matmul(&xn, &l.wk, &mut k);
+            b.matmul(&xn, &l.wv, &mut v);
+            if let Some([bq, bk, bv]) = &l.bias {
+                b.add_bias(&mut q, bq);
+                b.add_bias(&mut k, bk);
+                b.add_bias(&mut v, bv);
+            }
+            b.rope(&mut q, c.n_heads, pos0, &self.rope);
+            b.rope(&mut k, c.n_kv_heads, pos0, &self.rope);
+            b.attention(&q, &k, &v, kv, li, pos0, &mut att); // cache write + causal attention
+            b.matmul(&att, &l.wo, &mut o);
+            b.add(&mut x, &o);
+            // MLP block (SwiGLU)
+            b.rms_norm(&x, &l.mlp_norm, c.rms_eps, &mut xn);
+            b.matmul(&xn, &l.w_gate, &mut gate);
+            b.matmul(&xn, &l.w_up, &mut up);
+            b.silu_mul(&gate, &up, &mut act);
+            b.matmul(&act, &l.w_down, &mut o);
+            b.add(&mut x, &o);
+        }
+        // Only the rows whose logits are wanted go through the final norm and the head.
+        let (rows, first) = match which {
+            Logits::All => (m, 0),
+            Logits::Last => (1, m - 1),
+        };
+        let mut last = b.act(rows, d);
+        if rows == m {
+            b.rms_norm(&x, &self.norm, c.rms_eps, &mut last);
+        } else {
+            let tail = b.slice_rows(&x, first);
+            b.rms_norm(&tail, &self.norm, c.rms_eps, &mut last);
+        }
+        let mut logits = b.act(rows, c.vocab); // [rows, V]
+        b.matmul(
+            &last,
+            self.lm_head.as_ref().unwrap_or(&self.embed),
+            &mut logits,
+        );
+        Ok(b.read_rows(&logits, 0))
+    }
+}
