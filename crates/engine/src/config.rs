@@ -55,19 +55,11 @@ impl ModelConfig {
     /// Check the shape is self-consistent; errors name the field.
     pub fn validate(&self, src: &str) -> Result<()> {
         let bad = |m: String| Err(Error::format(src, m));
-        if self.hidden == 0
-            || self.n_layers == 0
-            || self.n_heads == 0
-            || self.vocab == 0
-            || self.ffn == 0
-        {
+        if self.hidden == 0 || self.n_layers == 0 || self.n_heads == 0 || self.vocab == 0 || self.ffn == 0 {
             return bad(format!("config has a zero dimension: {self:?}"));
         }
         if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
-            return bad(format!(
-                "n_heads {} is not a multiple of n_kv_heads {}",
-                self.n_heads, self.n_kv_heads
-            ));
+            return bad(format!("n_heads {} is not a multiple of n_kv_heads {}", self.n_heads, self.n_kv_heads));
         }
         if self.head_dim % 2 != 0 {
             return bad(format!("head_dim {} is odd", self.head_dim));
@@ -83,38 +75,24 @@ impl ModelConfig {
             other => {
                 return Err(Error::format(
                     &g.path,
-                    format!(
-                        "general.architecture {other:?} is not supported (llama, mistral, qwen2)"
-                    ),
+                    format!("general.architecture {other:?} is not supported (llama, mistral, qwen2)"),
                 ))
             }
         };
         let k = |s: &str| format!("{arch_name}.{s}");
         let hidden = g.req_u64(&k("embedding_length"))? as usize;
         let n_heads = g.req_u64(&k("attention.head_count"))? as usize;
-        let n_kv_heads = g
-            .opt_u64(&k("attention.head_count_kv"))?
-            .unwrap_or(n_heads as u64) as usize;
-        let head_dim = g
-            .opt_u64(&k("attention.key_length"))?
-            .map(|v| v as usize)
-            .unwrap_or(hidden / n_heads.max(1));
+        let n_kv_heads = g.opt_u64(&k("attention.head_count_kv"))?.unwrap_or(n_heads as u64) as usize;
+        let head_dim = g.opt_u64(&k("attention.key_length"))?.map(|v| v as usize).unwrap_or(hidden / n_heads.max(1));
         let vocab = match g.opt_u64(&k("vocab_size"))? {
             Some(v) => v as usize,
-            None => g
-                .get("tokenizer.ggml.tokens")
-                .and_then(|v| v.as_array())
-                .map(|a| a.len())
-                .unwrap_or(0),
+            None => g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()).unwrap_or(0),
         };
         let rope_linear = match g.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => g.opt_f64(&k("rope.scaling.factor"))?.unwrap_or(1.0) as f32,
             Some("none") | None => 1.0,
             Some(other) => {
-                return Err(Error::Unsupported(format!(
-                    "{}: rope scaling type {other:?}",
-                    g.path.display()
-                )))
+                return Err(Error::Unsupported(format!("{}: rope scaling type {other:?}", g.path.display())))
             }
         };
         let cfg = ModelConfig {
@@ -127,9 +105,7 @@ impl ModelConfig {
             ffn: g.req_u64(&k("feed_forward_length"))? as usize,
             vocab,
             max_ctx: g.opt_u64(&k("context_length"))?.unwrap_or(4096) as usize,
-            rms_eps: g
-                .opt_f64(&k("attention.layer_norm_rms_epsilon"))?
-                .unwrap_or(1e-5) as f32,
+            rms_eps: g.opt_f64(&k("attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5) as f32,
             rope_theta: g.opt_f64(&k("rope.freq_base"))?.unwrap_or(10000.0) as f32,
             rope_style,
             // Llama 3 GGUFs carry the scaling as a `rope_freqs.weight` tensor instead.
@@ -145,16 +121,14 @@ impl ModelConfig {
     /// From a Hugging Face / MLX `config.json`.
     pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let j: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| Error::format(path, format!("invalid JSON: {e}")))?;
+        let j: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| Error::format(path, format!("invalid JSON: {e}")))?;
         let src = path.display().to_string();
         let u = |key: &str| -> Result<usize> {
             j.get(key)
                 .and_then(|v| v.as_u64())
                 .map(|v| v as usize)
-                .ok_or_else(|| {
-                    Error::format(path, format!("field {key}: missing or not an integer"))
-                })
+                .ok_or_else(|| Error::format(path, format!("field {key}: missing or not an integer")))
         };
         let f = |key: &str, d: f64| j.get(key).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
         let model_type = j.get("model_type").and_then(|v| v.as_str()).unwrap_or("");
@@ -173,11 +147,7 @@ impl ModelConfig {
         let mut llama3_scaling = None;
         let mut rope_linear = 1.0;
         if let Some(rs) = j.get("rope_scaling").filter(|v| !v.is_null()) {
-            let ty = rs
-                .get("rope_type")
-                .or_else(|| rs.get("type"))
-                .and_then(|v| v.as_str())
-                .unwrap_or("");
+            let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(|v| v.as_str()).unwrap_or("");
             let g = |k: &str, d: f64| rs.get(k).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
             match ty {
                 "llama3" => {
@@ -190,11 +160,7 @@ impl ModelConfig {
                 }
                 "linear" => rope_linear = g("factor", 1.0),
                 "default" => {}
-                other => {
-                    return Err(Error::Unsupported(format!(
-                        "{src}: rope_scaling type {other:?}"
-                    )))
-                }
+                other => return Err(Error::Unsupported(format!("{src}: rope_scaling type {other:?}"))),
             }
         }
         let cfg = ModelConfig {
@@ -212,14 +178,8 @@ impl ModelConfig {
             rope_style: RopeStyle::Half,
             llama3_scaling,
             rope_linear,
-            tie_embeddings: j
-                .get("tie_word_embeddings")
-                .and_then(|v| v.as_bool())
-                .unwrap_or(false),
-            qkv_bias: arch == Arch::Qwen2
-                || j.get("attention_bias")
-                    .and_then(|v| v.as_bool())
-                    .unwrap_or(false),
+            tie_embeddings: j.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+            qkv_bias: arch == Arch::Qwen2 || j.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false),
         };
         cfg.validate(&src)?;
         Ok(cfg)
@@ -241,12 +201,8 @@ impl ModelConfig {
 }
 
 fn llama3_scale(freq: f64, s: &Llama3Scaling) -> f64 {
-    let (factor, lo, hi, old) = (
-        s.factor as f64,
-        s.low_freq_factor as f64,
-        s.high_freq_factor as f64,
-        s.original_max_position as f64,
-    );
+    let (factor, lo, hi, old) =
+        (s.factor as f64, s.low_freq_factor as f64, s.high_freq_factor as f64, s.original_max_position as f64);
     let wavelen = 2.0 * std::f64::consts::PI / freq;
     let (lo_wl, hi_wl) = (old / lo, old / hi);
     if wavelen < hi_wl {

@@ -25,15 +25,9 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn io(path: impl AsRef<Path>, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.as_ref().to_path_buf(),
-            source,
-        }
+        Error::Io { path: path.as_ref().to_path_buf(), source }
     }
     pub fn format(file: impl AsRef<Path>, msg: impl Into<String>) -> Self {
-        Error::Format {
-            file: file.as_ref().display().to_string(),
-            msg: msg.into(),
-        }
+        Error::Format { file: file.as_ref().display().to_string(), msg: msg.into() }
     }
 }

@@ -74,32 +74,20 @@ pub fn argmax(v: &[f32]) -> u32 {
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let rng = ChaCha8Rng::seed_from_u64(cfg.seed);
-        Sampler {
-            cfg,
-            rng,
-            cand: Vec::new(),
-        }
+        Sampler { cfg, rng, cand: Vec::new() }
     }
 
     /// Pick the next token from `logits` (modified in place by the penalty).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
         let c = &self.cfg;
         if c.repetition_penalty != 1.0 {
-            let start = if c.penalty_window == 0 {
-                0
-            } else {
-                history.len().saturating_sub(c.penalty_window)
-            };
+            let start = if c.penalty_window == 0 { 0 } else { history.len().saturating_sub(c.penalty_window) };
             let mut seen = history[start..].to_vec();
             seen.sort_unstable();
             seen.dedup();
             for t in seen {
                 if let Some(l) = logits.get_mut(t as usize) {
-                    *l = if *l > 0.0 {
-                        *l / c.repetition_penalty
-                    } else {
-                        *l * c.repetition_penalty
-                    };
+                    *l = if *l > 0.0 { *l / c.repetition_penalty } else { *l * c.repetition_penalty };
                 }
             }
         }
@@ -108,12 +96,7 @@ impl Sampler {
         }
         let inv_t = 1.0 / c.temperature;
         self.cand.clear();
-        self.cand.extend(
-            logits
-                .iter()
-                .enumerate()
-                .map(|(i, &l)| (i as u32, l * inv_t)),
-        );
+        self.cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)));
         let by_logit = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if c.top_k > 0 && c.top_k < self.cand.len() {
             self.cand.select_nth_unstable_by(c.top_k - 1, by_logit);
@@ -140,13 +123,7 @@ impl Sampler {
         }
         if c.min_p > 0.0 {
             // the top candidate has weight exp(0) = 1
-            keep = keep.min(
-                self.cand
-                    .iter()
-                    .take_while(|cd| cd.1 >= c.min_p)
-                    .count()
-                    .max(1),
-            );
+            keep = keep.min(self.cand.iter().take_while(|cd| cd.1 >= c.min_p).count().max(1));
         }
         self.cand.truncate(keep);
         let total: f64 = self.cand.iter().map(|cd| cd.1 as f64).sum();
@@ -177,69 +154,40 @@ mod tests {
 
     #[test]
     fn repetition_penalty_moves_greedy_choice() {
-        let cfg = SamplerConfig {
-            repetition_penalty: 1.5,
-            ..Default::default()
-        };
+        let cfg = SamplerConfig { repetition_penalty: 1.5, ..Default::default() };
         let mut s = Sampler::new(cfg);
         assert_eq!(s.sample(&mut logits(), &[1]), 5);
     }
 
     #[test]
     fn top_k_one_is_greedy_and_seed_reproduces() {
-        let cfg = SamplerConfig {
-            temperature: 1.0,
-            top_k: 1,
-            ..Default::default()
-        };
+        let cfg = SamplerConfig { temperature: 1.0, top_k: 1, ..Default::default() };
         let mut s = Sampler::new(cfg);
         for _ in 0..20 {
             assert_eq!(s.sample(&mut logits(), &[]), 1);
         }
-        let cfg = SamplerConfig {
-            temperature: 1.0,
-            seed: 7,
-            ..Default::default()
-        };
+        let cfg = SamplerConfig { temperature: 1.0, seed: 7, ..Default::default() };
         let run = |cfg: &SamplerConfig| {
             let mut s = Sampler::new(cfg.clone());
-            (0..50)
-                .map(|_| s.sample(&mut logits(), &[]))
-                .collect::<Vec<_>>()
+            (0..50).map(|_| s.sample(&mut logits(), &[])).collect::<Vec<_>>()
         };
         let a = run(&cfg);
         assert_eq!(a, run(&cfg));
-        assert!(
-            a.iter().any(|&t| t != a[0]),
-            "temperature 1 should not always pick one token"
-        );
-        let other = run(&SamplerConfig {
-            seed: 8,
-            ..cfg.clone()
-        });
+        assert!(a.iter().any(|&t| t != a[0]), "temperature 1 should not always pick one token");
+        let other = run(&SamplerConfig { seed: 8, ..cfg.clone() });
         assert_ne!(a, other);
     }
 
     #[test]
     fn top_p_and_min_p_restrict_the_support() {
         // probs ∝ exp(l): token 1 (3.0), 5 (2.9), 2 (2.5) hold most of the mass
-        let cfg = SamplerConfig {
-            temperature: 1.0,
-            top_p: 0.5,
-            seed: 1,
-            ..Default::default()
-        };
+        let cfg = SamplerConfig { temperature: 1.0, top_p: 0.5, seed: 1, ..Default::default() };
         let mut s = Sampler::new(cfg);
         for _ in 0..200 {
             let t = s.sample(&mut logits(), &[]);
             assert!(t == 1 || t == 5, "top-p 0.5 sampled {t}");
         }
-        let cfg = SamplerConfig {
-            temperature: 1.0,
-            min_p: 0.6,
-            seed: 2,
-            ..Default::default()
-        };
+        let cfg = SamplerConfig { temperature: 1.0, min_p: 0.6, seed: 2, ..Default::default() };
         let mut s = Sampler::new(cfg);
         for _ in 0..200 {
             let t = s.sample(&mut logits(), &[]);

@@ -177,20 +177,13 @@ impl GgufFile {
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the map is read-only; ferrolm never writes model files while they are loaded.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let mut r = Reader {
-            buf: &mmap,
-            pos: 0,
-            path,
-        };
+        let mut r = Reader { buf: &mmap, pos: 0, path };
         if r.take(4, "magic").ok() != Some(MAGIC.as_slice()) {
             return Err(Error::format(path, "not a GGUF file (bad magic)"));
         }
         let version = r.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(Error::format(
-                path,
-                format!("GGUF version {version} is not supported (2 or 3)"),
-            ));
+            return Err(Error::format(path, format!("GGUF version {version} is not supported (2 or 3)")));
         }
         let n_tensors = r.count("tensor count", 24)?;
         let n_kv = r.count("metadata count", 12)?;
@@ -205,12 +198,7 @@ impl GgufFile {
             None => 32,
             Some(v) => match v.as_u64() {
                 Some(a) if a > 0 && a.is_power_of_two() && a <= 1 << 16 => a as usize,
-                _ => {
-                    return Err(Error::format(
-                        path,
-                        format!("general.alignment {v:?} is not a power of two"),
-                    ))
-                }
+                _ => return Err(Error::format(path, format!("general.alignment {v:?} is not a power of two"))),
             },
         };
         let mut raw = Vec::with_capacity(n_tensors);
@@ -218,10 +206,7 @@ impl GgufFile {
             let name = r.string("tensor name")?;
             let nd = r.u32(&name)? as usize;
             if nd == 0 || nd > 4 {
-                return Err(Error::format(
-                    path,
-                    format!("tensor {name}: {nd} dimensions (1..4 supported)"),
-                ));
+                return Err(Error::format(path, format!("tensor {name}: {nd} dimensions (1..4 supported)")));
             }
             let mut dims = Vec::with_capacity(nd);
             for _ in 0..nd {
@@ -235,58 +220,26 @@ impl GgufFile {
         let mut tensors = Vec::with_capacity(n_tensors);
         for (name, dims, ty_id, off) in raw {
             let ty = GgmlType::from_id(ty_id).ok_or_else(|| {
+                Error::format(path, format!("tensor {name}: unknown or unsupported ggml type {ty_id}"))
+            })?;
+            let n = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n > 0 && n < 1 << 40);
+            let n = n.ok_or_else(|| Error::format(path, format!("tensor {name}: bad dims {dims:?}")))? as usize;
+            let len = ty.byte_size(n).filter(|_| dims[0] as usize % ty.block().0 == 0).ok_or_else(|| {
+                Error::format(path, format!("tensor {name}: dims {dims:?} are not whole {} blocks", ty.name()))
+            })?;
+            if off % alignment as u64 != 0 {
+                return Err(Error::format(path, format!("tensor {name}: offset {off} is not aligned to {alignment}")));
+            }
+            let start = (data_start as u64).checked_add(off).filter(|s| s + len as u64 <= mmap.len() as u64);
+            let start = start.ok_or_else(|| {
                 Error::format(
                     path,
-                    format!("tensor {name}: unknown or unsupported ggml type {ty_id}"),
+                    format!("tensor {name}: data [{off}, +{len}) runs past the end of the file ({} bytes)", mmap.len()),
                 )
-            })?;
-            let n = dims
-                .iter()
-                .try_fold(1u64, |a, &d| a.checked_mul(d))
-                .filter(|&n| n > 0 && n < 1 << 40);
-            let n = n
-                .ok_or_else(|| Error::format(path, format!("tensor {name}: bad dims {dims:?}")))?
-                as usize;
-            let len = ty
-                .byte_size(n)
-                .filter(|_| dims[0] as usize % ty.block().0 == 0)
-                .ok_or_else(|| {
-                    Error::format(
-                        path,
-                        format!(
-                            "tensor {name}: dims {dims:?} are not whole {} blocks",
-                            ty.name()
-                        ),
-                    )
-                })?;
-            if off % alignment as u64 != 0 {
-                return Err(Error::format(
-                    path,
-                    format!("tensor {name}: offset {off} is not aligned to {alignment}"),
-                ));
-            }
-            let start = (data_start as u64)
-                .checked_add(off)
-                .filter(|s| s + len as u64 <= mmap.len() as u64);
-            let start = start.ok_or_else(|| {
-                Error::format(path, format!("tensor {name}: data [{off}, +{len}) runs past the end of the file ({} bytes)", mmap.len()))
             })? as usize;
-            tensors.push(TensorInfo {
-                name,
-                dims,
-                ty,
-                start,
-                len,
-            });
+            tensors.push(TensorInfo { name, dims, ty, start, len });
         }
-        Ok(GgufFile {
-            path: path.to_path_buf(),
-            version,
-            metadata,
-            tensors,
-            alignment,
-            mmap,
-        })
+        Ok(GgufFile { path: path.to_path_buf(), version, metadata, tensors, alignment, mmap })
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
@@ -303,10 +256,7 @@ impl GgufFile {
         let e = (t.start + t.len) / page * page;
         if e > s {
             // SAFETY: private read-only file mapping; dropped pages are re-read from the file.
-            let _ = unsafe {
-                self.mmap
-                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, s, e - s)
-            };
+            let _ = unsafe { self.mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, s, e - s) };
         }
     }
     pub fn file_size(&self) -> usize {
@@ -320,38 +270,22 @@ impl GgufFile {
         Error::format(&self.path, format!("metadata {key}: missing or not {what}"))
     }
     pub fn req_u64(&self, key: &str) -> Result<u64> {
-        self.get(key)
-            .and_then(|v| v.as_u64())
-            .ok_or_else(|| self.missing(key, "an integer"))
+        self.get(key).and_then(|v| v.as_u64()).ok_or_else(|| self.missing(key, "an integer"))
     }
     pub fn req_str(&self, key: &str) -> Result<&str> {
-        self.get(key)
-            .and_then(|v| v.as_str())
-            .ok_or_else(|| self.missing(key, "a string"))
+        self.get(key).and_then(|v| v.as_str()).ok_or_else(|| self.missing(key, "a string"))
     }
     pub fn opt_u64(&self, key: &str) -> Result<Option<u64>> {
-        self.get(key)
-            .map(|v| v.as_u64().ok_or_else(|| self.missing(key, "an integer")))
-            .transpose()
+        self.get(key).map(|v| v.as_u64().ok_or_else(|| self.missing(key, "an integer"))).transpose()
     }
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
-        self.get(key)
-            .map(|v| v.as_f64().ok_or_else(|| self.missing(key, "a number")))
-            .transpose()
+        self.get(key).map(|v| v.as_f64().ok_or_else(|| self.missing(key, "a number"))).transpose()
     }
     pub fn opt_bool(&self, key: &str) -> Option<bool> {
         self.get(key).and_then(|v| v.as_bool())
     }
     pub fn str_array(&self, key: &str) -> Result<Vec<&str>> {
-        let a = self
-            .get(key)
-            .and_then(|v| v.as_array())
-            .ok_or_else(|| self.missing(key, "an array"))?;
-        a.iter()
-            .map(|v| {
-                v.as_str()
-                    .ok_or_else(|| self.missing(key, "an array of strings"))
-            })
-            .collect()
+        let a = self.get(key).and_then(|v| v.as_array()).ok_or_else(|| self.missing(key, "an array"))?;
+        a.iter().map(|v| v.as_str().ok_or_else(|| self.missing(key, "an array of strings"))).collect()
     }
 }

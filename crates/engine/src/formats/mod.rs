@@ -37,26 +37,18 @@ pub struct ModelSource {
 
 impl ModelSource {
     pub fn take(&mut self, name: &str) -> Result<Weight> {
-        self.tensors
-            .remove(name)
-            .ok_or_else(|| Error::format(&self.path, format!("tensor {name} is missing")))
+        self.tensors.remove(name).ok_or_else(|| Error::format(&self.path, format!("tensor {name} is missing")))
     }
 }
 
 /// Open a model: a .gguf file, or a directory holding config.json + *.safetensors.
 pub fn load(path: &Path, progress: bool) -> Result<ModelSource> {
     if path.is_dir() {
-        Err(Error::Unsupported(format!(
-            "{}: safetensors directories are not wired in yet",
-            path.display()
-        )))
+        Err(Error::Unsupported(format!("{}: safetensors directories are not wired in yet", path.display())))
     } else if path.exists() {
         gguf_names::load_gguf(path, progress)
     } else {
-        Err(Error::io(
-            path,
-            std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
-        ))
+        Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory")))
     }
 }
 

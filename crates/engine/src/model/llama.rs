@@ -43,10 +43,7 @@ pub enum Logits {
 fn vector(w: Weight, name: &str, len: usize, src: &ModelSource) -> Result<Vec<f32>> {
     let v = w.to_f32_vec();
     if v.len() != len {
-        return Err(Error::format(
-            &src.path,
-            format!("tensor {name}: {} values, expected {len}", v.len()),
-        ));
+        return Err(Error::format(&src.path, format!("tensor {name}: {} values, expected {len}", v.len())));
     }
     Ok(v)
 }
@@ -62,11 +59,7 @@ impl<B: Backend> Llama<B> {
             if w.rows() != rows || w.cols() != cols {
                 return Err(Error::format(
                     &src.path,
-                    format!(
-                        "tensor {name}: shape [{}, {}], expected [{rows}, {cols}]",
-                        w.rows(),
-                        w.cols()
-                    ),
+                    format!("tensor {name}: shape [{}, {}], expected [{rows}, {cols}]", w.rows(), w.cols()),
                 ));
             }
             backend.matrix(w)
@@ -112,20 +105,8 @@ impl<B: Backend> Llama<B> {
             let factors = vector(w, "rope_freqs.weight", inv_freq.len(), src)?;
             inv_freq.iter_mut().zip(factors).for_each(|(f, s)| *f /= s);
         }
-        let rope = Rope {
-            inv_freq,
-            style: cfg.rope_style,
-            linear: cfg.rope_linear,
-        };
-        Ok(Llama {
-            cfg,
-            backend,
-            embed,
-            layers,
-            norm,
-            lm_head,
-            rope,
-        })
+        let rope = Rope { inv_freq, style: cfg.rope_style, linear: cfg.rope_linear };
+        Ok(Llama { cfg, backend, embed, layers, norm, lm_head, rope })
     }
 
     pub fn new_cache(&self, max_seq: usize) -> Result<B::Kv> {
@@ -134,13 +115,7 @@ impl<B: Backend> Llama<B> {
 
     /// Run `tokens` at positions pos0.. through the model, appending to `kv`.
     /// Returns logits `[V]` (Last) or `[m, V]` (All).
-    pub fn forward(
-        &self,
-        tokens: &[u32],
-        pos0: usize,
-        kv: &mut B::Kv,
-        which: Logits,
-    ) -> Result<Vec<f32>> {
+    pub fn forward(&self, tokens: &[u32], pos0: usize, kv: &mut B::Kv, which: Logits) -> Result<Vec<f32>> {
         let b = &self.backend;
         let c = &self.cfg;
         let m = tokens.len();
@@ -149,16 +124,10 @@ impl<B: Backend> Llama<B> {
             return Err(Error::Invalid("forward: no tokens".into()));
         }
         if pos0 + m > cap {
-            return Err(Error::Invalid(format!(
-                "{} tokens at position {pos0} exceed the context of {cap} tokens",
-                m
-            )));
+            return Err(Error::Invalid(format!("{} tokens at position {pos0} exceed the context of {cap} tokens", m)));
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(Error::Invalid(format!(
-                "token id {t} is outside the vocabulary ({})",
-                c.vocab
-            )));
+            return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
         }
         let (d, hd) = (c.hidden, c.head_dim);
         let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
@@ -211,11 +180,7 @@ impl<B: Backend> Llama<B> {
             b.rms_norm(&tail, &self.norm, c.rms_eps, &mut last);
         }
         let mut logits = b.act(rows, c.vocab); // [rows, V]
-        b.matmul(
-            &last,
-            self.lm_head.as_ref().unwrap_or(&self.embed),
-            &mut logits,
-        );
+        b.matmul(&last, self.lm_head.as_ref().unwrap_or(&self.embed), &mut logits);
         Ok(b.read_rows(&logits, 0))
     }
 }

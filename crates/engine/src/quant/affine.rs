@@ -82,15 +82,11 @@ impl Scales {
     #[inline]
     pub fn read_into(&self, start: usize, out: &mut [f32]) {
         let n = out.len();
+        use half::slice::HalfFloatSliceExt;
         match self {
-            Scales::F16(v) => v[start..start + n]
-                .iter()
-                .zip(out)
-                .for_each(|(s, o)| *o = s.to_f32()),
-            Scales::BF16(v) => v[start..start + n]
-                .iter()
-                .zip(out)
-                .for_each(|(s, o)| *o = s.to_f32()),
+            // Slice conversion uses F16C where the CPU has it (the hot path reads scales per row).
+            Scales::F16(v) => v[start..start + n].convert_to_f32_slice(out),
+            Scales::BF16(v) => v[start..start + n].convert_to_f32_slice(out),
             Scales::F32(v) => out.copy_from_slice(&v[start..start + n]),
         }
     }
@@ -120,14 +116,10 @@ pub struct AffineTensor {
 
 pub fn check_scheme(bits: u32, group: usize, cols: usize) -> Result<()> {
     if !BITS.contains(&bits) {
-        return Err(Error::Unsupported(format!(
-            "{bits}-bit affine quantization (supported: 2,3,4,5,6,8)"
-        )));
+        return Err(Error::Unsupported(format!("{bits}-bit affine quantization (supported: 2,3,4,5,6,8)")));
     }
     if !GROUPS.contains(&group) {
-        return Err(Error::Unsupported(format!(
-            "affine group size {group} (supported: 16,32,64,128)"
-        )));
+        return Err(Error::Unsupported(format!("affine group size {group} (supported: 16,32,64,128)")));
     }
     if cols % group != 0 || (cols * bits as usize) % 32 != 0 {
         return Err(Error::Invalid(format!(
@@ -149,20 +141,9 @@ impl AffineTensor {
         biases: Scales,
     ) -> Result<Self> {
         check_scheme(bits, group, cols)?;
-        let t = AffineTensor {
-            rows,
-            cols,
-            bits,
-            group,
-            packed,
-            scales,
-            biases,
-        };
+        let t = AffineTensor { rows, cols, bits, group, packed, scales, biases };
         let ng = rows * (cols / group);
-        if t.packed.len() != rows * t.words_per_row()
-            || t.scales.len() != ng
-            || t.biases.len() != ng
-        {
+        if t.packed.len() != rows * t.words_per_row() || t.scales.len() != ng || t.biases.len() != ng {
             return Err(Error::Invalid(format!(
                 "affine tensor [{rows}, {cols}] {bits}-bit g{group}: got {} words, {} scales, {} biases; expected {}, {ng}, {ng}",
                 t.packed.len(),
@@ -213,20 +194,10 @@ impl AffineTensor {
     }
 
     /// Quantize an f32 matrix with MLX's `affine_quantize` rule (see `quantize_group`).
-    pub fn quantize(
-        w: &[f32],
-        rows: usize,
-        cols: usize,
-        bits: u32,
-        group: usize,
-        dtype: ScaleDtype,
-    ) -> Result<Self> {
+    pub fn quantize(w: &[f32], rows: usize, cols: usize, bits: u32, group: usize, dtype: ScaleDtype) -> Result<Self> {
         check_scheme(bits, group, cols)?;
         if w.len() != rows * cols {
-            return Err(Error::Invalid(format!(
-                "quantize: {} values for [{rows}, {cols}]",
-                w.len()
-            )));
+            return Err(Error::Invalid(format!("quantize: {} values for [{rows}, {cols}]", w.len())));
         }
         let wpr = cols * bits as usize / 32;
         let mut packed = vec![0u32; rows * wpr];
@@ -303,11 +274,7 @@ pub fn get_q(words: &[u32], bits: u32, i: usize) -> u32 {
     let bit = i * bits as usize;
     let (w, off) = (bit / 32, (bit % 32) as u32);
     let lo = words[w] as u64;
-    let hi = if off + bits > 32 {
-        words[w + 1] as u64
-    } else {
-        0
-    };
+    let hi = if off + bits > 32 { words[w + 1] as u64 } else { 0 };
     (((hi << 32) | lo) >> off) as u32 & ((1u32 << bits) - 1)
 }
 
@@ -332,9 +299,7 @@ mod tests {
         for bits in BITS {
             let n = 128;
             let mut words = vec![0u32; n * bits as usize / 32];
-            let vals: Vec<u32> = (0..n)
-                .map(|i| (i as u32).wrapping_mul(2654435761) >> (32 - bits))
-                .collect();
+            let vals: Vec<u32> = (0..n).map(|i| (i as u32).wrapping_mul(2654435761) >> (32 - bits)).collect();
             for (i, &v) in vals.iter().enumerate() {
                 set_q(&mut words, bits, i, v);
             }
@@ -347,9 +312,7 @@ mod tests {
     #[test]
     fn quantize_error_is_bounded_by_one_step() {
         let (rows, cols) = (4, 128);
-        let w: Vec<f32> = (0..rows * cols)
-            .map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1)
-            .collect();
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 / 500.0 - 1.0) * 0.1).collect();
         for bits in BITS {
             let t = AffineTensor::quantize(&w, rows, cols, bits, 32, ScaleDtype::F32).unwrap();
             let d = t.dequantize();

@@ -83,9 +83,7 @@ impl GgmlType {
 
 /// Import one GGUF tensor `[rows, cols]` (cols = ggml's ne0, the contiguous input dim).
 pub fn import(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Weight> {
-    let need = ty
-        .byte_size(rows * cols)
-        .filter(|_| cols % ty.block().0 == 0);
+    let need = ty.byte_size(rows * cols).filter(|_| cols % ty.block().0 == 0);
     if need != Some(data.len()) {
         return Err(Error::Invalid(format!(
             "{} tensor [{rows}, {cols}] needs {:?} bytes (whole blocks per row), got {}",
@@ -94,33 +92,19 @@ pub fn import(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Wei
             data.len()
         )));
     }
-    let dense = |d: DenseData| {
-        Ok(Weight::Dense(DenseTensor {
-            rows,
-            cols,
-            data: d,
-        }))
-    };
+    let dense = |d: DenseData| Ok(Weight::Dense(DenseTensor { rows, cols, data: d }));
     match ty {
         GgmlType::F32 => dense(DenseData::F32(bytemuck::pod_collect_to_vec(data))),
         GgmlType::F16 => dense(DenseData::F16(
-            bytemuck::pod_collect_to_vec::<u8, u16>(data)
-                .into_iter()
-                .map(f16::from_bits)
-                .collect(),
+            bytemuck::pod_collect_to_vec::<u8, u16>(data).into_iter().map(f16::from_bits).collect(),
         )),
         GgmlType::BF16 => dense(DenseData::BF16(
-            bytemuck::pod_collect_to_vec::<u8, u16>(data)
-                .into_iter()
-                .map(bf16::from_bits)
-                .collect(),
+            bytemuck::pod_collect_to_vec::<u8, u16>(data).into_iter().map(bf16::from_bits).collect(),
         )),
         GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => {
             legacy(ty, data, rows, cols)
         }
-        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
-            super::kquants::import(ty, data, rows, cols)
-        }
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => super::kquants::import(ty, data, rows, cols),
     }
 }
 
@@ -180,13 +164,5 @@ fn legacy(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Weight>
         scales.push(d);
         biases.push(bias);
     }
-    Ok(Weight::Affine(AffineTensor::new(
-        rows,
-        cols,
-        bits,
-        32,
-        packed,
-        Scales::F16(scales),
-        Scales::F16(biases),
-    )?))
+    Ok(Weight::Affine(AffineTensor::new(rows, cols, bits, 32, packed, Scales::F16(scales), Scales::F16(biases))?))
 }

@@ -5,8 +5,5 @@ use super::Weight;
 use crate::{Error, Result};
 
 pub fn import(ty: GgmlType, _data: &[u8], rows: usize, cols: usize) -> Result<Weight> {
-    Err(Error::Unsupported(format!(
-        "{} import for [{rows}, {cols}] is not written yet",
-        ty.name()
-    )))
+    Err(Error::Unsupported(format!("{} import for [{rows}, {cols}] is not written yet", ty.name())))
 }

@@ -18,11 +18,7 @@ pub fn attention(
     pos0: usize,
     out: &mut [f32],
 ) {
-    assert_eq!(
-        out.len(),
-        m * n_heads * hd,
-        "attention: out is not [{m}, {n_heads}·{hd}]"
-    );
+    assert_eq!(out.len(), m * n_heads * hd, "attention: out is not [{m}, {n_heads}·{hd}]");
     let n_kv = kv.width / hd;
     let group = n_heads / n_kv;
     let scale = 1.0 / (hd as f32).sqrt();

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod matmul;
 pub mod ops;
+pub mod simd;
 
 use super::{Backend, Rope};
 use crate::config::ModelConfig;
@@ -37,19 +38,10 @@ impl Backend for Cpu {
         Ok(v)
     }
     fn act(&self, rows: usize, cols: usize) -> CpuAct {
-        CpuAct {
-            rows,
-            cols,
-            data: vec![0.0; rows * cols],
-        }
+        CpuAct { rows, cols, data: vec![0.0; rows * cols] }
     }
     fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<DenseKv> {
-        Ok(DenseKv::new(
-            cfg.n_layers,
-            max_seq,
-            cfg.n_kv_heads,
-            cfg.head_dim,
-        ))
+        Ok(DenseKv::new(cfg.n_layers, max_seq, cfg.n_kv_heads, cfg.head_dim))
     }
     fn kv_capacity(&self, kv: &DenseKv) -> usize {
         kv.max_seq
@@ -81,16 +73,7 @@ impl Backend for Cpu {
     ) {
         kv.write(layer, pos0, &k.data, &v.data);
         let hd = kv.head_dim;
-        attention::attention(
-            &q.data,
-            q.rows,
-            q.cols / hd,
-            hd,
-            kv,
-            layer,
-            pos0,
-            &mut out.data,
-        );
+        attention::attention(&q.data, q.rows, q.cols / hd, hd, kv, layer, pos0, &mut out.data);
     }
     fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, out: &mut CpuAct) {
         ops::silu_mul(&gate.data, &up.data, &mut out.data);
@@ -99,11 +82,7 @@ impl Backend for Cpu {
         ops::add(&mut x.data, &y.data);
     }
     fn slice_rows(&self, x: &CpuAct, first: usize) -> CpuAct {
-        CpuAct {
-            rows: x.rows - first,
-            cols: x.cols,
-            data: x.data[first * x.cols..].to_vec(),
-        }
+        CpuAct { rows: x.rows - first, cols: x.cols, data: x.data[first * x.cols..].to_vec() }
     }
     fn read_rows(&self, x: &CpuAct, first: usize) -> Vec<f32> {
         x.data[first * x.cols..].to_vec()

@@ -1,0 +1,134 @@
+//! AVX2+FMA inner loops for the quantized matmul (x86-64), chosen at run time.
+//!
+//! Where the time goes in decode: each weight nibble is unpacked (broadcast word, variable
+//! shift, mask, int→float) and multiplied into 8 lanes; the group scale folds into a row
+//! accumulator once per group, so there is one horizontal sum per output row.
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+
+pub fn has_avx2() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// 8 consecutive q values (as f32) starting at value 8·i of a 4- or 8-bit row.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn load8<const BITS: u32>(words: *const u32, i: usize) -> __m256 {
+    if BITS == 4 {
+        let w = _mm256_set1_epi32(*words.add(i) as i32);
+        let sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+        _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(15)))
+    } else {
+        // 8-bit: the LSB-first u32 stream is a plain byte array.
+        let b = _mm_loadl_epi64((words as *const u8).add(8 * i) as *const __m128i);
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
+    }
+}
+
+/// Σ_g scale_g · Σ_{j∈g} q_j · x_j for one row (BITS ∈ {4, 8}); the bias term is added by
+/// the caller from precomputed group sums of x.
+///
+/// # Safety
+/// CPU must support AVX2+FMA; `words` holds cols·BITS/32 words, `x` cols values,
+/// `scales` cols/group values, group a multiple of 16.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn row_dot<const BITS: u32>(words: &[u32], x: &[f32], scales: &[f32], group: usize) -> f32 {
+    let per_group = group / 8;
+    let (wp, xp) = (words.as_ptr(), x.as_ptr());
+    let mut racc = _mm256_setzero_ps();
+    for (g, &s) in scales.iter().enumerate() {
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
+        let base = g * per_group;
+        let mut i = 0;
+        while i < per_group {
+            a0 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i), _mm256_loadu_ps(xp.add(8 * (base + i))), a0);
+            a1 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i + 1), _mm256_loadu_ps(xp.add(8 * (base + i + 1))), a1);
+            i += 2;
+        }
+        racc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s), racc);
+    }
+    hsum(racc)
+}
+
+/// Unpack a 4- or 8-bit row into f32 (prefill reuses it for every token).
+///
+/// # Safety
+/// CPU must support AVX2; out.len() = cols, words.len() = cols·BITS/32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn unpack<const BITS: u32>(words: &[u32], out: &mut [f32]) {
+    let (wp, op) = (words.as_ptr(), out.as_mut_ptr());
+    for i in 0..out.len() / 8 {
+        _mm256_storeu_ps(op.add(8 * i), load8::<BITS>(wp, i));
+    }
+}
+
+/// Σ_g scale_g · (q_g · x_g) over an unpacked row.
+///
+/// # Safety
+/// CPU must support AVX2+FMA; q and x have the same length, a multiple of group (≥ 16).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_groups(q: &[f32], x: &[f32], scales: &[f32], group: usize) -> f32 {
+    let (qp, xp) = (q.as_ptr(), x.as_ptr());
+    let mut racc = _mm256_setzero_ps();
+    for (g, &s) in scales.iter().enumerate() {
+        let mut a0 = _mm256_setzero_ps();
+        let mut a1 = _mm256_setzero_ps();
+        let mut j = g * group;
+        while j < (g + 1) * group {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(j)), _mm256_loadu_ps(xp.add(j)), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(j + 8)), _mm256_loadu_ps(xp.add(j + 8)), a1);
+            j += 16;
+        }
+        racc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s), racc);
+    }
+    hsum(racc)
+}
+
+/// Plain dot product.
+///
+/// # Safety
+/// CPU must support AVX2+FMA; a.len() == b.len().
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len();
+    let (ap, bp) = (a.as_ptr(), b.as_ptr());
+    let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut j = 0;
+    while j + 16 <= n {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(j)), _mm256_loadu_ps(bp.add(j)), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(ap.add(j + 8)), _mm256_loadu_ps(bp.add(j + 8)), a1);
+        j += 16;
+    }
+    let mut s = hsum(_mm256_add_ps(a0, a1));
+    while j < n {
+        s += a[j] * b[j];
+        j += 1;
+    }
+    s
+}
