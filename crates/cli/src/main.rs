@@ -1,3 +1,71 @@
+//! The `ferrolm` command line: generate, chat, tokenize, perplexity, inspect, convert, bench.
+
+mod bench;
+mod chat;
+mod hub;
+mod load;
+mod tools;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "ferrolm", version, about = "Run quantized LLMs fast: GGUF, MLX and Hugging Face models on CPU")]
+struct Cli {
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long, global = true)]
+    threads: Option<usize>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt, streamed to stdout; speed goes to stderr.
+    Generate(chat::GenerateArgs),
+    /// Interactive multi-turn chat using the model's chat template.
+    Chat(chat::ChatArgs),
+    /// Print the token ids of a text as a JSON array.
+    Tokenize(tools::TokenizeArgs),
+    /// Teacher-forced perplexity over a text file.
+    Perplexity(tools::PerplexityArgs),
+    /// Show a model's architecture, tensors, quantization and tokenizer.
+    Inspect(tools::InspectArgs),
+    /// Convert a model (GGUF, MLX or HF directory) to an MLX-format directory.
+    Convert(tools::ConvertArgs),
+    /// Measure prefill and decode speed (medians over repeated runs).
+    Bench(bench::BenchArgs),
+}
+
+/// `--model`: shared by every command that loads a model.
+#[derive(Args, Clone, Debug)]
+pub struct ModelArg {
+    /// A .gguf file, an MLX or Hugging Face directory, or a Hugging Face repo id.
+    /// Default: SmolLM2-135M-Instruct (fetched on first use).
+    #[arg(long, short)]
+    pub model: Option<String>,
+}
+
 fn main() {
-    println!("ferrolm");
+    let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global() {
+            eprintln!("error: --threads {n}: {e}");
+            std::process::exit(2);
+        }
+    }
+    let r = match cli.cmd {
+        Cmd::Generate(a) => chat::generate(a),
+        Cmd::Chat(a) => chat::chat(a),
+        Cmd::Tokenize(a) => tools::tokenize(a),
+        Cmd::Perplexity(a) => tools::perplexity(a),
+        Cmd::Inspect(a) => tools::inspect(a),
+        Cmd::Convert(a) => tools::convert(a),
+        Cmd::Bench(a) => bench::bench(a),
+    };
+    if let Err(e) = r {
+        // One line: the chain of causes, outermost first.
+        let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+        eprintln!("error: {}", msg.join(": "));
+        std::process::exit(1);
+    }
 }

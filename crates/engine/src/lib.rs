@@ -4,6 +4,7 @@ pub mod backend;
 pub mod config;
 pub mod error;
 pub mod formats;
+pub mod generate;
 pub mod kv;
 pub mod model;
 pub mod progress;

@@ -1,0 +1,109 @@
+//! `bench`: median prefill and decode tokens/s over repeated runs, plus peak memory.
+
+use crate::{load, ModelArg};
+use anyhow::{bail, Result};
+use clap::Args;
+use ferrolm::generate::Session;
+use ferrolm::sample::{Sampler, SamplerConfig};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Prompt length (tokens) for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens generated for the decode measurement (greedy, EOS ignored).
+    #[arg(long, default_value_t = 128)]
+    gen_tokens: usize,
+    /// Number of measured runs (after one warm-up run).
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+const TEXT: &str = "The history of computing is a story of layered abstractions. Engineers built \
+relays, then vacuum tubes, then transistors, and each layer hid the one below it. Compilers \
+turned symbols into machine code; operating systems shared one machine among many programs. \
+Today a language model predicts the next word from the words before it, one token at a time, \
+and the speed of that loop is set by how fast the weights can be read from memory. ";
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// Peak resident set size of this process (Linux: VmHWM), in bytes.
+pub fn peak_rss() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse::<u64>().ok().map(|kb| kb * 1024)
+}
+
+pub fn bench(a: BenchArgs) -> Result<()> {
+    if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.repeats == 0 {
+        bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
+    }
+    let l = load::model(a.model.model.as_deref())?;
+    let ctx = a.prompt_tokens + a.gen_tokens;
+    if ctx > l.model.cfg.max_ctx {
+        bail!("--prompt-tokens + --gen-tokens = {ctx} exceeds the model's context of {}", l.model.cfg.max_ctx);
+    }
+    let one = l.tokenizer.encode(TEXT, false)?;
+    let prompt: Vec<u32> = one.iter().cycle().take(a.prompt_tokens).copied().collect();
+    let (mut pre, mut dec) = (Vec::new(), Vec::new());
+    let mut kv_bytes = 0;
+    for run in 0..=a.repeats {
+        let mut s = Session::new(&l.model, ctx)?;
+        kv_bytes = ctx * l.model.cfg.n_layers * l.model.cfg.n_kv_heads * l.model.cfg.head_dim * 2 * 2;
+        let mut sampler = Sampler::new(SamplerConfig::default());
+        let st = s.generate(&prompt, a.gen_tokens, &mut sampler, &[], |_| Ok(true))?;
+        if run > 0 {
+            pre.push(st.prefill_tps());
+            dec.push(st.decode_tps());
+        }
+    }
+    let threads = rayon::current_num_threads();
+    let (p, d) = (median(&mut pre), median(&mut dec));
+    let rss = peak_rss();
+    if a.json {
+        let j = serde_json::json!({
+            "backend": "cpu",
+            "threads": threads,
+            "prompt_tokens": a.prompt_tokens,
+            "gen_tokens": a.gen_tokens,
+            "repeats": a.repeats,
+            "prefill_tps": p,
+            "decode_tps": d,
+            "prefill_runs": pre,
+            "decode_runs": dec,
+            "peak_rss_bytes": rss,
+            "model_file_bytes": l.file_bytes,
+            "kv_cache_bytes": kv_bytes,
+        });
+        println!("{j}");
+    } else {
+        println!(
+            "backend cpu  threads {threads}  prompt {}  gen {}  repeats {}",
+            a.prompt_tokens, a.gen_tokens, a.repeats
+        );
+        println!("prefill {p:.1} tok/s (median)   decode {d:.1} tok/s (median)");
+        if let Some(r) = rss {
+            println!(
+                "peak RSS {:.1} MiB = {:.2}× (model file {:.1} MiB + KV cache {:.1} MiB)",
+                r as f64 / 1048576.0,
+                r as f64 / (l.file_bytes + kv_bytes as u64) as f64,
+                l.file_bytes as f64 / 1048576.0,
+                kv_bytes as f64 / 1048576.0
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,204 @@
+//! `tokenize`, `perplexity`, `inspect`, `convert`.
+
+use crate::{load, ModelArg};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrolm::formats::mlx_write::{write_mlx_dir, TokenizerFiles};
+use ferrolm::quant::scheme::{self, QuantScheme};
+use ferrolm::tokenizer::Tokenizer;
+use std::path::PathBuf;
+
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Text to tokenize.
+    #[arg(long, short, conflicts_with = "file", required_unless_present = "file")]
+    text: Option<String>,
+    /// File whose contents to tokenize.
+    #[arg(long, short)]
+    file: Option<PathBuf>,
+    /// Parse special-token text (e.g. <|im_start|>) as special tokens and add BOS where the
+    /// model adds one. Default: plain text, nothing added.
+    #[arg(long)]
+    special: bool,
+}
+
+fn read_text(text: Option<String>, file: Option<PathBuf>) -> Result<String> {
+    match (text, file) {
+        (Some(t), _) => Ok(t),
+        (None, Some(f)) => {
+            std::fs::read_to_string(&f).with_context(|| format!("{}: cannot read as UTF-8 text", f.display()))
+        }
+        (None, None) => bail!("give --text or --file"),
+    }
+}
+
+/// Tokenizers load from the model's metadata only; the weights are not touched.
+fn tokenizer_only(model: Option<&str>) -> Result<Tokenizer> {
+    let path = crate::hub::resolve(model)?;
+    let src = if path.is_dir() {
+        ferrolm::formats::TokenizerSource::Dir(path)
+    } else {
+        ferrolm::formats::TokenizerSource::Gguf(path)
+    };
+    Ok(Tokenizer::load(&src)?)
+}
+
+pub fn tokenize(a: TokenizeArgs) -> Result<()> {
+    let tok = tokenizer_only(a.model.model.as_deref())?;
+    let text = read_text(a.text, a.file)?;
+    let ids = tok.encode(&text, a.special)?;
+    println!("{}", serde_json::to_string(&ids)?);
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Text file to evaluate.
+    #[arg(long, short)]
+    file: PathBuf,
+    /// Tokens per chunk; each chunk is evaluated from an empty cache.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// Print {"tokens","ppl","targets","nll","argmax"} as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn perplexity(a: PerplexityArgs) -> Result<()> {
+    let text = read_text(None, Some(a.file))?;
+    let l = load::model(a.model.model.as_deref())?;
+    let mut ids = Vec::new();
+    if l.tokenizer.add_bos_default() {
+        ids.extend(l.tokenizer.bos_id());
+    }
+    ids.extend(l.tokenizer.encode(&text, false)?);
+    let t = std::time::Instant::now();
+    let p = ferrolm::generate::perplexity(&l.model, &ids, a.ctx)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&p)?);
+    } else {
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "tokens {}  predicted {}  ppl {:.4}  ({:.1} tok/s)",
+            p.tokens,
+            p.nll.len(),
+            p.ppl,
+            p.tokens as f64 / secs
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    /// A .gguf file, an MLX or HF directory, or a Hugging Face repo id (default: SmolLM2).
+    model: Option<String>,
+}
+
+fn human(bytes: u64) -> String {
+    let b = bytes as f64;
+    match bytes {
+        0..=1023 => format!("{bytes} B"),
+        1024..=1048575 => format!("{:.1} KiB", b / 1024.0),
+        1048576..=1073741823 => format!("{:.1} MiB", b / 1048576.0),
+        _ => format!("{:.2} GiB", b / 1073741824.0),
+    }
+}
+
+pub fn inspect(a: InspectArgs) -> Result<()> {
+    let (src, tok) = load::source(a.model.as_deref())?;
+    let c = &src.config;
+    println!("model        {} ({})", src.path.display(), src.format);
+    println!(
+        "architecture {:?}  rope {:?} theta {}  llama3-scaling {}",
+        c.arch,
+        c.rope_style,
+        c.rope_theta,
+        c.llama3_scaling.is_some()
+    );
+    println!(
+        "shape        hidden {}  layers {}  heads {}/{} (kv)  head_dim {}  ffn {}  vocab {}  ctx {}",
+        c.hidden, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab, c.max_ctx
+    );
+    println!("             rms_eps {}  tied embeddings {}  qkv bias {}", c.rms_eps, c.tie_embeddings, c.qkv_bias);
+    println!("\n{:<48} {:>14} {:>14} {:>10}", "tensor", "shape", "format", "bytes");
+    let mut total = 0u64;
+    let mut by_format = std::collections::BTreeMap::<String, (usize, u64)>::new();
+    for (name, w) in &src.tensors {
+        let bytes = w.byte_size() as u64;
+        total += bytes;
+        let e = by_format.entry(w.describe()).or_default();
+        e.0 += 1;
+        e.1 += bytes;
+        println!(
+            "{:<48} {:>14} {:>14} {:>10}",
+            name,
+            format!("[{}, {}]", w.rows(), w.cols()),
+            w.describe(),
+            human(bytes)
+        );
+    }
+    println!("\nformats:");
+    for (f, (n, b)) in by_format {
+        println!("  {f:<14} {n:>4} tensors {:>10}", human(b));
+    }
+    println!("in memory {}  on disk {}", human(total), human(src.file_bytes));
+    println!(
+        "\ntokenizer    vocab {}  bos {:?}  add_bos {}  stop {:?}  chat template {}",
+        tok.vocab_size(),
+        tok.bos_token(),
+        tok.add_bos_default(),
+        tok.stop_ids(),
+        if tok.chat_template().is_some() { "yes" } else { "no" }
+    );
+    Ok(())
+}
+
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// Source model: .gguf file, MLX or HF directory, or repo id.
+    #[arg(long, short)]
+    input: String,
+    /// Output directory (must not exist or be empty).
+    #[arg(long, short)]
+    output: PathBuf,
+    /// Target weights: "bf16", "4", "8", "4:g32", "mixed:4,8". Default: keep as loaded.
+    #[arg(long, short)]
+    quantize: Option<String>,
+}
+
+/// tokenizer.json + tokenizer_config.json text for an MLX directory.
+pub fn tokenizer_files(tok: &Tokenizer) -> Result<TokenizerFiles> {
+    let tokenizer_json = tok.hf().to_string(false).map_err(|e| anyhow::anyhow!("serializing tokenizer.json: {e}"))?;
+    let mut cfg = serde_json::json!({
+        "add_bos_token": tok.add_bos_default(),
+        "add_eos_token": false,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": false,
+    });
+    if let Some(t) = tok.chat_template() {
+        cfg["chat_template"] = t.into();
+    }
+    if let Some(b) = tok.bos_token() {
+        cfg["bos_token"] = b.into();
+    }
+    if let Some(e) = tok.eos_token() {
+        cfg["eos_token"] = e.into();
+    }
+    Ok(TokenizerFiles { tokenizer_json, tokenizer_config_json: serde_json::to_string_pretty(&cfg)? })
+}
+
+pub fn convert(a: ConvertArgs) -> Result<()> {
+    let (mut src, tok) = load::source(Some(&a.input))?;
+    if let Some(s) = &a.quantize {
+        let scheme = QuantScheme::parse(s)?;
+        scheme::apply(&mut src, &scheme, load::progress())?;
+    }
+    write_mlx_dir(&src, &a.output, &tokenizer_files(&tok)?, load::progress())?;
+    eprintln!("wrote {}", a.output.display());
+    Ok(())
+}

@@ -1,0 +1,155 @@
+//! Generation sessions: a KV cache plus the tokens it holds, prompt prefix reuse across
+//! chat turns, and the sample loop shared by `generate`, `chat`, `bench` and the server.
+
+use crate::backend::Backend;
+use crate::model::{Llama, Logits};
+use crate::sample::Sampler;
+use crate::{Error, Result};
+use std::time::Instant;
+
+pub struct Session<'m, B: Backend> {
+    pub model: &'m Llama<B>,
+    kv: B::Kv,
+    /// Tokens whose K/V are in the cache, in position order.
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct GenStats {
+    pub prompt_tokens: usize,
+    /// Prompt tokens actually computed (the rest were reused from the cache).
+    pub prefilled: usize,
+    pub generated: usize,
+    pub prefill_secs: f64,
+    pub decode_secs: f64,
+    pub stopped_by_eos: bool,
+}
+
+impl GenStats {
+    pub fn prefill_tps(&self) -> f64 {
+        self.prefilled as f64 / self.prefill_secs.max(1e-9)
+    }
+    /// Decode tokens/s counts the steps after the first sampled token (each is one forward).
+    pub fn decode_tps(&self) -> f64 {
+        self.generated.saturating_sub(1) as f64 / self.decode_secs.max(1e-9)
+    }
+}
+
+impl<'m, B: Backend> Session<'m, B> {
+    pub fn new(model: &'m Llama<B>, max_seq: usize) -> Result<Self> {
+        let max_seq = max_seq.min(model.cfg.max_ctx).max(1);
+        Ok(Session { model, kv: model.new_cache(max_seq)?, tokens: Vec::new() })
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.model.backend.kv_capacity(&self.kv)
+    }
+
+    /// Make the cache hold exactly `prompt`, computing only what differs from what it holds
+    /// now. Returns the logits after the last prompt token and how many tokens were computed.
+    pub fn feed(&mut self, prompt: &[u32]) -> Result<(Vec<f32>, usize)> {
+        if prompt.is_empty() {
+            return Err(Error::Invalid("the prompt is empty (no tokens)".into()));
+        }
+        if prompt.len() > self.capacity() {
+            return Err(Error::Invalid(format!(
+                "the prompt has {} tokens, more than the context of {} tokens",
+                prompt.len(),
+                self.capacity()
+            )));
+        }
+        let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        // Recompute at least the last token: its logits are what we return.
+        let start = common.min(prompt.len() - 1);
+        self.tokens.truncate(start);
+        let logits = self.model.forward(&prompt[start..], start, &mut self.kv, Logits::Last)?;
+        self.tokens.extend_from_slice(&prompt[start..]);
+        Ok((logits, prompt.len() - start))
+    }
+
+    /// Append one token and return the logits that follow it.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        let pos = self.tokens.len();
+        let logits = self.model.forward(&[token], pos, &mut self.kv, Logits::Last)?;
+        self.tokens.push(token);
+        Ok(logits)
+    }
+
+    /// Feed `prompt`, then sample up to `max_tokens` tokens, calling `on_token` for each
+    /// (return false to stop). Stops at any of `stop` (not passed to `on_token`) or when
+    /// the context is full.
+    pub fn generate(
+        &mut self,
+        prompt: &[u32],
+        max_tokens: usize,
+        sampler: &mut Sampler,
+        stop: &[u32],
+        mut on_token: impl FnMut(u32) -> Result<bool>,
+    ) -> Result<GenStats> {
+        let mut st = GenStats { prompt_tokens: prompt.len(), ..Default::default() };
+        let t0 = Instant::now();
+        let (mut logits, prefilled) = self.feed(prompt)?;
+        st.prefilled = prefilled;
+        st.prefill_secs = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        let mut history = prompt.to_vec();
+        while st.generated < max_tokens {
+            let tok = sampler.sample(&mut logits, &history);
+            st.generated += 1;
+            if stop.contains(&tok) {
+                st.stopped_by_eos = true;
+                break;
+            }
+            history.push(tok);
+            // The last token is not fed back: a following `feed` recomputes it if needed.
+            if !on_token(tok)? || st.generated == max_tokens || self.tokens.len() >= self.capacity() {
+                break;
+            }
+            logits = self.step(tok)?;
+        }
+        st.decode_secs = t1.elapsed().as_secs_f64();
+        Ok(st)
+    }
+}
+
+/// Teacher-forced evaluation of `tokens` in chunks of `ctx`: each chunk starts from an
+/// empty cache; within a chunk position i predicts token i+1 from all earlier tokens of
+/// the chunk.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct Perplexity {
+    pub tokens: usize,
+    pub ppl: f64,
+    pub targets: Vec<u32>,
+    pub nll: Vec<f32>,
+    pub argmax: Vec<u32>,
+}
+
+pub fn perplexity<B: Backend>(model: &Llama<B>, tokens: &[u32], ctx: usize) -> Result<Perplexity> {
+    if ctx < 2 {
+        return Err(Error::Invalid(format!("--ctx {ctx}: need at least 2 tokens per chunk")));
+    }
+    if tokens.len() < 2 {
+        return Err(Error::Invalid(format!("{} tokens: perplexity needs at least 2", tokens.len())));
+    }
+    let ctx = ctx.min(model.cfg.max_ctx);
+    let vocab = model.cfg.vocab;
+    let mut out = Perplexity { tokens: tokens.len(), ..Default::default() };
+    let mut kv = model.new_cache(ctx)?;
+    for chunk in tokens.chunks(ctx) {
+        if chunk.len() < 2 {
+            break;
+        }
+        let logits = model.forward(chunk, 0, &mut kv, Logits::All)?;
+        for (i, row) in logits.chunks_exact(vocab).take(chunk.len() - 1).enumerate() {
+            let target = chunk[i + 1];
+            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let lse = max as f64 + row.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln();
+            out.nll.push((lse - row[target as usize] as f64) as f32);
+            out.targets.push(target);
+            out.argmax.push(crate::sample::argmax(row));
+        }
+    }
+    let mean = out.nll.iter().map(|&v| v as f64).sum::<f64>() / out.nll.len() as f64;
+    out.ppl = mean.exp();
+    Ok(out)
+}

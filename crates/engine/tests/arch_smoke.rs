@@ -1,0 +1,299 @@
+//! Tiny random models, one per architecture variant: the backend forward pass against a
+//! naive f64 reference written here from the equations, prefill vs token-by-token cache
+//! path, and several prompts interleaved on separate caches.
+
+use ferrolm::backend::cpu::Cpu;
+use ferrolm::config::{Arch, Llama3Scaling, ModelConfig, RopeStyle};
+use ferrolm::formats::{names, ModelSource, TensorMap, TokenizerSource};
+use ferrolm::generate::Session;
+use ferrolm::model::{Llama, Logits};
+use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.next() * scale).collect()
+    }
+}
+
+fn base_cfg() -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        hidden: 64,
+        n_layers: 2,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 16,
+        ffn: 128,
+        vocab: 96,
+        max_ctx: 64,
+        rms_eps: 1e-5,
+        rope_theta: 10000.0,
+        rope_style: RopeStyle::Half,
+        llama3_scaling: None,
+        rope_linear: 1.0,
+        tie_embeddings: false,
+        qkv_bias: false,
+    }
+}
+
+/// Variants: (name, config, weight bits: None = dense f32).
+fn variants() -> Vec<(&'static str, ModelConfig, Option<u32>)> {
+    let mut v = vec![];
+    v.push(("llama2-mha-dense", ModelConfig { n_kv_heads: 4, ..base_cfg() }, None));
+    v.push(("llama-gqa-q4", base_cfg(), Some(4)));
+    v.push((
+        "smollm2-tied-interleaved-q8",
+        ModelConfig { tie_embeddings: true, rope_style: RopeStyle::Interleaved, ..base_cfg() },
+        Some(8),
+    ));
+    let l3 = Llama3Scaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 16.0 };
+    v.push(("llama3-scaled-q4", ModelConfig { llama3_scaling: Some(l3), rope_theta: 500000.0, ..base_cfg() }, Some(4)));
+    v.push(("qwen2-bias-q6", ModelConfig { arch: Arch::Qwen2, qkv_bias: true, ..base_cfg() }, Some(6)));
+    v.push(("mistral-minicpm5-mqa-q2", ModelConfig { n_kv_heads: 1, ..base_cfg() }, Some(2)));
+    v
+}
+
+fn dense(rows: usize, cols: usize, data: Vec<f32>) -> Weight {
+    Weight::Dense(DenseTensor { rows, cols, data: DenseData::F32(data) })
+}
+
+/// Random weights; returns the source (quantized if asked) and the f32 values the
+/// reference uses (the dequantized ones, so only the compute differs).
+fn build(cfg: &ModelConfig, bits: Option<u32>, seed: u64) -> (ModelSource, TensorMap) {
+    let mut r = Rng(seed);
+    let mut t = TensorMap::new();
+    let (d, hd, f) = (cfg.hidden, cfg.head_dim, cfg.ffn);
+    let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+    let mut mats = vec![(names::EMBED.to_string(), cfg.vocab, d)];
+    if !cfg.tie_embeddings {
+        mats.push((names::LM_HEAD.to_string(), cfg.vocab, d));
+    }
+    for i in 0..cfg.n_layers {
+        for (s, rows, cols) in [
+            ("self_attn.q_proj.weight", qd, d),
+            ("self_attn.k_proj.weight", kvd, d),
+            ("self_attn.v_proj.weight", kvd, d),
+            ("self_attn.o_proj.weight", d, qd),
+            ("mlp.gate_proj.weight", f, d),
+            ("mlp.up_proj.weight", f, d),
+            ("mlp.down_proj.weight", d, f),
+        ] {
+            mats.push((names::layer(i, s), rows, cols));
+        }
+        for s in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
+            let g: Vec<f32> = r.vec(d, 0.2).into_iter().map(|v| 1.0 + v).collect();
+            t.insert(names::layer(i, s), dense(1, d, g));
+        }
+        if cfg.qkv_bias {
+            for (s, n) in
+                [("self_attn.q_proj.bias", qd), ("self_attn.k_proj.bias", kvd), ("self_attn.v_proj.bias", kvd)]
+            {
+                t.insert(names::layer(i, s), dense(1, n, r.vec(n, 0.1)));
+            }
+        }
+    }
+    t.insert(names::NORM.to_string(), dense(1, d, r.vec(d, 0.2).into_iter().map(|v| 1.0 + v).collect()));
+    for (name, rows, cols) in mats {
+        let w = r.vec(rows * cols, 1.0 / (cols as f32).sqrt() * 1.5);
+        let wt = match bits {
+            None => dense(rows, cols, w),
+            Some(b) => Weight::Affine(AffineTensor::quantize(&w, rows, cols, b, 32, ScaleDtype::BF16).unwrap()),
+        };
+        t.insert(name, wt);
+    }
+    let reference: TensorMap = t.iter().map(|(k, v)| (k.clone(), dense(v.rows(), v.cols(), v.to_f32_vec()))).collect();
+    let src = ModelSource {
+        path: "tiny".into(),
+        format: "test",
+        config: cfg.clone(),
+        tensors: t,
+        tokenizer: TokenizerSource::Dir("none".into()),
+        file_bytes: 0,
+    };
+    (src, reference)
+}
+
+/// Naive reference forward over the whole sequence in f64: returns logits [m, V].
+fn reference(cfg: &ModelConfig, w: &TensorMap, tokens: &[u32]) -> Vec<f64> {
+    let g = |n: &str| w[n].to_f32_vec().into_iter().map(|v| v as f64).collect::<Vec<f64>>();
+    let (d, hd, m) = (cfg.hidden, cfg.head_dim, tokens.len());
+    let matvec = |wm: &[f64], x: &[f64], rows: usize| -> Vec<f64> {
+        (0..rows).map(|r| (0..x.len()).map(|j| wm[r * x.len() + j] * x[j]).sum()).collect()
+    };
+    let norm = |x: &[f64], gain: &[f64]| -> Vec<f64> {
+        let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+        x.iter().zip(gain).map(|(v, g)| v / (ms + cfg.rms_eps as f64).sqrt() * g).collect()
+    };
+    let inv_freq: Vec<f64> = cfg.rope_inv_freq().into_iter().map(|v| v as f64).collect();
+    let rope = |x: &mut [f64], pos: usize| {
+        for head in x.chunks_mut(hd) {
+            for (j, f) in inv_freq.iter().enumerate() {
+                let (a, b) = match cfg.rope_style {
+                    RopeStyle::Half => (j, j + hd / 2),
+                    RopeStyle::Interleaved => (2 * j, 2 * j + 1),
+                };
+                let (c, s) = ((pos as f64 * f).cos(), (pos as f64 * f).sin());
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+    };
+    let emb = g(names::EMBED);
+    let mut xs: Vec<Vec<f64>> = tokens.iter().map(|&t| emb[t as usize * d..(t as usize + 1) * d].to_vec()).collect();
+    for l in 0..cfg.n_layers {
+        let n = |s: &str| names::layer(l, s);
+        let (wq, wk, wv, wo) = (
+            g(&n("self_attn.q_proj.weight")),
+            g(&n("self_attn.k_proj.weight")),
+            g(&n("self_attn.v_proj.weight")),
+            g(&n("self_attn.o_proj.weight")),
+        );
+        let (mut qs, mut ks, mut vs) = (vec![], vec![], vec![]);
+        for (p, x) in xs.iter().enumerate() {
+            let h = norm(x, &g(&n("input_layernorm.weight")));
+            let (mut q, mut k, mut v) = (
+                matvec(&wq, &h, cfg.n_heads * hd),
+                matvec(&wk, &h, cfg.n_kv_heads * hd),
+                matvec(&wv, &h, cfg.n_kv_heads * hd),
+            );
+            if cfg.qkv_bias {
+                for (vec, s) in [
+                    (&mut q, "self_attn.q_proj.bias"),
+                    (&mut k, "self_attn.k_proj.bias"),
+                    (&mut v, "self_attn.v_proj.bias"),
+                ] {
+                    vec.iter_mut().zip(g(&n(s))).for_each(|(a, b)| *a += b);
+                }
+            }
+            rope(&mut q, p);
+            rope(&mut k, p);
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        for p in 0..m {
+            let mut att = vec![0f64; cfg.n_heads * hd];
+            for h in 0..cfg.n_heads {
+                let kh = h / (cfg.n_heads / cfg.n_kv_heads);
+                let sc: Vec<f64> = (0..=p)
+                    .map(|j| (0..hd).map(|e| qs[p][h * hd + e] * ks[j][kh * hd + e]).sum::<f64>() / (hd as f64).sqrt())
+                    .collect();
+                let mx = sc.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = sc.iter().map(|s| (s - mx).exp()).sum();
+                for (j, s) in sc.iter().enumerate() {
+                    for e in 0..hd {
+                        att[h * hd + e] += (s - mx).exp() / z * vs[j][kh * hd + e];
+                    }
+                }
+            }
+            let o = matvec(&wo, &att, d);
+            xs[p].iter_mut().zip(o).for_each(|(a, b)| *a += b);
+            let h = norm(&xs[p], &g(&n("post_attention_layernorm.weight")));
+            let gate = matvec(&g(&n("mlp.gate_proj.weight")), &h, cfg.ffn);
+            let up = matvec(&g(&n("mlp.up_proj.weight")), &h, cfg.ffn);
+            let act: Vec<f64> = gate.iter().zip(&up).map(|(a, b)| a / (1.0 + (-a).exp()) * b).collect();
+            let down = matvec(&g(&n("mlp.down_proj.weight")), &act, d);
+            xs[p].iter_mut().zip(down).for_each(|(a, b)| *a += b);
+        }
+    }
+    let head = if cfg.tie_embeddings { emb } else { g(names::LM_HEAD) };
+    xs.iter().flat_map(|x| matvec(&head, &norm(x, &g(names::NORM)), cfg.vocab)).collect()
+}
+
+fn rel_err(a: &[f32], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (*x as f64 - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+fn every_variant_matches_the_reference_and_its_own_cache_path() {
+    let tokens: Vec<u32> = vec![3, 17, 42, 5, 88, 1, 60, 33, 9, 70, 2, 95];
+    for (name, cfg, bits) in variants() {
+        let (mut src, wref) = build(&cfg, bits, 7);
+        let model = Llama::load(Cpu, &mut src).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let want = reference(&cfg, &wref, &tokens);
+        // 1) whole sequence at once (prefill path, every position's logits)
+        let mut kv = model.new_cache(32).unwrap();
+        let all = model.forward(&tokens, 0, &mut kv, Logits::All).unwrap();
+        assert_eq!(all.len(), tokens.len() * cfg.vocab, "{name}: logits shape");
+        let e = rel_err(&all, &want);
+        // The bf16 KV cache bounds agreement (measured ~2.5e-3 relative).
+        assert!(e < 6e-3, "{name}: prefill vs reference rel err {e}");
+        // 2) token by token through the cache (decode path) gives the same logits
+        let mut kv = model.new_cache(32).unwrap();
+        let mut steps = vec![];
+        for (p, &t) in tokens.iter().enumerate() {
+            steps.extend(model.forward(&[t], p, &mut kv, Logits::Last).unwrap());
+        }
+        let e2 = rel_err(&steps, &all.iter().map(|&v| v as f64).collect::<Vec<_>>());
+        assert!(e2 < 1e-5, "{name}: decode path vs prefill rel err {e2}");
+        // 3) chunked prefill (5 then 7) matches too
+        let mut kv = model.new_cache(32).unwrap();
+        model.forward(&tokens[..5], 0, &mut kv, Logits::Last).unwrap();
+        let last = model.forward(&tokens[5..], 5, &mut kv, Logits::Last).unwrap();
+        let e3 = rel_err(&last, &all[(tokens.len() - 1) * cfg.vocab..].iter().map(|&v| v as f64).collect::<Vec<_>>());
+        assert!(e3 < 1e-5, "{name}: chunked prefill rel err {e3}");
+    }
+}
+
+#[test]
+fn a_batch_of_prompts_on_separate_caches_matches_single_runs() {
+    let (_, cfg, bits) = variants().remove(1);
+    let (mut src, _) = build(&cfg, bits, 11);
+    let model = Llama::load(Cpu, &mut src).unwrap();
+    let prompts: Vec<Vec<u32>> = vec![vec![1, 2, 3], vec![50, 40, 30, 20, 10], vec![7]];
+    let single: Vec<Vec<f32>> = prompts
+        .iter()
+        .map(|p| {
+            let mut kv = model.new_cache(16).unwrap();
+            let mut l = model.forward(p, 0, &mut kv, Logits::Last).unwrap();
+            for i in 0..4 {
+                l = model.forward(&[i + 5], p.len() + i as usize, &mut kv, Logits::Last).unwrap();
+            }
+            l
+        })
+        .collect();
+    // Interleave: every sequence advances one step per round, as a batch scheduler would.
+    let mut sessions: Vec<Session<Cpu>> = prompts.iter().map(|_| Session::new(&model, 16).unwrap()).collect();
+    let mut last: Vec<Vec<f32>> = sessions.iter_mut().zip(&prompts).map(|(s, p)| s.feed(p).unwrap().0).collect();
+    for i in 0..4u32 {
+        for (s, l) in sessions.iter_mut().zip(last.iter_mut()) {
+            *l = s.step(i + 5).unwrap();
+        }
+    }
+    assert_eq!(last, single);
+}
+
+#[test]
+fn oversize_prompts_and_bad_token_ids_are_errors() {
+    let (_, cfg, bits) = variants().remove(1);
+    let (mut src, _) = build(&cfg, bits, 3);
+    let model = Llama::load(Cpu, &mut src).unwrap();
+    let mut s = Session::new(&model, 8).unwrap();
+    let e = s.feed(&[1; 9]).unwrap_err().to_string();
+    assert!(e.contains("9 tokens") && e.contains("context of 8"), "{e}");
+    let e = s.feed(&[1, 500]).unwrap_err().to_string();
+    assert!(e.contains("500") && e.contains("vocabulary"), "{e}");
+    let mut kv = model.new_cache(4).unwrap();
+    assert!(model.forward(&[1, 2, 3], 2, &mut kv, Logits::Last).is_err());
+}
+
+#[test]
+fn missing_and_misshapen_tensors_are_named() {
+    let cfg = base_cfg();
+    let (mut src, _) = build(&cfg, Some(4), 5);
+    src.tensors.remove("model.layers.1.mlp.up_proj.weight");
+    let e = Llama::load(Cpu, &mut src).err().unwrap().to_string();
+    assert!(e.contains("model.layers.1.mlp.up_proj.weight") && e.contains("missing"), "{e}");
+    let (mut src, _) = build(&cfg, None, 5);
+    src.tensors.insert("model.layers.0.self_attn.k_proj.weight".into(), dense(3, 64, vec![0.0; 192]));
+    let e = Llama::load(Cpu, &mut src).err().unwrap().to_string();
+    assert!(e.contains("k_proj") && e.contains("[3, 64]"), "{e}");
+}
