@@ -38,12 +38,14 @@ fn smollm2() -> &'static Tokenizer {
     })
 }
 
+fn load_golden(name: &str) -> Value {
+    let p = goldens().join(format!("tokenizer_{name}.json"));
+    serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
+}
+
 fn golden() -> &'static Value {
     static G: OnceLock<Value> = OnceLock::new();
-    G.get_or_init(|| {
-        let p = goldens().join("tokenizer_smollm2.json");
-        serde_json::from_str(&std::fs::read_to_string(&p).unwrap()).unwrap()
-    })
+    G.get_or_init(|| load_golden("smollm2"))
 }
 
 fn ids(v: &Value) -> Vec<u32> {
@@ -58,6 +60,10 @@ fn cases() -> &'static [Value] {
     golden()["encode"].as_array().unwrap()
 }
 
+fn cases_of(g: &Value) -> &[Value] {
+    g["encode"].as_array().unwrap()
+}
+
 fn messages(v: &Value) -> Vec<ChatMessage> {
     v.as_array()
         .unwrap()
@@ -69,7 +75,11 @@ fn messages(v: &Value) -> Vec<ChatMessage> {
 /// Every golden case encodes to transformers' ids, with and without special-token matching.
 fn check_ids(tok: &Tokenizer) {
     assert!(cases().len() >= 20);
-    for c in cases() {
+    check_ids_of(tok, golden());
+}
+
+fn check_ids_of(tok: &Tokenizer, g: &Value) {
+    for c in cases_of(g) {
         let text = c["text"].as_str().unwrap();
         assert_eq!(
             tok.encode(text, true).unwrap(),
@@ -85,9 +95,12 @@ fn check_ids(tok: &Tokenizer) {
 }
 
 fn check_chat(tok: &Tokenizer) {
-    let chats = golden()["chat"].as_array().unwrap();
-    assert!(chats.len() >= 4);
-    for c in chats {
+    assert!(golden()["chat"].as_array().unwrap().len() >= 4);
+    check_chat_of(tok, golden());
+}
+
+fn check_chat_of(tok: &Tokenizer, g: &Value) {
+    for c in g["chat"].as_array().unwrap() {
         let gen = c["add_generation_prompt"].as_bool().unwrap();
         let got = tok
             .apply_chat_template(&messages(&c["messages"]), gen)
@@ -152,6 +165,53 @@ fn smollm2_decode_matches_transformers_and_round_trips() {
 #[test]
 fn smollm2_chat_template_matches_transformers() {
     check_chat(smollm2());
+}
+
+/// The SentencePiece path (tokenizer.ggml.model = "llama"): a 400-piece SentencePiece BPE
+/// vocabulary with byte fallback and a user-defined token, against transformers' tokenizer for
+/// the same GGUF.
+#[test]
+fn sentencepiece_vocab_matches_transformers() {
+    let g = load_golden("tiny_spm");
+    let tok =
+        Tokenizer::from_gguf(&GgufFile::open(goldens().join("tiny_spm.gguf")).unwrap()).unwrap();
+    assert_eq!(tok.vocab_size(), 400);
+    assert!(tok.add_bos_default());
+    assert_eq!(
+        (tok.bos_token(), tok.eos_token()),
+        (Some("<s>"), Some("</s>"))
+    );
+    check_ids_of(&tok, &g);
+    check_chat_of(&tok, &g);
+    for c in cases_of(&g) {
+        for (key, dec) in [
+            ("ids_special", "decode_special"),
+            ("ids_plain", "decode_plain"),
+        ] {
+            let ids = ids(&c[key]);
+            assert_eq!(
+                tok.decode(&ids).unwrap(),
+                c[dec].as_str().unwrap(),
+                "{:?}",
+                c["text"]
+            );
+            let mut d = StreamDecoder::new(&tok);
+            let mut out = String::new();
+            for &id in &ids {
+                let piece = d.push(id).unwrap();
+                assert!(
+                    !piece.contains('\u{FFFD}'),
+                    "partial char streamed in {:?}",
+                    c["text"]
+                );
+                out += &piece;
+            }
+            assert_eq!(out + &d.finish().unwrap(), c[dec].as_str().unwrap());
+        }
+    }
+    // "<s>" typed by a user is text; the same text with special=true is the BOS token.
+    let plain = tok.encode("<s>", false).unwrap();
+    assert!(!plain.contains(&1) && plain.len() > 1, "{plain:?}");
 }
 
 #[test]

@@ -246,3 +246,37 @@ pub(super) fn apply(
     };
     tmpl.render(ctx).map_err(err)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_matches_python() {
+        // python: datetime.fromtimestamp(0, timezone.utc).strftime(...)
+        assert_eq!(strftime("%d %b %Y", 0).unwrap(), "01 Jan 1970");
+        // 2024-02-29 13:05:09 UTC, a Thursday, day 60 of a leap year.
+        let t = 1_709_211_909;
+        assert_eq!(
+            strftime("%Y-%m-%d %H:%M:%S %A %a %B %j %I%p %y %e %%", t).unwrap(),
+            "2024-02-29 13:05:09 Thursday Thu February 060 01PM 24 29 %"
+        );
+        assert_eq!(strftime("%-d %B", t).unwrap(), "29 February");
+        assert!(strftime("%Q", t).is_err());
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let mut env = Environment::new();
+        env.add_filter("tojson", tojson);
+        let ctx = minijinja::context! { x => serde_json::json!({"a": [1, 2.5, {}], "b": "é\n<"}) };
+        let r = |src: &str| env.render_str(src, &ctx).unwrap();
+        // python: json.dumps(x, ensure_ascii=False) / json.dumps(x, ensure_ascii=False, indent=2)
+        assert_eq!(r("{{ x | tojson }}"), r#"{"a": [1, 2.5, {}], "b": "é\n<"}"#);
+        assert_eq!(
+            r("{{ x | tojson(indent=2) }}"),
+            "{\n  \"a\": [\n    1,\n    2.5,\n    {}\n  ],\n  \"b\": \"é\\n<\"\n}"
+        );
+        assert!(env.render_str("{{ x | tojson(bogus=1) }}", &ctx).is_err());
+    }
+}

@@ -257,7 +257,7 @@ impl<'a> StreamDecoder<'a> {
                 }
                 Err(e) => {
                     let (good, bad) = rest.split_at(e.valid_up_to());
-                    // SAFETY-free: `good` was just validated by from_utf8.
+                    // `good` is the prefix from_utf8 just validated.
                     out.push_str(std::str::from_utf8(good).unwrap_or_default());
                     match e.error_len() {
                         Some(k) => {
