@@ -1,0 +1,282 @@
+//! Chat templates: Jinja templates from the model, rendered with minijinja the way
+//! transformers' `apply_chat_template` renders them (trim_blocks + lstrip_blocks, Python string
+//! methods, `raise_exception`, `strftime_now`, a `tojson` that writes what Python's
+//! `json.dumps` writes).
+
+use super::{ChatMessage, Tokenizer};
+use crate::{Error, Result};
+use minijinja::value::{Kwargs, Value};
+use minijinja::{Environment, ErrorKind};
+
+/// End-of-turn markers of common chat formats. One that the template writes and the
+/// vocabulary has ends generation just as EOS does.
+const END_OF_TURN: &[&str] = &[
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<end_of_turn>",
+    "<|end|>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<|return|>",
+    "</s>",
+];
+
+/// EOS, the file's extra stop ids, and every end-of-turn marker the template uses.
+pub(super) fn stop_ids(
+    hf: &tokenizers::Tokenizer,
+    eos: Option<u32>,
+    extra: &[u32],
+    template: Option<&str>,
+) -> Vec<u32> {
+    let mut out: Vec<u32> = eos.into_iter().chain(extra.iter().copied()).collect();
+    if let Some(t) = template {
+        for m in END_OF_TURN.iter().filter(|m| t.contains(*m)) {
+            out.extend(hf.token_to_id(m));
+        }
+    }
+    let mut seen = std::collections::HashSet::new();
+    out.retain(|id| seen.insert(*id));
+    out
+}
+
+/// Python's `json.dumps(x, ensure_ascii=False, indent=indent)`: ", " and ": " separators when
+/// compact, "," + newline + indent when indented, "[]"/"{}" when empty, non-ASCII as is.
+fn py_dumps(v: &serde_json::Value, indent: Option<&str>, depth: usize, out: &mut String) {
+    use serde_json::Value as J;
+    let newline = |out: &mut String, depth: usize| {
+        if let Some(ind) = indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(ind);
+            }
+        }
+    };
+    let sep = if indent.is_some() { "," } else { ", " };
+    match v {
+        J::Array(items) if !items.is_empty() => {
+            out.push('[');
+            for (i, x) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                py_dumps(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push(']');
+        }
+        J::Object(map) if !map.is_empty() => {
+            out.push('{');
+            for (i, (k, x)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(sep);
+                }
+                newline(out, depth + 1);
+                out.push_str(&J::from(k.as_str()).to_string());
+                out.push_str(": ");
+                py_dumps(x, indent, depth + 1, out);
+            }
+            newline(out, depth);
+            out.push('}');
+        }
+        // Scalars, "[]" and "{}": serde_json writes these as Python does.
+        other => out.push_str(&other.to_string()),
+    }
+}
+
+fn tojson(
+    value: &Value,
+    indent: Option<Value>,
+    kwargs: Kwargs,
+) -> std::result::Result<Value, minijinja::Error> {
+    let indent = match indent {
+        Some(v) => Some(v),
+        None => kwargs.get::<Option<Value>>("indent")?,
+    };
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match (v.as_i64(), v.as_str()) {
+            (Some(n), _) => Some(" ".repeat(n.max(0) as usize)),
+            (None, Some(s)) => Some(s.to_string()),
+            _ => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent must be an integer or a string",
+                ))
+            }
+        },
+    };
+    let json = serde_json::to_value(value)
+        .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let mut out = String::new();
+    py_dumps(&json, indent.as_deref(), 0, &mut out);
+    Ok(Value::from(out))
+}
+
+fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+/// Python's `datetime.now().strftime(fmt)` for the directives chat templates use, in UTC.
+pub(super) fn strftime(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja::Error> {
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    let days = unix_secs.div_euclid(86_400);
+    let secs = unix_secs.rem_euclid(86_400);
+    let (h, mi, s) = (secs / 3600, secs / 60 % 60, secs % 60);
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+    let cum = [0, 31, 59, 90, 120, 151, 181, 212, 243, 273, 304, 334];
+    let yday = cum[(m - 1) as usize] + d + i64::from(leap && m > 2);
+    let wday = (days + 3).rem_euclid(7) as usize; // 1970-01-01 was a Thursday
+    let month = MONTHS[(m - 1) as usize];
+    let mut out = String::new();
+    let mut it = fmt.chars();
+    while let Some(c) = it.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        let dir = it.next().unwrap_or('%');
+        let h12 = if h % 12 == 0 { 12 } else { h % 12 };
+        match dir {
+            'Y' => out += &y.to_string(),
+            'y' => out += &format!("{:02}", y.rem_euclid(100)),
+            'm' => out += &format!("{m:02}"),
+            'd' => out += &format!("{d:02}"),
+            'e' => out += &format!("{d:>2}"),
+            '-' if it.clone().next() == Some('d') => {
+                it.next();
+                out += &d.to_string()
+            }
+            'j' => out += &format!("{yday:03}"),
+            'H' => out += &format!("{h:02}"),
+            'I' => out += &format!("{h12:02}"),
+            'M' => out += &format!("{mi:02}"),
+            'S' => out += &format!("{s:02}"),
+            'p' => out += if h < 12 { "AM" } else { "PM" },
+            'B' => out += month,
+            'b' | 'h' => out += &month[..3],
+            'A' => out += DAYS[wday],
+            'a' => out += &DAYS[wday][..3],
+            'F' => out += &format!("{y}-{m:02}-{d:02}"),
+            'T' => out += &format!("{h:02}:{mi:02}:{s:02}"),
+            '%' => out.push('%'),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!("strftime_now: directive %{other} is not supported"),
+                ))
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime(&fmt, now)
+}
+
+pub(super) fn apply(
+    tok: &Tokenizer,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> Result<String> {
+    let src = tok
+        .chat_template
+        .as_deref()
+        .ok_or_else(|| Error::Invalid(format!("{}: the model has no chat template", tok.source)))?;
+    let err = |e: minijinja::Error| {
+        // `{:#}` adds minijinja's pointer into the template source.
+        Error::format(&tok.source, format!("chat template: {e:#}"))
+    };
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_filter("tojson", tojson);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    let tmpl = env.template_from_str(src).map_err(err)?;
+    let s = &tok.specials;
+    let ctx = minijinja::context! {
+        messages => Value::from_serialize(messages),
+        add_generation_prompt => add_generation_prompt,
+        bos_token => s.bos.clone(),
+        eos_token => s.eos.clone(),
+        unk_token => s.unk.clone(),
+        pad_token => s.pad.clone(),
+    };
+    tmpl.render(ctx).map_err(err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strftime_matches_python() {
+        // python: datetime.fromtimestamp(0, timezone.utc).strftime(...)
+        assert_eq!(strftime("%d %b %Y", 0).unwrap(), "01 Jan 1970");
+        // 2024-02-29 13:05:09 UTC, a Thursday, day 60 of a leap year.
+        let t = 1_709_211_909;
+        assert_eq!(
+            strftime("%Y-%m-%d %H:%M:%S %A %a %B %j %I%p %y %e %%", t).unwrap(),
+            "2024-02-29 13:05:09 Thursday Thu February 060 01PM 24 29 %"
+        );
+        assert_eq!(strftime("%-d %B", t).unwrap(), "29 February");
+        assert!(strftime("%Q", t).is_err());
+    }
+
+    #[test]
+    fn tojson_matches_python_json_dumps() {
+        let mut env = Environment::new();
+        env.add_filter("tojson", tojson);
+        let ctx = minijinja::context! { x => serde_json::json!({"a": [1, 2.5, {}], "b": "é\n<"}) };
+        let r = |src: &str| env.render_str(src, &ctx).unwrap();
+        // python: json.dumps(x, ensure_ascii=False) / json.dumps(x, ensure_ascii=False, indent=2)
+        assert_eq!(r("{{ x | tojson }}"), r#"{"a": [1, 2.5, {}], "b": "é\n<"}"#);
+        assert_eq!(
+            r("{{ x | tojson(indent=2) }}"),
+            "{\n  \"a\": [\n    1,\n    2.5,\n    {}\n  ],\n  \"b\": \"é\\n<\"\n}"
+        );
+        assert!(env.render_str("{{ x | tojson(bogus=1) }}", &ctx).is_err());
+    }
+}

@@ -1,0 +1,227 @@
+//! Tokenizer: text ↔ token ids, and chat templates.
+//!
+//! Built on the `tokenizers` crate. A GGUF file's vocabulary (`tokenizer.ggml.*`) is turned
+//! into the same `tokenizers::Tokenizer` the model ships as tokenizer.json ([`gguf_vocab`]);
+//! a Hugging Face directory is read as is ([`hf_dir`]). Decoding goes through a per-token byte
+//! table so streamed output never splits a UTF-8 character ([`stream`]). Chat templates are
+//! rendered with minijinja the way transformers renders them ([`chat`]).
+
+mod chat;
+mod gguf_vocab;
+mod hf_dir;
+mod stream;
+
+pub use stream::StreamDecoder;
+
+use crate::formats::gguf::GgufFile;
+use crate::formats::TokenizerSource;
+use crate::{Error, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+}
+
+/// Special tokens and the model's defaults for adding them.
+#[derive(Clone, Debug, Default)]
+struct Specials {
+    bos_id: Option<u32>,
+    eos_id: Option<u32>,
+    bos: Option<String>,
+    eos: Option<String>,
+    unk: Option<String>,
+    pad: Option<String>,
+    add_bos: bool,
+    add_eos: bool,
+}
+
+pub struct Tokenizer {
+    /// Matches special-token text (`<|im_start|>`) to its token.
+    hf: tokenizers::Tokenizer,
+    /// The same tokenizer with special-token matching off, for user text.
+    hf_plain: tokenizers::Tokenizer,
+    /// The file or directory it came from, for error messages.
+    source: String,
+    specials: Specials,
+    stop_ids: Vec<u32>,
+    chat_template: Option<String>,
+    pieces: stream::Pieces,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("source", &self.source)
+            .field("vocab_size", &self.vocab_size())
+            .field("bos", &self.specials.bos)
+            .field("eos", &self.specials.eos)
+            .field("add_bos", &self.specials.add_bos)
+            .field("stop_ids", &self.stop_ids)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tokenizer {
+    pub fn load(src: &TokenizerSource) -> Result<Tokenizer> {
+        match src {
+            TokenizerSource::Gguf(path) => Tokenizer::from_gguf(&GgufFile::open(path)?),
+            TokenizerSource::Dir(dir) => Tokenizer::from_dir(dir),
+        }
+    }
+
+    pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
+        let b = gguf_vocab::build(g)?;
+        let template = match g.get("tokenizer.chat_template") {
+            None => None,
+            Some(_) => Some(g.req_str("tokenizer.chat_template")?.to_string()),
+        };
+        Tokenizer::assemble(
+            b.hf,
+            g.path.display().to_string(),
+            b.specials,
+            &b.extra_stops,
+            template,
+        )
+    }
+
+    /// tokenizer.json + tokenizer_config.json (chat template, special tokens, add_bos_token);
+    /// special_tokens_map.json, config.json and generation_config.json fill in what those lack.
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
+        let d = hf_dir::read(dir)?;
+        Tokenizer::assemble(
+            d.hf,
+            dir.display().to_string(),
+            d.specials,
+            &d.extra_stops,
+            d.chat_template,
+        )
+    }
+
+    fn assemble(
+        hf: tokenizers::Tokenizer,
+        source: String,
+        specials: Specials,
+        extra_stops: &[u32],
+        chat_template: Option<String>,
+    ) -> Result<Tokenizer> {
+        if specials.add_bos && specials.bos_id.is_none() {
+            return Err(Error::format(&source, "adds a BOS token but names none"));
+        }
+        if specials.add_eos && specials.eos_id.is_none() {
+            return Err(Error::format(&source, "adds an EOS token but names none"));
+        }
+        let pieces = stream::Pieces::new(&hf, &source)?;
+        let n = pieces.len() as u32;
+        if let Some(bad) = [specials.bos_id, specials.eos_id]
+            .into_iter()
+            .flatten()
+            .chain(extra_stops.iter().copied())
+            .find(|&i| i >= n)
+        {
+            return Err(Error::format(
+                &source,
+                format!("special token id {bad} is outside the vocabulary ({n} tokens)"),
+            ));
+        }
+        let stop_ids = chat::stop_ids(&hf, specials.eos_id, extra_stops, chat_template.as_deref());
+        let mut hf_plain = hf.clone();
+        // Special-token text in user input stays text (transformers' split_special_tokens).
+        hf_plain.set_encode_special_tokens(true);
+        Ok(Tokenizer {
+            hf,
+            hf_plain,
+            source,
+            specials,
+            stop_ids,
+            chat_template,
+            pieces,
+        })
+    }
+
+    /// special=false: no BOS/EOS, and text that looks like a special token is plain text.
+    /// special=true: special-token text maps to its token, and BOS (EOS) is added where the
+    /// model adds one by default.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
+        let hf = if special { &self.hf } else { &self.hf_plain };
+        // The post-processor is bypassed (add_special_tokens = false): BOS/EOS are ours to add,
+        // so they are added exactly once whatever tokenizer.json's template says.
+        let enc = hf
+            .encode_fast(text, false)
+            .map_err(|e| Error::Invalid(format!("{}: encoding failed: {e}", self.source)))?;
+        let s = &self.specials;
+        let mut ids = Vec::with_capacity(enc.len() + 2);
+        if special && s.add_bos {
+            ids.extend(s.bos_id);
+        }
+        ids.extend_from_slice(enc.get_ids());
+        if special && s.add_eos {
+            ids.extend(s.eos_id);
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids`; special tokens are not printed.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        let mut d = StreamDecoder::new(self);
+        let mut out = String::new();
+        for &id in ids {
+            out += &d.push(id)?;
+        }
+        out += &d.finish()?;
+        Ok(out)
+    }
+
+    pub fn bos_id(&self) -> Option<u32> {
+        self.specials.bos_id
+    }
+    pub fn eos_id(&self) -> Option<u32> {
+        self.specials.eos_id
+    }
+    pub fn add_bos_default(&self) -> bool {
+        self.specials.add_bos
+    }
+    /// EOS plus the end-of-turn tokens the chat template writes, without repeats.
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+    pub fn vocab_size(&self) -> usize {
+        self.pieces.len()
+    }
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+    pub fn bos_token(&self) -> Option<&str> {
+        self.specials.bos.as_deref()
+    }
+    pub fn eos_token(&self) -> Option<&str> {
+        self.specials.eos.as_deref()
+    }
+    pub fn token_to_id(&self, token: &str) -> Option<u32> {
+        self.hf.token_to_id(token)
+    }
+
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        chat::apply(self, messages, add_generation_prompt)
+    }
+
+    /// The underlying tokenizer (matching special tokens), e.g. to write tokenizer.json.
+    pub fn hf(&self) -> &tokenizers::Tokenizer {
+        &self.hf
+    }
+}
