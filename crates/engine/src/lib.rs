@@ -5,6 +5,7 @@ pub mod config;
 pub mod error;
 pub mod formats;
 pub mod generate;
+pub mod hub;
 pub mod kv;
 pub mod model;
 pub mod progress;

@@ -15,9 +15,7 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 fn models_dir() -> PathBuf {
     match std::env::var_os("FERROLM_MODELS") {
         Some(d) => PathBuf::from(d),
-        None => {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ferrolm/models")
-        }
+        None => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ferrolm/models"),
     }
 }
 
@@ -29,11 +27,7 @@ fn smollm2() -> &'static Tokenizer {
     static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
         let path = models_dir().join(MODEL);
-        assert!(
-            path.exists(),
-            "{} is missing: these tests need the SmolLM2 GGUF (set FERROLM_MODELS)",
-            path.display()
-        );
+        assert!(path.exists(), "{} is missing: these tests need the SmolLM2 GGUF (set FERROLM_MODELS)", path.display());
         Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap()
     })
 }
@@ -49,11 +43,7 @@ fn golden() -> &'static Value {
 }
 
 fn ids(v: &Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
 
 fn cases() -> &'static [Value] {
@@ -81,16 +71,8 @@ fn check_ids(tok: &Tokenizer) {
 fn check_ids_of(tok: &Tokenizer, g: &Value) {
     for c in cases_of(g) {
         let text = c["text"].as_str().unwrap();
-        assert_eq!(
-            tok.encode(text, true).unwrap(),
-            ids(&c["ids_special"]),
-            "special: {text:?}"
-        );
-        assert_eq!(
-            tok.encode(text, false).unwrap(),
-            ids(&c["ids_plain"]),
-            "plain: {text:?}"
-        );
+        assert_eq!(tok.encode(text, true).unwrap(), ids(&c["ids_special"]), "special: {text:?}");
+        assert_eq!(tok.encode(text, false).unwrap(), ids(&c["ids_plain"]), "plain: {text:?}");
     }
 }
 
@@ -102,15 +84,8 @@ fn check_chat(tok: &Tokenizer) {
 fn check_chat_of(tok: &Tokenizer, g: &Value) {
     for c in g["chat"].as_array().unwrap() {
         let gen = c["add_generation_prompt"].as_bool().unwrap();
-        let got = tok
-            .apply_chat_template(&messages(&c["messages"]), gen)
-            .unwrap();
-        assert_eq!(
-            got,
-            c["text"].as_str().unwrap(),
-            "messages {}",
-            c["messages"]
-        );
+        let got = tok.apply_chat_template(&messages(&c["messages"]), gen).unwrap();
+        assert_eq!(got, c["text"].as_str().unwrap(), "messages {}", c["messages"]);
     }
 }
 
@@ -126,10 +101,7 @@ fn smollm2_special_text_is_plain_without_special() {
     let with = tok.encode(t, true).unwrap();
     let without = tok.encode(t, false).unwrap();
     assert_eq!(with[0], 1, "<|im_start|> is token 1");
-    assert!(
-        !without.contains(&1),
-        "user text must not produce <|im_start|>: {without:?}"
-    );
+    assert!(!without.contains(&1), "user text must not produce <|im_start|>: {without:?}");
     assert_eq!(tok.decode(&without).unwrap(), t);
 }
 
@@ -173,37 +145,21 @@ fn smollm2_chat_template_matches_transformers() {
 #[test]
 fn sentencepiece_vocab_matches_transformers() {
     let g = load_golden("tiny_spm");
-    let tok =
-        Tokenizer::from_gguf(&GgufFile::open(goldens().join("tiny_spm.gguf")).unwrap()).unwrap();
+    let tok = Tokenizer::from_gguf(&GgufFile::open(goldens().join("tiny_spm.gguf")).unwrap()).unwrap();
     assert_eq!(tok.vocab_size(), 400);
     assert!(tok.add_bos_default());
-    assert_eq!(
-        (tok.bos_token(), tok.eos_token()),
-        (Some("<s>"), Some("</s>"))
-    );
+    assert_eq!((tok.bos_token(), tok.eos_token()), (Some("<s>"), Some("</s>")));
     check_ids_of(&tok, &g);
     check_chat_of(&tok, &g);
     for c in cases_of(&g) {
-        for (key, dec) in [
-            ("ids_special", "decode_special"),
-            ("ids_plain", "decode_plain"),
-        ] {
+        for (key, dec) in [("ids_special", "decode_special"), ("ids_plain", "decode_plain")] {
             let ids = ids(&c[key]);
-            assert_eq!(
-                tok.decode(&ids).unwrap(),
-                c[dec].as_str().unwrap(),
-                "{:?}",
-                c["text"]
-            );
+            assert_eq!(tok.decode(&ids).unwrap(), c[dec].as_str().unwrap(), "{:?}", c["text"]);
             let mut d = StreamDecoder::new(&tok);
             let mut out = String::new();
             for &id in &ids {
                 let piece = d.push(id).unwrap();
-                assert!(
-                    !piece.contains('\u{FFFD}'),
-                    "partial char streamed in {:?}",
-                    c["text"]
-                );
+                assert!(!piece.contains('\u{FFFD}'), "partial char streamed in {:?}", c["text"]);
                 out += &piece;
             }
             assert_eq!(out + &d.finish().unwrap(), c[dec].as_str().unwrap());
@@ -226,11 +182,7 @@ fn stream_decoder_never_splits_characters() {
             for &id in &ids {
                 let piece = d.push(id).unwrap();
                 // The golden texts are valid UTF-8: a U+FFFD could only be a split character.
-                assert!(
-                    !piece.contains('\u{FFFD}'),
-                    "partial char streamed in {:?}",
-                    c["text"]
-                );
+                assert!(!piece.contains('\u{FFFD}'), "partial char streamed in {:?}", c["text"]);
                 let alone = tok.decode(&[id]).unwrap();
                 if piece.is_empty() && alone.contains('\u{FFFD}') {
                     held_back += 1;
@@ -251,17 +203,11 @@ fn stream_decoder_emoji_split_across_tokens() {
     let text = "🦀 rust 🦀";
     let ids = tok.encode(text, false).unwrap();
     // The crab is not one token: its four bytes come in several pieces.
-    let crab = ids
-        .iter()
-        .take_while(|&&i| !tok.decode(&[i]).unwrap().contains("rust"))
-        .count();
+    let crab = ids.iter().take_while(|&&i| !tok.decode(&[i]).unwrap().contains("rust")).count();
     assert!(crab >= 2, "🦀 should span several tokens: {ids:?}");
     let mut d = StreamDecoder::new(tok);
     let pieces: Vec<String> = ids.iter().map(|&i| d.push(i).unwrap()).collect();
-    assert!(
-        pieces[..crab - 1].iter().all(|p| p.is_empty()),
-        "{pieces:?}"
-    );
+    assert!(pieces[..crab - 1].iter().all(|p| p.is_empty()), "{pieces:?}");
     assert!(pieces[crab - 1].starts_with('🦀'), "{pieces:?}");
     assert_eq!(pieces.concat() + &d.finish().unwrap(), text);
 
@@ -277,16 +223,9 @@ fn stream_decoder_emoji_split_across_tokens() {
 /// and tokenizer.json written from our GGUF-built tokenizer (the real one is 3.5 MB).
 fn saved_dir() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
-    smollm2()
-        .hf()
-        .save(dir.path().join("tokenizer.json"), false)
-        .unwrap();
+    smollm2().hf().save(dir.path().join("tokenizer.json"), false).unwrap();
     for f in ["tokenizer_config.json", "chat_template.jinja"] {
-        std::fs::copy(
-            goldens().join("smollm2_tokenizer").join(f),
-            dir.path().join(f),
-        )
-        .unwrap();
+        std::fs::copy(goldens().join("smollm2_tokenizer").join(f), dir.path().join(f)).unwrap();
     }
     dir
 }
@@ -308,54 +247,27 @@ fn from_dir_matches_gguf_and_transformers() {
 fn from_dir_config_fallbacks_and_template_errors() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path();
-    smollm2()
-        .hf()
-        .save(p.join("tokenizer.json"), false)
-        .unwrap();
+    smollm2().hf().save(p.join("tokenizer.json"), false).unwrap();
     // No tokenizer_config.json: ids come from config.json / generation_config.json, the
     // template from chat_template.json.
-    std::fs::write(
-        p.join("config.json"),
-        r#"{"bos_token_id": 1, "eos_token_id": 2}"#,
-    )
-    .unwrap();
-    std::fs::write(
-        p.join("generation_config.json"),
-        r#"{"eos_token_id": [2, 0]}"#,
-    )
-    .unwrap();
+    std::fs::write(p.join("config.json"), r#"{"bos_token_id": 1, "eos_token_id": 2}"#).unwrap();
+    std::fs::write(p.join("generation_config.json"), r#"{"eos_token_id": [2, 0]}"#).unwrap();
     let t = r#"{% if messages|length > 1 %}{{ raise_exception('only one message, please') }}{% endif %}{{ messages[0].content.strip() | tojson }} {{ strftime_now('%Y') | length }}"#;
-    std::fs::write(
-        p.join("chat_template.json"),
-        serde_json::json!({ "chat_template": t }).to_string(),
-    )
-    .unwrap();
+    std::fs::write(p.join("chat_template.json"), serde_json::json!({ "chat_template": t }).to_string()).unwrap();
     let tok = Tokenizer::from_dir(p).unwrap();
-    assert_eq!(
-        (tok.bos_id(), tok.bos_token()),
-        (Some(1), Some("<|im_start|>"))
-    );
+    assert_eq!((tok.bos_id(), tok.bos_token()), (Some(1), Some("<|im_start|>")));
     assert_eq!(tok.eos_token(), Some("<|im_end|>"));
     assert_eq!(tok.stop_ids(), &[2, 0]);
     let one = [ChatMessage::new("user", "  «é» \"q\"\n")];
-    assert_eq!(
-        tok.apply_chat_template(&one, false).unwrap(),
-        "\"«é» \\\"q\\\"\" 4"
-    );
+    assert_eq!(tok.apply_chat_template(&one, false).unwrap(), "\"«é» \\\"q\\\"\" 4");
     let two = [one[0].clone(), one[0].clone()];
-    let e = tok
-        .apply_chat_template(&two, false)
-        .unwrap_err()
-        .to_string();
+    let e = tok.apply_chat_template(&two, false).unwrap_err().to_string();
     assert!(e.contains("only one message, please"), "{e}");
     assert!(e.contains("chat template"), "{e}");
 
     std::fs::write(p.join("chat_template.jinja"), "{% for m in messages %}").unwrap();
     let tok = Tokenizer::from_dir(p).unwrap();
-    let e = tok
-        .apply_chat_template(&one, false)
-        .unwrap_err()
-        .to_string();
+    let e = tok.apply_chat_template(&one, false).unwrap_err().to_string();
     assert!(e.contains("chat template"), "{e}");
 }
 
@@ -367,10 +279,7 @@ fn from_dir_errors_name_the_file() {
 
     std::fs::write(dir.path().join("tokenizer.json"), "{\"model\": 3").unwrap();
     let e = Tokenizer::from_dir(dir.path()).unwrap_err().to_string();
-    assert!(
-        e.contains("tokenizer.json") && e.contains("not a valid"),
-        "{e}"
-    );
+    assert!(e.contains("tokenizer.json") && e.contains("not a valid"), "{e}");
 
     let dir = saved_dir();
     std::fs::write(dir.path().join("tokenizer_config.json"), "{oops").unwrap();
@@ -413,13 +322,8 @@ fn gguf_errors_name_the_field() {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("notok.gguf");
     write_gguf(&p, &[("general.architecture", Ok("llama"))]);
-    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("tokenizer.ggml.tokens") && e.contains("notok.gguf"),
-        "{e}"
-    );
+    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("tokenizer.ggml.tokens") && e.contains("notok.gguf"), "{e}");
 
     let vocab: &[&str] = &["a", "b", "ab"];
     let merges: &[&str] = &["a b"];
@@ -433,38 +337,17 @@ fn gguf_errors_name_the_field() {
             ("tokenizer.ggml.merges", Err(merges)),
         ],
     );
-    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("tokenizer.ggml.pre") && e.contains("weird-pre"),
-        "{e}"
-    );
+    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("tokenizer.ggml.pre") && e.contains("weird-pre"), "{e}");
 
     let p = dir.path().join("model.gguf");
-    write_gguf(
-        &p,
-        &[
-            ("tokenizer.ggml.model", Ok("bert")),
-            ("tokenizer.ggml.tokens", Err(vocab)),
-        ],
-    );
-    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
-        .unwrap_err()
-        .to_string();
+    write_gguf(&p, &[("tokenizer.ggml.model", Ok("bert")), ("tokenizer.ggml.tokens", Err(vocab))]);
+    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err().to_string();
     assert!(e.contains("bert"), "{e}");
 
     // A gpt2 vocabulary without merges.
     let p = dir.path().join("nomerges.gguf");
-    write_gguf(
-        &p,
-        &[
-            ("tokenizer.ggml.model", Ok("gpt2")),
-            ("tokenizer.ggml.tokens", Err(vocab)),
-        ],
-    );
-    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
-        .unwrap_err()
-        .to_string();
+    write_gguf(&p, &[("tokenizer.ggml.model", Ok("gpt2")), ("tokenizer.ggml.tokens", Err(vocab))]);
+    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err().to_string();
     assert!(e.contains("tokenizer.ggml.merges"), "{e}");
 }

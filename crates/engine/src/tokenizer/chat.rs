@@ -85,11 +85,7 @@ fn py_dumps(v: &serde_json::Value, indent: Option<&str>, depth: usize, out: &mut
     }
 }
 
-fn tojson(
-    value: &Value,
-    indent: Option<Value>,
-    kwargs: Kwargs,
-) -> std::result::Result<Value, minijinja::Error> {
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
     let indent = match indent {
         Some(v) => Some(v),
         None => kwargs.get::<Option<Value>>("indent")?,
@@ -122,15 +118,7 @@ fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> 
 
 /// Python's `datetime.now().strftime(fmt)` for the directives chat templates use, in UTC.
 pub(super) fn strftime(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja::Error> {
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
+    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
     const MONTHS: [&str; 12] = [
         "January",
         "February",
@@ -207,18 +195,12 @@ pub(super) fn strftime(fmt: &str, unix_secs: i64) -> std::result::Result<String,
 }
 
 fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
     strftime(&fmt, now)
 }
 
-pub(super) fn apply(
-    tok: &Tokenizer,
-    messages: &[ChatMessage],
-    add_generation_prompt: bool,
-) -> Result<String> {
+pub(super) fn apply(tok: &Tokenizer, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
     let src = tok
         .chat_template
         .as_deref()

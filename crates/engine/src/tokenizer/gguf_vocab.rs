@@ -36,12 +36,12 @@ const TYPE_CONTROL: i64 = 3;
 const TYPE_USER_DEFINED: i64 = 4;
 
 /// GPT-2's word regex (the one ByteLevel applies with use_regex = true).
-const GPT2_SPLIT: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+const GPT2_SPLIT: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// Llama 3's regex, as written in its tokenizer.json.
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2's regex: like Llama 3 but single digits.
-const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_SPLIT: &str =
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Mistral's Tekken regex.
 const TEKKEN_SPLIT: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// o200k (GPT-4o) regex, also used by Llama 4.
@@ -59,9 +59,7 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
     let ferr = |msg: String| Error::format(&g.path, msg);
     let tokens = g.str_array("tokenizer.ggml.tokens")?;
     if tokens.is_empty() {
-        return Err(ferr(
-            "metadata tokenizer.ggml.tokens: empty vocabulary".into(),
-        ));
+        return Err(ferr("metadata tokenizer.ggml.tokens: empty vocabulary".into()));
     }
     let n = tokens.len();
     let types = match g.get("tokenizer.ggml.token_type") {
@@ -72,9 +70,7 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
     let id = |key: &str| -> Result<Option<u32>> {
         match g.opt_u64(key)? {
             Some(i) if (i as usize) < n => Ok(Some(i as u32)),
-            Some(i) => Err(ferr(format!(
-                "metadata {key} = {i} is outside the vocabulary ({n} tokens)"
-            ))),
+            Some(i) => Err(ferr(format!("metadata {key} = {i} is outside the vocabulary ({n} tokens)"))),
             None => Ok(None),
         }
     };
@@ -120,25 +116,14 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
         eos: name(eos),
         unk: name(unk),
         pad: name(pad),
-        add_bos: g
-            .opt_bool("tokenizer.ggml.add_bos_token")
-            .unwrap_or(default_add_bos),
+        add_bos: g.opt_bool("tokenizer.ggml.add_bos_token").unwrap_or(default_add_bos),
         add_eos: g.opt_bool("tokenizer.ggml.add_eos_token").unwrap_or(false),
     };
-    Ok(Built {
-        hf,
-        specials,
-        extra_stops,
-    })
+    Ok(Built { hf, specials, extra_stops })
 }
 
 fn int_array(g: &GgufFile, key: &str, v: &MetaValue, n: usize) -> Result<Vec<i64>> {
-    let bad = || {
-        Error::format(
-            &g.path,
-            format!("metadata {key}: not an array of {n} integers"),
-        )
-    };
+    let bad = || Error::format(&g.path, format!("metadata {key}: not an array of {n} integers"));
     let a = v.as_array().filter(|a| a.len() == n).ok_or_else(bad)?;
     a.iter()
         .map(|x| match *x {
@@ -150,28 +135,15 @@ fn int_array(g: &GgufFile, key: &str, v: &MetaValue, n: usize) -> Result<Vec<i64
 }
 
 fn f64_array(g: &GgufFile, key: &str, n: usize) -> Result<Vec<f64>> {
-    let bad = || {
-        Error::format(
-            &g.path,
-            format!("metadata {key}: missing or not {n} numbers"),
-        )
-    };
-    let a = g
-        .get(key)
-        .and_then(|v| v.as_array())
-        .filter(|a| a.len() == n)
-        .ok_or_else(bad)?;
+    let bad = || Error::format(&g.path, format!("metadata {key}: missing or not {n} numbers"));
+    let a = g.get(key).and_then(|v| v.as_array()).filter(|a| a.len() == n).ok_or_else(bad)?;
     a.iter().map(|x| x.as_f64().ok_or_else(bad)).collect()
 }
 
 fn vocab_map(tokens: &[&str]) -> Vocab {
     // A spelling listed twice (seen in some converted vocabularies) maps to its last id, as
     // llama.cpp's text→token map and transformers' vocab dict both do.
-    tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.to_string(), i as u32))
-        .collect()
+    tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect()
 }
 
 fn tk_err(g: &GgufFile, what: &str, e: impl std::fmt::Display) -> Error {
@@ -181,10 +153,7 @@ fn tk_err(g: &GgufFile, what: &str, e: impl std::fmt::Display) -> Error {
 /// llama.cpp turns BOS on by default for some byte-level families (Llama 3 and relatives).
 fn pre_defaults_bos(g: &GgufFile) -> Result<bool> {
     let pre = pre_name(g)?;
-    Ok(matches!(
-        pre,
-        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe"
-    ))
+    Ok(matches!(pre, "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe"))
 }
 
 fn pre_name(g: &GgufFile) -> Result<&str> {
@@ -196,21 +165,14 @@ fn pre_name(g: &GgufFile) -> Result<&str> {
 }
 
 fn split(g: &GgufFile, re: &str) -> Result<PreTokenizerWrapper> {
-    let s = Split::new(
-        SplitPattern::Regex(re.to_string()),
-        SplitDelimiterBehavior::Isolated,
-        false,
-    )
-    .map_err(|e| tk_err(g, "pre-tokenizer regex", e))?;
+    let s = Split::new(SplitPattern::Regex(re.to_string()), SplitDelimiterBehavior::Isolated, false)
+        .map_err(|e| tk_err(g, "pre-tokenizer regex", e))?;
     Ok(s.into())
 }
 
 /// Regex splits followed by the byte-level mapping (no regex of its own).
 fn splits_then_bytes(g: &GgufFile, res: &[&str]) -> Result<PreTokenizerWrapper> {
-    let mut v = res
-        .iter()
-        .map(|r| split(g, r))
-        .collect::<Result<Vec<_>>>()?;
+    let mut v = res.iter().map(|r| split(g, r)).collect::<Result<Vec<_>>>()?;
     v.push(ByteLevel::new(false, true, false).into());
     Ok(PreSequence::new(v).into())
 }
@@ -220,44 +182,27 @@ fn splits_then_bytes(g: &GgufFile, res: &[&str]) -> Result<PreTokenizerWrapper> 
 fn byte_level_pre(g: &GgufFile) -> Result<(PreTokenizerWrapper, Option<NormalizerWrapper>, bool)> {
     let pre = pre_name(g)?;
     Ok(match pre {
-        "gpt-2" | "mpt" | "olmo" | "jais" => {
-            (ByteLevel::new(false, true, true).into(), None, false)
-        }
+        "gpt-2" | "mpt" | "olmo" | "jais" => (ByteLevel::new(false, true, true).into(), None, false),
         // SmolLM/StarCoder: every digit on its own, then GPT-2 words (SmolLM2's tokenizer.json
         // is Digits(individual_digits) + ByteLevel; llama.cpp splits on \p{N} first: the same).
         "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva-7b" => {
-            let seq = PreSequence::new(vec![
-                Digits::new(true).into(),
-                ByteLevel::new(false, true, true).into(),
-            ]);
+            let seq = PreSequence::new(vec![Digits::new(true).into(), ByteLevel::new(false, true, true).into()]);
             (seq.into(), None, false)
         }
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "dbrx" | "smaug-bpe" => {
             (splits_then_bytes(g, &[LLAMA3_SPLIT])?, None, true)
         }
         // Qwen2's tokenizer.json normalizes to NFC before splitting.
-        "qwen2" | "deepseek-r1-qwen" | "megrez" | "stablelm2" => (
-            splits_then_bytes(g, &[QWEN2_SPLIT])?,
-            Some(NFC.into()),
-            false,
-        ),
+        "qwen2" | "deepseek-r1-qwen" | "megrez" | "stablelm2" => {
+            (splits_then_bytes(g, &[QWEN2_SPLIT])?, Some(NFC.into()), false)
+        }
         "tekken" => (splits_then_bytes(g, &[TEKKEN_SPLIT])?, None, false),
         "gpt-4o" | "llama4" => (splits_then_bytes(g, &[GPT4O_SPLIT])?, None, false),
         // llama.cpp's fallback for vocabularies it could not identify: punctuation runs, GPT-2
         // words, digit runs, then groups of three ASCII digits.
-        "default" => (
-            splits_then_bytes(
-                g,
-                &[
-                    r"[\p{P}\$\+<=>\^~\|]+",
-                    GPT2_SPLIT,
-                    r"\p{N}+",
-                    "[0-9][0-9][0-9]",
-                ],
-            )?,
-            None,
-            false,
-        ),
+        "default" => {
+            (splits_then_bytes(g, &[r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT, r"\p{N}+", "[0-9][0-9][0-9]"])?, None, false)
+        }
         other => {
             return Err(Error::format(
                 &g.path,
@@ -276,10 +221,7 @@ fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
     let mut merges = Vec::with_capacity(raw.len());
     for (i, m) in raw.iter().enumerate() {
         let (a, b) = m.split_once(' ').ok_or_else(|| {
-            Error::format(
-                &g.path,
-                format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""),
-            )
+            Error::format(&g.path, format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""))
         })?;
         merges.push((a.to_string(), b.to_string()));
     }
@@ -311,29 +253,16 @@ fn sentencepiece(g: &GgufFile, tokens: &[&str], unk: Option<u32>) -> Result<toke
         let scores = f64_array(g, "tokenizer.ggml.scores", n)?;
         merges_from_scores(tokens, &scores)
     };
-    let mut b = BPE::builder()
-        .vocab_and_merges(vocab_map(tokens), merges)
-        .byte_fallback(true)
-        .fuse_unk(true);
+    let mut b = BPE::builder().vocab_and_merges(vocab_map(tokens), merges).byte_fallback(true).fuse_unk(true);
     if let Some(u) = unk {
         b = b.unk_token(tokens[u as usize].to_string());
     }
-    let bpe = b
-        .build()
-        .map_err(|e| tk_err(g, "tokenizer.ggml.scores", e))?;
+    let bpe = b.build().map_err(|e| tk_err(g, "tokenizer.ggml.scores", e))?;
     // add_space_prefix: SentencePiece's add_dummy_prefix. llama.cpp's default is on.
-    let prefix = g
-        .opt_bool("tokenizer.ggml.add_space_prefix")
-        .unwrap_or(true);
-    let scheme = if prefix {
-        PrependScheme::First
-    } else {
-        PrependScheme::Never
-    };
+    let prefix = g.opt_bool("tokenizer.ggml.add_space_prefix").unwrap_or(true);
+    let scheme = if prefix { PrependScheme::First } else { PrependScheme::Never };
     let mut dec: Vec<DecoderWrapper> = vec![
-        Replace::new("\u{2581}", " ")
-            .map_err(|e| tk_err(g, "decoder", e))?
-            .into(),
+        Replace::new("\u{2581}", " ").map_err(|e| tk_err(g, "decoder", e))?.into(),
         ByteFallback::new().into(),
         Fuse::new().into(),
     ];
@@ -376,16 +305,7 @@ pub(super) fn merges_from_scores(tokens: &[&str], scores: &[f64]) -> Vec<(String
         for (k, (cut, _)) in t.char_indices().enumerate().skip(1) {
             let (l, r) = t.split_at(cut);
             if let (Some(&il), Some(&ir)) = (ids.get(l), ids.get(r)) {
-                all.push(M {
-                    score: scores[tok],
-                    ll: k,
-                    lr: nchars - k,
-                    tok,
-                    il,
-                    ir,
-                    l,
-                    r,
-                });
+                all.push(M { score: scores[tok], ll: k, lr: nchars - k, tok, il, ir, l, r });
             }
         }
     }
@@ -397,7 +317,5 @@ pub(super) fn merges_from_scores(tokens: &[&str], scores: &[f64]) -> Vec<(String
             .then(a.tok.cmp(&b.tok))
             .then((a.il, a.ir).cmp(&(b.il, b.ir)))
     });
-    all.into_iter()
-        .map(|m| (m.l.to_string(), m.r.to_string()))
-        .collect()
+    all.into_iter().map(|m| (m.l.to_string(), m.r.to_string())).collect()
 }

@@ -21,9 +21,7 @@ fn read_json(path: &Path) -> Result<Option<Value>> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(Error::io(path, e)),
     };
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|e| Error::format(path, format!("not valid JSON: {e}")))
+    serde_json::from_str(&text).map(Some).map_err(|e| Error::format(path, format!("not valid JSON: {e}")))
 }
 
 /// A special token as tokenizer_config.json writes it: a string or {"content": ...}.
@@ -39,11 +37,7 @@ fn token_str(v: &Value) -> Option<String> {
 fn ids(v: &Value) -> Vec<u32> {
     match v {
         Value::Number(n) => n.as_u64().map(|i| i as u32).into_iter().collect(),
-        Value::Array(a) => a
-            .iter()
-            .filter_map(|x| x.as_u64())
-            .map(|i| i as u32)
-            .collect(),
+        Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|i| i as u32).collect(),
         _ => vec![],
     }
 }
@@ -54,20 +48,12 @@ fn template_from_config(cfg: &Value, path: &Path) -> Result<Option<String>> {
         Value::String(s) => Ok(Some(s.clone())),
         // Several named templates: the one called "default" is the chat template.
         Value::Array(list) => {
-            let named = |n: &str| {
-                list.iter()
-                    .find(|t| t["name"] == n)
-                    .and_then(|t| t["template"].as_str())
-            };
+            let named = |n: &str| list.iter().find(|t| t["name"] == n).and_then(|t| t["template"].as_str());
             let t = named("default").or_else(|| list.first().and_then(|t| t["template"].as_str()));
-            t.map(|t| Some(t.to_string())).ok_or_else(|| {
-                Error::format(path, "chat_template: a list without a \"template\" string")
-            })
+            t.map(|t| Some(t.to_string()))
+                .ok_or_else(|| Error::format(path, "chat_template: a list without a \"template\" string"))
         }
-        other => Err(Error::format(
-            path,
-            format!("chat_template: expected a string or a list, found {other}"),
-        )),
+        other => Err(Error::format(path, format!("chat_template: expected a string or a list, found {other}"))),
     }
 }
 
@@ -87,18 +73,16 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
     let jinja = dir.join("chat_template.jinja");
     let chat_template = match std::fs::read_to_string(&jinja) {
         Ok(t) => Some(t),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            match template_from_config(&cfg, &cfg_path)? {
-                Some(t) => Some(t),
-                None => {
-                    let p = dir.join("chat_template.json");
-                    match read_json(&p)? {
-                        Some(v) => template_from_config(&v, &p)?,
-                        None => None,
-                    }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match template_from_config(&cfg, &cfg_path)? {
+            Some(t) => Some(t),
+            None => {
+                let p = dir.join("chat_template.json");
+                match read_json(&p)? {
+                    Some(v) => template_from_config(&v, &p)?,
+                    None => None,
                 }
             }
-        }
+        },
         Err(e) => return Err(Error::io(&jinja, e)),
     };
 
@@ -110,20 +94,14 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
             return (Some(id), s);
         }
         let key = format!("{name}_id");
-        let id = ids(&model_cfg[&key])
-            .into_iter()
-            .chain(ids(&gen_cfg[&key]))
-            .next();
+        let id = ids(&model_cfg[&key]).into_iter().chain(ids(&gen_cfg[&key])).next();
         (id, id.and_then(|i| hf.id_to_token(i)))
     };
     let (bos_id, bos) = special("bos_token");
     let (eos_id, eos) = special("eos_token");
     let (_, unk) = special("unk_token");
     let (_, pad) = special("pad_token");
-    let extra_stops = ids(&gen_cfg["eos_token_id"])
-        .into_iter()
-        .chain(ids(&model_cfg["eos_token_id"]))
-        .collect();
+    let extra_stops = ids(&gen_cfg["eos_token_id"]).into_iter().chain(ids(&model_cfg["eos_token_id"])).collect();
 
     // Without an explicit flag, BOS/EOS are added if tokenizer.json's post-processor adds them.
     let probe = |add: bool| {
@@ -137,32 +115,14 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
         match &cfg[key] {
             Value::Null => Ok(detected),
             Value::Bool(b) => Ok(*b),
-            other => Err(Error::format(
-                &cfg_path,
-                format!("{key}: expected true or false, found {other}"),
-            )),
+            other => Err(Error::format(&cfg_path, format!("{key}: expected true or false, found {other}"))),
         }
     };
-    let add_bos = flag(
-        "add_bos_token",
-        grew && bos_id.is_some() && with.first() == bos_id.as_ref(),
-    )?;
-    let add_eos = flag(
-        "add_eos_token",
-        grew && eos_id.is_some() && with.last() == eos_id.as_ref(),
-    )?;
+    let add_bos = flag("add_bos_token", grew && bos_id.is_some() && with.first() == bos_id.as_ref())?;
+    let add_eos = flag("add_eos_token", grew && eos_id.is_some() && with.last() == eos_id.as_ref())?;
     Ok(DirParts {
         hf,
-        specials: Specials {
-            bos_id,
-            eos_id,
-            bos,
-            eos,
-            unk,
-            pad,
-            add_bos,
-            add_eos,
-        },
+        specials: Specials { bos_id, eos_id, bos, eos, unk, pad, add_bos, add_eos },
         chat_template,
         extra_stops,
     })

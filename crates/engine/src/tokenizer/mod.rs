@@ -27,10 +27,7 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage { role: role.into(), content: content.into() }
     }
 }
 
@@ -87,26 +84,14 @@ impl Tokenizer {
             None => None,
             Some(_) => Some(g.req_str("tokenizer.chat_template")?.to_string()),
         };
-        Tokenizer::assemble(
-            b.hf,
-            g.path.display().to_string(),
-            b.specials,
-            &b.extra_stops,
-            template,
-        )
+        Tokenizer::assemble(b.hf, g.path.display().to_string(), b.specials, &b.extra_stops, template)
     }
 
     /// tokenizer.json + tokenizer_config.json (chat template, special tokens, add_bos_token);
     /// special_tokens_map.json, config.json and generation_config.json fill in what those lack.
     pub fn from_dir(dir: &Path) -> Result<Tokenizer> {
         let d = hf_dir::read(dir)?;
-        Tokenizer::assemble(
-            d.hf,
-            dir.display().to_string(),
-            d.specials,
-            &d.extra_stops,
-            d.chat_template,
-        )
+        Tokenizer::assemble(d.hf, dir.display().to_string(), d.specials, &d.extra_stops, d.chat_template)
     }
 
     fn assemble(
@@ -139,15 +124,7 @@ impl Tokenizer {
         let mut hf_plain = hf.clone();
         // Special-token text in user input stays text (transformers' split_special_tokens).
         hf_plain.set_encode_special_tokens(true);
-        Ok(Tokenizer {
-            hf,
-            hf_plain,
-            source,
-            specials,
-            stop_ids,
-            chat_template,
-            pieces,
-        })
+        Ok(Tokenizer { hf, hf_plain, source, specials, stop_ids, chat_template, pieces })
     }
 
     /// special=false: no BOS/EOS, and text that looks like a special token is plain text.
@@ -212,11 +189,7 @@ impl Tokenizer {
         self.hf.token_to_id(token)
     }
 
-    pub fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         chat::apply(self, messages, add_generation_prompt)
     }
 

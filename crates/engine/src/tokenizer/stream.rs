@@ -53,11 +53,7 @@ fn byte_token(t: &str) -> Option<u8> {
 
 enum Rule {
     ByteLevel,
-    Pieces {
-        metaspace: bool,
-        byte_fallback: bool,
-        first: FirstPiece,
-    },
+    Pieces { metaspace: bool, byte_fallback: bool, first: FirstPiece },
 }
 
 /// Read the decoder's shape from its serialized form (the tokenizer.json schema).
@@ -80,9 +76,7 @@ fn rule(file: &str, decoder: Option<Value>) -> Result<Rule> {
     let (mut metaspace, mut byte_fallback, mut first) = (false, false, FirstPiece::Keep);
     for s in &steps {
         match s["type"].as_str().unwrap_or("?") {
-            "Replace" if s["pattern"]["String"] == "\u{2581}" && s["content"] == " " => {
-                metaspace = true
-            }
+            "Replace" if s["pattern"]["String"] == "\u{2581}" && s["content"] == " " => metaspace = true,
             "ByteFallback" => byte_fallback = true,
             "Fuse" => {}
             "Strip" if s["content"] == " " && s["stop"] == 0 => {
@@ -97,11 +91,7 @@ fn rule(file: &str, decoder: Option<Value>) -> Result<Rule> {
             _ => return Err(unsupported(&s.to_string())),
         }
     }
-    Ok(Rule::Pieces {
-        metaspace,
-        byte_fallback,
-        first,
-    })
+    Ok(Rule::Pieces { metaspace, byte_fallback, first })
 }
 
 impl Pieces {
@@ -113,12 +103,7 @@ impl Pieces {
             .map_err(|e| Error::format(file, format!("decoder: {e}")))?;
         let rule = rule(file, dec)?;
         let added = hf.get_added_tokens_decoder();
-        let n = added
-            .keys()
-            .map(|&i| i as usize + 1)
-            .chain([hf.get_vocab_size(false)])
-            .max()
-            .unwrap_or(0);
+        let n = added.keys().map(|&i| i as usize + 1).chain([hf.get_vocab_size(false)]).max().unwrap_or(0);
         let aliases = byte_aliases();
         let mut from_alias = std::collections::HashMap::new();
         for (b, c) in aliases.iter().enumerate() {
@@ -138,16 +123,10 @@ impl Pieces {
                 // Mirrors tokenizers' ByteLevel decoder: a token spelled entirely in byte
                 // aliases is those bytes; any other token is its own UTF-8.
                 Rule::ByteLevel => {
-                    let mapped: Option<Vec<u8>> =
-                        tok.chars().map(|c| from_alias.get(&c).copied()).collect();
-                    p.bytes
-                        .extend(mapped.unwrap_or_else(|| tok.as_bytes().to_vec()));
+                    let mapped: Option<Vec<u8>> = tok.chars().map(|c| from_alias.get(&c).copied()).collect();
+                    p.bytes.extend(mapped.unwrap_or_else(|| tok.as_bytes().to_vec()));
                 }
-                Rule::Pieces {
-                    metaspace,
-                    byte_fallback,
-                    ..
-                } => match byte_token(&tok).filter(|_| *byte_fallback) {
+                Rule::Pieces { metaspace, byte_fallback, .. } => match byte_token(&tok).filter(|_| *byte_fallback) {
                     Some(b) => p.bytes.push(b),
                     None if *metaspace => p.bytes.extend(tok.replace('\u{2581}', " ").bytes()),
                     None => p.bytes.extend(tok.bytes()),
@@ -158,12 +137,7 @@ impl Pieces {
         for (id, t) in added.iter() {
             p.skip[*id as usize] = t.special;
         }
-        if let Rule::Pieces {
-            first,
-            byte_fallback,
-            ..
-        } = rule
-        {
+        if let Rule::Pieces { first, byte_fallback, .. } = rule {
             p.first = first;
             p.byte_fallback = byte_fallback;
         }
@@ -190,23 +164,14 @@ pub struct StreamDecoder<'a> {
 
 impl<'a> StreamDecoder<'a> {
     pub fn new(tok: &'a Tokenizer) -> Self {
-        StreamDecoder {
-            tok,
-            pending: Vec::new(),
-            at_first: true,
-            at_start: true,
-            stripped: 0,
-        }
+        StreamDecoder { tok, pending: Vec::new(), at_first: true, at_start: true, stripped: 0 }
     }
 
     pub fn push(&mut self, id: u32) -> Result<String> {
         let p = &self.tok.pieces;
         let i = id as usize;
         if i >= p.len() {
-            return Err(Error::Invalid(format!(
-                "token id {id} is outside the vocabulary ({} tokens)",
-                p.len()
-            )));
+            return Err(Error::Invalid(format!("token id {id} is outside the vocabulary ({} tokens)", p.len())));
         }
         if p.skip[i] {
             return Ok(String::new());
