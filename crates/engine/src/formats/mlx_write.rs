@@ -359,7 +359,7 @@ pub fn unpermute_rows(
     is_bias: bool,
 ) -> std::result::Result<Weight, String> {
     let n = if is_bias { w.cols() } else { w.rows() };
-    if heads == 0 || n % (2 * heads) != 0 {
+    if heads == 0 || !n.is_multiple_of(2 * heads) {
         return Err(format!(
             "{n} rows do not split into {heads} heads of even size"
         ));
