@@ -740,8 +740,9 @@ fn mlx_quantized_mismatches_are_errors() {
 }
 
 /// The real SmolLM2 GGUF → MLX directory → back: identical except q/k rows, which come back
-/// in Hugging Face order. Set FERROLM_MLX_OUT=dir to keep the output (for
-/// tools/oracle/mlx_load_check.py); its tokenizer files are placeholders.
+/// in Hugging Face order. FERROLM_MLX_OUT=dir keeps the output (for
+/// tools/oracle/mlx_load_check.py; its tokenizer files are placeholders) and
+/// FERROLM_MLX_SCHEME=mixed:4,8 (etc.) requantizes before writing.
 #[test]
 fn smollm2_gguf_to_mlx_dir() {
     let home = std::env::var("HOME").unwrap_or_default();
@@ -750,7 +751,10 @@ fn smollm2_gguf_to_mlx_dir() {
         eprintln!("skipping: {} not found", gguf.display());
         return;
     }
-    let src = formats::load(&gguf, false).unwrap();
+    let mut src = formats::load(&gguf, false).unwrap();
+    if let Ok(s) = std::env::var("FERROLM_MLX_SCHEME") {
+        apply(&mut src, &QuantScheme::parse(&s).unwrap(), false).unwrap();
+    }
     let tmp = tempfile::tempdir().unwrap();
     let out = match std::env::var("FERROLM_MLX_OUT") {
         Ok(p) => std::path::PathBuf::from(p),
@@ -763,24 +767,26 @@ fn smollm2_gguf_to_mlx_dir() {
     assert_eq!(back.tensors.len(), src.tensors.len());
     for (n, w) in &src.tensors {
         let b = &back.tensors[n];
-        if n.contains("q_proj") || n.contains("k_proj") {
-            let heads = if n.contains("q_proj") {
-                src.config.n_heads
-            } else {
-                src.config.n_kv_heads
-            };
-            let (Weight::Affine(x), Weight::Affine(y)) = (w, b) else {
-                panic!("{n}")
-            };
-            // Row r of the output is ggml row h·D + 2i + j for r = h·D + j·D/2 + i.
-            let d = x.rows / heads;
-            for r in 0..x.rows {
-                let (h, k) = (r / d, r % d);
-                let s = h * d + 2 * (k % (d / 2)) + k / (d / 2);
-                assert_eq!(y.row_words(r), x.row_words(s), "{n} row {r}");
-            }
+        let heads = if n.contains("q_proj") {
+            src.config.n_heads
+        } else if n.contains("k_proj") {
+            src.config.n_kv_heads
         } else {
             assert_same(n, w, b);
+            continue;
+        };
+        assert_eq!(w.describe(), b.describe(), "{n}");
+        // Row r of the output is ggml row h·D + 2i + j for r = h·D + j·D/2 + i.
+        let d = w.rows() / heads;
+        let (mut x, mut y) = (vec![0f32; w.cols()], vec![0f32; w.cols()]);
+        for r in 0..w.rows() {
+            let (h, k) = (r / d, r % d);
+            w.row_f32(h * d + 2 * (k % (d / 2)) + k / (d / 2), &mut x);
+            b.row_f32(r, &mut y);
+            assert!(
+                x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{n} row {r}"
+            );
         }
     }
 }

@@ -17,10 +17,10 @@
 //! f16/bf16 sources keep f16/bf16 scales, and f32 sources get f32 scales, as mlx-lm does
 //! (it quantizes in the weight dtype and only casts when asked to with `--dtype`). A matrix
 //! that is already affine at the target bits and group is kept bit for bit; at any other
-//! target it is dequantized to f32 and requantized (keeping its scale dtype), which adds the
-//! new scheme's rounding error on top of the old one.
+//! target it is dequantized into its scale dtype (as mlx-lm's dequantize does) and requantized
+//! with that scale dtype, which adds the new scheme's rounding error on top of the old one.
 
-use super::affine::{check_scheme, BITS, GROUPS};
+use super::affine::{check_scheme, get_q, round_to, BITS, GROUPS};
 use super::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 use crate::config::ModelConfig;
 use crate::formats::safetensors::is_matrix_name;
@@ -180,7 +180,30 @@ fn convert_one(name: &str, w: &mut Weight, scheme: &QuantScheme, cfg: &ModelConf
             DenseData::BF16(_) => ScaleDtype::BF16,
         },
     };
-    let v = w.to_f32_vec();
+    let v = match w {
+        Weight::Affine(t) => dequantize_like_mlx(t),
+        Weight::Dense(d) => d.to_f32_vec(),
+    };
     *w = Weight::Affine(AffineTensor::quantize(&v, rows, cols, bits, group, dtype)?);
     Ok(())
+}
+
+/// Dequantize as `mx.dequantize` does: in the scale dtype, rounding after the multiply and
+/// after the add. Requantizing from these values (rather than exact f32 ones) makes our
+/// output equal mlx-lm's dequantize → quantize bit for bit; the f32 values would put
+/// min/max on the other side of a tie in some groups and flip the sign of their scale.
+fn dequantize_like_mlx(t: &AffineTensor) -> Vec<f32> {
+    let dtype = t.scales.dtype();
+    let gpr = t.groups_per_row();
+    let mut out = vec![0f32; t.rows * t.cols];
+    for (r, row) in out.chunks_mut(t.cols).enumerate() {
+        let words = t.row_words(r);
+        for (i, x) in row.iter_mut().enumerate() {
+            let g = r * gpr + i / t.group;
+            let q = get_q(words, t.bits, i) as f32;
+            let sq = round_to(t.scales.get(g) * q, dtype);
+            *x = round_to(sq + t.biases.get(g), dtype);
+        }
+    }
+    out
 }
