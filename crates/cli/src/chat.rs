@@ -101,15 +101,15 @@ fn print_stats(st: &GenStats, seed: u64) {
 }
 
 /// Stream tokens as text to stdout, never splitting a UTF-8 character.
-fn streamer<'a>(
-    dec: &'a mut StreamDecoder<'_>,
-    out: &'a mut impl Write,
-) -> impl FnMut(u32) -> ferrolm::Result<bool> + 'a {
-    move |tok| {
+fn streamer<'a, 't: 'a>(
+    dec: &'a mut StreamDecoder<'t>,
+    out: &'a mut dyn Write,
+) -> Box<dyn FnMut(u32) -> ferrolm::Result<bool> + 'a> {
+    Box::new(move |tok| {
         let s = dec.push(tok)?;
         // A closed stdout (e.g. `| head`) stops generation quietly.
         Ok(out.write_all(s.as_bytes()).and_then(|_| out.flush()).is_ok())
-    }
+    })
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {

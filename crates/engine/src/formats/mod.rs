@@ -7,6 +7,8 @@
 
 pub mod gguf;
 pub mod gguf_names;
+pub mod mlx_write;
+pub mod safetensors;
 
 use crate::config::ModelConfig;
 use crate::quant::Weight;
@@ -44,7 +46,7 @@ impl ModelSource {
 /// Open a model: a .gguf file, or a directory holding config.json + *.safetensors.
 pub fn load(path: &Path, progress: bool) -> Result<ModelSource> {
     if path.is_dir() {
-        Err(Error::Unsupported(format!("{}: safetensors directories are not wired in yet", path.display())))
+        safetensors::load_dir(path, progress)
     } else if path.exists() {
         gguf_names::load_gguf(path, progress)
     } else {

@@ -3,6 +3,7 @@
 pub mod affine;
 pub mod ggml;
 pub mod kquants;
+pub mod scheme;
 
 pub use affine::{AffineTensor, ScaleDtype, Scales};
 
