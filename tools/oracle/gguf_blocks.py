@@ -1,0 +1,129 @@
+"""Goldens for bit-exact GGUF block import: random raw blocks dequantized by the `gguf`
+Python package (an independent port of ggml's dequantize_row_*), plus fingerprints of real
+tensors from SmolLM2-135M-Instruct.Q4_1.gguf.
+
+Run from the repository root (needs numpy, safetensors and gguf >= 0.19):
+
+    python3 tools/oracle/gguf_blocks.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]
+
+Writes crates/engine/tests/goldens/ggml_blocks.safetensors (tensors `<case>.raw`: u8
+[rows, bytes per row] and `<case>.expected`: f32 [rows, cols]; metadata `cases`: the case
+names, each `<TYPE>` or `<TYPE>.<variant>`) and crates/engine/tests/goldens/smollm2_real.json
+(per tensor: type, shape, the first row's f32 bits and a position-weighted hash of all f32
+bits, see `fingerprint`). The model path defaults to ~/.cache/ferrolm/models/.
+Deterministic: a fixed seed, so rerunning reproduces the same files.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from safetensors.numpy import save_file
+
+SEED = 20240611
+OUT = "crates/engine/tests/goldens"
+MODEL = os.path.expanduser("~/.cache/ferrolm/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# type → (values per block, bytes per block, byte offsets of f16 "scale-like" fields, and of
+# f16 fields that are minimums/biases). Everything else in a block is random bytes.
+LAYOUT = {
+    "Q4_0": (T.Q4_0, 32, 18, [0], []),
+    "Q4_1": (T.Q4_1, 32, 20, [0], [2]),
+    "Q5_0": (T.Q5_0, 32, 22, [0], []),
+    "Q5_1": (T.Q5_1, 32, 24, [0], [2]),
+    "Q8_0": (T.Q8_0, 32, 34, [0], []),
+    "Q4_K": (T.Q4_K, 256, 144, [0], [2]),
+    "Q5_K": (T.Q5_K, 256, 176, [0], [2]),
+    "Q6_K": (T.Q6_K, 256, 210, [208], []),
+}
+
+# f16 values for the "edge" variants: zeros, subnormals, the smallest normal, large values up
+# to f16's max (−128·65504 overflows f16, so Q8_0 must fall back to f32 biases there).
+EDGE_F16 = [0.0, -0.0, 2.0**-24, -(2.0**-20), 6.103515625e-05, 1.0, -100.0, 600.0, 65504.0, -65504.0]
+
+
+def sane_f16(rng, n, lo, hi):
+    """Random f16 values with |x| log-uniform in [lo, hi] and a random sign."""
+    mag = np.exp(rng.uniform(np.log(lo), np.log(hi), n))
+    sign = np.where(rng.random(n) < 0.5, -1.0, 1.0)
+    return (mag * sign).astype(np.float16)
+
+
+def make_blocks(rng, name, rows, blocks_per_row, edge):
+    qtype, _, bb, d_offs, m_offs = LAYOUT[name]
+    n = rows * blocks_per_row
+    raw = rng.integers(0, 256, size=(n, bb), dtype=np.uint8)
+    for offs, (lo, hi) in ((d_offs, (1e-3, 1e-1)), (m_offs, (1e-3, 1.0))):
+        for o in offs:
+            if edge:
+                vals = np.array([EDGE_F16[i % len(EDGE_F16)] for i in range(n)], dtype=np.float16)
+                rng.shuffle(vals)
+            else:
+                vals = sane_f16(rng, n, lo, hi)
+            raw[:, o : o + 2] = vals.view(np.uint8).reshape(n, 2)
+    return qtype, raw.reshape(rows, blocks_per_row * bb)
+
+
+def fingerprint(values):
+    """sum_i bits_i · (2·i·K + 1) mod 2^64 over the f32 bit patterns: every weight is odd,
+    so changing any single value changes the hash. ferrolm's test computes the same."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32).astype(np.uint64)
+    i = np.arange(bits.size, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        w = i * np.uint64(2) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(1)
+        return int(np.sum(bits * w, dtype=np.uint64))
+
+
+def block_goldens():
+    rng = np.random.default_rng(SEED)
+    tensors, cases = {}, []
+    for name, (_, per_block, _, _, _) in LAYOUT.items():
+        for edge in (False, True):
+            rows, bpr = (3, 4) if per_block == 32 else (3, 2)
+            if edge:
+                rows = 2
+            qtype, raw = make_blocks(rng, name, rows, bpr, edge)
+            expected = dequantize(raw, qtype).astype(np.float32)
+            assert expected.shape == (rows, bpr * per_block), expected.shape
+            case = name + (".edge" if edge else "")
+            cases.append(case)
+            tensors[case + ".raw"] = np.ascontiguousarray(raw)
+            tensors[case + ".expected"] = np.ascontiguousarray(expected)
+    path = os.path.join(OUT, "ggml_blocks.safetensors")
+    save_file(tensors, path, metadata={"cases": ",".join(cases), "seed": str(SEED)})
+    print("wrote", path, os.path.getsize(path), "bytes")
+
+
+def real_goldens(model):
+    r = GGUFReader(model)
+    want = ["token_embd.weight", "blk.0.ffn_down.weight", "blk.29.attn_k.weight", "output_norm.weight"]
+    out = {"file": os.path.basename(model), "tensors": []}
+    for t in r.tensors:
+        if t.name not in want:
+            continue
+        cols = int(t.shape[0])
+        vals = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1, cols)
+        out["tensors"].append(
+            {
+                "name": t.name,
+                "type": t.tensor_type.name,
+                "rows": int(vals.shape[0]),
+                "cols": cols,
+                "hash": fingerprint(vals),
+                "row0_bits": vals[0].view(np.uint32).tolist(),
+            }
+        )
+    assert len(out["tensors"]) == len(want), [t["name"] for t in out["tensors"]]
+    path = os.path.join(OUT, "smollm2_real.json")
+    with open(path, "w") as f:
+        json.dump(out, f, separators=(",", ":"))
+    print("wrote", path, os.path.getsize(path), "bytes")
+
+
+if __name__ == "__main__":
+    block_goldens()
+    real_goldens(sys.argv[1] if len(sys.argv) > 1 else MODEL)
