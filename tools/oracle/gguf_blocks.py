@@ -8,7 +8,8 @@ Run from the repository root (needs numpy, safetensors and gguf >= 0.19):
 
 Writes crates/engine/tests/goldens/ggml_blocks.safetensors (tensors `<case>.raw`: u8
 [rows, bytes per row] and `<case>.expected`: f32 [rows, cols]; metadata `cases`: the case
-names, each `<TYPE>` or `<TYPE>.<variant>`) and crates/engine/tests/goldens/smollm2_real.json
+names, each `<TYPE>` or `<TYPE>.<variant>`; plus `quantize.input` f32 and `quantize.Q8_0`,
+`quantize.Q4_0` u8: gguf's quantization of that input) and crates/engine/tests/goldens/smollm2_real.json
 (per tensor: type, shape, the first row's f32 bits and a position-weighted hash of all f32
 bits, see `fingerprint`). The model path defaults to ~/.cache/ferrolm/models/.
 Deterministic: a fixed seed, so rerunning reproduces the same files.
@@ -21,7 +22,7 @@ import sys
 import numpy as np
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFReader
-from gguf.quants import dequantize
+from gguf.quants import dequantize, quantize
 from safetensors.numpy import save_file
 
 SEED = 20240611
@@ -93,6 +94,17 @@ def block_goldens():
             cases.append(case)
             tensors[case + ".raw"] = np.ascontiguousarray(raw)
             tensors[case + ".expected"] = np.ascontiguousarray(expected)
+    # Quantizer parity for the GGUF writer's Q8_0/Q4_0 helpers: gguf's quantize is bit-exact
+    # with ggml's reference (quantize_row_q8_0_ref / q4_0_ref).
+    x = rng.normal(0, 1, (4, 128)).astype(np.float32) * np.float32(0.05)
+    x[1, :32] = np.arange(-16, 16) * 8 - 1  # amax 127 → d = 1: integers stay exact
+    x[1, 32:64] = (np.arange(32) - 15.5).astype(np.float32)  # .5 ties: q8 rounds away from 0
+    x[1, 63] = 127.0  # amax 127 in the tie block too, so x·id stays a tie
+    x[2, :32] = 0.0  # d = 0
+    x[3, 32:64] = np.linspace(-8, 7, 32)  # max −8 → d = 1 for q4
+    tensors["quantize.input"] = x
+    for name, qtype in (("Q8_0", T.Q8_0), ("Q4_0", T.Q4_0)):
+        tensors[f"quantize.{name}"] = np.ascontiguousarray(quantize(x, qtype))
     path = os.path.join(OUT, "ggml_blocks.safetensors")
     save_file(tensors, path, metadata={"cases": ",".join(cases), "seed": str(SEED)})
     print("wrote", path, os.path.getsize(path), "bytes")

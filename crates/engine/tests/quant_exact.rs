@@ -114,6 +114,21 @@ fn ggml_blocks_match_gguf_dequantize() {
     }
 }
 
+/// The GGUF writer's quantizers produce gguf's (= ggml's reference) bytes exactly.
+#[test]
+fn writer_quantizers_match_gguf_quantize() {
+    use ferrolm::formats::gguf_write::{quantize_q4_0, quantize_q8_0};
+    let st = SafeTensors::deserialize(BLOCKS).expect("ggml_blocks golden");
+    let x: Vec<f32> = bytemuck::pod_collect_to_vec(view(&st, "quantize.input", Dtype::F32).0);
+    for (name, got) in [("Q8_0", quantize_q8_0(&x)), ("Q4_0", quantize_q4_0(&x))] {
+        let want = view(&st, &format!("quantize.{name}"), Dtype::U8).0;
+        let got = got.expect("whole blocks");
+        assert_eq!(got.len(), want.len(), "{name} length");
+        let bad: Vec<usize> = (0..want.len()).filter(|&i| got[i] != want[i]).collect();
+        assert!(bad.is_empty(), "{name}: bytes {bad:?} differ");
+    }
+}
+
 /// Legacy blocks keep f16 scales (lossless, half the bytes) unless −k·d overflows f16.
 #[test]
 fn legacy_scales_stay_f16_unless_the_offset_overflows() {

@@ -28,6 +28,35 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    pub const ALL: [GgmlType; 11] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+    /// ggml's type id (the inverse of `from_id`), as written in GGUF tensor infos.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
+            GgmlType::Q6K => 14,
+            GgmlType::BF16 => 30,
+        }
+    }
     /// Map ggml's type id; `None` for types ferrolm does not import.
     pub fn from_id(id: u32) -> Option<GgmlType> {
         Some(match id {
