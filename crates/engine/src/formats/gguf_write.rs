@@ -85,6 +85,11 @@ impl GgufWriter {
         let a = v.iter().map(|&x| MetaValue::F32(x)).collect();
         self.put(key, MetaValue::Array(a), Some(6))
     }
+    /// Drop a metadata key (no-op when absent): handy for building deliberately bad files.
+    pub fn remove(&mut self, key: &str) -> &mut Self {
+        self.metadata.retain(|(k, _, _)| k != key);
+        self
+    }
     /// Sets `general.alignment` (a power of two) for the tensor data.
     pub fn alignment(&mut self, a: u32) -> &mut Self {
         self.u32("general.alignment", a)
@@ -111,7 +116,7 @@ impl GgufWriter {
         let n = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d));
         let need = n
             .and_then(|n| usize::try_from(n).ok())
-            .filter(|_| dims[0] % ty.block().0 as u64 == 0)
+            .filter(|_| dims[0].is_multiple_of(ty.block().0 as u64))
             .and_then(|n| ty.byte_size(n));
         match need {
             None => bad(format!("dims {dims:?} are not whole {} blocks", ty.name())),
@@ -423,7 +428,11 @@ mod tests {
     #[test]
     fn setting_a_key_twice_replaces_it() {
         let mut w = GgufWriter::new();
-        w.u32("k", 1).string("j", "x").u32("k", 2);
+        w.u32("k", 1)
+            .string("j", "x")
+            .u32("k", 2)
+            .u32("z", 0)
+            .remove("z");
         let keys: Vec<_> = w.metadata.iter().map(|(k, v, _)| (k.as_str(), v)).collect();
         assert_eq!(
             keys,
