@@ -76,9 +76,12 @@ fn patch(mut b: Vec<u8>, at: usize, with: &[u8]) -> Vec<u8> {
     b
 }
 
-/// Opens with both entry points; returns (open result, load result) as strings, or a
-/// description of the panic.
-fn run(path: &Path) -> Result<(Result<(), String>, Result<(), String>), String> {
+/// An outcome with the error's Display text.
+type Outcome = Result<(), String>;
+
+/// Opens with both entry points; returns (open outcome, load outcome), or a description of
+/// the panic.
+fn run(path: &Path) -> Result<(Outcome, Outcome), String> {
     catch_unwind(AssertUnwindSafe(|| {
         let open = GgufFile::open(path).map(|_| ()).map_err(|e| e.to_string());
         let load = ferrolm::formats::load(path, false)
@@ -203,7 +206,7 @@ fn bad_files_are_errors_that_name_the_file_and_field() {
         GgufFile::open(&missing).map(|_| ()),
         ferrolm::formats::load(&missing, false).map(|_| ()),
     ] {
-        let m = r.err().expect("missing file must fail").to_string();
+        let m = r.expect_err("missing file must fail").to_string();
         assert!(m.contains("missing.gguf"), "{m}");
     }
 
@@ -281,7 +284,7 @@ fn bad_files_are_errors_that_name_the_file_and_field() {
     let far = 1u64 << 30;
     for (case, o) in [
         ("offset_past_end", far),
-        ("offset_max", u64::MAX & !31),
+        ("offset_max", u64::MAX - 31), // aligned: u64::MAX + 1 is a multiple of 32
         ("offset_end_overflows", (u64::MAX - data_start - 1) & !31),
     ] {
         let b = patch(ok.clone(), off, &o.to_le_bytes());
