@@ -243,9 +243,9 @@ impl GgufFile {
                 }
             },
         };
-        // Each tensor info takes at least 24 bytes: name length, n_dims, one dim, type (and
-        // its offset), so this bounds the allocation below by the file size.
-        let n_tensors = r.fits(n_tensors, "tensor count", 24)?;
+        // Each tensor info takes at least 32 bytes (name length 8, n_dims 4, one dim 8, type
+        // 4, offset 8), so this bounds the allocation below by the file size.
+        let n_tensors = r.fits(n_tensors, "tensor count", 32)?;
         let mut raw = Vec::with_capacity(n_tensors);
         let mut names = std::collections::HashSet::new();
         for _ in 0..n_tensors {
