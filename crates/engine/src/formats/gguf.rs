@@ -128,6 +128,10 @@ impl<'a> Reader<'a> {
     /// A count that must fit in the rest of the file at `min_each` bytes per item.
     fn count(&mut self, what: &str, min_each: usize) -> Result<usize> {
         let n = self.u64(what)?;
+        self.fits(n, what, min_each)
+    }
+    /// Check that `n` items of at least `min_each` bytes fit in the rest of the file.
+    fn fits(&self, n: u64, what: &str, min_each: usize) -> Result<usize> {
         let left = (self.buf.len() - self.pos) as u64;
         if n.saturating_mul(min_each as u64) > left {
             return Err(self.err(&format!("{what} = {n} is larger than the file allows")));
@@ -139,34 +143,43 @@ impl<'a> Reader<'a> {
         let b = self.take(n, what)?;
         String::from_utf8(b.to_vec()).map_err(|_| self.err(&format!("{what} is not UTF-8")))
     }
-    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<MetaValue> {
-        let w = |s: &mut Self, n| s.take(n, key);
+    /// A metadata value of type `ty`; `what` names it in errors ("metadata <key>").
+    fn value(&mut self, ty: u32, what: &str, depth: u32) -> Result<MetaValue> {
+        let w = |s: &mut Self, n| s.take(n, what);
         Ok(match ty {
             0 => MetaValue::U8(w(self, 1)?[0]),
             1 => MetaValue::I8(w(self, 1)?[0] as i8),
             2 => MetaValue::U16(u16::from_le_bytes(w(self, 2)?.try_into().unwrap())),
             3 => MetaValue::I16(i16::from_le_bytes(w(self, 2)?.try_into().unwrap())),
-            4 => MetaValue::U32(self.u32(key)?),
-            5 => MetaValue::I32(self.u32(key)? as i32),
-            6 => MetaValue::F32(f32::from_bits(self.u32(key)?)),
+            4 => MetaValue::U32(self.u32(what)?),
+            5 => MetaValue::I32(self.u32(what)? as i32),
+            6 => MetaValue::F32(f32::from_bits(self.u32(what)?)),
             7 => MetaValue::Bool(w(self, 1)?[0] != 0),
-            8 => MetaValue::Str(self.string(key)?),
+            8 => MetaValue::Str(self.string(what)?),
             9 => {
                 if depth > 2 {
-                    return Err(self.err(&format!("metadata {key}: arrays nested too deep")));
+                    return Err(self.err(&format!("{what}: arrays nested too deep")));
                 }
-                let ety = self.u32(key)?;
-                let n = self.count(&format!("metadata {key} array length"), 1)?;
+                let ety = self.u32(&format!("{what} array type"))?;
+                // Every element takes at least its fixed size (8 for a string's length).
+                let min_each = match ety {
+                    0 | 1 | 7 => 1,
+                    2 | 3 => 2,
+                    4..=6 => 4,
+                    8 | 10..=12 => 8,
+                    _ => 1,
+                };
+                let n = self.count(&format!("{what} array length"), min_each)?;
                 let mut v = Vec::with_capacity(n.min(1 << 20));
                 for _ in 0..n {
-                    v.push(self.value(ety, key, depth + 1)?);
+                    v.push(self.value(ety, what, depth + 1)?);
                 }
                 MetaValue::Array(v)
             }
-            10 => MetaValue::U64(self.u64(key)?),
-            11 => MetaValue::I64(self.u64(key)? as i64),
-            12 => MetaValue::F64(f64::from_bits(self.u64(key)?)),
-            t => return Err(self.err(&format!("metadata {key}: unknown value type {t}"))),
+            10 => MetaValue::U64(self.u64(what)?),
+            11 => MetaValue::I64(self.u64(what)? as i64),
+            12 => MetaValue::F64(f64::from_bits(self.u64(what)?)),
+            t => return Err(self.err(&format!("{what}: unknown value type {t}"))),
         })
     }
 }
@@ -178,21 +191,30 @@ impl GgufFile {
         // SAFETY: the map is read-only; ferrolm never writes model files while they are loaded.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let mut r = Reader { buf: &mmap, pos: 0, path };
-        if r.take(4, "magic").ok() != Some(MAGIC.as_slice()) {
-            return Err(Error::format(path, "not a GGUF file (bad magic)"));
+        match r.take(4, "magic") {
+            Ok(m) if m == MAGIC => {}
+            Ok(m) => return Err(Error::format(path, format!("not a GGUF file (bad magic {m:02x?}, want \"GGUF\")"))),
+            Err(_) => {
+                return Err(Error::format(path, format!("not a GGUF file (bad magic: only {} bytes)", mmap.len())))
+            }
         }
         let version = r.u32("version")?;
         if !(2..=3).contains(&version) {
             return Err(Error::format(path, format!("GGUF version {version} is not supported (2 or 3)")));
         }
-        let n_tensors = r.count("tensor count", 24)?;
+        // Checked against the bytes left once the metadata is read (see below), so a file
+        // cut inside its metadata is reported there.
+        let n_tensors = r.u64("tensor count")?;
         let n_kv = r.count("metadata count", 12)?;
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
             let key = r.string("metadata key")?;
-            let ty = r.u32(&key)?;
-            let v = r.value(ty, &key, 0)?;
-            metadata.insert(key, v);
+            let what = format!("metadata {key}");
+            let ty = r.u32(&format!("{what} type"))?;
+            let v = r.value(ty, &what, 0)?;
+            if metadata.insert(key, v).is_some() {
+                return Err(r.err(&format!("{what} appears twice")));
+            }
         }
         let alignment = match metadata.get("general.alignment") {
             None => 32,
@@ -201,19 +223,26 @@ impl GgufFile {
                 _ => return Err(Error::format(path, format!("general.alignment {v:?} is not a power of two"))),
             },
         };
+        // Each tensor info takes at least 32 bytes (name length 8, n_dims 4, one dim 8, type
+        // 4, offset 8), so this bounds the allocation below by the file size.
+        let n_tensors = r.fits(n_tensors, "tensor count", 32)?;
         let mut raw = Vec::with_capacity(n_tensors);
+        let mut names = std::collections::HashSet::new();
         for _ in 0..n_tensors {
             let name = r.string("tensor name")?;
-            let nd = r.u32(&name)? as usize;
+            let nd = r.u32(&format!("tensor {name} n_dims"))? as usize;
             if nd == 0 || nd > 4 {
                 return Err(Error::format(path, format!("tensor {name}: {nd} dimensions (1..4 supported)")));
             }
             let mut dims = Vec::with_capacity(nd);
             for _ in 0..nd {
-                dims.push(r.u64(&name)?);
+                dims.push(r.u64(&format!("tensor {name} dims"))?);
             }
-            let ty_id = r.u32(&name)?;
-            let off = r.u64(&name)?;
+            let ty_id = r.u32(&format!("tensor {name} type"))?;
+            let off = r.u64(&format!("tensor {name} offset"))?;
+            if !names.insert(name.clone()) {
+                return Err(r.err(&format!("tensor {name} appears twice")));
+            }
             raw.push((name, dims, ty_id, off));
         }
         let data_start = r.pos.div_ceil(alignment) * alignment;
@@ -224,13 +253,16 @@ impl GgufFile {
             })?;
             let n = dims.iter().try_fold(1u64, |a, &d| a.checked_mul(d)).filter(|&n| n > 0 && n < 1 << 40);
             let n = n.ok_or_else(|| Error::format(path, format!("tensor {name}: bad dims {dims:?}")))? as usize;
-            let len = ty.byte_size(n).filter(|_| dims[0] as usize % ty.block().0 == 0).ok_or_else(|| {
+            let len = ty.byte_size(n).filter(|_| (dims[0] as usize).is_multiple_of(ty.block().0)).ok_or_else(|| {
                 Error::format(path, format!("tensor {name}: dims {dims:?} are not whole {} blocks", ty.name()))
             })?;
             if off % alignment as u64 != 0 {
                 return Err(Error::format(path, format!("tensor {name}: offset {off} is not aligned to {alignment}")));
             }
-            let start = (data_start as u64).checked_add(off).filter(|s| s + len as u64 <= mmap.len() as u64);
+            // Checked: an absurd offset must not overflow (a panic in debug builds).
+            let start = (data_start as u64)
+                .checked_add(off)
+                .filter(|s| s.checked_add(len as u64).is_some_and(|e| e <= mmap.len() as u64));
             let start = start.ok_or_else(|| {
                 Error::format(
                     path,

@@ -7,6 +7,7 @@
 
 pub mod gguf;
 pub mod gguf_names;
+pub mod gguf_write;
 pub mod mlx_write;
 pub mod safetensors;
 

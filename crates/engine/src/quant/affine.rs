@@ -121,7 +121,7 @@ pub fn check_scheme(bits: u32, group: usize, cols: usize) -> Result<()> {
     if !GROUPS.contains(&group) {
         return Err(Error::Unsupported(format!("affine group size {group} (supported: 16,32,64,128)")));
     }
-    if cols % group != 0 || (cols * bits as usize) % 32 != 0 {
+    if !cols.is_multiple_of(group) || !(cols * bits as usize).is_multiple_of(32) {
         return Err(Error::Invalid(format!(
             "input dim {cols} is not a multiple of group {group} (or its {bits}-bit row is not whole u32 words)"
         )));
@@ -179,8 +179,10 @@ impl AffineTensor {
         for g in 0..gpr {
             let s = self.scales.get(r * gpr + g);
             let b = self.biases.get(r * gpr + g);
-            for i in g * self.group..(g + 1) * self.group {
-                out[i] = s * get_q(words, self.bits, i) as f32 + b;
+            let span = g * self.group..(g + 1) * self.group;
+            for (i, o) in span.clone().zip(&mut out[span]) {
+                // Two roundings (mul, add), never fused: GGUF parity depends on it.
+                *o = s * get_q(words, self.bits, i) as f32 + b;
             }
         }
     }
@@ -229,34 +231,43 @@ impl AffineTensor {
     }
 }
 
-/// MLX `affine_quantize` for one group: returns (scale, bias) as stored (already rounded
-/// to `dtype`, returned as f32) and writes q. Formula from MLX quantized.h:
-/// n_bins = 2^bits−1; scale = max((wmax−wmin)/n_bins, eps), signed towards the edge with
-/// the larger magnitude; edge snapped so that q0 = round(edge/scale) is exact; then
-/// q = min(round((w−bias)/scale), n_bins).
+/// MLX `affine_quantize` for one group (MLX's CPU kernel, `quantize` in
+/// backend/cpu/quantized.cpp, op for op in f32): returns (scale, bias) as stored (rounded to
+/// `dtype`, returned as f32) and writes q.
+///
+/// n_bins = 2^bits−1; scale = max((wmax−wmin)/n_bins, 1e-7), negated unless |wmin| > |wmax|;
+/// the edge with the larger magnitude is snapped onto the grid (q0 = rint(edge/scale),
+/// scale = edge/q0, bias = edge) unless q0 = 0 (then bias = 0); q = clamp(rint((w−bias)/scale),
+/// 0, n_bins). Two details decide bit-exactness: `rint` rounds ties to even (not away from
+/// zero), and q is computed from the f32 scale/bias *before* they are rounded to `dtype`.
 pub fn quantize_group(vals: &[f32], bits: u32, dtype: ScaleDtype, q: &mut [u32]) -> (f32, f32) {
     let n_bins = ((1u32 << bits) - 1) as f32;
     let eps = 1e-7f32;
+    // std::max/std::min semantics (keep the first on ties), so signed zeros match MLX.
     let (mut wmin, mut wmax) = (f32::INFINITY, f32::NEG_INFINITY);
     for &v in vals {
-        wmin = wmin.min(v);
-        wmax = wmax.max(v);
+        if wmax < v {
+            wmax = v;
+        }
+        if v < wmin {
+            wmin = v;
+        }
     }
-    let mut scale = ((wmax - wmin) / n_bins).max(eps);
-    let side = wmin.abs() > wmax.abs();
-    scale = if side { scale } else { -scale };
-    let edge = if side { wmin } else { wmax };
-    let q0 = (edge / scale).round();
+    let mask = wmin.abs() > wmax.abs();
+    let range = (wmax - wmin) / n_bins;
+    let mut scale = if range < eps { eps } else { range };
+    scale = if mask { scale } else { -scale };
+    let edge = if mask { wmin } else { wmax };
+    let q0 = (edge / scale).round_ties_even();
     let mut bias = 0.0;
     if q0 != 0.0 {
         scale = edge / q0;
         bias = edge;
     }
-    let (scale, bias) = (round_to(scale, dtype), round_to(bias, dtype));
     for (qi, &v) in q.iter_mut().zip(vals) {
-        *qi = ((v - bias) / scale).round().clamp(0.0, n_bins) as u32;
+        *qi = ((v - bias) / scale).round_ties_even().clamp(0.0, n_bins) as u32;
     }
-    (scale, bias)
+    (round_to(scale, dtype), round_to(bias, dtype))
 }
 
 #[inline]

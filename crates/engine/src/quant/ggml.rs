@@ -1,10 +1,11 @@
 //! GGUF tensor types and their import into the affine format.
 //!
 //! Legacy 32-element blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) map losslessly onto affine groups
-//! of 32 with f16 scale/bias (the offsets −8d, −16d, −128d are exact in f16). Elements in
+//! of 32 with f16 scale/bias (the offsets −8d, −16d, −128d are exact in f16 unless they
+//! overflow it; a tensor where one does keeps f32 scales/biases instead). Elements in
 //! ggml's 4/5-bit blocks are stored low nibbles first (j and j+16 share a byte); we
-//! re-pack them into our LSB-first stream. K-quants get f32 scales where the product of
-//! the super-block scale and the 6-bit sub-scale would round in f16.
+//! re-pack them into our LSB-first stream. K-quants (kquants.rs) get f32 scales: the
+//! product of the super-block scale and a 6/8-bit sub-scale does not fit f16.
 
 use super::affine::{set_q, AffineTensor, Scales};
 use super::{DenseData, DenseTensor, Weight};
@@ -27,6 +28,35 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    pub const ALL: [GgmlType; 11] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+    /// ggml's type id (the inverse of `from_id`), as written in GGUF tensor infos.
+    pub fn id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
+            GgmlType::Q5_1 => 7,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
+            GgmlType::Q6K => 14,
+            GgmlType::BF16 => 30,
+        }
+    }
     /// Map ggml's type id; `None` for types ferrolm does not import.
     pub fn from_id(id: u32) -> Option<GgmlType> {
         Some(match id {
@@ -77,13 +107,13 @@ impl GgmlType {
     /// Bytes for `n` elements, or an error when `n` is not whole blocks.
     pub fn byte_size(self, n: usize) -> Option<usize> {
         let (be, bb) = self.block();
-        (n % be == 0).then(|| n / be * bb)
+        n.is_multiple_of(be).then(|| n / be * bb)
     }
 }
 
 /// Import one GGUF tensor `[rows, cols]` (cols = ggml's ne0, the contiguous input dim).
 pub fn import(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Weight> {
-    let need = ty.byte_size(rows * cols).filter(|_| cols % ty.block().0 == 0);
+    let need = ty.byte_size(rows * cols).filter(|_| cols.is_multiple_of(ty.block().0));
     if need != Some(data.len()) {
         return Err(Error::Invalid(format!(
             "{} tensor [{rows}, {cols}] needs {:?} bytes (whole blocks per row), got {}",
@@ -129,12 +159,13 @@ fn legacy(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Weight>
     let mut q = [0u32; 32];
     for (b, blk) in data.chunks_exact(bb).enumerate() {
         let d = f16_at(blk, 0);
+        // −k·d is exact in f32 (k a power of two); whether it fits f16 is checked below.
         let (bias, qs) = match ty {
-            GgmlType::Q4_0 => (f16::from_f32(-8.0 * d.to_f32()), &blk[2..18]),
-            GgmlType::Q4_1 => (f16_at(blk, 2), &blk[4..20]),
-            GgmlType::Q5_0 => (f16::from_f32(-16.0 * d.to_f32()), &blk[2..22]),
-            GgmlType::Q5_1 => (f16_at(blk, 2), &blk[4..24]),
-            _ => (f16::from_f32(-128.0 * d.to_f32()), &blk[2..34]),
+            GgmlType::Q4_0 => (-8.0 * d.to_f32(), &blk[2..18]),
+            GgmlType::Q4_1 => (f16_at(blk, 2).to_f32(), &blk[4..20]),
+            GgmlType::Q5_0 => (-16.0 * d.to_f32(), &blk[2..22]),
+            GgmlType::Q5_1 => (f16_at(blk, 2).to_f32(), &blk[4..24]),
+            _ => (-128.0 * d.to_f32(), &blk[2..34]),
         };
         match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 => {
@@ -164,5 +195,13 @@ fn legacy(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Weight>
         scales.push(d);
         biases.push(bias);
     }
-    Ok(Weight::Affine(AffineTensor::new(rows, cols, bits, 32, packed, Scales::F16(scales), Scales::F16(biases))?))
+    // |d| > 8188 (Q4_0) or > 511 (Q8_0) makes −k·d overflow f16, though ggml's d·(q − k)
+    // stays finite; keep such a tensor in f32 rather than store an infinite bias.
+    let f16_exact = biases.iter().all(|&b: &f32| f16::from_f32(b).to_f32() == b || b.is_nan());
+    let (scales, biases) = if f16_exact {
+        (Scales::F16(scales), Scales::F16(biases.into_iter().map(f16::from_f32).collect()))
+    } else {
+        (Scales::F32(scales.into_iter().map(f16::to_f32).collect()), Scales::F32(biases))
+    };
+    Ok(Weight::Affine(AffineTensor::new(rows, cols, bits, 32, packed, scales, biases)?))
 }
