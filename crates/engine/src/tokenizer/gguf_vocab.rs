@@ -87,9 +87,29 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
         extra_stops.extend(id(key)?);
     }
 
+    // Gemma files spell whitespace-run tokens with real spaces ("  "), where the model's
+    // tokenizer.json has "▁▁": respell them so BPE can build them from "▁" pieces (and they are
+    // then ordinary vocabulary, not user-defined tokens). transformers' GGUF loader does the same.
+    let arch = g
+        .get("general.architecture")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    let gemma = model == "llama" && arch.starts_with("gemma");
+    let respelled: Vec<std::borrow::Cow<str>> = tokens
+        .iter()
+        .map(|&t| {
+            if gemma && t.contains(' ') && t.trim().is_empty() {
+                "\u{2581}".repeat(t.chars().count()).into()
+            } else {
+                t.into()
+            }
+        })
+        .collect();
+    let spelled: Vec<&str> = respelled.iter().map(|t| t.as_ref()).collect();
+
     let (mut hf, default_add_bos) = match model {
-        "gpt2" => (byte_level(g, &tokens)?, pre_defaults_bos(g)?),
-        "llama" => (sentencepiece(g, &tokens, unk)?, true),
+        "gpt2" => (byte_level(g, &spelled)?, pre_defaults_bos(g)?),
+        "llama" => (sentencepiece(g, &spelled, unk, gemma)?, true),
         other => {
             return Err(Error::Unsupported(format!(
                 "{}: tokenizer.ggml.model = \"{other}\" (supported: gpt2, llama)",
@@ -101,11 +121,11 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
     // Added tokens: matched whole before the model sees the text.
     let mut special = Vec::new();
     let mut plain = Vec::new();
-    for (i, (&tok, &ty)) in tokens.iter().zip(&types).enumerate() {
+    for (i, (&tok, &ty)) in spelled.iter().zip(&types).enumerate() {
         let t = AddedToken::from(tok, false).normalized(false);
         if ty == TYPE_CONTROL || ty == TYPE_UNKNOWN || Some(i as u32) == unk {
             special.push(t.special(true));
-        } else if ty == TYPE_USER_DEFINED {
+        } else if ty == TYPE_USER_DEFINED && tok == tokens[i] {
             plain.push(t);
         }
     }
@@ -297,7 +317,12 @@ fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
 }
 
 /// SentencePiece vocabulary → BPE with byte fallback.
-fn sentencepiece(g: &GgufFile, tokens: &[&str], unk: Option<u32>) -> Result<tokenizers::Tokenizer> {
+fn sentencepiece(
+    g: &GgufFile,
+    tokens: &[&str],
+    unk: Option<u32>,
+    gemma: bool,
+) -> Result<tokenizers::Tokenizer> {
     let n = tokens.len();
     let merges = if g.get("tokenizer.ggml.merges").is_some() {
         let raw = g.str_array("tokenizer.ggml.merges")?;
@@ -308,7 +333,14 @@ fn sentencepiece(g: &GgufFile, tokens: &[&str], unk: Option<u32>) -> Result<toke
             })
             .collect()
     } else {
-        let scores = f64_array(g, "tokenizer.ggml.scores", n)?;
+        // Gemma's scores do not follow its merge order for the tokens that are not ordinary
+        // pieces (control, user-defined and byte tokens all share a score); its file order
+        // does, so rank by position (transformers' Gemma rule).
+        let scores = if gemma {
+            (0..n).map(|i| -(i as f64)).collect()
+        } else {
+            f64_array(g, "tokenizer.ggml.scores", n)?
+        };
         merges_from_scores(tokens, &scores)
     };
     let mut b = BPE::builder()
