@@ -115,6 +115,12 @@ fn check_chat_of(tok: &Tokenizer, g: &Value) {
 }
 
 #[test]
+fn tokenizer_is_shareable_across_threads() {
+    fn check<T: Send + Sync>() {}
+    check::<Tokenizer>();
+}
+
+#[test]
 fn smollm2_ids_match_transformers() {
     check_ids(smollm2());
 }
@@ -209,6 +215,17 @@ fn sentencepiece_vocab_matches_transformers() {
             assert_eq!(out + &d.finish().unwrap(), c[dec].as_str().unwrap());
         }
     }
+    // tokenizer.json written from it (as `ferrolm convert` does) carries BOS in its
+    // post-processor, so a bare directory gets the same ids and BOS default back.
+    let dir = tempfile::tempdir().unwrap();
+    tok.hf()
+        .save(dir.path().join("tokenizer.json"), false)
+        .unwrap();
+    let back = Tokenizer::from_dir(dir.path()).unwrap();
+    assert!(back.add_bos_default());
+    assert_eq!((back.bos_id(), back.bos_token()), (Some(1), Some("<s>")));
+    check_ids_of(&back, &g);
+
     // "<s>" typed by a user is text; the same text with special=true is the BOS token.
     let plain = tok.encode("<s>", false).unwrap();
     assert!(!plain.contains(&1) && plain.len() > 1, "{plain:?}");
@@ -453,6 +470,22 @@ fn gguf_errors_name_the_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("bert"), "{e}");
+
+    let bad: &[&str] = &["ab"];
+    let p = dir.path().join("badmerge.gguf");
+    write_gguf(
+        &p,
+        &[
+            ("tokenizer.ggml.model", Ok("gpt2")),
+            ("tokenizer.ggml.pre", Ok("gpt-2")),
+            ("tokenizer.ggml.tokens", Err(vocab)),
+            ("tokenizer.ggml.merges", Err(bad)),
+        ],
+    );
+    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("tokenizer.ggml.merges[0]"), "{e}");
 
     // A gpt2 vocabulary without merges.
     let p = dir.path().join("nomerges.gguf");

@@ -28,6 +28,7 @@ use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 // llama.cpp token types (tokenizer.ggml.token_type).
@@ -145,11 +146,38 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
             .unwrap_or(default_add_bos),
         add_eos: g.opt_bool("tokenizer.ggml.add_eos_token").unwrap_or(false),
     };
+    if specials.add_bos || specials.add_eos {
+        // `encode` adds BOS/EOS itself; the post-processor is for tokenizer.json written from
+        // `hf()` (ferrolm convert), so that file adds them as the GGUF says.
+        hf.with_post_processor(Some(post_processor(g, &specials)?));
+    }
     Ok(Built {
         hf,
         specials,
         extra_stops,
     })
+}
+
+fn post_processor(g: &GgufFile, s: &Specials) -> Result<TemplateProcessing> {
+    let bos = s.bos.clone().zip(s.bos_id).filter(|_| s.add_bos);
+    let eos = s.eos.clone().zip(s.eos_id).filter(|_| s.add_eos);
+    let specials: Vec<(String, u32)> = bos.iter().chain(&eos).cloned().collect();
+    let wrap = |seq: &str| {
+        let (b, e) = (
+            bos.iter().map(|t| t.0.as_str()),
+            eos.iter().map(|t| t.0.as_str()),
+        );
+        b.chain([seq]).chain(e).collect::<Vec<_>>().join(" ")
+    };
+    let single = wrap("$A");
+    let pair = format!("{single} {}", wrap("$B:1"));
+    TemplateProcessing::builder()
+        .try_single(single)
+        .and_then(|b| b.try_pair(pair))
+        .map_err(|e| tk_err(g, "post-processor template", e))?
+        .special_tokens(specials)
+        .build()
+        .map_err(|e| tk_err(g, "post-processor template", e))
 }
 
 fn int_array(g: &GgufFile, key: &str, v: &MetaValue, n: usize) -> Result<Vec<i64>> {
@@ -291,18 +319,25 @@ fn byte_level_pre(g: &GgufFile) -> Result<(PreTokenizerWrapper, Option<Normalize
     })
 }
 
-fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+/// `tokenizer.ggml.merges`: "left right" strings, best first.
+fn parse_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
     let raw = g.str_array("tokenizer.ggml.merges")?;
-    let mut merges = Vec::with_capacity(raw.len());
-    for (i, m) in raw.iter().enumerate() {
-        let (a, b) = m.split_once(' ').ok_or_else(|| {
-            Error::format(
-                &g.path,
-                format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""),
-            )
-        })?;
-        merges.push((a.to_string(), b.to_string()));
-    }
+    raw.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let (a, b) = m.split_once(' ').ok_or_else(|| {
+                Error::format(
+                    &g.path,
+                    format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""),
+                )
+            })?;
+            Ok((a.to_string(), b.to_string()))
+        })
+        .collect()
+}
+
+fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let merges = parse_merges(g)?;
     let (pre, norm, ignore_merges) = byte_level_pre(g)?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab_map(tokens), merges)
@@ -325,13 +360,7 @@ fn sentencepiece(
 ) -> Result<tokenizers::Tokenizer> {
     let n = tokens.len();
     let merges = if g.get("tokenizer.ggml.merges").is_some() {
-        let raw = g.str_array("tokenizer.ggml.merges")?;
-        raw.iter()
-            .map(|m| {
-                let (a, b) = m.split_once(' ').unwrap_or((m, ""));
-                (a.to_string(), b.to_string())
-            })
-            .collect()
+        parse_merges(g)?
     } else {
         // Gemma's scores do not follow its merge order for the tokens that are not ordinary
         // pieces (control, user-defined and byte tokens all share a score); its file order
