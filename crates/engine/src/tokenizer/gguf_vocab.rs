@@ -88,9 +88,10 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
         extra_stops.extend(id(key)?);
     }
 
-    // Gemma files spell whitespace-run tokens with real spaces ("  "), where the model's
-    // tokenizer.json has "▁▁": respell them so BPE can build them from "▁" pieces (and they are
-    // then ordinary vocabulary, not user-defined tokens). transformers' GGUF loader does the same.
+    // Gemma files spell whitespace-run tokens with real spaces ("  ") and mark them
+    // user-defined. transformers' GGUF loader (our reference) respells them "▁▁" so BPE builds
+    // them from "▁" pieces, as ordinary vocabulary; we do the same. This differs from llama.cpp
+    // (which matches them whole, longest first) only on runs longer than the longest such token.
     let arch = g
         .get("general.architecture")
         .and_then(|v| v.as_str())
