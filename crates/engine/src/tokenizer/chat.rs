@@ -22,7 +22,8 @@ const END_OF_TURN: &[&str] = &[
     "</s>",
 ];
 
-/// EOS, the file's extra stop ids, and every end-of-turn marker the template uses.
+/// EOS, the file's extra stop ids, and every end-of-turn marker the template uses (or, with
+/// no template, every one the vocabulary has).
 pub(super) fn stop_ids(
     hf: &tokenizers::Tokenizer,
     eos: Option<u32>,
@@ -30,10 +31,20 @@ pub(super) fn stop_ids(
     template: Option<&str>,
 ) -> Vec<u32> {
     let mut out: Vec<u32> = eos.into_iter().chain(extra.iter().copied()).collect();
-    if let Some(t) = template {
-        for m in END_OF_TURN.iter().filter(|m| t.contains(*m)) {
-            out.extend(hf.token_to_id(m));
-        }
+    // Without a template there is no telling which marker the model was tuned on: take every
+    // one the vocabulary has.
+    // Only special (control) tokens count: Gemma's "</s>" is a user-defined HTML tag.
+    let special: std::collections::HashMap<String, u32> = hf
+        .get_added_tokens_decoder()
+        .into_iter()
+        .filter(|(_, t)| t.special)
+        .map(|(id, t)| (t.content, id))
+        .collect();
+    for m in END_OF_TURN
+        .iter()
+        .filter(|m| template.is_none_or(|t| t.contains(*m)))
+    {
+        out.extend(special.get(*m));
     }
     let mut seen = std::collections::HashSet::new();
     out.retain(|id| seen.insert(*id));

@@ -28,6 +28,7 @@ use tokenizers::pre_tokenizers::metaspace::{Metaspace, PrependScheme};
 use tokenizers::pre_tokenizers::sequence::Sequence as PreSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::processors::template::TemplateProcessing;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 // llama.cpp token types (tokenizer.ggml.token_type).
@@ -83,9 +84,30 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
         extra_stops.extend(id(key)?);
     }
 
+    // Gemma files spell whitespace-run tokens with real spaces ("  ") and mark them
+    // user-defined. transformers' GGUF loader (our reference) respells them "▁▁" so BPE builds
+    // them from "▁" pieces, as ordinary vocabulary; we do the same. This differs from llama.cpp
+    // (which matches them whole, longest first) only on runs longer than the longest such token.
+    let arch = g
+        .get("general.architecture")
+        .and_then(|v| v.as_str())
+        .unwrap_or("");
+    let gemma = model == "llama" && arch.starts_with("gemma");
+    let respelled: Vec<std::borrow::Cow<str>> = tokens
+        .iter()
+        .map(|&t| {
+            if gemma && t.contains(' ') && t.trim().is_empty() {
+                "\u{2581}".repeat(t.chars().count()).into()
+            } else {
+                t.into()
+            }
+        })
+        .collect();
+    let spelled: Vec<&str> = respelled.iter().map(|t| t.as_ref()).collect();
+
     let (mut hf, default_add_bos) = match model {
-        "gpt2" => (byte_level(g, &tokens)?, pre_defaults_bos(g)?),
-        "llama" => (sentencepiece(g, &tokens, unk)?, true),
+        "gpt2" => (byte_level(g, &spelled)?, pre_defaults_bos(g)?),
+        "llama" => (sentencepiece(g, &spelled, unk, gemma)?, true),
         other => {
             return Err(Error::Unsupported(format!(
                 "{}: tokenizer.ggml.model = \"{other}\" (supported: gpt2, llama)",
@@ -97,11 +119,11 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
     // Added tokens: matched whole before the model sees the text.
     let mut special = Vec::new();
     let mut plain = Vec::new();
-    for (i, (&tok, &ty)) in tokens.iter().zip(&types).enumerate() {
+    for (i, (&tok, &ty)) in spelled.iter().zip(&types).enumerate() {
         let t = AddedToken::from(tok, false).normalized(false);
         if ty == TYPE_CONTROL || ty == TYPE_UNKNOWN || Some(i as u32) == unk {
             special.push(t.special(true));
-        } else if ty == TYPE_USER_DEFINED {
+        } else if ty == TYPE_USER_DEFINED && tok == tokens[i] {
             plain.push(t);
         }
     }
@@ -119,7 +141,42 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
         add_bos: g.opt_bool("tokenizer.ggml.add_bos_token").unwrap_or(default_add_bos),
         add_eos: g.opt_bool("tokenizer.ggml.add_eos_token").unwrap_or(false),
     };
+<<<<<<< HEAD
     Ok(Built { hf, specials, extra_stops })
+=======
+    if specials.add_bos || specials.add_eos {
+        // `encode` adds BOS/EOS itself; the post-processor is for tokenizer.json written from
+        // `hf()` (ferrolm convert), so that file adds them as the GGUF says.
+        hf.with_post_processor(Some(post_processor(g, &specials)?));
+    }
+    Ok(Built {
+        hf,
+        specials,
+        extra_stops,
+    })
+>>>>>>> h-tok
+}
+
+fn post_processor(g: &GgufFile, s: &Specials) -> Result<TemplateProcessing> {
+    let bos = s.bos.clone().zip(s.bos_id).filter(|_| s.add_bos);
+    let eos = s.eos.clone().zip(s.eos_id).filter(|_| s.add_eos);
+    let specials: Vec<(String, u32)> = bos.iter().chain(&eos).cloned().collect();
+    let wrap = |seq: &str| {
+        let (b, e) = (
+            bos.iter().map(|t| t.0.as_str()),
+            eos.iter().map(|t| t.0.as_str()),
+        );
+        b.chain([seq]).chain(e).collect::<Vec<_>>().join(" ")
+    };
+    let single = wrap("$A");
+    let pair = format!("{single} {}", wrap("$B:1"));
+    TemplateProcessing::builder()
+        .try_single(single)
+        .and_then(|b| b.try_pair(pair))
+        .map_err(|e| tk_err(g, "post-processor template", e))?
+        .special_tokens(specials)
+        .build()
+        .map_err(|e| tk_err(g, "post-processor template", e))
 }
 
 fn int_array(g: &GgufFile, key: &str, v: &MetaValue, n: usize) -> Result<Vec<i64>> {
@@ -216,8 +273,10 @@ fn byte_level_pre(g: &GgufFile) -> Result<(PreTokenizerWrapper, Option<Normalize
     })
 }
 
-fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+/// `tokenizer.ggml.merges`: "left right" strings, best first.
+fn parse_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
     let raw = g.str_array("tokenizer.ggml.merges")?;
+<<<<<<< HEAD
     let mut merges = Vec::with_capacity(raw.len());
     for (i, m) in raw.iter().enumerate() {
         let (a, b) = m.split_once(' ').ok_or_else(|| {
@@ -225,6 +284,24 @@ fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
         })?;
         merges.push((a.to_string(), b.to_string()));
     }
+=======
+    raw.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let (a, b) = m.split_once(' ').ok_or_else(|| {
+                Error::format(
+                    &g.path,
+                    format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""),
+                )
+            })?;
+            Ok((a.to_string(), b.to_string()))
+        })
+        .collect()
+}
+
+fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
+    let merges = parse_merges(g)?;
+>>>>>>> h-tok
     let (pre, norm, ignore_merges) = byte_level_pre(g)?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab_map(tokens), merges)
@@ -239,18 +316,24 @@ fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
 }
 
 /// SentencePiece vocabulary → BPE with byte fallback.
-fn sentencepiece(g: &GgufFile, tokens: &[&str], unk: Option<u32>) -> Result<tokenizers::Tokenizer> {
+fn sentencepiece(
+    g: &GgufFile,
+    tokens: &[&str],
+    unk: Option<u32>,
+    gemma: bool,
+) -> Result<tokenizers::Tokenizer> {
     let n = tokens.len();
     let merges = if g.get("tokenizer.ggml.merges").is_some() {
-        let raw = g.str_array("tokenizer.ggml.merges")?;
-        raw.iter()
-            .map(|m| {
-                let (a, b) = m.split_once(' ').unwrap_or((m, ""));
-                (a.to_string(), b.to_string())
-            })
-            .collect()
+        parse_merges(g)?
     } else {
-        let scores = f64_array(g, "tokenizer.ggml.scores", n)?;
+        // Gemma's scores do not follow its merge order for the tokens that are not ordinary
+        // pieces (control, user-defined and byte tokens all share a score); its file order
+        // does, so rank by position (transformers' Gemma rule).
+        let scores = if gemma {
+            (0..n).map(|i| -(i as f64)).collect()
+        } else {
+            f64_array(g, "tokenizer.ggml.scores", n)?
+        };
         merges_from_scores(tokens, &scores)
     };
     let mut b = BPE::builder().vocab_and_merges(vocab_map(tokens), merges).byte_fallback(true).fuse_unk(true);
