@@ -34,16 +34,9 @@ pub(super) fn stop_ids(
     // Without a template there is no telling which marker the model was tuned on: take every
     // one the vocabulary has.
     // Only special (control) tokens count: Gemma's "</s>" is a user-defined HTML tag.
-    let special: std::collections::HashMap<String, u32> = hf
-        .get_added_tokens_decoder()
-        .into_iter()
-        .filter(|(_, t)| t.special)
-        .map(|(id, t)| (t.content, id))
-        .collect();
-    for m in END_OF_TURN
-        .iter()
-        .filter(|m| template.is_none_or(|t| t.contains(*m)))
-    {
+    let special: std::collections::HashMap<String, u32> =
+        hf.get_added_tokens_decoder().into_iter().filter(|(_, t)| t.special).map(|(id, t)| (t.content, id)).collect();
+    for m in END_OF_TURN.iter().filter(|m| template.is_none_or(|t| t.contains(*m))) {
         out.extend(special.get(*m));
     }
     let mut seen = std::collections::HashSet::new();

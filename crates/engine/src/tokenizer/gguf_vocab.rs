@@ -88,10 +88,7 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
     // user-defined. transformers' GGUF loader (our reference) respells them "▁▁" so BPE builds
     // them from "▁" pieces, as ordinary vocabulary; we do the same. This differs from llama.cpp
     // (which matches them whole, longest first) only on runs longer than the longest such token.
-    let arch = g
-        .get("general.architecture")
-        .and_then(|v| v.as_str())
-        .unwrap_or("");
+    let arch = g.get("general.architecture").and_then(|v| v.as_str()).unwrap_or("");
     let gemma = model == "llama" && arch.starts_with("gemma");
     let respelled: Vec<std::borrow::Cow<str>> = tokens
         .iter()
@@ -141,20 +138,12 @@ pub(super) fn build(g: &GgufFile) -> Result<Built> {
         add_bos: g.opt_bool("tokenizer.ggml.add_bos_token").unwrap_or(default_add_bos),
         add_eos: g.opt_bool("tokenizer.ggml.add_eos_token").unwrap_or(false),
     };
-<<<<<<< HEAD
-    Ok(Built { hf, specials, extra_stops })
-=======
     if specials.add_bos || specials.add_eos {
         // `encode` adds BOS/EOS itself; the post-processor is for tokenizer.json written from
         // `hf()` (ferrolm convert), so that file adds them as the GGUF says.
         hf.with_post_processor(Some(post_processor(g, &specials)?));
     }
-    Ok(Built {
-        hf,
-        specials,
-        extra_stops,
-    })
->>>>>>> h-tok
+    Ok(Built { hf, specials, extra_stops })
 }
 
 fn post_processor(g: &GgufFile, s: &Specials) -> Result<TemplateProcessing> {
@@ -162,10 +151,7 @@ fn post_processor(g: &GgufFile, s: &Specials) -> Result<TemplateProcessing> {
     let eos = s.eos.clone().zip(s.eos_id).filter(|_| s.add_eos);
     let specials: Vec<(String, u32)> = bos.iter().chain(&eos).cloned().collect();
     let wrap = |seq: &str| {
-        let (b, e) = (
-            bos.iter().map(|t| t.0.as_str()),
-            eos.iter().map(|t| t.0.as_str()),
-        );
+        let (b, e) = (bos.iter().map(|t| t.0.as_str()), eos.iter().map(|t| t.0.as_str()));
         b.chain([seq]).chain(e).collect::<Vec<_>>().join(" ")
     };
     let single = wrap("$A");
@@ -276,23 +262,11 @@ fn byte_level_pre(g: &GgufFile) -> Result<(PreTokenizerWrapper, Option<Normalize
 /// `tokenizer.ggml.merges`: "left right" strings, best first.
 fn parse_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
     let raw = g.str_array("tokenizer.ggml.merges")?;
-<<<<<<< HEAD
-    let mut merges = Vec::with_capacity(raw.len());
-    for (i, m) in raw.iter().enumerate() {
-        let (a, b) = m.split_once(' ').ok_or_else(|| {
-            Error::format(&g.path, format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""))
-        })?;
-        merges.push((a.to_string(), b.to_string()));
-    }
-=======
     raw.iter()
         .enumerate()
         .map(|(i, m)| {
             let (a, b) = m.split_once(' ').ok_or_else(|| {
-                Error::format(
-                    &g.path,
-                    format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""),
-                )
+                Error::format(&g.path, format!("metadata tokenizer.ggml.merges[{i}] = {m:?} is not \"left right\""))
             })?;
             Ok((a.to_string(), b.to_string()))
         })
@@ -301,7 +275,6 @@ fn parse_merges(g: &GgufFile) -> Result<Vec<(String, String)>> {
 
 fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
     let merges = parse_merges(g)?;
->>>>>>> h-tok
     let (pre, norm, ignore_merges) = byte_level_pre(g)?;
     let bpe = BPE::builder()
         .vocab_and_merges(vocab_map(tokens), merges)
@@ -316,12 +289,7 @@ fn byte_level(g: &GgufFile, tokens: &[&str]) -> Result<tokenizers::Tokenizer> {
 }
 
 /// SentencePiece vocabulary → BPE with byte fallback.
-fn sentencepiece(
-    g: &GgufFile,
-    tokens: &[&str],
-    unk: Option<u32>,
-    gemma: bool,
-) -> Result<tokenizers::Tokenizer> {
+fn sentencepiece(g: &GgufFile, tokens: &[&str], unk: Option<u32>, gemma: bool) -> Result<tokenizers::Tokenizer> {
     let n = tokens.len();
     let merges = if g.get("tokenizer.ggml.merges").is_some() {
         parse_merges(g)?
@@ -329,11 +297,8 @@ fn sentencepiece(
         // Gemma's scores do not follow its merge order for the tokens that are not ordinary
         // pieces (control, user-defined and byte tokens all share a score); its file order
         // does, so rank by position (transformers' Gemma rule).
-        let scores = if gemma {
-            (0..n).map(|i| -(i as f64)).collect()
-        } else {
-            f64_array(g, "tokenizer.ggml.scores", n)?
-        };
+        let scores =
+            if gemma { (0..n).map(|i| -(i as f64)).collect() } else { f64_array(g, "tokenizer.ggml.scores", n)? };
         merges_from_scores(tokens, &scores)
     };
     let mut b = BPE::builder().vocab_and_merges(vocab_map(tokens), merges).byte_fallback(true).fuse_unk(true);

@@ -97,18 +97,8 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
         let id = ids(&model_cfg[&key]).into_iter().chain(ids(&gen_cfg[&key])).next();
         (id, id.and_then(|i| hf.id_to_token(i)))
     };
-<<<<<<< HEAD
-    let (bos_id, bos) = special("bos_token");
-    let (eos_id, eos) = special("eos_token");
-    let (_, unk) = special("unk_token");
-    let (_, pad) = special("pad_token");
-    let extra_stops = ids(&gen_cfg["eos_token_id"]).into_iter().chain(ids(&model_cfg["eos_token_id"])).collect();
-
-    // Without an explicit flag, BOS/EOS are added if tokenizer.json's post-processor adds them.
-=======
     // What tokenizer.json's post-processor adds around a text: the BOS/EOS it adds by default,
     // and their ids when no config file names them.
->>>>>>> h-tok
     let probe = |add: bool| {
         hf.encode("a", add)
             .map(|e| e.get_ids().to_vec())
@@ -130,10 +120,7 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
     };
     let (_, unk) = special("unk_token");
     let (_, pad) = special("pad_token");
-    let extra_stops = ids(&gen_cfg["eos_token_id"])
-        .into_iter()
-        .chain(ids(&model_cfg["eos_token_id"]))
-        .collect();
+    let extra_stops = ids(&gen_cfg["eos_token_id"]).into_iter().chain(ids(&model_cfg["eos_token_id"])).collect();
 
     let flag = |key: &str, detected: bool| -> Result<bool> {
         match &cfg[key] {
@@ -142,13 +129,8 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
             other => Err(Error::format(&cfg_path, format!("{key}: expected true or false, found {other}"))),
         }
     };
-<<<<<<< HEAD
-    let add_bos = flag("add_bos_token", grew && bos_id.is_some() && with.first() == bos_id.as_ref())?;
-    let add_eos = flag("add_eos_token", grew && eos_id.is_some() && with.last() == eos_id.as_ref())?;
-=======
     let add_bos = flag("add_bos_token", lead.is_some() && lead == bos_id)?;
     let add_eos = flag("add_eos_token", trail.is_some() && trail == eos_id)?;
->>>>>>> h-tok
     Ok(DirParts {
         hf,
         specials: Specials { bos_id, eos_id, bos, eos, unk, pad, add_bos, add_eos },
