@@ -58,10 +58,10 @@ impl ModelConfig {
         if self.hidden == 0 || self.n_layers == 0 || self.n_heads == 0 || self.vocab == 0 || self.ffn == 0 {
             return bad(format!("config has a zero dimension: {self:?}"));
         }
-        if self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
+        if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!("n_heads {} is not a multiple of n_kv_heads {}", self.n_heads, self.n_kv_heads));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} is odd", self.head_dim));
         }
         Ok(())

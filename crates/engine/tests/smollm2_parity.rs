@@ -69,7 +69,10 @@ fn teacher_forced_nll_argmax_perplexity_and_greedy_match_transformers() {
     }
     let agreement = agree as f64 / counted as f64;
     let mean_dnll = dnll_sum / n_pos as f64;
-    eprintln!("argmax agreement {agree}/{counted} = {:.4}; mean |ΔNLL| {mean_dnll:.5} nats over {n_pos} positions", agreement);
+    eprintln!(
+        "argmax agreement {agree}/{counted} = {:.4}; mean |ΔNLL| {mean_dnll:.5} nats over {n_pos} positions",
+        agreement
+    );
     assert!(agreement >= 0.99, "argmax agreement {agreement} < 0.99");
     assert!(mean_dnll <= 0.01, "mean |ΔNLL| {mean_dnll} > 0.01 nats");
 

