@@ -46,6 +46,13 @@ pub struct ModelArg {
 }
 
 fn main() {
+    // Die quietly on a closed pipe (`ferrolm inspect | head`), as Unix tools do, instead of
+    // panicking inside println!.
+    #[cfg(unix)]
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     if let Some(n) = cli.threads {
         if let Err(e) = rayon::ThreadPoolBuilder::new().num_threads(n.max(1)).build_global() {
