@@ -41,6 +41,9 @@ pub trait Backend: Sync {
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32, out: &mut Self::Act);
     /// out = x · wᵀ  (x `[m, in]`, out `[m, out]`).
     fn matmul(&self, x: &Self::Act, w: &Self::Mat, out: &mut Self::Act);
+    /// outs[i] = x · ws[i]ᵀ for several matrices sharing the input (q/k/v, gate/up), so a
+    /// backend can run them as one launch / parallel region.
+    fn matmul_many(&self, x: &Self::Act, ws: &[&Self::Mat], outs: &mut [&mut Self::Act]);
     /// x[i] += b, per row.
     fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector);
     /// Rotate each head of each row; row i sits at position pos0 + i.

@@ -146,9 +146,7 @@ impl<B: Backend> Llama<B> {
         for (li, l) in self.layers.iter().enumerate() {
             // attention block
             b.rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-            b.matmul(&xn, &l.wq, &mut q);
-            b.matmul(&xn, &l.wk, &mut k);
-            b.matmul(&xn, &l.wv, &mut v);
+            b.matmul_many(&xn, &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v]);
             if let Some([bq, bk, bv]) = &l.bias {
                 b.add_bias(&mut q, bq);
                 b.add_bias(&mut k, bk);
@@ -161,8 +159,7 @@ impl<B: Backend> Llama<B> {
             b.add(&mut x, &o);
             // MLP block (SwiGLU)
             b.rms_norm(&x, &l.mlp_norm, c.rms_eps, &mut xn);
-            b.matmul(&xn, &l.w_gate, &mut gate);
-            b.matmul(&xn, &l.w_up, &mut up);
+            b.matmul_many(&xn, &[&l.w_gate, &l.w_up], &mut [&mut gate, &mut up]);
             b.silu_mul(&gate, &up, &mut act);
             b.matmul(&act, &l.w_down, &mut o);
             b.add(&mut x, &o);

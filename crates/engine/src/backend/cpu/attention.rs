@@ -4,17 +4,18 @@
 //! (scores), softmaxes in f32, then streams the values once.
 
 use crate::kv::dense::DenseKv;
+use half::bf16;
 use rayon::prelude::*;
 
 /// q `[m, n_heads·hd]` at positions pos0..pos0+m; the cache already holds 0..pos0+m.
 /// out `[m, n_heads·hd]`.
 #[allow(clippy::too_many_arguments)]
-pub fn attention(
+pub fn attention<'a>(
     q: &[f32],
     m: usize,
     n_heads: usize,
     hd: usize,
-    kv: &DenseKv,
+    kv: &'a DenseKv,
     layer: usize,
     pos0: usize,
     out: &mut [f32],
@@ -24,20 +25,23 @@ pub fn attention(
     let group = n_heads / n_kv;
     let scale = 1.0 / (hd as f32).sqrt();
     let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
+    let simd = super::simd::has_avx2() && hd % 8 == 0;
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (t, h) = (idx / n_heads, idx % n_heads);
         let kvh = h / group;
         let len = pos0 + t + 1;
         let qh = &q[t * n_heads * hd + h * hd..][..hd];
+        let row = |c: &'a [bf16], p: usize| -> &'a [bf16] { &c[p * kv.width + kvh * hd..][..hd] };
         let mut scores = Vec::with_capacity(len);
-        let mut kf = vec![0f32; hd];
         let mut max = f32::NEG_INFINITY;
         for p in 0..len {
-            let kr = &kc[p * kv.width + kvh * hd..][..hd];
-            for (d, s) in kf.iter_mut().zip(kr) {
-                *d = s.to_f32();
-            }
-            let s = super::matmul::dot(qh, &kf) * scale;
+            let kr = row(kc, p);
+            let s = if simd {
+                // SAFETY: AVX2+FMA present; both are hd long, hd a multiple of 8.
+                unsafe { super::simd::dot_bf16(qh, bytemuck::cast_slice(kr)) }
+            } else {
+                qh.iter().zip(kr).map(|(a, b)| a * b.to_f32()).sum()
+            } * scale;
             max = max.max(s);
             scores.push(s);
         }
@@ -48,10 +52,12 @@ pub fn attention(
         }
         o.fill(0.0);
         for (p, &w) in scores.iter().enumerate() {
-            let w = w / sum;
-            let vr = &vc[p * kv.width + kvh * hd..][..hd];
-            for (a, b) in o.iter_mut().zip(vr) {
-                *a += w * b.to_f32();
+            let (w, vr) = (w / sum, row(vc, p));
+            if simd {
+                // SAFETY: as above.
+                unsafe { super::simd::axpy_bf16(o, w, bytemuck::cast_slice(vr)) }
+            } else {
+                o.iter_mut().zip(vr).for_each(|(a, b)| *a += w * b.to_f32());
             }
         }
     });

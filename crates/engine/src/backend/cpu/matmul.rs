@@ -1,66 +1,86 @@
 //! Quantized and dense matrix products on the CPU: out[m, n] = x[m, k] · W[n, k]ᵀ.
 //!
-//! Where the time goes: decode (m = 1) is bound by unpacking weights, so each group of q
-//! values is unpacked once into an f32 scratch (shifts and masks LLVM vectorizes) and then
-//! reused for every one of the m activation rows (prefill amortizes the unpack m-fold).
-//! The affine form is folded once per group: Σ(s·q+b)·x = s·Σq·x + b·Σx, with Σx per group
-//! precomputed for each row. Output rows are split across threads with rayon; weights are
-//! never dequantized as a whole.
+//! Where the time goes: decode (m = 1) is bound by unpacking weights, so each row's q
+//! values are unpacked and multiplied in one pass (simd::row_dot). Prefill unpacks a row
+//! once into an f32 scratch and reuses it for every activation row, four at a time. The
+//! affine form is folded once per group: Σ(s·q+b)·x = s·Σq·x + b·Σx, with Σx per group
+//! precomputed. Several matrices sharing one input (q/k/v, gate/up) run in one parallel
+//! region, since on few cores the fork/join per region costs as much as a small matmul.
+//! Weights are never dequantized as a whole.
 
 use super::simd;
-use crate::quant::affine::{get_q, AffineTensor};
+use crate::quant::affine::{get_q, AffineTensor, Scales};
 use crate::quant::{DenseTensor, Weight};
 use rayon::prelude::*;
 
 /// Output rows per rayon task: big enough to amortize scheduling, small enough to balance.
-const ROWS_PER_TASK: usize = 16;
+const ROWS_PER_TASK: usize = 32;
+
+/// Disjoint writes into outputs from parallel tasks.
+#[derive(Clone, Copy)]
+struct OutPtr(*mut f32);
+// SAFETY: every task writes a disjoint set of (row, column) cells; see matmul_many.
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
 
 pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    let (n, k) = (w.rows(), w.cols());
-    assert_eq!(x.len(), m * k, "matmul: x is not [{m}, {k}]");
-    assert_eq!(out.len(), m * n, "matmul: out is not [{m}, {n}]");
-    // Task t owns rows [t·R, (t+1)·R) of W and computes out[i, r] for every i; tiles are
-    // scattered into the row-major output afterwards.
-    let tiles: Vec<(usize, Vec<f32>)> = (0..n.div_ceil(ROWS_PER_TASK))
-        .into_par_iter()
-        .map(|t| {
-            let r0 = t * ROWS_PER_TASK;
-            let r1 = (r0 + ROWS_PER_TASK).min(n);
-            let mut tile = vec![0f32; (r1 - r0) * m];
-            match w {
-                Weight::Affine(a) => affine_rows(a, x, m, r0, r1, &mut tile),
-                Weight::Dense(d) => dense_rows(d, x, m, r0, r1, &mut tile),
-            }
-            (r0, tile)
+    matmul_many(x, m, &[w], &mut [out]);
+}
+
+/// out_i = x · w_iᵀ for every i, in one parallel region.
+pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), outs.len());
+    let mut tasks = Vec::new();
+    let mut ptrs = Vec::with_capacity(ws.len());
+    for (wi, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+        let (n, k) = (w.rows(), w.cols());
+        assert_eq!(x.len(), m * k, "matmul: x is not [{m}, {k}]");
+        assert_eq!(out.len(), m * n, "matmul: out is not [{m}, {n}]");
+        ptrs.push(OutPtr(out.as_mut_ptr()));
+        tasks.extend((0..n).step_by(ROWS_PER_TASK).map(|r0| (wi, r0, (r0 + ROWS_PER_TASK).min(n))));
+    }
+    // Σx per group, once per distinct group size.
+    let sums: Vec<Option<Vec<f32>>> = ws
+        .iter()
+        .map(|w| match w {
+            Weight::Affine(a) => Some(x.chunks_exact(a.group).map(|c| c.iter().sum()).collect()),
+            Weight::Dense(_) => None,
         })
         .collect();
-    for (r0, tile) in tiles {
-        let nr = tile.len() / m;
-        for i in 0..m {
-            out[i * n + r0..i * n + r0 + nr].copy_from_slice(&tile[i * nr..(i + 1) * nr]);
+    tasks.par_iter().for_each(|&(wi, r0, r1)| {
+        let out = ptrs[wi];
+        match ws[wi] {
+            Weight::Affine(a) => affine_rows(a, x, sums[wi].as_deref().unwrap_or(&[]), m, r0, r1, out),
+            Weight::Dense(d) => dense_rows(d, x, m, r0, r1, out),
         }
+    });
+}
+
+/// Scales or biases of row r as f32 (F16C conversion where available).
+fn row_scales(s: &Scales, start: usize, out: &mut [f32], simd: bool) {
+    match s {
+        // SAFETY: AVX2+F16C present when simd is true; lengths are equal.
+        Scales::F16(v) if simd => unsafe { simd::f16_to_f32(bytemuck::cast_slice(&v[start..start + out.len()]), out) },
+        _ => s.read_into(start, out),
     }
 }
 
-/// Σx per group for each row of x: `[m, k/group]`.
-fn group_sums(x: &[f32], group: usize) -> Vec<f32> {
-    x.chunks_exact(group).map(|c| c.iter().sum()).collect()
-}
-
-fn affine_rows(a: &AffineTensor, x: &[f32], m: usize, r0: usize, r1: usize, tile: &mut [f32]) {
-    let (k, g) = (a.cols, a.group);
+fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1: usize, out: OutPtr) {
+    let (k, g, n) = (a.cols, a.group, a.rows);
     let gpr = k / g;
     let simd = simd::has_avx2();
-    let xs = group_sums(x, g);
-    let mut q = vec![0f32; k];
     let mut scales = vec![0f32; gpr];
     let mut biases = vec![0f32; gpr];
-    let nr = r1 - r0;
+    let mut q = if m > 1 || !(a.bits == 4 || a.bits == 8) { vec![0f32; k] } else { Vec::new() };
+    let set = |i: usize, r: usize, v: f32| {
+        // SAFETY: (i, r) is inside out's [m, n] and only this task writes rows r0..r1.
+        unsafe { *out.0.add(i * n + r) = v }
+    };
     for r in r0..r1 {
         let words = a.row_words(r);
-        a.scales.read_into(r * gpr, &mut scales);
-        a.biases.read_into(r * gpr, &mut biases);
-        let bias_term = |i: usize| -> f32 { biases.iter().zip(&xs[i * gpr..(i + 1) * gpr]).map(|(b, s)| b * s).sum() };
+        row_scales(&a.scales, r * gpr, &mut scales, simd);
+        row_scales(&a.biases, r * gpr, &mut biases, simd);
+        let bias_term = |i: usize| -> f32 { dot(&biases, &xs[i * gpr..(i + 1) * gpr]) };
         // Decode: unpack and multiply in one pass, no scratch.
         if m == 1 && simd && (a.bits == 4 || a.bits == 8) {
             // SAFETY: AVX2+FMA present; lengths follow from the tensor's checked shape.
@@ -70,7 +90,7 @@ fn affine_rows(a: &AffineTensor, x: &[f32], m: usize, r0: usize, r1: usize, tile
                     _ => simd::row_dot::<8>(words, x, &scales, g),
                 }
             };
-            tile[r - r0] = d + bias_term(0);
+            set(0, r, d + bias_term(0));
             continue;
         }
         // Prefill (or odd bit widths): unpack once, reuse for all m rows of x.
@@ -80,27 +100,44 @@ fn affine_rows(a: &AffineTensor, x: &[f32], m: usize, r0: usize, r1: usize, tile
             8 if simd => unsafe { simd::unpack::<8>(words, &mut q) },
             bits => q.iter_mut().enumerate().for_each(|(i, v)| *v = get_q(words, bits, i) as f32),
         }
-        for i in 0..m {
-            let xi = &x[i * k..(i + 1) * k];
+        let xrow = |i: usize| &x[i * k..(i + 1) * k];
+        let mut i = 0;
+        if simd {
+            while i + 4 <= m {
+                // SAFETY: AVX2+FMA present; q and the x rows are k long, k a multiple of g ≥ 16.
+                let d =
+                    unsafe { simd::dot_groups_x4(&q, [xrow(i), xrow(i + 1), xrow(i + 2), xrow(i + 3)], &scales, g) };
+                for (t, v) in d.into_iter().enumerate() {
+                    set(i + t, r, v + bias_term(i + t));
+                }
+                i += 4;
+            }
+        }
+        while i < m {
             let d = if simd {
-                // SAFETY: AVX2+FMA present; q and xi are both k long, k a multiple of g ≥ 16.
-                unsafe { simd::dot_groups(&q, xi, &scales, g) }
+                // SAFETY: as above.
+                unsafe { simd::dot_groups(&q, xrow(i), &scales, g) }
             } else {
-                q.chunks_exact(g).zip(xi.chunks_exact(g)).zip(&scales).map(|((a, b), s)| s * dot_scalar(a, b)).sum()
+                q.chunks_exact(g)
+                    .zip(xrow(i).chunks_exact(g))
+                    .zip(&scales)
+                    .map(|((a, b), s)| s * dot_scalar(a, b))
+                    .sum()
             };
-            tile[i * nr + (r - r0)] = d + bias_term(i);
+            set(i, r, d + bias_term(i));
+            i += 1;
         }
     }
 }
 
-fn dense_rows(d: &DenseTensor, x: &[f32], m: usize, r0: usize, r1: usize, tile: &mut [f32]) {
-    let k = d.cols;
+fn dense_rows(d: &DenseTensor, x: &[f32], m: usize, r0: usize, r1: usize, out: OutPtr) {
+    let (k, n) = (d.cols, d.rows);
     let mut row = vec![0f32; k];
-    let nr = r1 - r0;
     for r in r0..r1 {
         d.row_f32(r, &mut row);
         for i in 0..m {
-            tile[i * nr + (r - r0)] = dot(&row, &x[i * k..(i + 1) * k]);
+            // SAFETY: (i, r) is inside out's [m, n] and only this task writes rows r0..r1.
+            unsafe { *out.0.add(i * n + r) = dot(&row, &x[i * k..(i + 1) * k]) }
         }
     }
 }
@@ -146,18 +183,35 @@ mod tests {
         let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
         for bits in [2, 3, 4, 5, 6, 8] {
             for group in [32, 64, 128] {
-                for m in [1, 3] {
-                    let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
-                    let q = crate::quant::AffineTensor::quantize(&w, n, k, bits, group, ScaleDtype::BF16).unwrap();
-                    let deq = q.dequantize();
-                    let want = reference(&x, m, &deq, n, k);
-                    let mut got = vec![f32::NAN; m * n];
-                    matmul(&x, m, &Weight::Affine(q), &mut got);
-                    for (a, b) in got.iter().zip(&want) {
-                        assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "bits {bits} g {group} m {m}: {a} vs {b}");
+                for dtype in [ScaleDtype::BF16, ScaleDtype::F16, ScaleDtype::F32] {
+                    for m in [1, 3, 6] {
+                        let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
+                        let q = AffineTensor::quantize(&w, n, k, bits, group, dtype).unwrap();
+                        let want = reference(&x, m, &q.dequantize(), n, k);
+                        let mut got = vec![f32::NAN; m * n];
+                        matmul(&x, m, &Weight::Affine(q), &mut got);
+                        for (a, b) in got.iter().zip(&want) {
+                            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "bits {bits} g {group} m {m}: {a} vs {b}");
+                        }
                     }
                 }
             }
         }
+    }
+
+    #[test]
+    fn matmul_many_equals_separate_matmuls() {
+        let k = 64;
+        let w1: Vec<f32> = (0..40 * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+        let w2: Vec<f32> = (0..70 * k).map(|i| ((i * 53 % 97) as f32 - 48.0) / 90.0).collect();
+        let a = Weight::Affine(AffineTensor::quantize(&w1, 40, k, 4, 32, ScaleDtype::F16).unwrap());
+        let b = Weight::Dense(crate::quant::DenseTensor { rows: 70, cols: k, data: crate::quant::DenseData::F32(w2) });
+        let x: Vec<f32> = (0..2 * k).map(|i| (i as f32).sin()).collect();
+        let (mut o1, mut o2) = (vec![f32::NAN; 80], vec![f32::NAN; 140]);
+        matmul_many(&x, 2, &[&a, &b], &mut [&mut o1, &mut o2]);
+        let (mut s1, mut s2) = (vec![0f32; 80], vec![0f32; 140]);
+        matmul(&x, 2, &a, &mut s1);
+        matmul(&x, 2, &b, &mut s2);
+        assert_eq!((o1, o2), (s1, s2));
     }
 }

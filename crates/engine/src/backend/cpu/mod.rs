@@ -55,6 +55,10 @@ impl Backend for Cpu {
     fn matmul(&self, x: &CpuAct, w: &Weight, out: &mut CpuAct) {
         matmul::matmul(&x.data, x.rows, w, &mut out.data);
     }
+    fn matmul_many(&self, x: &CpuAct, ws: &[&Weight], outs: &mut [&mut CpuAct]) {
+        let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|a| a.data.as_mut_slice()).collect();
+        matmul::matmul_many(&x.data, x.rows, ws, &mut o);
+    }
     fn add_bias(&self, x: &mut CpuAct, b: &Vec<f32>) {
         ops::add_bias(&mut x.data, b);
     }

@@ -13,7 +13,7 @@ pub fn has_avx2() -> bool {
     *HAS.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
@@ -107,6 +107,91 @@ pub unsafe fn dot_groups(q: &[f32], x: &[f32], scales: &[f32], group: usize) -> 
         racc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s), racc);
     }
     hsum(racc)
+}
+
+/// f16 bits → f32 (F16C, 8 at a time).
+///
+/// # Safety
+/// CPU must support AVX2+F16C; src.len() == dst.len().
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
+    let n = src.len();
+    let mut i = 0;
+    while i + 8 <= n {
+        let h = _mm_loadu_si128(src.as_ptr().add(i) as *const __m128i);
+        _mm256_storeu_ps(dst.as_mut_ptr().add(i), _mm256_cvtph_ps(h));
+        i += 8;
+    }
+    while i < n {
+        dst[i] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(src[i] as i32)));
+        i += 1;
+    }
+}
+
+/// Σ_g scale_g · (q_g · x_t,g) for four activation rows at once: each q vector is loaded
+/// once and used four times, so prefill is bound by FMAs rather than loads.
+///
+/// # Safety
+/// CPU must support AVX2+FMA; q and every x have the same length, a multiple of group (≥ 16).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_groups_x4(q: &[f32], x: [&[f32]; 4], scales: &[f32], group: usize) -> [f32; 4] {
+    let qp = q.as_ptr();
+    let xp = [x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr()];
+    let mut racc = [_mm256_setzero_ps(); 4];
+    for (g, &s) in scales.iter().enumerate() {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut j = g * group;
+        while j < (g + 1) * group {
+            let qv = _mm256_loadu_ps(qp.add(j));
+            for t in 0..4 {
+                acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(xp[t].add(j)), acc[t]);
+            }
+            j += 8;
+        }
+        let sv = _mm256_set1_ps(s);
+        for t in 0..4 {
+            racc[t] = _mm256_fmadd_ps(acc[t], sv, racc[t]);
+        }
+    }
+    [hsum(racc[0]), hsum(racc[1]), hsum(racc[2]), hsum(racc[3])]
+}
+
+/// q · k with k stored as bf16 bits (converted by a 16-bit shift, 8 lanes at a time).
+///
+/// # Safety
+/// CPU must support AVX2+FMA; q.len() == k.len(), a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_bf16(q: &[f32], k: &[u16]) -> f32 {
+    let mut acc = _mm256_setzero_ps();
+    for j in (0..q.len()).step_by(8) {
+        let kv = bf16x8(k.as_ptr().add(j));
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(j)), kv, acc);
+    }
+    hsum(acc)
+}
+
+/// out += w · v with v stored as bf16 bits.
+///
+/// # Safety
+/// CPU must support AVX2+FMA; out.len() == v.len(), a multiple of 8.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn axpy_bf16(out: &mut [f32], w: f32, v: &[u16]) {
+    let wv = _mm256_set1_ps(w);
+    for j in (0..out.len()).step_by(8) {
+        let o = out.as_mut_ptr().add(j);
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(wv, bf16x8(v.as_ptr().add(j)), _mm256_loadu_ps(o)));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn bf16x8(p: *const u16) -> __m256 {
+    let h = _mm_loadu_si128(p as *const __m128i);
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
 }
 
 /// Plain dot product.
