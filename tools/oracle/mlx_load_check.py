@@ -30,6 +30,9 @@ def mlx_argmax(model_dir: Path, tokens):
 
     mx.set_default_device(mx.cpu)
     model, config = load_model(model_dir)
+    # Compute in float32 like ferrolm's CPU path (bf16/f16 scales widen exactly); MLX's CPU
+    # bf16 math is both slow and noisier, which would hide a real weight mismatch.
+    model.set_dtype(mx.float32)
     quantized = sum(1 for _, m in model.named_modules() if "Quantized" in type(m).__name__)
     print(f"mlx-lm loaded {model_dir}: model_type={config.get('model_type')}, "
           f"{quantized} quantized modules", file=sys.stderr)

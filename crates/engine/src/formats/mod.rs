@@ -55,6 +55,19 @@ pub fn load(path: &Path, progress: bool) -> Result<ModelSource> {
     }
 }
 
+/// Open a model and its tokenizer. A GGUF file is parsed once for both, tokenizer first,
+/// so the tokenizer's build garbage is freed before the weights are allocated.
+pub fn load_with_tokenizer(path: &Path, progress: bool) -> Result<(ModelSource, crate::tokenizer::Tokenizer)> {
+    if path.is_file() {
+        let g = gguf::GgufFile::open(path)?;
+        let tok = crate::tokenizer::Tokenizer::from_gguf(&g)?;
+        return Ok((gguf_names::from_file(&g, progress)?, tok));
+    }
+    let src = load(path, progress)?;
+    let tok = crate::tokenizer::Tokenizer::load(&src.tokenizer)?;
+    Ok((src, tok))
+}
+
 /// Canonical tensor names (Hugging Face Llama layout).
 pub mod names {
     pub const EMBED: &str = "model.embed_tokens.weight";

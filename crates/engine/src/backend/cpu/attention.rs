@@ -25,7 +25,7 @@ pub fn attention<'a>(
     let group = n_heads / n_kv;
     let scale = 1.0 / (hd as f32).sqrt();
     let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
-    let simd = super::simd::has_avx2() && hd % 8 == 0;
+    let simd = super::simd::has_avx2() && hd.is_multiple_of(8);
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (t, h) = (idx / n_heads, idx % n_heads);
         let kvh = h / group;

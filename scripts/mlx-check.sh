@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Proof that mlx-lm (an independent implementation) loads what `ferrolm convert` writes, on
+# the real SmolLM2 model, CPU only. Needs: pip install "mlx[cpu]" mlx-lm (installed here if
+# missing). Checks, each failing the script on error:
+#  1. GGUF → MLX (weights kept exactly): mlx-lm's next-token argmax over the golden "prose"
+#     text agrees with Hugging Face Transformers' (goldens/smollm2_hf.json) on ≥ 95% of positions;
+#  2. mlx_lm.load with our tokenizer files tokenizes a prompt exactly as ferrolm does;
+#  3. GGUF → bf16 (a plain Hugging Face style safetensors dir) → 8-bit MLX, and GGUF → 4-bit:
+#     mlx-lm's argmax agrees with ferrolm running the same directory on ≥ 95% of positions.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -c "import mlx_lm" 2>/dev/null || python3 -m pip install --quiet "mlx[cpu]" mlx-lm
+cargo build --release -q -p ferrolm-cli
+bin=target/release/ferrolm
+model=$(python3 - <<'PY'
+import os
+home = os.environ.get("FERROLM_HOME", os.path.expanduser("~/.cache/ferrolm"))
+print(os.path.join(home, "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+PY
+)
+[[ -f $model ]] || $bin inspect >/dev/null   # fetches the default model
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+golden=crates/engine/tests/goldens/smollm2_hf.json
+python3 - "$golden" "$tmp" <<'PY'
+import json, sys
+g = json.load(open(sys.argv[1]))
+t = next(t for t in g["texts"] if t["name"] == "prose")
+# argmax[i] predicts ids[i+1]: the last token has no target, so it is not fed.
+json.dump({"tokens": t["ids"][:-1], "argmax": t["argmax"]}, open(sys.argv[2] + "/hf.json", "w"))
+open(sys.argv[2] + "/prose.txt", "w").write(t["text"])
+PY
+
+echo "== 1. GGUF -> MLX, mlx-lm vs Transformers"
+$bin convert --input "$model" --output "$tmp/native"
+python3 tools/oracle/mlx_load_check.py "$tmp/native" --expect "$tmp/hf.json"
+
+echo "== 2. tokenizer files load in mlx-lm and agree with ferrolm"
+prompt="Hello world! The year 2024 had 366 days; ünïcödé, 中文 and emoji 🎉."
+python3 tools/oracle/mlx_load_check.py "$tmp/native" --prompt "$prompt" --write-expect "$tmp/mlx_tok.json"
+ours=$($bin tokenize --model "$tmp/native" --text "$prompt" --special)
+gguf=$($bin tokenize --model "$model" --text "$prompt" --special)
+python3 - "$tmp/mlx_tok.json" "$ours" "$gguf" <<'PY'
+import json, sys
+mlx = json.load(open(sys.argv[1]))["tokens"]
+ours, gguf = json.loads(sys.argv[2]), json.loads(sys.argv[3])
+assert mlx == ours == gguf, f"token ids differ:\nmlx  {mlx}\nours {ours}\ngguf {gguf}"
+print(f"tokenizer OK: {len(mlx)} ids identical (mlx-lm, ferrolm on the MLX dir, ferrolm on the GGUF)")
+PY
+
+for case in "bf16:8" "4"; do
+  echo "== 3. requantized ($case): mlx-lm vs ferrolm on the same directory"
+  src="$model"
+  if [[ $case == bf16:* ]]; then
+    $bin convert --input "$model" --output "$tmp/bf16" --quantize bf16
+    src="$tmp/bf16"; q=${case#bf16:}
+  else
+    q=$case
+  fi
+  out="$tmp/q$q-$RANDOM"
+  $bin convert --input "$src" --output "$out" --quantize "$q"
+  $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 512 --json > "$tmp/ppl.json"
+  python3 - "$tmp/ppl.json" "$tmp/hf.json" "$tmp/ours.json" <<'PY'
+import json, sys
+p, hf = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
+assert p["targets"][:-1] == hf["tokens"][1:], "ferrolm tokenized the prose differently"
+json.dump({"tokens": hf["tokens"], "argmax": p["argmax"]}, open(sys.argv[3], "w"))
+print(f"ferrolm ppl {p['ppl']:.3f} on this directory")
+PY
+  python3 tools/oracle/mlx_load_check.py "$out" --expect "$tmp/ours.json"
+done
+echo "mlx-check: all OK"
