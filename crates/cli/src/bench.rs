@@ -51,7 +51,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.repeats == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
     }
-    let l = load::model(a.model.model.as_deref())?;
+    let l = load::model(&a.model)?;
     let ctx = a.prompt_tokens + a.gen_tokens;
     if ctx > l.model.cfg.max_ctx {
         bail!("--prompt-tokens + --gen-tokens = {ctx} exceeds the model's context of {}", l.model.cfg.max_ctx);

@@ -113,7 +113,7 @@ fn streamer<'a, 't: 'a>(
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    let l = load::model(a.model.model.as_deref())?;
+    let l = load::model(&a.model)?;
     let mut sampler = a.sampling.sampler()?;
     let prompt_ids = if a.chat {
         let mut msgs = Vec::new();
@@ -144,13 +144,16 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
     )?;
     let tail = dec.finish()?;
     let _ = stdout.write_all(tail.as_bytes());
-    let _ = writeln!(stdout);
+    // stdout carries only the generated text; end the line only for a human at a terminal.
+    if std::io::IsTerminal::is_terminal(&stdout) {
+        let _ = writeln!(stdout);
+    }
     print_stats(&st, sampler.cfg.seed);
     Ok(())
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
-    let l = load::model(a.model.model.as_deref())?;
+    let l = load::model(&a.model)?;
     let mut sampler = a.sampling.sampler()?;
     if l.tokenizer.chat_template().is_none() {
         anyhow::bail!("this model has no chat template; use `ferrolm generate` instead");

@@ -32,8 +32,11 @@ pub fn source(model: Option<&str>) -> Result<(ModelSource, Tokenizer)> {
     Ok((src, tok))
 }
 
-pub fn model(model: Option<&str>) -> Result<Loaded> {
-    let (mut src, tokenizer) = source(model)?;
+pub fn model(arg: &crate::ModelArg) -> Result<Loaded> {
+    let (mut src, tokenizer) = source(arg.model.as_deref())?;
+    if let Some(s) = &arg.quantize {
+        ferrolm::quant::scheme::apply(&mut src, &ferrolm::quant::scheme::QuantScheme::parse(s)?, progress())?;
+    }
     let file_bytes = src.file_bytes;
     let model = Llama::load(Cpu, &mut src)?;
     Ok(Loaded { model, tokenizer, file_bytes })

@@ -43,6 +43,10 @@ pub struct ModelArg {
     /// Default: SmolLM2-135M-Instruct (fetched on first use).
     #[arg(long, short)]
     pub model: Option<String>,
+    /// Quantize dense (e.g. bf16 Hugging Face) weights on load: "4", "8", "4:g32",
+    /// "mixed:4,8", or "bf16". Default: weights stay as the file has them.
+    #[arg(long)]
+    pub quantize: Option<String>,
 }
 
 fn main() {

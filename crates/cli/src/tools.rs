@@ -70,7 +70,7 @@ pub struct PerplexityArgs {
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     let text = read_text(None, Some(a.file))?;
-    let l = load::model(a.model.model.as_deref())?;
+    let l = load::model(&a.model)?;
     let mut ids = Vec::new();
     if l.tokenizer.add_bos_default() {
         ids.extend(l.tokenizer.bos_id());

@@ -191,6 +191,35 @@ fn generate_tokenize_perplexity_inspect_work() {
 }
 
 #[test]
+fn chat_keeps_the_conversation_across_turns() {
+    use std::io::Write;
+    let m = smollm2();
+    let mut child = bin()
+        .args(["chat", "--model", m.to_str().unwrap(), "--temperature", "0", "-n", "24"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"My name is Alice. Please remember it.\nWhat is my name?\n/exit\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    // two replies, and the second one uses the first turn's content
+    assert_eq!(stderr(&o).matches("tok/s").count(), 4, "{}", stderr(&o));
+    assert!(out.lines().filter(|l| !l.trim().is_empty()).count() >= 2, "{out}");
+    // the second turn reuses the cached first turn: fewer tokens computed than in its prompt
+    let err = stderr(&o);
+    let stats: Vec<&str> = err.lines().filter(|l| l.starts_with("[prompt")).collect();
+    let nums = |l: &str| -> (usize, usize) {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        (w[1].parse().unwrap(), w[3].trim_start_matches('(').parse().unwrap())
+    };
+    let (total, computed) = nums(stats[1]);
+    assert!(computed < total / 2, "second turn recomputed {computed} of {total} prompt tokens");
+}
+
+#[test]
 fn bad_arguments_are_errors_not_panics() {
     let m = smollm2();
     let m = m.to_str().unwrap();
@@ -205,6 +234,30 @@ fn bad_arguments_are_errors_not_panics() {
         assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.starts_with("error: ") && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
     }
+    // a repo id with no reachable hub (or no such repo) is a clear error
+    let o = bin()
+        .args(["inspect", "no-such-owner/no-such-model"])
+        .env("FERROLM_HOME", tempfile::tempdir().unwrap().path())
+        .output()
+        .unwrap();
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("no-such-owner/no-such-model") && err.contains("Hugging Face hub"), "{err}");
+    // quantize on load: a requested scheme is applied and still generates
+    let o = run(&[
+        "generate",
+        "--model",
+        m,
+        "--quantize",
+        "8",
+        "--prompt",
+        "The capital of France is",
+        "--temperature",
+        "0",
+        "-n",
+        "4",
+    ]);
+    assert!(o.status.success() && stdout(&o).contains("Paris"), "{} {}", stdout(&o), stderr(&o));
     // an oversize prompt is an error naming the sizes
     let long = "word ".repeat(300);
     let o = run(&["generate", "--model", m, "--prompt", &long, "--ctx", "64", "-n", "1"]);

@@ -86,7 +86,8 @@ impl ModelConfig {
         let head_dim = g.opt_u64(&k("attention.key_length"))?.map(|v| v as usize).unwrap_or(hidden / n_heads.max(1));
         let vocab = match g.opt_u64(&k("vocab_size"))? {
             Some(v) => v as usize,
-            None => g.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()).unwrap_or(0),
+            // The embedding's rows are the vocabulary (the tokenizer's metadata may be gone).
+            None => g.tensor("token_embd.weight").and_then(|t| t.dims.get(1)).map(|&d| d as usize).unwrap_or(0),
         };
         let rope_linear = match g.get(&k("rope.scaling.type")).and_then(|v| v.as_str()) {
             Some("linear") => g.opt_f64(&k("rope.scaling.factor"))?.unwrap_or(1.0) as f32,

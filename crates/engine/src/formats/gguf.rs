@@ -283,9 +283,21 @@ impl GgufFile {
     /// Tell the kernel we are done with a tensor's pages, so import does not hold the file
     /// and its converted copy resident at once (keeps peak RSS near one model size).
     pub fn release(&self, t: &TensorInfo) {
+        self.release_range(t.start, t.start + t.len);
+    }
+
+    /// Drop the tokenizer's metadata (tens of thousands of strings) and the header's pages
+    /// once a tokenizer has been built from them, before the weights are imported.
+    pub fn forget_tokenizer(&mut self) {
+        self.metadata.retain(|k, _| !k.starts_with("tokenizer.ggml."));
+        let header_end = self.tensors.iter().map(|t| t.start).min().unwrap_or(0);
+        self.release_range(0, header_end);
+    }
+
+    fn release_range(&self, start: usize, end: usize) {
         let page = 4096;
-        let s = t.start.div_ceil(page) * page;
-        let e = (t.start + t.len) / page * page;
+        let s = start.div_ceil(page) * page;
+        let e = end / page * page;
         if e > s {
             // SAFETY: private read-only file mapping; dropped pages are re-read from the file.
             let _ = unsafe { self.mmap.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, s, e - s) };

@@ -59,8 +59,9 @@ pub fn load(path: &Path, progress: bool) -> Result<ModelSource> {
 /// so the tokenizer's build garbage is freed before the weights are allocated.
 pub fn load_with_tokenizer(path: &Path, progress: bool) -> Result<(ModelSource, crate::tokenizer::Tokenizer)> {
     if path.is_file() {
-        let g = gguf::GgufFile::open(path)?;
+        let mut g = gguf::GgufFile::open(path)?;
         let tok = crate::tokenizer::Tokenizer::from_gguf(&g)?;
+        g.forget_tokenizer();
         return Ok((gguf_names::from_file(&g, progress)?, tok));
     }
     let src = load(path, progress)?;
