@@ -45,10 +45,10 @@ struct Specials {
 }
 
 pub struct Tokenizer {
-    /// Matches special-token text (`<|im_start|>`) to its token.
-    hf: tokenizers::Tokenizer,
-    /// The same tokenizer with special-token matching off, for user text.
-    hf_plain: tokenizers::Tokenizer,
+    /// One tokenizer for both modes: `encode` switches special-token matching per call.
+    /// (A second copy for plain text would cost ~8 MB on a 49k vocabulary, a tenth of
+    /// SmolLM2's weights.)
+    hf: std::sync::Mutex<tokenizers::Tokenizer>,
     /// The file or directory it came from, for error messages.
     source: String,
     specials: Specials,
@@ -121,17 +121,16 @@ impl Tokenizer {
             ));
         }
         let stop_ids = chat::stop_ids(&hf, specials.eos_id, extra_stops, chat_template.as_deref());
-        let mut hf_plain = hf.clone();
-        // Special-token text in user input stays text (transformers' split_special_tokens).
-        hf_plain.set_encode_special_tokens(true);
-        Ok(Tokenizer { hf, hf_plain, source, specials, stop_ids, chat_template, pieces })
+        Ok(Tokenizer { hf: std::sync::Mutex::new(hf), source, specials, stop_ids, chat_template, pieces })
     }
 
     /// special=false: no BOS/EOS, and text that looks like a special token is plain text.
     /// special=true: special-token text maps to its token, and BOS (EOS) is added where the
     /// model adds one by default.
     pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>> {
-        let hf = if special { &self.hf } else { &self.hf_plain };
+        let mut hf = self.hf();
+        // Special-token text in user input stays text (transformers' split_special_tokens).
+        hf.set_encode_special_tokens(!special);
         // The post-processor is bypassed (add_special_tokens = false): BOS/EOS are ours to add,
         // so they are added exactly once whatever tokenizer.json's template says.
         let enc = hf
@@ -186,15 +185,18 @@ impl Tokenizer {
         self.specials.eos.as_deref()
     }
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.hf.token_to_id(token)
+        self.hf().token_to_id(token)
     }
 
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
         chat::apply(self, messages, add_generation_prompt)
     }
 
-    /// The underlying tokenizer (matching special tokens), e.g. to write tokenizer.json.
-    pub fn hf(&self) -> &tokenizers::Tokenizer {
-        &self.hf
+    /// The underlying tokenizer, e.g. to write tokenizer.json. Held locked while in use.
+    pub fn hf(&self) -> std::sync::MutexGuard<'_, tokenizers::Tokenizer> {
+        // A panic while encoding cannot leave the tokenizer half-modified: recover the guard.
+        let mut g = self.hf.lock().unwrap_or_else(|e| e.into_inner());
+        g.set_encode_special_tokens(false);
+        g
     }
 }

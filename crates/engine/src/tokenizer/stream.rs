@@ -178,7 +178,7 @@ impl<'a> StreamDecoder<'a> {
         }
         let piece = &p.bytes[p.offs[i]..p.offs[i + 1]];
         if std::mem::take(&mut self.at_first) && p.first == FirstPiece::DropMetaspace {
-            let tok = self.tok.hf.id_to_token(id).unwrap_or_default();
+            let tok = self.tok.hf().id_to_token(id).unwrap_or_default();
             match byte_token(&tok).filter(|_| p.byte_fallback) {
                 Some(b) => self.take(&[b]),
                 None => self.take(tok.replace('\u{2581}', "").as_bytes()),
