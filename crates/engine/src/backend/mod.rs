@@ -2,6 +2,7 @@
 //! reference implementation, CUDA implements the same ops with the same signatures.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::config::ModelConfig;
 use crate::quant::Weight;
