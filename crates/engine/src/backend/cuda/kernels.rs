@@ -19,6 +19,7 @@ pub const FILES: &[KernelFile] = &[
     kernel!("elementwise.cu"),
     kernel!("rope.cu"),
     kernel!("affine.cu"),
+    kernel!("dense.cu"),
     kernel!("attention.cu"),
     kernel!("sample.cu"),
 ];

@@ -1,9 +1,14 @@
-//! CUDA backend (in progress, issue 3): kernels as `.cu` sources compiled at run time by
-//! NVRTC for the device's architecture and cached on disk. cudarc loads libcuda and
-//! libnvrtc dynamically, so the binary builds and runs where no CUDA is installed.
+//! CUDA backend (issue 3, in progress): kernels as `.cu` sources compiled at run time by
+//! NVRTC for the device's architecture and cached on disk; bf16 activations with f32
+//! accumulation; bf16 KV cache. cudarc loads libcuda and libnvrtc dynamically, so the binary
+//! builds and runs where no CUDA is installed.
 
+pub mod device;
 pub mod kernels;
 pub mod nvrtc;
+pub mod ops;
+
+pub use device::{Cuda, CudaAct, CudaKv, CudaMat};
 
 use crate::{Error, Result};
 
