@@ -271,3 +271,39 @@ fn smollm2_cuda_agrees_with_cpu() {
     eprintln!("greedy CPU: {:?}\ngreedy CUDA: {:?}", tok.decode(&a).unwrap(), tok.decode(&b).unwrap());
     assert_eq!(a, b, "greedy continuations differ");
 }
+
+/// Residual stream after each layer, CUDA vs CPU: where a divergence starts.
+#[test]
+fn smollm2_layer_by_layer() {
+    let (mc, mg, _) = smollm2();
+    let ids: Vec<u32> = vec![504, 3575, 282, 4649, 314, 7042, 30, 378, 1463];
+    for layer in [0, 1, 2, 3, 5, 10, 20, 30] {
+        let mut kc = mc.new_cache(16).unwrap();
+        let mut kg = mg.new_cache(16).unwrap();
+        let a = mc.forward(&ids, 0, &mut kc, Logits::Hidden(layer)).unwrap();
+        let b = mg.forward(&ids, 0, &mut kg, Logits::Hidden(layer)).unwrap();
+        let num: f64 = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+        eprintln!("after {layer} layers: rel err {:.3e}  |x| {:.3e}", (num / den).sqrt(), den.sqrt());
+        assert!((num / den).sqrt() < 2e-2, "diverges by layer {layer}");
+    }
+}
+
+/// The Logits::Last path (slice, norm, head on one row) equals the last row of Logits::All.
+#[test]
+fn last_row_path_matches_all_rows() {
+    let g = gpu();
+    let mut r = Rng::seeded();
+    let x: Vec<f32> = bf(&r.v(5 * 64, 1.0));
+    let a = g.act_from(5, 64, &x).unwrap();
+    let s = g.slice_rows(&a, 4).unwrap();
+    check("slice_rows", &g.read_rows(&s, 0).unwrap(), &x[4 * 64..], 0.0);
+    let (_, mg, _) = smollm2();
+    let ids: Vec<u32> = vec![1, 9690, 198, 504, 3575, 282, 4649, 314];
+    let mut k1 = mg.new_cache(16).unwrap();
+    let all = mg.forward(&ids, 0, &mut k1, Logits::All).unwrap();
+    let mut k2 = mg.new_cache(16).unwrap();
+    let last = mg.forward(&ids, 0, &mut k2, Logits::Last).unwrap();
+    let v = mg.cfg.vocab;
+    check("Last vs All's last row", &last, &all[(ids.len() - 1) * v..], 1e-3);
+}

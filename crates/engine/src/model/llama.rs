@@ -38,6 +38,9 @@ pub enum Logits {
     Last,
     /// Every position: `[m, V]` (teacher forcing, perplexity).
     All,
+    /// Stop before layer n and return the residual stream `[m, d]` (bisecting a backend
+    /// against the reference layer by layer).
+    Hidden(usize),
 }
 
 fn vector(w: Weight, name: &str, len: usize, src: &ModelSource) -> Result<Vec<f32>> {
@@ -144,6 +147,9 @@ impl<B: Backend> Llama<B> {
 
         b.embed(&self.embed, tokens, &mut x)?;
         for (li, l) in self.layers.iter().enumerate() {
+            if which == Logits::Hidden(li) {
+                return b.read_rows(&x, 0);
+            }
             // attention block
             b.rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn)?;
             b.matmul_many(&xn, &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v])?;
@@ -168,6 +174,7 @@ impl<B: Backend> Llama<B> {
         let (rows, first) = match which {
             Logits::All => (m, 0),
             Logits::Last => (1, m - 1),
+            Logits::Hidden(_) => return b.read_rows(&x, 0),
         };
         let mut last = b.act(rows, d)?;
         if rows == m {

@@ -172,7 +172,14 @@ impl Cuda {
         if (a.cols * a.bits as usize) % 128 != 0 {
             return Err(Error::Unsupported(format!("CUDA GEMV needs cols·bits divisible by 128 (cols {})", a.cols)));
         }
-        let defines = kernels::affine_defines(a.bits, a.group, a.scales.dtype());
+        // One scale type per kernel: where scales and biases differ (legacy blocks whose
+        // −k·d overflowed f16 keep f32 biases) both go up as f32, exactly.
+        let (scales, biases) = if a.scales.dtype() == a.biases.dtype() {
+            (a.scales.clone(), a.biases.clone())
+        } else {
+            (Scales::F32(a.scales.to_f32_vec()), Scales::F32(a.biases.to_f32_vec()))
+        };
+        let defines = kernels::affine_defines(a.bits, a.group, scales.dtype());
         let file = kernels::file("affine.cu");
         let f = [
             self.function(file, &defines, "qmv")?,
@@ -183,8 +190,8 @@ impl Cuda {
             rows: a.rows,
             cols: a.cols,
             words: self.upload(&a.packed, "uploading weights")?,
-            scales: self.scales(&a.scales)?,
-            biases: self.scales(&a.biases)?,
+            scales: self.scales(&scales)?,
+            biases: self.scales(&biases)?,
             f,
         })
     }
