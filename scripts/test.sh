@@ -22,4 +22,6 @@ if [[ -z $dir ]]; then
 fi
 export LD_LIBRARY_PATH="$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cargo test --workspace --release
+# The GPU test target must compile here too (it runs only on a GPU: scripts/gpu-check.sh).
+cargo build --release -p ferrolm-engine --features cuda-tests --test cuda_parity
 scripts/mlx-check.sh

@@ -36,8 +36,8 @@ pub fn source(model: Option<&str>) -> Result<(ModelSource, Tokenizer)> {
 
 /// A loaded model on whichever backend `--device` chose.
 pub enum AnyModel {
-    Cpu(Loaded<Cpu>),
-    Cuda(Loaded<Cuda>),
+    Cpu(Box<Loaded<Cpu>>),
+    Cuda(Box<Loaded<Cuda>>),
 }
 
 /// Run `$body` with `$l` bound to the `Loaded<B>` inside an [`AnyModel`], whatever B is.
@@ -45,8 +45,14 @@ pub enum AnyModel {
 macro_rules! with_model {
     ($m:expr, $l:ident => $body:expr) => {
         match $m {
-            $crate::load::AnyModel::Cpu($l) => $body,
-            $crate::load::AnyModel::Cuda($l) => $body,
+            $crate::load::AnyModel::Cpu($l) => {
+                let $l = *$l;
+                $body
+            }
+            $crate::load::AnyModel::Cuda($l) => {
+                let $l = *$l;
+                $body
+            }
         }
     };
 }
@@ -70,11 +76,11 @@ pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
     }
     let file_bytes = src.file_bytes;
     Ok(match dev {
-        None => AnyModel::Cpu(Loaded { model: Llama::load(Cpu, &mut src)?, tokenizer, file_bytes }),
+        None => AnyModel::Cpu(Box::new(Loaded { model: Llama::load(Cpu, &mut src)?, tokenizer, file_bytes })),
         Some(c) => {
             let model =
                 Llama::load(c, &mut src).map_err(|e| anyhow::anyhow!("{e} (use --device cpu to run on the CPU)"))?;
-            AnyModel::Cuda(Loaded { model, tokenizer, file_bytes })
+            AnyModel::Cuda(Box::new(Loaded { model, tokenizer, file_bytes }))
         }
     })
 }

@@ -84,10 +84,11 @@ extern "C" __global__ void qmv_f32(const u32* w, const scale_t* s, const scale_t
     qmv_body<true>(w, s, b, x, y, rows, cols);
 }
 
-// out[t, :] = dequantized row tokens[t] of the table. grid m, block 256.
+// out[t, :] = dequantized row tokens[t] of the table (f32: the residual stream).
+// grid m, block 256.
 extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __restrict__ scales,
                                  const scale_t* __restrict__ biases, const int* __restrict__ tokens,
-                                 bf16_t* __restrict__ out, int cols) {
+                                 float* __restrict__ out, int cols) {
     int r = tokens[blockIdx.x];
     const u32* wr = w + (size_t)r * (cols / (32 / BITS));
     int groups = cols / GROUP;
@@ -95,6 +96,6 @@ extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __res
         u32 q = (wr[(i * BITS) / 32] >> ((i * BITS) % 32)) & MASK;
         int g = i / GROUP;
         out[(size_t)blockIdx.x * cols + i] =
-            f2bf(s2f(scales[(size_t)r * groups + g]) * (float)q + s2f(biases[(size_t)r * groups + g]));
+            s2f(scales[(size_t)r * groups + g]) * (float)q + s2f(biases[(size_t)r * groups + g]);
     }
 }

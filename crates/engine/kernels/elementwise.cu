@@ -7,6 +7,11 @@ extern "C" __global__ void add_inplace(bf16_t* __restrict__ x, const bf16_t* __r
         x[i] = f2bf(bf2f(x[i]) + bf2f(y[i]));
 }
 
+// The f32 residual stream += a bf16 block output.
+extern "C" __global__ void add_f32_bf16(float* __restrict__ x, const bf16_t* __restrict__ y, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) x[i] += bf2f(y[i]);
+}
+
 extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate, const bf16_t* __restrict__ up,
                                     bf16_t* __restrict__ out, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {

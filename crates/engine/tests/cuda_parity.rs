@@ -66,18 +66,29 @@ fn ops_match_cpu() {
     let xc = cpu(m, d, x.clone());
     // rmsnorm
     let w = r.v(d, 1.0);
-    let mut og = g.act_poisoned(m, d, false).unwrap();
+    let xf = r.v(m * d, 30.0); // the f32 residual stream, with large values as real models have
     let mut oc = c.act(m, d).unwrap();
-    g.rms_norm(&xg, &g.vector(w.clone()).unwrap(), 1e-5, &mut og).unwrap();
     c.rms_norm(&xc, &w, 1e-5, &mut oc).unwrap();
-    check("rmsnorm", &g.read_rows(&og, 0).unwrap(), &oc.data, 1e-2);
+    let mut og = g.act_poisoned(m, d, false).unwrap();
+    g.rms_norm(&xg, &g.vector(w.clone()).unwrap(), 1e-5, &mut og).unwrap();
+    check("rmsnorm bf16 in", &g.read_rows(&og, 0).unwrap(), &oc.data, 1e-2);
+    let mut oc = c.act(m, d).unwrap();
+    c.rms_norm(&cpu(m, d, xf.clone()), &w, 1e-5, &mut oc).unwrap();
+    let mut og = g.act_poisoned(m, d, false).unwrap();
+    g.rms_norm(&g.act_from_f32(m, d, &xf).unwrap(), &g.vector(w.clone()).unwrap(), 1e-5, &mut og).unwrap();
+    check("rmsnorm f32 in", &g.read_rows(&og, 0).unwrap(), &oc.data, 1e-2);
     // add, silu_mul, add_bias
     let y = bf(&r.v(m * d, 1.0));
     let mut ag = g.act_from(m, d, &x).unwrap();
     g.add(&mut ag, &g.act_from(m, d, &y).unwrap()).unwrap();
     let mut ac = xc.clone();
     c.add(&mut ac, &cpu(m, d, y.clone())).unwrap();
-    check("add", &g.read_rows(&ag, 0).unwrap(), &ac.data, 1e-2);
+    check("add bf16", &g.read_rows(&ag, 0).unwrap(), &ac.data, 1e-2);
+    let mut ag = g.act_from_f32(m, d, &xf).unwrap();
+    g.add(&mut ag, &g.act_from(m, d, &y).unwrap()).unwrap();
+    let mut ac = cpu(m, d, xf.clone());
+    c.add(&mut ac, &cpu(m, d, y.clone())).unwrap();
+    check("add f32 += bf16", &g.read_rows(&ag, 0).unwrap(), &ac.data, 1e-6);
     let mut sg = g.act_poisoned(m, d, false).unwrap();
     g.silu_mul(&xg, &g.act_from(m, d, &y).unwrap(), &mut sg).unwrap();
     let mut sc = c.act(m, d).unwrap();
@@ -133,11 +144,11 @@ fn matmuls_and_embeddings_match_cpu() {
             }
         }
         let toks = [3u32, 0, 199, 42];
-        let mut eg = g.act_poisoned(4, k, false).unwrap();
+        let mut eg = g.act_poisoned(4, k, true).unwrap();
         g.embed(&wg, &toks, &mut eg).unwrap();
         let mut ec = c.act(4, k).unwrap();
         c.embed(&w, &toks, &mut ec).unwrap();
-        check(&format!("embed {name}"), &g.read_rows(&eg, 0).unwrap(), &ec.data, 1e-2);
+        check(&format!("embed {name}"), &g.read_rows(&eg, 0).unwrap(), &ec.data, 1e-6);
     }
 }
 
@@ -254,20 +265,21 @@ fn smollm2_cuda_agrees_with_cpu() {
     let msgs =
         [ferrolm::tokenizer::ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }];
     let ids = tok.encode(&tok.apply_chat_template(&msgs, true).unwrap(), true).unwrap();
-    let greedy = |m: &dyn Fn(&[u32], usize, bool) -> Vec<f32>| {
+    type Step<'a> = &'a dyn Fn(&[u32], usize) -> Vec<f32>;
+    let greedy = |m: Step| {
         let mut out = vec![];
-        let mut l = m(&ids, 0, true);
+        let mut l = m(&ids, 0);
         for i in 0..24 {
             let t = ferrolm::sample::argmax(&l);
             out.push(t);
-            l = m(&[t], ids.len() + i, false);
+            l = m(&[t], ids.len() + i);
         }
         out
     };
     let kc = std::cell::RefCell::new(mc.new_cache(128).unwrap());
     let kg = std::cell::RefCell::new(mg.new_cache(128).unwrap());
-    let a = greedy(&|t, p, _| mc.forward(t, p, &mut kc.borrow_mut(), Logits::Last).unwrap());
-    let b = greedy(&|t, p, _| mg.forward(t, p, &mut kg.borrow_mut(), Logits::Last).unwrap());
+    let a = greedy(&|t, p| mc.forward(t, p, &mut kc.borrow_mut(), Logits::Last).unwrap());
+    let b = greedy(&|t, p| mg.forward(t, p, &mut kg.borrow_mut(), Logits::Last).unwrap());
     eprintln!("greedy CPU: {:?}\ngreedy CUDA: {:?}", tok.decode(&a).unwrap(), tok.decode(&b).unwrap());
     assert_eq!(a, b, "greedy continuations differ");
 }
@@ -285,7 +297,9 @@ fn smollm2_layer_by_layer() {
         let num: f64 = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
         let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
         eprintln!("after {layer} layers: rel err {:.3e}  |x| {:.3e}", (num / den).sqrt(), den.sqrt());
-        assert!((num / den).sqrt() < 2e-2, "diverges by layer {layer}");
+        // bf16 activations into every matmul: measured ≤ 3.3e-2 by layer 30 on this prompt
+        // (2026-11-30, H200); a kernel bug shows up as O(1).
+        assert!((num / den).sqrt() < 6e-2, "diverges by layer {layer}");
     }
 }
 

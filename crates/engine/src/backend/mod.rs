@@ -34,13 +34,13 @@ pub trait Backend: Sync {
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     /// Activations in the working precision (f32 on the CPU, bf16 on CUDA).
     fn act(&self, rows: usize, cols: usize) -> Result<Self::Act>;
-    /// f32 activations, for logits.
+    /// f32 activations: the residual stream and logits.
     fn act_f32(&self, rows: usize, cols: usize) -> Result<Self::Act>;
     fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<Self::Kv>;
     /// Number of positions the cache holds.
     fn kv_capacity(&self, kv: &Self::Kv) -> usize;
 
-    /// out[i] = table[tokens[i]]
+    /// out[i] = table[tokens[i]] (out is the f32 residual stream)
     fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Act) -> Result<()>;
     /// out = x / rms(x) · w, per row.
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32, out: &mut Self::Act) -> Result<()>;

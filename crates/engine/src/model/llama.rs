@@ -134,7 +134,7 @@ impl<B: Backend> Llama<B> {
         }
         let (d, hd) = (c.hidden, c.head_dim);
         let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
-        let mut x = b.act(m, d)?; // [m, d] residual stream
+        let mut x = b.act_f32(m, d)?; // [m, d] residual stream, f32 on every backend
         let mut xn = b.act(m, d)?; // [m, d] normed
         let mut q = b.act(m, qd)?; // [m, h·hd]
         let mut k = b.act(m, kvd)?; // [m, kvh·hd]

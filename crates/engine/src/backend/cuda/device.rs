@@ -169,7 +169,7 @@ impl Cuda {
             )));
         }
         // 16-byte chunks of a row must hold whole values: cols·bits a multiple of 128.
-        if (a.cols * a.bits as usize) % 128 != 0 {
+        if !(a.cols * a.bits as usize).is_multiple_of(128) {
             return Err(Error::Unsupported(format!("CUDA GEMV needs cols·bits divisible by 128 (cols {})", a.cols)));
         }
         // One scale type per kernel: where scales and biases differ (legacy blocks whose
@@ -197,7 +197,7 @@ impl Cuda {
     }
 
     fn dense(&self, d: &DenseTensor) -> Result<CudaMat> {
-        if d.cols % 8 != 0 {
+        if !d.cols.is_multiple_of(8) {
             return Err(Error::Unsupported(format!("dense CUDA GEMV needs cols divisible by 8 (cols {})", d.cols)));
         }
         let bits: Vec<u16> = match &d.data {
@@ -219,6 +219,10 @@ impl Cuda {
     pub fn act_from(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaAct> {
         let bits: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
         Ok(CudaAct { rows, cols, buf: ActBuf::Bf16(self.upload(&bits, "uploading activations")?) })
+    }
+    /// f32 activations holding `data` (the residual stream's precision).
+    pub fn act_from_f32(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaAct> {
+        Ok(CudaAct { rows, cols, buf: ActBuf::F32(self.upload(data, "uploading activations")?) })
     }
     /// Activations filled with NaN, so elements a kernel fails to write show up.
     pub fn act_poisoned(&self, rows: usize, cols: usize, f32_out: bool) -> Result<CudaAct> {

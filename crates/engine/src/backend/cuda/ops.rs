@@ -95,7 +95,7 @@ impl Backend for Cuda {
     }
     fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<CudaKv> {
         let width = cfg.n_kv_heads * cfg.head_dim;
-        if cfg.head_dim % 32 != 0 || cfg.head_dim > 256 {
+        if !cfg.head_dim.is_multiple_of(32) || cfg.head_dim > 256 {
             return Err(Error::Unsupported(format!(
                 "CUDA attention needs head_dim a multiple of 32 up to 256 ({})",
                 cfg.head_dim
@@ -114,7 +114,9 @@ impl Backend for Cuda {
         let ids = self.upload(&ids, "uploading token ids")?;
         let cols = table.cols() as i32;
         let c = cfg((tokens.len() as u32, 1), 256);
-        let o = out.bf16_mut();
+        let ActBuf::F32(o) = &mut out.buf else {
+            return Err(Error::Invalid("CUDA embed writes the f32 residual stream".into()));
+        };
         let r = match table {
             CudaMat::Affine { words, scales, biases, f, .. } => {
                 let mut b = self.stream.launch_builder(&f[2]);
@@ -141,11 +143,18 @@ impl Backend for Cuda {
         r.map(|_| ()).map_err(drv("embed launch"))
     }
     fn rms_norm(&self, x: &CudaAct, w: &Self::Vector, eps: f32, out: &mut CudaAct) -> Result<()> {
-        let f = self.simple("rmsnorm.cu", "rmsnorm")?;
         let cols = x.cols as i32;
+        let f = match x.buf {
+            ActBuf::F32(_) => self.simple("rmsnorm.cu", "rmsnorm")?,
+            ActBuf::Bf16(_) => self.simple("rmsnorm.cu", "rmsnorm_bf16")?,
+        };
         let mut b = self.stream.launch_builder(&f);
-        b.arg(x.bf16()).arg(w).arg(out.bf16_mut()).arg(&cols).arg(&eps);
-        // SAFETY: matches rmsnorm.cu.
+        match &x.buf {
+            ActBuf::F32(v) => b.arg(v),
+            ActBuf::Bf16(v) => b.arg(v),
+        };
+        b.arg(w).arg(out.bf16_mut()).arg(&cols).arg(&eps);
+        // SAFETY: matches rmsnorm.cu's rmsnorm / rmsnorm_bf16 for the input's dtype.
         unsafe { b.launch(cfg((x.rows as u32, 1), 256)) }.map(|_| ()).map_err(drv("rmsnorm launch"))
     }
     fn matmul(&self, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
@@ -221,11 +230,18 @@ impl Backend for Cuda {
         unsafe { b.launch(cfg(elems(n as usize), 256)) }.map(|_| ()).map_err(drv("silu_mul launch"))
     }
     fn add(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {
-        let f = self.simple("elementwise.cu", "add_inplace")?;
         let n = (x.rows * x.cols) as i32;
+        let f = match x.buf {
+            ActBuf::F32(_) => self.simple("elementwise.cu", "add_f32_bf16")?,
+            ActBuf::Bf16(_) => self.simple("elementwise.cu", "add_inplace")?,
+        };
         let mut b = self.stream.launch_builder(&f);
-        b.arg(x.bf16_mut()).arg(y.bf16()).arg(&n);
-        // SAFETY: matches elementwise.cu's add_inplace.
+        match &mut x.buf {
+            ActBuf::F32(v) => b.arg(v),
+            ActBuf::Bf16(v) => b.arg(v),
+        };
+        b.arg(y.bf16()).arg(&n);
+        // SAFETY: matches elementwise.cu's add_f32_bf16 / add_inplace for x's dtype.
         unsafe { b.launch(cfg(elems(n as usize), 256)) }.map(|_| ()).map_err(drv("add launch"))
     }
     fn slice_rows(&self, x: &CudaAct, first: usize) -> Result<CudaAct> {
