@@ -1,5 +1,5 @@
 // Causal attention over a bf16 KV cache laid out [max_seq, n_kv·hd] per layer, GQA.
-// kv_write stores this call's k/v rows at positions pos0..; attention then runs one block
+// kv_write stores this call's k/v rows at positions pos0.. (pos0 read from device memory); attention then runs one block
 // per (query row, head): its 4 warps take every 4th cached position, each keeps an online
 // softmax (running max, sum, and hd/32 accumulators per lane), and the warps merge in a
 // fixed order, so results are deterministic. f32 math. CPU reference:
@@ -10,7 +10,8 @@
 #define MAXD 8        // hd / 32 ≤ 8 (hd ≤ 256)
 
 extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const bf16_t* __restrict__ k,
-                                    const bf16_t* __restrict__ v, int rows, int width, int pos0) {
+                                    const bf16_t* __restrict__ v, int rows, int width, const int* __restrict__ pos0p) {
+    long pos0 = *pos0p;
     long n = (long)rows * width;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         kc[(long)pos0 * width + i] = k[i];
@@ -21,7 +22,8 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
 // grid (heads, m), block 128. q, out: [m, heads·hd].
 extern "C" __global__ void attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
                                      const bf16_t* __restrict__ vc, bf16_t* __restrict__ out, int heads,
-                                     int n_kv, int hd, int pos0) {
+                                     int n_kv, int hd, const int* __restrict__ pos0p) {
+    int pos0 = *pos0p;
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
     int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int kvh = h / (heads / n_kv), width = n_kv * hd, per = hd / 32;

@@ -13,6 +13,10 @@ pub const PREFILL_CHUNK: usize = 128;
 pub struct Session<'m, B: Backend> {
     pub model: &'m Llama<B>,
     kv: B::Kv,
+    /// Decode logits `[1, V]`, kept on the device across steps (a captured step writes here).
+    logits: Option<B::Act>,
+    /// Identifies this session's captured decode step in the backend.
+    id: u64,
     /// Tokens whose K/V are in the cache, in position order.
     pub tokens: Vec<u32>,
 }
@@ -41,7 +45,9 @@ impl GenStats {
 impl<'m, B: Backend> Session<'m, B> {
     pub fn new(model: &'m Llama<B>, max_seq: usize) -> Result<Self> {
         let max_seq = max_seq.min(model.cfg.max_ctx).max(1);
-        Ok(Session { model, kv: model.new_cache(max_seq)?, tokens: Vec::new() })
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Session { model, kv: model.new_cache(max_seq)?, logits: None, id, tokens: Vec::new() })
     }
 
     pub fn capacity(&self) -> usize {
@@ -75,12 +81,21 @@ impl<'m, B: Backend> Session<'m, B> {
         Ok((logits, prompt.len() - start))
     }
 
-    /// Append one token and return the logits that follow it.
+    /// Append one token and return the logits that follow it. The step's launches go
+    /// through `Backend::step`, so CUDA captures them once and replays a graph.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
         let pos = self.tokens.len();
-        let logits = self.model.forward(&[token], pos, &mut self.kv, Logits::Last)?;
+        if pos >= self.capacity() {
+            return Err(Error::Invalid(format!("the context of {} tokens is full", self.capacity())));
+        }
+        let b = &self.model.backend;
+        if self.logits.is_none() {
+            self.logits = Some(b.act_f32(1, self.model.cfg.vocab)?);
+        }
+        let (model, kv, logits) = (self.model, &mut self.kv, self.logits.as_mut().expect("set above"));
+        b.step(self.id, &[token], pos, &mut || model.forward_into(&[token], pos, kv, Logits::Last, Some(&mut *logits)).map(|_| ()))?;
         self.tokens.push(token);
-        Ok(logits)
+        b.read_rows(self.logits.as_ref().expect("set above"), 0)
     }
 
     /// Feed `prompt`, then sample up to `max_tokens` tokens, calling `on_token` for each
@@ -117,6 +132,12 @@ impl<'m, B: Backend> Session<'m, B> {
         }
         st.decode_secs = t1.elapsed().as_secs_f64();
         Ok(st)
+    }
+}
+
+impl<B: Backend> Drop for Session<'_, B> {
+    fn drop(&mut self) {
+        self.model.backend.forget(self.id);
     }
 }
 

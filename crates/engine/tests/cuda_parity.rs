@@ -105,6 +105,7 @@ fn ops_match_cpu() {
         let rope =
             Rope { inv_freq: (0..32).map(|i| 1.0 / 10000f32.powf(i as f32 / 32.0)).collect(), style, linear: 1.0 };
         let mut rg = g.act_from(m, d, &x).unwrap();
+        g.begin(&[], 3000).unwrap(); // CUDA reads the position staged by the forward call
         g.rope(&mut rg, 4, 3000, &rope).unwrap();
         let mut rc = xc.clone();
         c.rope(&mut rc, 4, 3000, &rope).unwrap();
@@ -145,6 +146,7 @@ fn matmuls_and_embeddings_match_cpu() {
         }
         let toks = [3u32, 0, 199, 42];
         let mut eg = g.act_poisoned(4, k, true).unwrap();
+        g.begin(&toks, 0).unwrap();
         g.embed(&wg, &toks, &mut eg).unwrap();
         let mut ec = c.act(4, k).unwrap();
         c.embed(&w, &toks, &mut ec).unwrap();
@@ -184,6 +186,7 @@ fn attention_matches_cpu_prefill_and_decode() {
             let k = bf(&r.v(m * n_kv * hd, 1.0));
             let v = bf(&r.v(m * n_kv * hd, 1.0));
             let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+            g.begin(&[], pos).unwrap();
             g.attention(
                 &g.act_from(m, heads * hd, &q).unwrap(),
                 &g.act_from(m, n_kv * hd, &k).unwrap(),
@@ -320,4 +323,23 @@ fn last_row_path_matches_all_rows() {
     let last = mg.forward(&ids, 0, &mut k2, Logits::Last).unwrap();
     let v = mg.cfg.vocab;
     check("Last vs All's last row", &last, &all[(ids.len() - 1) * v..], 1e-3);
+}
+
+/// Decode steps through `Session` (captured once, then replayed as a CUDA graph) give
+/// bit-identical logits to plain forward calls.
+#[test]
+fn graph_replay_matches_plain_forward() {
+    let (_, mg, tok) = smollm2();
+    let msgs = [ferrolm::tokenizer::ChatMessage { role: "user".into(), content: "Name three colors.".into() }];
+    let ids = tok.encode(&tok.apply_chat_template(&msgs, true).unwrap(), true).unwrap();
+    let mut s = ferrolm::generate::Session::new(&mg, 256).unwrap();
+    let (mut l, _) = s.feed(&ids).unwrap();
+    let mut kv = mg.new_cache(256).unwrap();
+    check("prefill", &l, &mg.forward(&ids, 0, &mut kv, Logits::Last).unwrap(), 0.0);
+    for i in 0..20 {
+        let t = ferrolm::sample::argmax(&l);
+        l = s.step(t).unwrap();
+        let lp = mg.forward(&[t], ids.len() + i, &mut kv, Logits::Last).unwrap();
+        check(&format!("graph step {i}"), &l, &lp, 0.0);
+    }
 }

@@ -40,6 +40,20 @@ pub trait Backend: Sync {
     /// Number of positions the cache holds.
     fn kv_capacity(&self, kv: &Self::Kv) -> usize;
 
+    /// Start a forward call: make `tokens` and `pos0` visible to the device ops (CUDA copies
+    /// them from pinned host memory, so a captured graph replays with new values).
+    fn begin(&self, _tokens: &[u32], _pos0: usize) -> Result<()> {
+        Ok(())
+    }
+    /// Run one decode step `f`. A backend may capture it the first time under `key` and
+    /// replay the capture afterwards (CUDA graphs); `f` must then launch the same work with
+    /// the same buffers every time, only the staged token and position changing.
+    fn step(&self, _key: u64, tokens: &[u32], pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = (tokens, pos0);
+        f()
+    }
+    /// Drop what `step` kept under `key`.
+    fn forget(&self, _key: u64) {}
     /// out[i] = table[tokens[i]] (out is the f32 residual stream)
     fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Act) -> Result<()>;
     /// out = x / rms(x) · w, per row.

@@ -119,6 +119,26 @@ impl<B: Backend> Llama<B> {
     /// Run `tokens` at positions pos0.. through the model, appending to `kv`.
     /// Returns logits `[V]` (Last) or `[m, V]` (All).
     pub fn forward(&self, tokens: &[u32], pos0: usize, kv: &mut B::Kv, which: Logits) -> Result<Vec<f32>> {
+        let rows = match which {
+            Logits::All => tokens.len(),
+            Logits::Last => 1,
+            Logits::Hidden(_) => return self.forward_into(tokens, pos0, kv, which, None).map(|v| v.unwrap_or_default()),
+        };
+        let mut logits = self.backend.act_f32(rows, self.cfg.vocab)?; // [rows, V]
+        self.forward_into(tokens, pos0, kv, which, Some(&mut logits))?;
+        self.backend.read_rows(&logits, 0)
+    }
+
+    /// The forward pass proper, writing logits into `logits` on the device (so a decode step
+    /// can be captured and replayed); `Logits::Hidden` returns the residual stream instead.
+    pub fn forward_into(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut B::Kv,
+        which: Logits,
+        logits: Option<&mut B::Act>,
+    ) -> Result<Option<Vec<f32>>> {
         let b = &self.backend;
         let c = &self.cfg;
         let m = tokens.len();
@@ -134,6 +154,7 @@ impl<B: Backend> Llama<B> {
         }
         let (d, hd) = (c.hidden, c.head_dim);
         let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
+        b.begin(tokens, pos0)?;
         let mut x = b.act_f32(m, d)?; // [m, d] residual stream, f32 on every backend
         let mut xn = b.act(m, d)?; // [m, d] normed
         let mut q = b.act(m, qd)?; // [m, h·hd]
@@ -148,7 +169,7 @@ impl<B: Backend> Llama<B> {
         b.embed(&self.embed, tokens, &mut x)?;
         for (li, l) in self.layers.iter().enumerate() {
             if which == Logits::Hidden(li) {
-                return b.read_rows(&x, 0);
+                return b.read_rows(&x, 0).map(Some);
             }
             // attention block
             b.rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn)?;
@@ -174,7 +195,7 @@ impl<B: Backend> Llama<B> {
         let (rows, first) = match which {
             Logits::All => (m, 0),
             Logits::Last => (1, m - 1),
-            Logits::Hidden(_) => return b.read_rows(&x, 0),
+            Logits::Hidden(_) => return b.read_rows(&x, 0).map(Some),
         };
         let mut last = b.act(rows, d)?;
         if rows == m {
@@ -183,8 +204,8 @@ impl<B: Backend> Llama<B> {
             let tail = b.slice_rows(&x, first)?;
             b.rms_norm(&tail, &self.norm, c.rms_eps, &mut last)?;
         }
-        let mut logits = b.act_f32(rows, c.vocab)?; // [rows, V]
-        b.matmul(&last, self.lm_head.as_ref().unwrap_or(&self.embed), &mut logits)?;
-        b.read_rows(&logits, 0)
+        let logits = logits.ok_or_else(|| Error::Invalid("forward_into: no logits buffer".into()))?;
+        b.matmul(&last, self.lm_head.as_ref().unwrap_or(&self.embed), logits)?; // [rows, V]
+        Ok(None)
     }
 }

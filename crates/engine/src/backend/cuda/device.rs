@@ -5,7 +5,7 @@ use super::kernels::{self, KernelFile};
 use super::nvrtc;
 use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
 use crate::{Error, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DriverError};
+use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::collections::HashMap;
@@ -29,6 +29,25 @@ pub struct Cuda {
     pub compiled: Mutex<usize>,
     /// RoPE inverse frequencies uploaded once.
     pub(crate) rope_freqs: Mutex<Option<(Vec<f32>, CudaSlice<f32>)>>,
+    /// This forward call's token ids and start position, staged in pinned host memory and
+    /// copied to the device by the call itself (so graph replays pick up new values).
+    pub(crate) staged: Mutex<Option<Staged>>,
+    /// Captured decode steps by session key.
+    pub(crate) graphs: Mutex<HashMap<u64, Graph>>,
+}
+
+/// A captured graph, owned behind the backend's mutex.
+pub struct Graph(pub CudaGraph);
+// SAFETY: CUDA graph handles may be used from any thread once the context is bound (cudarc
+// binds it on every call); ferrolm only touches them under `Cuda::graphs`' mutex.
+unsafe impl Send for Graph {}
+
+pub struct Staged {
+    pub cap: usize,
+    pub tok_host: PinnedHostSlice<i32>,
+    pub tok_dev: CudaSlice<i32>,
+    pub pos_host: PinnedHostSlice<i32>,
+    pub pos_dev: CudaSlice<i32>,
 }
 
 /// Scales or biases on the device, in their source precision.
@@ -111,7 +130,12 @@ impl Cuda {
             )));
         }
         let device_name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
-        let stream = ctx.default_stream();
+        // One stream: cudarc's cross-stream event tracking is not needed, and its event
+        // records would otherwise land inside captured graphs.
+        // SAFETY: every operation of this backend runs on the one default stream.
+        unsafe { ctx.disable_event_tracking() };
+        // A created stream, not the legacy default one: only these can be captured into graphs.
+        let stream = ctx.new_stream().map_err(drv("creating a stream"))?;
         Ok(Cuda {
             ctx,
             stream,
@@ -120,6 +144,8 @@ impl Cuda {
             modules: Mutex::new(HashMap::new()),
             compiled: Mutex::new(0),
             rope_freqs: Mutex::new(None),
+            staged: Mutex::new(None),
+            graphs: Mutex::new(HashMap::new()),
         })
     }
 
@@ -233,5 +259,40 @@ impl Cuda {
             ActBuf::Bf16(self.upload(&vec![0x7fc0u16; n], "poisoning")?)
         };
         Ok(CudaAct { rows, cols, buf })
+    }
+}
+
+impl Cuda {
+    /// Write tokens and pos0 into the pinned staging buffers (growing them, and dropping
+    /// captured graphs that point at the old ones, when a call has more tokens).
+    pub(crate) fn stage(&self, tokens: &[u32], pos0: usize) -> Result<()> {
+        let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        if st.as_ref().is_none_or(|s| s.cap < tokens.len()) {
+            let cap = tokens.len().next_power_of_two().max(128);
+            // SAFETY: written below before any copy reads it.
+            let tok_host = unsafe { self.ctx.alloc_pinned::<i32>(cap) }.map_err(drv("allocating pinned memory"))?;
+            // SAFETY: as above.
+            let pos_host = unsafe { self.ctx.alloc_pinned::<i32>(1) }.map_err(drv("allocating pinned memory"))?;
+            let tok_dev = self.stream.alloc_zeros::<i32>(cap).map_err(drv("allocating token ids"))?;
+            let pos_dev = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating the position"))?;
+            self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev });
+        }
+        let s = st.as_mut().expect("set above");
+        let th = s.tok_host.as_mut_slice().map_err(drv("writing token ids"))?;
+        for (d, &t) in th.iter_mut().zip(tokens) {
+            *d = t as i32;
+        }
+        s.pos_host.as_mut_slice().map_err(drv("writing the position"))?[0] = pos0 as i32;
+        Ok(())
+    }
+
+    /// Enqueue the staged values' copies to the device.
+    pub(crate) fn upload_staged(&self) -> Result<()> {
+        let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_mut().ok_or_else(|| Error::Invalid("CUDA forward without staged tokens".into()))?;
+        self.stream.memcpy_htod(&s.tok_host, &mut s.tok_dev).map_err(drv("copying token ids"))?;
+        self.stream.memcpy_htod(&s.pos_host, &mut s.pos_dev).map_err(drv("copying the position"))?;
+        Ok(())
     }
 }

@@ -109,9 +109,32 @@ impl Backend for Cuda {
     fn kv_capacity(&self, kv: &CudaKv) -> usize {
         kv.max_seq
     }
+    fn begin(&self, tokens: &[u32], pos0: usize) -> Result<()> {
+        self.stage(tokens, pos0)?;
+        self.upload_staged()
+    }
+    fn step(&self, key: u64, tokens: &[u32], pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        // Stage first: a new staging buffer drops stale graphs before we look one up.
+        self.stage(tokens, pos0)?;
+        if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return g.0.launch().map_err(drv("replaying the decode graph"));
+        }
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(drv("starting capture"))?;
+        let r = f();
+        let g = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        let g = g.map_err(drv("capturing the decode step"))?.ok_or_else(|| Error::Invalid("CUDA capture produced no graph".into()))?;
+        g.launch().map_err(drv("launching the decode graph"))?;
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(key, super::device::Graph(g));
+        Ok(())
+    }
+    fn forget(&self, key: u64) {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+    }
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
-        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        let ids = self.upload(&ids, "uploading token ids")?;
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let ids = &st.as_ref().filter(|s| s.cap >= tokens.len()).ok_or_else(|| Error::Invalid("CUDA embed without staged tokens".into()))?.tok_dev;
         let cols = table.cols() as i32;
         let c = cfg((tokens.len() as u32, 1), 256);
         let ActBuf::F32(o) = &mut out.buf else {
@@ -129,13 +152,13 @@ impl Backend for Cuda {
                     DevScales::Half(s) => b.arg(s),
                     DevScales::F32(s) => b.arg(s),
                 };
-                b.arg(&ids).arg(o).arg(&cols);
+                b.arg(ids).arg(o).arg(&cols);
                 // SAFETY: matches affine.cu's embed.
                 unsafe { b.launch(c) }
             }
             CudaMat::Dense { w, f, .. } => {
                 let mut b = self.stream.launch_builder(&f[2]);
-                b.arg(w).arg(&ids).arg(o).arg(&cols);
+                b.arg(w).arg(ids).arg(o).arg(&cols);
                 // SAFETY: matches dense.cu's dembed.
                 unsafe { b.launch(c) }
             }
@@ -181,11 +204,14 @@ impl Backend for Cuda {
         }
         let freqs = &cache.as_ref().expect("set above").1;
         let f = self.simple("rope.cu", "rope")?;
-        let (rows, heads, hd, p0) = (x.rows as i32, n_heads as i32, (x.cols / n_heads) as i32, pos0 as i32);
+        let _ = pos0; // the kernel reads the staged position
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA rope without a staged position".into()))?.pos_dev;
+        let (rows, heads, hd) = (x.rows as i32, n_heads as i32, (x.cols / n_heads) as i32);
         let inter = i32::from(rope.style == RopeStyle::Interleaved);
         let n = x.rows * x.cols / 2;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(x.bf16_mut()).arg(freqs).arg(&rows).arg(&heads).arg(&hd).arg(&p0).arg(&rope.linear).arg(&inter);
+        b.arg(x.bf16_mut()).arg(freqs).arg(&rows).arg(&heads).arg(&hd).arg(p0).arg(&rope.linear).arg(&inter);
         // SAFETY: matches rope.cu.
         unsafe { b.launch(cfg(elems(n), 256)) }.map(|_| ()).map_err(drv("rope launch"))
     }
@@ -200,9 +226,12 @@ impl Backend for Cuda {
         out: &mut CudaAct,
     ) -> Result<()> {
         let w = self.simple("attention.cu", "kv_write")?;
-        let (rows, width, p0) = (k.rows as i32, kv.width as i32, pos0 as i32);
+        let _ = pos0; // the kernels read the staged position
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
+        let (rows, width) = (k.rows as i32, kv.width as i32);
         let mut b = self.stream.launch_builder(&w);
-        b.arg(&mut kv.k[layer]).arg(&mut kv.v[layer]).arg(k.bf16()).arg(v.bf16()).arg(&rows).arg(&width).arg(&p0);
+        b.arg(&mut kv.k[layer]).arg(&mut kv.v[layer]).arg(k.bf16()).arg(v.bf16()).arg(&rows).arg(&width).arg(p0);
         // SAFETY: matches attention.cu's kv_write; pos0 + rows ≤ max_seq is checked by the model.
         unsafe { b.launch(cfg(elems(k.rows * kv.width), 256)) }.map_err(drv("kv_write launch"))?;
         let a = self.simple("attention.cu", "attention")?;
@@ -217,7 +246,7 @@ impl Backend for Cuda {
             .arg(&heads)
             .arg(&n_kv)
             .arg(&hd)
-            .arg(&p0);
+            .arg(p0);
         // SAFETY: matches attention.cu's attention.
         unsafe { b.launch(cfg((heads as u32, q.rows as u32), 128)) }.map(|_| ()).map_err(drv("attention launch"))
     }
