@@ -87,9 +87,13 @@ pub fn bench(a: BenchArgs) -> Result<()> {
             "peak_rss_bytes": rss,
             "model_file_bytes": l.file_bytes,
             "kv_cache_bytes": kv_bytes,
+            "synthetic": l.synthetic,
         });
         println!("{j}");
     } else {
+        if let Some(name) = &l.synthetic {
+            println!("model SYNTHETIC weights ({name}): report these numbers as measured on synthetic weights");
+        }
         println!(
             "backend cpu  threads {threads}  prompt {}  gen {}  repeats {}",
             a.prompt_tokens, a.gen_tokens, a.repeats

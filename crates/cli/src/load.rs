@@ -12,6 +12,8 @@ pub struct Loaded {
     pub model: Llama<Cpu>,
     pub tokenizer: Tokenizer,
     pub file_bytes: u64,
+    /// The shape's name when the weights are synthetic (random).
+    pub synthetic: Option<String>,
 }
 
 /// Show progress bars only when stderr is a terminal.
@@ -37,7 +39,7 @@ pub fn model(arg: &crate::ModelArg) -> Result<Loaded> {
     if let Some(s) = &arg.quantize {
         ferrolm::quant::scheme::apply(&mut src, &ferrolm::quant::scheme::QuantScheme::parse(s)?, progress())?;
     }
-    let file_bytes = src.file_bytes;
+    let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
     let model = Llama::load(Cpu, &mut src)?;
-    Ok(Loaded { model, tokenizer, file_bytes })
+    Ok(Loaded { model, tokenizer, file_bytes, synthetic })
 }
