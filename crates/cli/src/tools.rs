@@ -172,9 +172,9 @@ pub struct ConvertArgs {
     /// vocabulary, to measure speed at sizes we cannot download. The text is gibberish.
     #[arg(long, value_name = "NAME")]
     synthetic: Option<String>,
-    /// Seed of the --synthetic weights: the same seed gives the same bytes.
-    #[arg(long, default_value_t = 0, requires = "synthetic")]
-    seed: u64,
+    /// Seed of the --synthetic weights (default 0): the same seed gives the same bytes.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Output directory (must not exist or be empty).
     #[arg(long, short)]
     output: PathBuf,
@@ -192,16 +192,19 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     if a.output.exists() && !empty(&a.output)? {
         bail!("{}: already exists and is not an empty directory", a.output.display());
     }
+    if a.seed.is_some() && a.synthetic.is_none() {
+        bail!("--seed applies to --synthetic only");
+    }
     let (src, tok) = match (&a.synthetic, &a.input) {
         (Some(name), _) => {
             let scheme = QuantScheme::parse(a.quantize.as_deref().unwrap_or("4"))?;
             let cfg = synthetic::config(name)?;
             let tok = synthetic::tokenizer(cfg.vocab)?;
             let t = std::time::Instant::now();
-            let src = synthetic::build(name, &scheme, a.seed, load::progress())?;
+            let seed = a.seed.unwrap_or(0);
+            let src = synthetic::build(name, &scheme, seed, load::progress())?;
             eprintln!(
-                "generated SYNTHETIC {name} ({scheme}, seed {}): {} in {:.1} s",
-                a.seed,
+                "generated SYNTHETIC {name} ({scheme}, seed {seed}): {} in {:.1} s",
                 human(src.file_bytes),
                 t.elapsed().as_secs_f64()
             );

@@ -38,7 +38,7 @@ use crate::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Scales, Wei
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use half::bf16;
-use rand::{RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use std::path::PathBuf;
@@ -285,8 +285,14 @@ impl Spec<'_> {
             Dist::Normal(s) => (0.0, s),
             Dist::Gain(c) => (c, c * GAIN_JITTER),
         };
-        for x in out {
-            *x = bf16::from_f32(mean + std * unit_normal(rng.next_u64())).to_f32();
+        // In batches: a bulk fill is a copy out of ChaCha's buffer, next_u64 a branch per value.
+        let mut buf = [0u64; 256];
+        for chunk in out.chunks_mut(buf.len()) {
+            let bits = &mut buf[..chunk.len()];
+            rng.fill(bits);
+            for (x, &b) in chunk.iter_mut().zip(bits.iter()) {
+                *x = bf16::from_f32(mean + std * unit_normal(b)).to_f32();
+            }
         }
     }
 
