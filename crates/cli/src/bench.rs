@@ -51,7 +51,10 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.repeats == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
     }
-    let l = load::model(&a.model)?;
+    crate::with_model!(load::model(&a.model)?, l => bench_on(l, a))
+}
+
+fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> Result<()> {
     let ctx = a.prompt_tokens + a.gen_tokens;
     if ctx > l.model.cfg.max_ctx {
         bail!("--prompt-tokens + --gen-tokens = {ctx} exceeds the model's context of {}", l.model.cfg.max_ctx);
@@ -75,7 +78,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     let rss = peak_rss();
     if a.json {
         let j = serde_json::json!({
-            "backend": "cpu",
+            "backend": l.model.backend.name(),
             "threads": threads,
             "prompt_tokens": a.prompt_tokens,
             "gen_tokens": a.gen_tokens,

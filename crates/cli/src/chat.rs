@@ -3,6 +3,7 @@
 use crate::{load, ModelArg};
 use anyhow::{Context, Result};
 use clap::Args;
+use ferrolm::backend::Backend;
 use ferrolm::generate::{GenStats, Session};
 use ferrolm::sample::{Sampler, SamplerConfig};
 use ferrolm::tokenizer::{ChatMessage, StreamDecoder};
@@ -113,7 +114,10 @@ fn streamer<'a, 't: 'a>(
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    let l = load::model(&a.model)?;
+    crate::with_model!(load::model(&a.model)?, l => generate_on(l, a))
+}
+
+fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
     let mut sampler = a.sampling.sampler()?;
     let prompt_ids = if a.chat {
         let mut msgs = Vec::new();
@@ -153,7 +157,10 @@ pub fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
-    let l = load::model(&a.model)?;
+    crate::with_model!(load::model(&a.model)?, l => chat_on(l, a))
+}
+
+fn chat_on<B: Backend>(l: load::Loaded<B>, a: ChatArgs) -> Result<()> {
     let mut sampler = a.sampling.sampler()?;
     if l.tokenizer.chat_template().is_none() {
         anyhow::bail!("this model has no chat template; use `ferrolm generate` instead");

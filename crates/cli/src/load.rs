@@ -3,13 +3,15 @@
 use crate::hub;
 use anyhow::Result;
 use ferrolm::backend::cpu::Cpu;
+use ferrolm::backend::cuda::Cuda;
+use ferrolm::backend::Backend;
 use ferrolm::formats::{self, ModelSource};
 use ferrolm::model::Llama;
 use ferrolm::tokenizer::Tokenizer;
 use std::io::IsTerminal;
 
-pub struct Loaded {
-    pub model: Llama<Cpu>,
+pub struct Loaded<B: Backend> {
+    pub model: Llama<B>,
     pub tokenizer: Tokenizer,
     pub file_bytes: u64,
     /// The shape's name when the weights are synthetic (random).
@@ -34,12 +36,55 @@ pub fn source(model: Option<&str>) -> Result<(ModelSource, Tokenizer)> {
     Ok((src, tok))
 }
 
-pub fn model(arg: &crate::ModelArg) -> Result<Loaded> {
+/// A loaded model on whichever backend `--device` chose.
+pub enum AnyModel {
+    Cpu(Box<Loaded<Cpu>>),
+    Cuda(Box<Loaded<Cuda>>),
+}
+
+/// Run `$body` with `$l` bound to the `Loaded<B>` inside an [`AnyModel`], whatever B is.
+#[macro_export]
+macro_rules! with_model {
+    ($m:expr, $l:ident => $body:expr) => {
+        match $m {
+            $crate::load::AnyModel::Cpu($l) => {
+                let $l = *$l;
+                $body
+            }
+            $crate::load::AnyModel::Cuda($l) => {
+                let $l = *$l;
+                $body
+            }
+        }
+    };
+}
+
+/// `--device auto` takes the GPU when a CUDA driver and device are there, else the CPU;
+/// an explicit `--device cuda` that cannot be honoured is an error, never a silent fallback.
+fn device(want: &str) -> Result<Option<Cuda>> {
+    match want {
+        "cpu" => Ok(None),
+        "cuda" => Ok(Some(Cuda::new(0)?)),
+        "auto" => Ok(if ferrolm::backend::cuda::driver_available() { Cuda::new(0).ok() } else { None }),
+        other => anyhow::bail!("--device {other}: expected cpu, cuda or auto"),
+    }
+}
+
+pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
+    let dev = device(&arg.device)?;
     let (mut src, tokenizer) = source(arg.model.as_deref())?;
     if let Some(s) = &arg.quantize {
         ferrolm::quant::scheme::apply(&mut src, &ferrolm::quant::scheme::QuantScheme::parse(s)?, progress())?;
     }
     let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
-    let model = Llama::load(Cpu, &mut src)?;
-    Ok(Loaded { model, tokenizer, file_bytes, synthetic })
+    Ok(match dev {
+        None => {
+            AnyModel::Cpu(Box::new(Loaded { model: Llama::load(Cpu, &mut src)?, tokenizer, file_bytes, synthetic }))
+        }
+        Some(c) => {
+            let model =
+                Llama::load(c, &mut src).map_err(|e| anyhow::anyhow!("{e} (use --device cpu to run on the CPU)"))?;
+            AnyModel::Cuda(Box::new(Loaded { model, tokenizer, file_bytes, synthetic }))
+        }
+    })
 }

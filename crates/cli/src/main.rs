@@ -47,6 +47,9 @@ pub struct ModelArg {
     /// "mixed:4,8", or "bf16". Default: weights stay as the file has them.
     #[arg(long)]
     pub quantize: Option<String>,
+    /// cpu, cuda, or auto (CUDA when a GPU and driver are present, else CPU).
+    #[arg(long, default_value = "auto")]
+    pub device: String,
 }
 
 fn main() {

@@ -70,8 +70,11 @@ pub struct PerplexityArgs {
 }
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
-    let text = read_text(None, Some(a.file))?;
-    let l = load::model(&a.model)?;
+    let text = read_text(None, Some(a.file.clone()))?;
+    crate::with_model!(load::model(&a.model)?, l => perplexity_on(l, a, text))
+}
+
+fn perplexity_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: PerplexityArgs, text: String) -> Result<()> {
     let mut ids = Vec::new();
     if l.tokenizer.add_bos_default() {
         ids.extend(l.tokenizer.bos_id());

@@ -38,6 +38,9 @@ pub enum Logits {
     Last,
     /// Every position: `[m, V]` (teacher forcing, perplexity).
     All,
+    /// Stop before layer n and return the residual stream `[m, d]` (bisecting a backend
+    /// against the reference layer by layer).
+    Hidden(usize),
 }
 
 fn vector(w: Weight, name: &str, len: usize, src: &ModelSource) -> Result<Vec<f32>> {
@@ -131,53 +134,57 @@ impl<B: Backend> Llama<B> {
         }
         let (d, hd) = (c.hidden, c.head_dim);
         let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
-        let mut x = b.act(m, d); // [m, d] residual stream
-        let mut xn = b.act(m, d); // [m, d] normed
-        let mut q = b.act(m, qd); // [m, h·hd]
-        let mut k = b.act(m, kvd); // [m, kvh·hd]
-        let mut v = b.act(m, kvd); // [m, kvh·hd]
-        let mut att = b.act(m, qd); // [m, h·hd]
-        let mut o = b.act(m, d); // [m, d]
-        let mut gate = b.act(m, c.ffn); // [m, f]
-        let mut up = b.act(m, c.ffn); // [m, f]
-        let mut act = b.act(m, c.ffn); // [m, f]
+        let mut x = b.act_f32(m, d)?; // [m, d] residual stream, f32 on every backend
+        let mut xn = b.act(m, d)?; // [m, d] normed
+        let mut q = b.act(m, qd)?; // [m, h·hd]
+        let mut k = b.act(m, kvd)?; // [m, kvh·hd]
+        let mut v = b.act(m, kvd)?; // [m, kvh·hd]
+        let mut att = b.act(m, qd)?; // [m, h·hd]
+        let mut o = b.act(m, d)?; // [m, d]
+        let mut gate = b.act(m, c.ffn)?; // [m, f]
+        let mut up = b.act(m, c.ffn)?; // [m, f]
+        let mut act = b.act(m, c.ffn)?; // [m, f]
 
-        b.embed(&self.embed, tokens, &mut x);
+        b.embed(&self.embed, tokens, &mut x)?;
         for (li, l) in self.layers.iter().enumerate() {
-            // attention block
-            b.rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-            b.matmul_many(&xn, &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v]);
-            if let Some([bq, bk, bv]) = &l.bias {
-                b.add_bias(&mut q, bq);
-                b.add_bias(&mut k, bk);
-                b.add_bias(&mut v, bv);
+            if which == Logits::Hidden(li) {
+                return b.read_rows(&x, 0);
             }
-            b.rope(&mut q, c.n_heads, pos0, &self.rope);
-            b.rope(&mut k, c.n_kv_heads, pos0, &self.rope);
-            b.attention(&q, &k, &v, kv, li, pos0, &mut att); // cache write + causal attention
-            b.matmul(&att, &l.wo, &mut o);
-            b.add(&mut x, &o);
+            // attention block
+            b.rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn)?;
+            b.matmul_many(&xn, &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v])?;
+            if let Some([bq, bk, bv]) = &l.bias {
+                b.add_bias(&mut q, bq)?;
+                b.add_bias(&mut k, bk)?;
+                b.add_bias(&mut v, bv)?;
+            }
+            b.rope(&mut q, c.n_heads, pos0, &self.rope)?;
+            b.rope(&mut k, c.n_kv_heads, pos0, &self.rope)?;
+            b.attention(&q, &k, &v, kv, li, pos0, &mut att)?; // cache write + causal attention
+            b.matmul(&att, &l.wo, &mut o)?;
+            b.add(&mut x, &o)?;
             // MLP block (SwiGLU)
-            b.rms_norm(&x, &l.mlp_norm, c.rms_eps, &mut xn);
-            b.matmul_many(&xn, &[&l.w_gate, &l.w_up], &mut [&mut gate, &mut up]);
-            b.silu_mul(&gate, &up, &mut act);
-            b.matmul(&act, &l.w_down, &mut o);
-            b.add(&mut x, &o);
+            b.rms_norm(&x, &l.mlp_norm, c.rms_eps, &mut xn)?;
+            b.matmul_many(&xn, &[&l.w_gate, &l.w_up], &mut [&mut gate, &mut up])?;
+            b.silu_mul(&gate, &up, &mut act)?;
+            b.matmul(&act, &l.w_down, &mut o)?;
+            b.add(&mut x, &o)?;
         }
         // Only the rows whose logits are wanted go through the final norm and the head.
         let (rows, first) = match which {
             Logits::All => (m, 0),
             Logits::Last => (1, m - 1),
+            Logits::Hidden(_) => return b.read_rows(&x, 0),
         };
-        let mut last = b.act(rows, d);
+        let mut last = b.act(rows, d)?;
         if rows == m {
-            b.rms_norm(&x, &self.norm, c.rms_eps, &mut last);
+            b.rms_norm(&x, &self.norm, c.rms_eps, &mut last)?;
         } else {
-            let tail = b.slice_rows(&x, first);
-            b.rms_norm(&tail, &self.norm, c.rms_eps, &mut last);
+            let tail = b.slice_rows(&x, first)?;
+            b.rms_norm(&tail, &self.norm, c.rms_eps, &mut last)?;
         }
-        let mut logits = b.act(rows, c.vocab); // [rows, V]
-        b.matmul(&last, self.lm_head.as_ref().unwrap_or(&self.embed), &mut logits);
-        Ok(b.read_rows(&logits, 0))
+        let mut logits = b.act_f32(rows, c.vocab)?; // [rows, V]
+        b.matmul(&last, self.lm_head.as_ref().unwrap_or(&self.embed), &mut logits)?;
+        b.read_rows(&logits, 0)
     }
 }

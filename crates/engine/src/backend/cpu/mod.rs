@@ -37,8 +37,11 @@ impl Backend for Cpu {
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
         Ok(v)
     }
-    fn act(&self, rows: usize, cols: usize) -> CpuAct {
-        CpuAct { rows, cols, data: vec![0.0; rows * cols] }
+    fn act(&self, rows: usize, cols: usize) -> Result<CpuAct> {
+        Ok(CpuAct { rows, cols, data: vec![0.0; rows * cols] })
+    }
+    fn act_f32(&self, rows: usize, cols: usize) -> Result<CpuAct> {
+        self.act(rows, cols)
     }
     fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<DenseKv> {
         Ok(DenseKv::new(cfg.n_layers, max_seq, cfg.n_kv_heads, cfg.head_dim))
@@ -46,24 +49,30 @@ impl Backend for Cpu {
     fn kv_capacity(&self, kv: &DenseKv) -> usize {
         kv.max_seq
     }
-    fn embed(&self, table: &Weight, tokens: &[u32], out: &mut CpuAct) {
+    fn embed(&self, table: &Weight, tokens: &[u32], out: &mut CpuAct) -> Result<()> {
         ops::embed(table, tokens, &mut out.data);
+        Ok(())
     }
-    fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) {
+    fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) -> Result<()> {
         ops::rms_norm(&x.data, w, eps, &mut out.data);
+        Ok(())
     }
-    fn matmul(&self, x: &CpuAct, w: &Weight, out: &mut CpuAct) {
+    fn matmul(&self, x: &CpuAct, w: &Weight, out: &mut CpuAct) -> Result<()> {
         matmul::matmul(&x.data, x.rows, w, &mut out.data);
+        Ok(())
     }
-    fn matmul_many(&self, x: &CpuAct, ws: &[&Weight], outs: &mut [&mut CpuAct]) {
+    fn matmul_many(&self, x: &CpuAct, ws: &[&Weight], outs: &mut [&mut CpuAct]) -> Result<()> {
         let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|a| a.data.as_mut_slice()).collect();
         matmul::matmul_many(&x.data, x.rows, ws, &mut o);
+        Ok(())
     }
-    fn add_bias(&self, x: &mut CpuAct, b: &Vec<f32>) {
+    fn add_bias(&self, x: &mut CpuAct, b: &Vec<f32>) -> Result<()> {
         ops::add_bias(&mut x.data, b);
+        Ok(())
     }
-    fn rope(&self, x: &mut CpuAct, n_heads: usize, pos0: usize, rope: &Rope) {
+    fn rope(&self, x: &mut CpuAct, n_heads: usize, pos0: usize, rope: &Rope) -> Result<()> {
         ops::rope(&mut x.data, x.cols, n_heads, pos0, rope);
+        Ok(())
     }
     fn attention(
         &self,
@@ -74,21 +83,24 @@ impl Backend for Cpu {
         layer: usize,
         pos0: usize,
         out: &mut CpuAct,
-    ) {
+    ) -> Result<()> {
         kv.write(layer, pos0, &k.data, &v.data);
         let hd = kv.head_dim;
         attention::attention(&q.data, q.rows, q.cols / hd, hd, kv, layer, pos0, &mut out.data);
+        Ok(())
     }
-    fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, out: &mut CpuAct) {
+    fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, out: &mut CpuAct) -> Result<()> {
         ops::silu_mul(&gate.data, &up.data, &mut out.data);
+        Ok(())
     }
-    fn add(&self, x: &mut CpuAct, y: &CpuAct) {
+    fn add(&self, x: &mut CpuAct, y: &CpuAct) -> Result<()> {
         ops::add(&mut x.data, &y.data);
+        Ok(())
     }
-    fn slice_rows(&self, x: &CpuAct, first: usize) -> CpuAct {
-        CpuAct { rows: x.rows - first, cols: x.cols, data: x.data[first * x.cols..].to_vec() }
+    fn slice_rows(&self, x: &CpuAct, first: usize) -> Result<CpuAct> {
+        Ok(CpuAct { rows: x.rows - first, cols: x.cols, data: x.data[first * x.cols..].to_vec() })
     }
-    fn read_rows(&self, x: &CpuAct, first: usize) -> Vec<f32> {
-        x.data[first * x.cols..].to_vec()
+    fn read_rows(&self, x: &CpuAct, first: usize) -> Result<Vec<f32>> {
+        Ok(x.data[first * x.cols..].to_vec())
     }
 }

@@ -1,0 +1,101 @@
+// Affine-quantized weights (MLX layout: each row a LSB-first bit stream of BITS-bit q in
+// u32 words, scale/bias per GROUP values along the row; w = scale·q + bias).
+// Compiled per (BITS ∈ {2,4,8}, GROUP, SCALE_T) with -D defines.
+//
+// qmv: decode GEMV y[t, r] = Σ_k w[r, k]·x[t, k]. One warp per output row; each lane
+// streams 16-byte weight chunks (32 values at 4 bits), converts x 8 values per 16-byte
+// load, and folds the affine form once per group: scale·Σq·x + bias·Σx. f32 accumulation.
+// CPU reference: backend/cpu/matmul.rs.
+#include "common.cuh"
+
+#ifndef BITS
+#define BITS 4
+#endif
+#ifndef GROUP
+#define GROUP 32
+#endif
+#define VPC (128 / BITS)                      // values per 16-byte chunk
+#define SUBG (VPC > GROUP ? GROUP : VPC)      // values per group segment inside a chunk
+#define MASK ((1u << BITS) - 1u)
+#define WARPS 4
+
+__device__ __forceinline__ void load8(const bf16_t* p, float* f) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+template <bool OUT_F32>
+__device__ __forceinline__ void qmv_body(const u32* __restrict__ w, const scale_t* __restrict__ scales,
+                                         const scale_t* __restrict__ biases, const bf16_t* __restrict__ x,
+                                         void* __restrict__ out, int rows, int cols) {
+    int lane = threadIdx.x & 31;
+    int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
+    int t = blockIdx.y;
+    if (row >= rows) return;
+    int chunks = cols / VPC, groups = cols / GROUP;
+    const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)row * (cols / (32 / BITS)));
+    const bf16_t* xr = x + (size_t)t * cols;
+    const scale_t* sr = scales + (size_t)row * groups;
+    const scale_t* br = biases + (size_t)row * groups;
+    float acc = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
+        uint4 q4 = wrow[c];
+        u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
+        int v0 = c * VPC;
+#pragma unroll
+        for (int sg = 0; sg < VPC / SUBG; sg++) {
+            float dot = 0.f, sx = 0.f;
+#pragma unroll
+            for (int i8 = 0; i8 < SUBG; i8 += 8) {
+                float xf[8];
+                load8(xr + v0 + sg * SUBG + i8, xf);
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    int i = sg * SUBG + i8 + j;  // value index inside the chunk
+                    float q = (float)((words[(i * BITS) / 32] >> ((i * BITS) % 32)) & MASK);
+                    dot = fmaf(q, xf[j], dot);
+                    sx += xf[j];
+                }
+            }
+            int g = (v0 + sg * SUBG) / GROUP;
+            acc = fmaf(s2f(sr[g]), dot, fmaf(s2f(br[g]), sx, acc));
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) {
+        if (OUT_F32) reinterpret_cast<float*>(out)[(size_t)t * rows + row] = acc;
+        else reinterpret_cast<bf16_t*>(out)[(size_t)t * rows + row] = f2bf(acc);
+    }
+}
+
+// grid (ceil(rows / 4), m), block 128.
+extern "C" __global__ void qmv(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* y,
+                               int rows, int cols) {
+    qmv_body<false>(w, s, b, x, y, rows, cols);
+}
+
+extern "C" __global__ void qmv_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* y,
+                                   int rows, int cols) {
+    qmv_body<true>(w, s, b, x, y, rows, cols);
+}
+
+// out[t, :] = dequantized row tokens[t] of the table (f32: the residual stream).
+// grid m, block 256.
+extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __restrict__ scales,
+                                 const scale_t* __restrict__ biases, const int* __restrict__ tokens,
+                                 float* __restrict__ out, int cols) {
+    int r = tokens[blockIdx.x];
+    const u32* wr = w + (size_t)r * (cols / (32 / BITS));
+    int groups = cols / GROUP;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        u32 q = (wr[(i * BITS) / 32] >> ((i * BITS) % 32)) & MASK;
+        int g = i / GROUP;
+        out[(size_t)blockIdx.x * cols + i] =
+            s2f(scales[(size_t)r * groups + g]) * (float)q + s2f(biases[(size_t)r * groups + g]);
+    }
+}

@@ -1,0 +1,70 @@
+// Causal attention over a bf16 KV cache laid out [max_seq, n_kv·hd] per layer, GQA.
+// kv_write stores this call's k/v rows at positions pos0..; attention then runs one block
+// per (query row, head): its 4 warps take every 4th cached position, each keeps an online
+// softmax (running max, sum, and hd/32 accumulators per lane), and the warps merge in a
+// fixed order, so results are deterministic. f32 math. CPU reference:
+// backend/cpu/attention.rs.
+#include "common.cuh"
+
+#define AW 4          // warps per block
+#define MAXD 8        // hd / 32 ≤ 8 (hd ≤ 256)
+
+extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const bf16_t* __restrict__ k,
+                                    const bf16_t* __restrict__ v, int rows, int width, int pos0) {
+    long n = (long)rows * width;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        kc[(long)pos0 * width + i] = k[i];
+        vc[(long)pos0 * width + i] = v[i];
+    }
+}
+
+// grid (heads, m), block 128. q, out: [m, heads·hd].
+extern "C" __global__ void attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
+                                     const bf16_t* __restrict__ vc, bf16_t* __restrict__ out, int heads,
+                                     int n_kv, int hd, int pos0) {
+    __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
+    int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int kvh = h / (heads / n_kv), width = n_kv * hd, per = hd / 32;
+    float scale = rsqrtf((float)hd);
+    const bf16_t* qh = q + ((long)t * heads + h) * hd;
+    float qv[MAXD], acc[MAXD];
+#pragma unroll
+    for (int d = 0; d < MAXD; d++) {
+        qv[d] = d < per ? bf2f(qh[lane + 32 * d]) * scale : 0.f;
+        acc[d] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    int len = pos0 + t + 1;
+    for (int p = warp; p < len; p += AW) {
+        const bf16_t* kr = kc + (long)p * width + kvh * hd;
+        float s = 0.f;
+#pragma unroll
+        for (int d = 0; d < MAXD; d++)
+            if (d < per) s = fmaf(qv[d], bf2f(kr[lane + 32 * d]), s);
+        s = warp_sum(s);
+        float mn = fmaxf(m, s), corr = __expf(m - mn), e = __expf(s - mn);
+        l = l * corr + e;
+        const bf16_t* vr = vc + (long)p * width + kvh * hd;
+#pragma unroll
+        for (int d = 0; d < MAXD; d++)
+            if (d < per) acc[d] = acc[d] * corr + e * bf2f(vr[lane + 32 * d]);
+        m = mn;
+    }
+    if (lane == 0) { s_m[warp] = m; s_l[warp] = l; }
+#pragma unroll
+    for (int d = 0; d < MAXD; d++)
+        if (d < per) s_acc[warp][lane + 32 * d] = acc[d];
+    __syncthreads();
+    if (warp == 0) {
+        float M = -INFINITY;
+        for (int w = 0; w < AW; w++) M = fmaxf(M, s_m[w]);
+        float L = 0.f;
+        for (int w = 0; w < AW; w++) L += s_m[w] == -INFINITY ? 0.f : s_l[w] * __expf(s_m[w] - M);
+        for (int d = 0; d < per; d++) {
+            float o = 0.f;
+            for (int w = 0; w < AW; w++)
+                if (s_m[w] != -INFINITY) o += s_acc[w][lane + 32 * d] * __expf(s_m[w] - M);
+            out[((long)t * heads + h) * hd + lane + 32 * d] = f2bf(o / L);
+        }
+    }
+}

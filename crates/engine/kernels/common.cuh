@@ -1,0 +1,67 @@
+// Shared device helpers. No CUDA headers: NVRTC compiles these without a toolkit install
+// (bf16 is carried as its 16 bits; f16 converts through one PTX instruction).
+#pragma once
+
+typedef unsigned short bf16_t;
+typedef unsigned short f16_t;
+typedef unsigned int u32;
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float bf2f(bf16_t v) { return __uint_as_float(((u32)v) << 16); }
+
+// Round to nearest even, NaN kept quiet.
+__device__ __forceinline__ bf16_t f2bf(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float h2f(f16_t v) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+}
+
+// Scales/biases keep the model file's precision: SCALE_T 0 = f16, 1 = bf16, 2 = f32.
+#ifndef SCALE_T
+#define SCALE_T 0
+#endif
+#if SCALE_T == 2
+typedef float scale_t;
+__device__ __forceinline__ float s2f(float v) { return v; }
+#elif SCALE_T == 1
+typedef bf16_t scale_t;
+__device__ __forceinline__ float s2f(bf16_t v) { return bf2f(v); }
+#else
+typedef f16_t scale_t;
+__device__ __forceinline__ float s2f(f16_t v) { return h2f(v); }
+#endif
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum for blockDim.x ≤ 1024; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* smem32) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) smem32[warp] = v;
+    __syncthreads();
+    int nw = (blockDim.x + 31) >> 5;
+    v = lane < nw ? smem32[lane] : 0.f;
+    v = warp_sum(v);
+    __syncthreads();
+    return v;
+}

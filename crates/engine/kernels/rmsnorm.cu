@@ -1,0 +1,29 @@
+// RMSNorm, one block per row: out = x · rsqrt(mean(x²) + eps) · w, f32 math, bf16 out.
+// The residual stream x is f32 (rmsnorm) or bf16 (rmsnorm_bf16). CPU reference:
+// backend/cpu/ops.rs rms_norm.
+#include "common.cuh"
+
+__device__ __forceinline__ float ld(const float* p, int i) { return p[i]; }
+__device__ __forceinline__ float ld(const bf16_t* p, int i) { return bf2f(p[i]); }
+
+template <typename T>
+__device__ __forceinline__ void rmsnorm_body(const T* __restrict__ x, const float* __restrict__ w,
+                                             bf16_t* __restrict__ out, int cols, float eps) {
+    __shared__ float red[32];
+    const T* xr = x + (size_t)blockIdx.x * cols;
+    bf16_t* orow = out + (size_t)blockIdx.x * cols;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+        float v = ld(xr, i);
+        ss += v * v;
+    }
+    float r = rsqrtf(block_sum(ss, red) / cols + eps);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) orow[i] = f2bf(w[i] * (ld(xr, i) * r));
+}
+
+extern "C" __global__ void rmsnorm(const float* x, const float* w, bf16_t* out, int cols, float eps) {
+    rmsnorm_body(x, w, out, cols, eps);
+}
+extern "C" __global__ void rmsnorm_bf16(const bf16_t* x, const float* w, bf16_t* out, int cols, float eps) {
+    rmsnorm_body(x, w, out, cols, eps);
+}

@@ -1,0 +1,58 @@
+//! The kernel sources (one op per file under crates/engine/kernels/) and every variant the
+//! CUDA backend compiles: affine.cu is specialized per (bits, group, scale dtype).
+
+use crate::quant::ScaleDtype;
+
+pub struct KernelFile {
+    pub name: &'static str,
+    pub src: &'static str,
+}
+
+macro_rules! kernel {
+    ($n:literal) => {
+        KernelFile { name: $n, src: include_str!(concat!("../../../kernels/", $n)) }
+    };
+}
+
+pub const FILES: &[KernelFile] = &[
+    kernel!("rmsnorm.cu"),
+    kernel!("elementwise.cu"),
+    kernel!("rope.cu"),
+    kernel!("affine.cu"),
+    kernel!("dense.cu"),
+    kernel!("attention.cu"),
+    kernel!("sample.cu"),
+];
+
+pub fn file(name: &str) -> &'static KernelFile {
+    FILES.iter().find(|f| f.name == name).expect("kernel file is in FILES")
+}
+
+/// Bit widths and groups the CUDA GEMV handles (3/5/6-bit streams cross word boundaries
+/// and are not written yet).
+pub const AFFINE_BITS: [u32; 3] = [2, 4, 8];
+pub const AFFINE_GROUPS: [usize; 4] = [16, 32, 64, 128];
+
+/// -D defines for an affine.cu specialization.
+pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String> {
+    let s = match scale {
+        ScaleDtype::F16 => 0,
+        ScaleDtype::BF16 => 1,
+        ScaleDtype::F32 => 2,
+    };
+    vec![format!("BITS={bits}"), format!("GROUP={group}"), format!("SCALE_T={s}")]
+}
+
+/// Every (file, defines) the backend may compile: what CI compiles with NVRTC.
+pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
+    let mut v: Vec<(&'static KernelFile, Vec<String>)> =
+        FILES.iter().filter(|f| f.name != "affine.cu").map(|f| (f, vec![])).collect();
+    for bits in AFFINE_BITS {
+        for group in AFFINE_GROUPS {
+            for s in [ScaleDtype::F16, ScaleDtype::BF16, ScaleDtype::F32] {
+                v.push((file("affine.cu"), affine_defines(bits, group, s)));
+            }
+        }
+    }
+    v
+}

@@ -1,0 +1,265 @@
+//! The forward-pass ops on CUDA: each launches one kernel from crates/engine/kernels/ (the
+//! CPU backend is the reference each is tested against).
+
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales};
+use super::kernels;
+use crate::backend::{Backend, Rope};
+use crate::config::{ModelConfig, RopeStyle};
+use crate::{Error, Result};
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Grid for a grid-stride element-wise kernel over n elements.
+fn elems(n: usize) -> (u32, u32) {
+    ((n.div_ceil(256)).min(4096) as u32, 1)
+}
+
+impl Cuda {
+    fn simple(&self, file: &str, func: &str) -> Result<CudaFunction> {
+        self.function(kernels::file(file), &[], func)
+    }
+
+    fn gemv(&self, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
+        let (rows, cols) = (w.rows() as i32, w.cols() as i32);
+        if x.cols != w.cols() || out.cols != w.rows() || out.rows != x.rows {
+            return Err(Error::Invalid(format!(
+                "CUDA matmul shapes: x [{}, {}], w [{rows}, {cols}], out [{}, {}]",
+                x.rows, x.cols, out.rows, out.cols
+            )));
+        }
+        let c = cfg((w.rows().div_ceil(4) as u32, x.rows as u32), 128);
+        let xb = x.bf16();
+        let f32_out = matches!(out.buf, ActBuf::F32(_));
+        let r = match (w, &mut out.buf) {
+            (CudaMat::Affine { words, scales, biases, f, .. }, ob) => {
+                let mut b = self.stream.launch_builder(&f[usize::from(f32_out)]);
+                b.arg(words);
+                match scales {
+                    DevScales::Half(s) => b.arg(s),
+                    DevScales::F32(s) => b.arg(s),
+                };
+                match biases {
+                    DevScales::Half(s) => b.arg(s),
+                    DevScales::F32(s) => b.arg(s),
+                };
+                b.arg(xb);
+                match ob {
+                    ActBuf::Bf16(o) => b.arg(o),
+                    ActBuf::F32(o) => b.arg(o),
+                };
+                b.arg(&rows).arg(&cols);
+                // SAFETY: argument types and counts match affine.cu's qmv/qmv_f32; shapes checked above.
+                unsafe { b.launch(c) }
+            }
+            (CudaMat::Dense { w, f, .. }, ob) => {
+                let mut b = self.stream.launch_builder(&f[usize::from(f32_out)]);
+                b.arg(w).arg(xb);
+                match ob {
+                    ActBuf::Bf16(o) => b.arg(o),
+                    ActBuf::F32(o) => b.arg(o),
+                };
+                b.arg(&rows).arg(&cols);
+                // SAFETY: argument types and counts match dense.cu's dmv/dmv_f32.
+                unsafe { b.launch(c) }
+            }
+        };
+        r.map(|_| ()).map_err(drv("matmul launch"))
+    }
+}
+
+impl Backend for Cuda {
+    type Act = CudaAct;
+    type Mat = CudaMat;
+    type Vector = cudarc::driver::CudaSlice<f32>;
+    type Kv = CudaKv;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn matrix(&self, w: crate::quant::Weight) -> Result<CudaMat> {
+        Cuda::matrix(self, w)
+    }
+    fn vector(&self, v: Vec<f32>) -> Result<Self::Vector> {
+        self.upload(&v, "uploading a vector")
+    }
+    fn act(&self, rows: usize, cols: usize) -> Result<CudaAct> {
+        let buf = self.stream.alloc_zeros::<u16>(rows * cols).map_err(drv("allocating activations"))?;
+        Ok(CudaAct { rows, cols, buf: ActBuf::Bf16(buf) })
+    }
+    fn act_f32(&self, rows: usize, cols: usize) -> Result<CudaAct> {
+        let buf = self.stream.alloc_zeros::<f32>(rows * cols).map_err(drv("allocating logits"))?;
+        Ok(CudaAct { rows, cols, buf: ActBuf::F32(buf) })
+    }
+    fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<CudaKv> {
+        let width = cfg.n_kv_heads * cfg.head_dim;
+        if !cfg.head_dim.is_multiple_of(32) || cfg.head_dim > 256 {
+            return Err(Error::Unsupported(format!(
+                "CUDA attention needs head_dim a multiple of 32 up to 256 ({})",
+                cfg.head_dim
+            )));
+        }
+        let layer = || self.stream.alloc_zeros::<u16>(max_seq * width).map_err(drv("allocating the KV cache"));
+        let k = (0..cfg.n_layers).map(|_| layer()).collect::<Result<Vec<_>>>()?;
+        let v = (0..cfg.n_layers).map(|_| layer()).collect::<Result<Vec<_>>>()?;
+        Ok(CudaKv { max_seq, width, head_dim: cfg.head_dim, k, v })
+    }
+    fn kv_capacity(&self, kv: &CudaKv) -> usize {
+        kv.max_seq
+    }
+    fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
+        let ids: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let ids = self.upload(&ids, "uploading token ids")?;
+        let cols = table.cols() as i32;
+        let c = cfg((tokens.len() as u32, 1), 256);
+        let ActBuf::F32(o) = &mut out.buf else {
+            return Err(Error::Invalid("CUDA embed writes the f32 residual stream".into()));
+        };
+        let r = match table {
+            CudaMat::Affine { words, scales, biases, f, .. } => {
+                let mut b = self.stream.launch_builder(&f[2]);
+                b.arg(words);
+                match scales {
+                    DevScales::Half(s) => b.arg(s),
+                    DevScales::F32(s) => b.arg(s),
+                };
+                match biases {
+                    DevScales::Half(s) => b.arg(s),
+                    DevScales::F32(s) => b.arg(s),
+                };
+                b.arg(&ids).arg(o).arg(&cols);
+                // SAFETY: matches affine.cu's embed.
+                unsafe { b.launch(c) }
+            }
+            CudaMat::Dense { w, f, .. } => {
+                let mut b = self.stream.launch_builder(&f[2]);
+                b.arg(w).arg(&ids).arg(o).arg(&cols);
+                // SAFETY: matches dense.cu's dembed.
+                unsafe { b.launch(c) }
+            }
+        };
+        r.map(|_| ()).map_err(drv("embed launch"))
+    }
+    fn rms_norm(&self, x: &CudaAct, w: &Self::Vector, eps: f32, out: &mut CudaAct) -> Result<()> {
+        let cols = x.cols as i32;
+        let f = match x.buf {
+            ActBuf::F32(_) => self.simple("rmsnorm.cu", "rmsnorm")?,
+            ActBuf::Bf16(_) => self.simple("rmsnorm.cu", "rmsnorm_bf16")?,
+        };
+        let mut b = self.stream.launch_builder(&f);
+        match &x.buf {
+            ActBuf::F32(v) => b.arg(v),
+            ActBuf::Bf16(v) => b.arg(v),
+        };
+        b.arg(w).arg(out.bf16_mut()).arg(&cols).arg(&eps);
+        // SAFETY: matches rmsnorm.cu's rmsnorm / rmsnorm_bf16 for the input's dtype.
+        unsafe { b.launch(cfg((x.rows as u32, 1), 256)) }.map(|_| ()).map_err(drv("rmsnorm launch"))
+    }
+    fn matmul(&self, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
+        self.gemv(x, w, out)
+    }
+    fn matmul_many(&self, x: &CudaAct, ws: &[&CudaMat], outs: &mut [&mut CudaAct]) -> Result<()> {
+        for (w, o) in ws.iter().zip(outs.iter_mut()) {
+            self.gemv(x, w, o)?;
+        }
+        Ok(())
+    }
+    fn add_bias(&self, x: &mut CudaAct, bias: &Self::Vector) -> Result<()> {
+        let f = self.simple("elementwise.cu", "add_bias")?;
+        let (cols, n) = (x.cols as i32, (x.rows * x.cols) as i32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x.bf16_mut()).arg(bias).arg(&cols).arg(&n);
+        // SAFETY: matches elementwise.cu's add_bias.
+        unsafe { b.launch(cfg(elems(n as usize), 256)) }.map(|_| ()).map_err(drv("add_bias launch"))
+    }
+    fn rope(&self, x: &mut CudaAct, n_heads: usize, pos0: usize, rope: &Rope) -> Result<()> {
+        let mut cache = self.rope_freqs.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.as_ref().is_none_or(|(v, _)| v != &rope.inv_freq) {
+            *cache = Some((rope.inv_freq.clone(), self.upload(&rope.inv_freq, "uploading RoPE frequencies")?));
+        }
+        let freqs = &cache.as_ref().expect("set above").1;
+        let f = self.simple("rope.cu", "rope")?;
+        let (rows, heads, hd, p0) = (x.rows as i32, n_heads as i32, (x.cols / n_heads) as i32, pos0 as i32);
+        let inter = i32::from(rope.style == RopeStyle::Interleaved);
+        let n = x.rows * x.cols / 2;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(x.bf16_mut()).arg(freqs).arg(&rows).arg(&heads).arg(&hd).arg(&p0).arg(&rope.linear).arg(&inter);
+        // SAFETY: matches rope.cu.
+        unsafe { b.launch(cfg(elems(n), 256)) }.map(|_| ()).map_err(drv("rope launch"))
+    }
+    fn attention(
+        &self,
+        q: &CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        kv: &mut CudaKv,
+        layer: usize,
+        pos0: usize,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let w = self.simple("attention.cu", "kv_write")?;
+        let (rows, width, p0) = (k.rows as i32, kv.width as i32, pos0 as i32);
+        let mut b = self.stream.launch_builder(&w);
+        b.arg(&mut kv.k[layer]).arg(&mut kv.v[layer]).arg(k.bf16()).arg(v.bf16()).arg(&rows).arg(&width).arg(&p0);
+        // SAFETY: matches attention.cu's kv_write; pos0 + rows ≤ max_seq is checked by the model.
+        unsafe { b.launch(cfg(elems(k.rows * kv.width), 256)) }.map_err(drv("kv_write launch"))?;
+        let a = self.simple("attention.cu", "attention")?;
+        let hd = kv.head_dim as i32;
+        let heads = (q.cols / kv.head_dim) as i32;
+        let n_kv = (kv.width / kv.head_dim) as i32;
+        let mut b = self.stream.launch_builder(&a);
+        b.arg(q.bf16())
+            .arg(&kv.k[layer])
+            .arg(&kv.v[layer])
+            .arg(out.bf16_mut())
+            .arg(&heads)
+            .arg(&n_kv)
+            .arg(&hd)
+            .arg(&p0);
+        // SAFETY: matches attention.cu's attention.
+        unsafe { b.launch(cfg((heads as u32, q.rows as u32), 128)) }.map(|_| ()).map_err(drv("attention launch"))
+    }
+    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, out: &mut CudaAct) -> Result<()> {
+        let f = self.simple("elementwise.cu", "silu_mul")?;
+        let n = (gate.rows * gate.cols) as i32;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(gate.bf16()).arg(up.bf16()).arg(out.bf16_mut()).arg(&n);
+        // SAFETY: matches elementwise.cu's silu_mul.
+        unsafe { b.launch(cfg(elems(n as usize), 256)) }.map(|_| ()).map_err(drv("silu_mul launch"))
+    }
+    fn add(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {
+        let n = (x.rows * x.cols) as i32;
+        let f = match x.buf {
+            ActBuf::F32(_) => self.simple("elementwise.cu", "add_f32_bf16")?,
+            ActBuf::Bf16(_) => self.simple("elementwise.cu", "add_inplace")?,
+        };
+        let mut b = self.stream.launch_builder(&f);
+        match &mut x.buf {
+            ActBuf::F32(v) => b.arg(v),
+            ActBuf::Bf16(v) => b.arg(v),
+        };
+        b.arg(y.bf16()).arg(&n);
+        // SAFETY: matches elementwise.cu's add_f32_bf16 / add_inplace for x's dtype.
+        unsafe { b.launch(cfg(elems(n as usize), 256)) }.map(|_| ()).map_err(drv("add launch"))
+    }
+    fn slice_rows(&self, x: &CudaAct, first: usize) -> Result<CudaAct> {
+        let (s, e) = (first * x.cols, x.rows * x.cols);
+        let buf = match &x.buf {
+            ActBuf::Bf16(b) => ActBuf::Bf16(self.stream.clone_dtod(&b.slice(s..e)).map_err(drv("copying rows"))?),
+            ActBuf::F32(b) => ActBuf::F32(self.stream.clone_dtod(&b.slice(s..e)).map_err(drv("copying rows"))?),
+        };
+        Ok(CudaAct { rows: x.rows - first, cols: x.cols, buf })
+    }
+    fn read_rows(&self, x: &CudaAct, first: usize) -> Result<Vec<f32>> {
+        let (s, e) = (first * x.cols, x.rows * x.cols);
+        Ok(match &x.buf {
+            ActBuf::F32(b) => self.stream.clone_dtoh(&b.slice(s..e)).map_err(drv("reading results"))?,
+            ActBuf::Bf16(b) => {
+                let h: Vec<u16> = self.stream.clone_dtoh(&b.slice(s..e)).map_err(drv("reading results"))?;
+                h.into_iter().map(|v| half::bf16::from_bits(v).to_f32()).collect()
+            }
+        })
+    }
+}

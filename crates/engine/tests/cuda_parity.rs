@@ -1,0 +1,323 @@
+//! CUDA vs the CPU reference. Needs an NVIDIA GPU: built by CI (`--features cuda-tests`)
+//! but run only by scripts/gpu-check.sh on a GPU machine.
+//!
+//! Every op gets fresh random inputs each run (never zeros) and NaN-poisoned outputs, and
+//! must match the CPU backend to ‖out−ref‖/‖ref‖ ≤ 1e-2 (bf16 activations). The whole model
+//! (SmolLM2-135M) must agree with the CPU path on teacher-forced argmax (≥ 98% where the
+//! reference's top-2 margin > 0.05) with mean KL(CPU‖CUDA) ≤ 2e-3, give the same greedy
+//! text, and give bit-identical logits over three runs.
+
+use ferrolm::backend::cpu::{Cpu, CpuAct};
+use ferrolm::backend::cuda::Cuda;
+use ferrolm::backend::{Backend, Rope};
+use ferrolm::config::RopeStyle;
+use ferrolm::model::{Llama, Logits};
+use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
+use std::sync::OnceLock;
+
+fn gpu() -> &'static Cuda {
+    static G: OnceLock<Cuda> = OnceLock::new();
+    G.get_or_init(|| Cuda::new(0).expect("a CUDA device"))
+}
+
+struct Rng(u64);
+impl Rng {
+    fn seeded() -> Rng {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        eprintln!("seed {t}");
+        Rng(t | 1)
+    }
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn v(&mut self, n: usize, s: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * s).collect()
+    }
+}
+
+fn bf(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()
+}
+
+fn cpu(rows: usize, cols: usize, data: Vec<f32>) -> CpuAct {
+    CpuAct { rows, cols, data }
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    assert!(got.iter().all(|v| v.is_finite()), "{what}: NaN/inf in output (unwritten element?)");
+    let num: f64 = got.iter().zip(want).map(|(a, b)| ((a - b) as f64).powi(2)).sum();
+    let den: f64 = want.iter().map(|b| (*b as f64).powi(2)).sum::<f64>().max(1e-30);
+    let e = (num / den).sqrt();
+    eprintln!("{what}: rel err {e:.2e}");
+    assert!(e <= tol, "{what}: rel err {e} > {tol}");
+}
+
+#[test]
+fn ops_match_cpu() {
+    let (g, c) = (gpu(), Cpu);
+    let mut r = Rng::seeded();
+    let (m, d) = (3, 256);
+    let x = bf(&r.v(m * d, 1.0));
+    let xg = g.act_from(m, d, &x).unwrap();
+    let xc = cpu(m, d, x.clone());
+    // rmsnorm
+    let w = r.v(d, 1.0);
+    let xf = r.v(m * d, 30.0); // the f32 residual stream, with large values as real models have
+    let mut oc = c.act(m, d).unwrap();
+    c.rms_norm(&xc, &w, 1e-5, &mut oc).unwrap();
+    let mut og = g.act_poisoned(m, d, false).unwrap();
+    g.rms_norm(&xg, &g.vector(w.clone()).unwrap(), 1e-5, &mut og).unwrap();
+    check("rmsnorm bf16 in", &g.read_rows(&og, 0).unwrap(), &oc.data, 1e-2);
+    let mut oc = c.act(m, d).unwrap();
+    c.rms_norm(&cpu(m, d, xf.clone()), &w, 1e-5, &mut oc).unwrap();
+    let mut og = g.act_poisoned(m, d, false).unwrap();
+    g.rms_norm(&g.act_from_f32(m, d, &xf).unwrap(), &g.vector(w.clone()).unwrap(), 1e-5, &mut og).unwrap();
+    check("rmsnorm f32 in", &g.read_rows(&og, 0).unwrap(), &oc.data, 1e-2);
+    // add, silu_mul, add_bias
+    let y = bf(&r.v(m * d, 1.0));
+    let mut ag = g.act_from(m, d, &x).unwrap();
+    g.add(&mut ag, &g.act_from(m, d, &y).unwrap()).unwrap();
+    let mut ac = xc.clone();
+    c.add(&mut ac, &cpu(m, d, y.clone())).unwrap();
+    check("add bf16", &g.read_rows(&ag, 0).unwrap(), &ac.data, 1e-2);
+    let mut ag = g.act_from_f32(m, d, &xf).unwrap();
+    g.add(&mut ag, &g.act_from(m, d, &y).unwrap()).unwrap();
+    let mut ac = cpu(m, d, xf.clone());
+    c.add(&mut ac, &cpu(m, d, y.clone())).unwrap();
+    check("add f32 += bf16", &g.read_rows(&ag, 0).unwrap(), &ac.data, 1e-6);
+    let mut sg = g.act_poisoned(m, d, false).unwrap();
+    g.silu_mul(&xg, &g.act_from(m, d, &y).unwrap(), &mut sg).unwrap();
+    let mut sc = c.act(m, d).unwrap();
+    c.silu_mul(&xc, &cpu(m, d, y.clone()), &mut sc).unwrap();
+    check("silu_mul", &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+    let bias = r.v(d, 0.5);
+    let mut bg = g.act_from(m, d, &x).unwrap();
+    g.add_bias(&mut bg, &g.vector(bias.clone()).unwrap()).unwrap();
+    let mut bc = xc.clone();
+    c.add_bias(&mut bc, &bias).unwrap();
+    check("add_bias", &g.read_rows(&bg, 0).unwrap(), &bc.data, 1e-2);
+    // rope, both pair orders, at a far position
+    for style in [RopeStyle::Interleaved, RopeStyle::Half] {
+        let rope =
+            Rope { inv_freq: (0..32).map(|i| 1.0 / 10000f32.powf(i as f32 / 32.0)).collect(), style, linear: 1.0 };
+        let mut rg = g.act_from(m, d, &x).unwrap();
+        g.rope(&mut rg, 4, 3000, &rope).unwrap();
+        let mut rc = xc.clone();
+        c.rope(&mut rc, 4, 3000, &rope).unwrap();
+        check(&format!("rope {style:?}"), &g.read_rows(&rg, 0).unwrap(), &rc.data, 1e-2);
+    }
+}
+
+#[test]
+fn matmuls_and_embeddings_match_cpu() {
+    let (g, c) = (gpu(), Cpu);
+    let mut r = Rng::seeded();
+    let (n, k) = (200, 512);
+    let wf = r.v(n * k, 0.05);
+    let mut cases: Vec<(String, Weight)> = vec![];
+    for bits in [2, 4, 8] {
+        for group in [16, 32, 64, 128] {
+            for dt in [ScaleDtype::F16, ScaleDtype::BF16, ScaleDtype::F32] {
+                let a = AffineTensor::quantize(&wf, n, k, bits, group, dt).unwrap();
+                cases.push((format!("q{bits} g{group} {dt:?}"), Weight::Affine(a)));
+            }
+        }
+    }
+    let dense = bf(&wf);
+    let dense = DenseData::BF16(dense.iter().map(|&v| half::bf16::from_f32(v)).collect());
+    cases.push(("dense bf16".into(), Weight::Dense(DenseTensor { rows: n, cols: k, data: dense })));
+    for (name, w) in cases {
+        let wg = g.matrix(w.clone()).unwrap();
+        for m in [1, 4] {
+            let x = bf(&r.v(m * k, 1.0));
+            let xg = g.act_from(m, k, &x).unwrap();
+            let mut want = c.act(m, n).unwrap();
+            c.matmul(&cpu(m, k, x.clone()), &w, &mut want).unwrap();
+            for f32_out in [false, true] {
+                let mut og = g.act_poisoned(m, n, f32_out).unwrap();
+                g.matmul(&xg, &wg, &mut og).unwrap();
+                check(&format!("matmul {name} m{m} f32out {f32_out}"), &g.read_rows(&og, 0).unwrap(), &want.data, 1e-2);
+            }
+        }
+        let toks = [3u32, 0, 199, 42];
+        let mut eg = g.act_poisoned(4, k, true).unwrap();
+        g.embed(&wg, &toks, &mut eg).unwrap();
+        let mut ec = c.act(4, k).unwrap();
+        c.embed(&w, &toks, &mut ec).unwrap();
+        check(&format!("embed {name}"), &g.read_rows(&eg, 0).unwrap(), &ec.data, 1e-6);
+    }
+}
+
+#[test]
+fn attention_matches_cpu_prefill_and_decode() {
+    let (g, c) = (gpu(), Cpu);
+    let mut r = Rng::seeded();
+    for (heads, n_kv, hd) in [(9, 3, 64), (32, 8, 64), (16, 2, 128)] {
+        let cfg = ferrolm::config::ModelConfig {
+            arch: ferrolm::config::Arch::Llama,
+            hidden: heads * hd,
+            n_layers: 1,
+            n_heads: heads,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            ffn: 64,
+            vocab: 8,
+            max_ctx: 64,
+            rms_eps: 1e-5,
+            rope_theta: 1e4,
+            rope_style: RopeStyle::Half,
+            llama3_scaling: None,
+            rope_linear: 1.0,
+            tie_embeddings: true,
+            qkv_bias: false,
+        };
+        let mut kvg = g.kv_cache(&cfg, 64).unwrap();
+        let mut kvc = c.kv_cache(&cfg, 64).unwrap();
+        // prefill 37 tokens, then 3 decode steps
+        let mut pos = 0;
+        for m in [37usize, 1, 1, 1] {
+            let q = bf(&r.v(m * heads * hd, 1.0));
+            let k = bf(&r.v(m * n_kv * hd, 1.0));
+            let v = bf(&r.v(m * n_kv * hd, 1.0));
+            let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+            g.attention(
+                &g.act_from(m, heads * hd, &q).unwrap(),
+                &g.act_from(m, n_kv * hd, &k).unwrap(),
+                &g.act_from(m, n_kv * hd, &v).unwrap(),
+                &mut kvg,
+                0,
+                pos,
+                &mut og,
+            )
+            .unwrap();
+            let mut oc = c.act(m, heads * hd).unwrap();
+            c.attention(
+                &cpu(m, heads * hd, q),
+                &cpu(m, n_kv * hd, k),
+                &cpu(m, n_kv * hd, v),
+                &mut kvc,
+                0,
+                pos,
+                &mut oc,
+            )
+            .unwrap();
+            check(
+                &format!("attention {heads}/{n_kv}x{hd} m{m} pos{pos}"),
+                &g.read_rows(&og, 0).unwrap(),
+                &oc.data,
+                1e-2,
+            );
+            pos += m;
+        }
+    }
+}
+
+fn smollm2() -> (Llama<Cpu>, Llama<Cuda>, ferrolm::tokenizer::Tokenizer) {
+    let path = ferrolm::hub::default_model().expect("SmolLM2 in the model cache");
+    let (mut a, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
+    let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
+    (Llama::load(Cpu, &mut a).unwrap(), Llama::load(Cuda::new(0).unwrap(), &mut b).unwrap(), tok)
+}
+
+#[test]
+fn smollm2_cuda_agrees_with_cpu() {
+    let (mc, mg, tok) = smollm2();
+    let golden: serde_json::Value = serde_json::from_str(include_str!("goldens/smollm2_hf.json")).unwrap();
+    let v = mc.cfg.vocab;
+    let (mut agree, mut counted, mut kl_sum, mut n) = (0, 0, 0f64, 0);
+    for t in golden["texts"].as_array().unwrap() {
+        let ids: Vec<u32> = t["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+        let mut kc = mc.new_cache(ids.len()).unwrap();
+        let lc = mc.forward(&ids, 0, &mut kc, Logits::All).unwrap();
+        let mut runs = vec![];
+        for _ in 0..3 {
+            let mut kg = mg.new_cache(ids.len()).unwrap();
+            runs.push(mg.forward(&ids, 0, &mut kg, Logits::All).unwrap());
+        }
+        assert!(runs[0] == runs[1] && runs[1] == runs[2], "CUDA logits differ between runs");
+        let lg = &runs[0];
+        for (rc, rg) in lc.chunks_exact(v).zip(lg.chunks_exact(v)) {
+            let lsm = |r: &[f32]| {
+                let mx = r.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+                let lse = mx + r.iter().map(|&x| (x as f64 - mx).exp()).sum::<f64>().ln();
+                r.iter().map(|&x| x as f64 - lse).collect::<Vec<f64>>()
+            };
+            let (pc, pg) = (lsm(rc), lsm(rg));
+            kl_sum += pc.iter().zip(&pg).map(|(a, b)| a.exp() * (a - b)).sum::<f64>();
+            n += 1;
+            let mut sorted = rc.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if sorted[0] - sorted[1] > 0.05 {
+                counted += 1;
+                agree += usize::from(ferrolm::sample::argmax(rc) == ferrolm::sample::argmax(rg));
+            }
+        }
+    }
+    let (agreement, kl) = (agree as f64 / counted as f64, kl_sum / n as f64);
+    eprintln!("SmolLM2 CUDA vs CPU: argmax {agree}/{counted} = {agreement:.4}, mean KL {kl:.2e} over {n} positions");
+    assert!(agreement >= 0.98, "argmax agreement {agreement}");
+    assert!(kl <= 2e-3, "mean KL {kl}");
+    // same greedy text for the README prompt
+    let msgs =
+        [ferrolm::tokenizer::ChatMessage { role: "user".into(), content: "What is the capital of France?".into() }];
+    let ids = tok.encode(&tok.apply_chat_template(&msgs, true).unwrap(), true).unwrap();
+    type Step<'a> = &'a dyn Fn(&[u32], usize) -> Vec<f32>;
+    let greedy = |m: Step| {
+        let mut out = vec![];
+        let mut l = m(&ids, 0);
+        for i in 0..24 {
+            let t = ferrolm::sample::argmax(&l);
+            out.push(t);
+            l = m(&[t], ids.len() + i);
+        }
+        out
+    };
+    let kc = std::cell::RefCell::new(mc.new_cache(128).unwrap());
+    let kg = std::cell::RefCell::new(mg.new_cache(128).unwrap());
+    let a = greedy(&|t, p| mc.forward(t, p, &mut kc.borrow_mut(), Logits::Last).unwrap());
+    let b = greedy(&|t, p| mg.forward(t, p, &mut kg.borrow_mut(), Logits::Last).unwrap());
+    eprintln!("greedy CPU: {:?}\ngreedy CUDA: {:?}", tok.decode(&a).unwrap(), tok.decode(&b).unwrap());
+    assert_eq!(a, b, "greedy continuations differ");
+}
+
+/// Residual stream after each layer, CUDA vs CPU: where a divergence starts.
+#[test]
+fn smollm2_layer_by_layer() {
+    let (mc, mg, _) = smollm2();
+    let ids: Vec<u32> = vec![504, 3575, 282, 4649, 314, 7042, 30, 378, 1463];
+    for layer in [0, 1, 2, 3, 5, 10, 20, 30] {
+        let mut kc = mc.new_cache(16).unwrap();
+        let mut kg = mg.new_cache(16).unwrap();
+        let a = mc.forward(&ids, 0, &mut kc, Logits::Hidden(layer)).unwrap();
+        let b = mg.forward(&ids, 0, &mut kg, Logits::Hidden(layer)).unwrap();
+        let num: f64 = a.iter().zip(&b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+        let den: f64 = a.iter().map(|x| (*x as f64).powi(2)).sum();
+        eprintln!("after {layer} layers: rel err {:.3e}  |x| {:.3e}", (num / den).sqrt(), den.sqrt());
+        // bf16 activations into every matmul: measured ≤ 3.3e-2 by layer 30 on this prompt
+        // (2026-11-30, H200); a kernel bug shows up as O(1).
+        assert!((num / den).sqrt() < 6e-2, "diverges by layer {layer}");
+    }
+}
+
+/// The Logits::Last path (slice, norm, head on one row) equals the last row of Logits::All.
+#[test]
+fn last_row_path_matches_all_rows() {
+    let g = gpu();
+    let mut r = Rng::seeded();
+    let x: Vec<f32> = bf(&r.v(5 * 64, 1.0));
+    let a = g.act_from(5, 64, &x).unwrap();
+    let s = g.slice_rows(&a, 4).unwrap();
+    check("slice_rows", &g.read_rows(&s, 0).unwrap(), &x[4 * 64..], 0.0);
+    let (_, mg, _) = smollm2();
+    let ids: Vec<u32> = vec![1, 9690, 198, 504, 3575, 282, 4649, 314];
+    let mut k1 = mg.new_cache(16).unwrap();
+    let all = mg.forward(&ids, 0, &mut k1, Logits::All).unwrap();
+    let mut k2 = mg.new_cache(16).unwrap();
+    let last = mg.forward(&ids, 0, &mut k2, Logits::Last).unwrap();
+    let v = mg.cfg.vocab;
+    check("Last vs All's last row", &last, &all[(ids.len() - 1) * v..], 1e-3);
+}
