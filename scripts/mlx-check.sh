@@ -6,7 +6,9 @@
 #     text agrees with Hugging Face Transformers' (goldens/smollm2_hf.json) on ≥ 95% of positions;
 #  2. mlx_lm.load with our tokenizer files tokenizes a prompt exactly as ferrolm does;
 #  3. GGUF → bf16 (a plain Hugging Face style safetensors dir) → 8-bit MLX, and GGUF → 4-bit:
-#     mlx-lm's argmax agrees with ferrolm running the same directory on ≥ 95% of positions.
+#     mlx-lm's argmax agrees with ferrolm running the same directory on ≥ 95% of positions;
+#  4. the same for a synthetic llama-3.2-1b (`convert --synthetic`: random weights, Llama 3
+#     RoPE scaling, tied head, SmolLM2's tokenizer padded to 128256 ids).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import mlx_lm" 2>/dev/null || python3 -m pip install --quiet "mlx[cpu]" mlx-lm
@@ -48,17 +50,17 @@ assert mlx == ours == gguf, f"token ids differ:\nmlx  {mlx}\nours {ours}\ngguf {
 print(f"tokenizer OK: {len(mlx)} ids identical (mlx-lm, ferrolm on the MLX dir, ferrolm on the GGUF)")
 PY
 
-for case in "bf16:8" "4"; do
-  echo "== 3. requantized ($case): mlx-lm vs ferrolm on the same directory"
-  src="$model"
-  if [[ $case == bf16:* ]]; then
+for case in "bf16:8" "4" "synthetic"; do
+  echo "== 3/4. $case: mlx-lm vs ferrolm on the same directory"
+  out="$tmp/$case-$RANDOM"
+  if [[ $case == synthetic ]]; then
+    $bin convert --synthetic llama-3.2-1b --output "$out"
+  elif [[ $case == bf16:* ]]; then
     $bin convert --input "$model" --output "$tmp/bf16" --quantize bf16
-    src="$tmp/bf16"; q=${case#bf16:}
+    $bin convert --input "$tmp/bf16" --output "$out" --quantize "${case#bf16:}"
   else
-    q=$case
+    $bin convert --input "$model" --output "$out" --quantize "$case"
   fi
-  out="$tmp/q$q-$RANDOM"
-  $bin convert --input "$src" --output "$out" --quantize "$q"
   $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 512 --json > "$tmp/ppl.json"
   python3 - "$tmp/ppl.json" "$tmp/hf.json" "$tmp/ours.json" <<'PY'
 import json, sys

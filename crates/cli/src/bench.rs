@@ -90,9 +90,13 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
             "peak_rss_bytes": rss,
             "model_file_bytes": l.file_bytes,
             "kv_cache_bytes": kv_bytes,
+            "synthetic": l.synthetic,
         });
         println!("{j}");
     } else {
+        if let Some(name) = &l.synthetic {
+            println!("model SYNTHETIC weights ({name}): report these numbers as measured on synthetic weights");
+        }
         println!(
             "backend cpu  threads {threads}  prompt {}  gen {}  repeats {}",
             a.prompt_tokens, a.gen_tokens, a.repeats

@@ -14,6 +14,8 @@ pub struct Loaded<B: Backend> {
     pub model: Llama<B>,
     pub tokenizer: Tokenizer,
     pub file_bytes: u64,
+    /// The shape's name when the weights are synthetic (random).
+    pub synthetic: Option<String>,
 }
 
 /// Show progress bars only when stderr is a terminal.
@@ -74,13 +76,15 @@ pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
     if let Some(s) = &arg.quantize {
         ferrolm::quant::scheme::apply(&mut src, &ferrolm::quant::scheme::QuantScheme::parse(s)?, progress())?;
     }
-    let file_bytes = src.file_bytes;
+    let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
     Ok(match dev {
-        None => AnyModel::Cpu(Box::new(Loaded { model: Llama::load(Cpu, &mut src)?, tokenizer, file_bytes })),
+        None => {
+            AnyModel::Cpu(Box::new(Loaded { model: Llama::load(Cpu, &mut src)?, tokenizer, file_bytes, synthetic }))
+        }
         Some(c) => {
             let model =
                 Llama::load(c, &mut src).map_err(|e| anyhow::anyhow!("{e} (use --device cpu to run on the CPU)"))?;
-            AnyModel::Cuda(Box::new(Loaded { model, tokenizer, file_bytes }))
+            AnyModel::Cuda(Box::new(Loaded { model, tokenizer, file_bytes, synthetic }))
         }
     })
 }

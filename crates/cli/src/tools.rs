@@ -3,7 +3,8 @@
 use crate::{load, ModelArg};
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferrolm::formats::mlx_write::{write_mlx_dir, TokenizerFiles};
+use ferrolm::formats::mlx_write::{tokenizer_files, write_mlx_dir};
+use ferrolm::formats::synthetic;
 use ferrolm::quant::scheme::{self, QuantScheme};
 use ferrolm::tokenizer::Tokenizer;
 use std::path::PathBuf;
@@ -116,6 +117,9 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     let (src, tok) = load::source(a.model.as_deref())?;
     let c = &src.config;
     println!("model        {} ({})", src.path.display(), src.format);
+    if let Some(name) = &src.synthetic {
+        println!("             SYNTHETIC weights ({name}): random, not a trained model; say so with any number measured on it");
+    }
     println!(
         "architecture {:?}  rope {:?} theta {}  llama3-scaling {}",
         c.arch,
@@ -164,43 +168,60 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
 #[derive(Args, Debug)]
 pub struct ConvertArgs {
     /// Source model: .gguf file, MLX or HF directory, or repo id.
-    #[arg(long, short)]
-    input: String,
+    #[arg(long, short, required_unless_present = "synthetic", conflicts_with = "synthetic")]
+    input: Option<String>,
+    /// Instead of --input: seeded random weights in the shape of a real model (smollm2-135m,
+    /// llama-3.2-1b, llama-3.1-8b, minicpm5-1b) with SmolLM2's tokenizer padded to its
+    /// vocabulary, to measure speed at sizes we cannot download. The text is gibberish.
+    #[arg(long, value_name = "NAME")]
+    synthetic: Option<String>,
+    /// Seed of the --synthetic weights (default 0): the same seed gives the same bytes.
+    #[arg(long)]
+    seed: Option<u64>,
     /// Output directory (must not exist or be empty).
     #[arg(long, short)]
     output: PathBuf,
-    /// Target weights: "bf16", "4", "8", "4:g32", "mixed:4,8". Default: keep as loaded.
+    /// Target weights: "bf16", "4", "8", "4:g32", "mixed:4,8". Default: keep as loaded
+    /// ("4" for --synthetic).
     #[arg(long, short)]
     quantize: Option<String>,
 }
 
-/// tokenizer.json + tokenizer_config.json text for an MLX directory.
-pub fn tokenizer_files(tok: &Tokenizer) -> Result<TokenizerFiles> {
-    let tokenizer_json = tok.hf().to_string(false).map_err(|e| anyhow::anyhow!("serializing tokenizer.json: {e}"))?;
-    let mut cfg = serde_json::json!({
-        "add_bos_token": tok.add_bos_default(),
-        "add_eos_token": false,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": false,
-    });
-    if let Some(t) = tok.chat_template() {
-        cfg["chat_template"] = t.into();
-    }
-    if let Some(b) = tok.bos_token() {
-        cfg["bos_token"] = b.into();
-    }
-    if let Some(e) = tok.eos_token() {
-        cfg["eos_token"] = e.into();
-    }
-    Ok(TokenizerFiles { tokenizer_json, tokenizer_config_json: serde_json::to_string_pretty(&cfg)? })
-}
-
 pub fn convert(a: ConvertArgs) -> Result<()> {
-    let (mut src, tok) = load::source(Some(&a.input))?;
-    if let Some(s) = &a.quantize {
-        let scheme = QuantScheme::parse(s)?;
-        scheme::apply(&mut src, &scheme, load::progress())?;
+    // Fail before minutes of loading or generating, not after.
+    let empty = |d: &std::path::Path| -> Result<bool> {
+        Ok(d.is_dir() && d.read_dir().with_context(|| format!("{}: cannot list", d.display()))?.next().is_none())
+    };
+    if a.output.exists() && !empty(&a.output)? {
+        bail!("{}: already exists and is not an empty directory", a.output.display());
     }
+    if a.seed.is_some() && a.synthetic.is_none() {
+        bail!("--seed applies to --synthetic only");
+    }
+    let (src, tok) = match (&a.synthetic, &a.input) {
+        (Some(name), _) => {
+            let scheme = QuantScheme::parse(a.quantize.as_deref().unwrap_or("4"))?;
+            let cfg = synthetic::config(name)?;
+            let tok = synthetic::tokenizer(cfg.vocab)?;
+            let t = std::time::Instant::now();
+            let seed = a.seed.unwrap_or(0);
+            let src = synthetic::build(name, &scheme, seed, load::progress())?;
+            eprintln!(
+                "generated SYNTHETIC {name} ({scheme}, seed {seed}): {} in {:.1} s",
+                human(src.file_bytes),
+                t.elapsed().as_secs_f64()
+            );
+            (src, tok)
+        }
+        (None, Some(input)) => {
+            let (mut src, tok) = load::source(Some(input))?;
+            if let Some(s) = &a.quantize {
+                scheme::apply(&mut src, &QuantScheme::parse(s)?, load::progress())?;
+            }
+            (src, tok)
+        }
+        (None, None) => bail!("give --input or --synthetic"),
+    };
     write_mlx_dir(&src, &a.output, &tokenizer_files(&tok)?, load::progress())?;
     eprintln!("wrote {}", a.output.display());
     Ok(())

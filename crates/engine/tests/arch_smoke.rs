@@ -114,6 +114,7 @@ fn build(cfg: &ModelConfig, bits: Option<u32>, seed: u64) -> (ModelSource, Tenso
         tensors: t,
         tokenizer: TokenizerSource::Dir("none".into()),
         file_bytes: 0,
+        synthetic: None,
     };
     (src, reference)
 }

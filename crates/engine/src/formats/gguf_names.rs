@@ -72,5 +72,6 @@ pub fn from_file(g: &GgufFile, progress: bool) -> Result<ModelSource> {
         tensors,
         tokenizer: TokenizerSource::Gguf(path.to_path_buf()),
         file_bytes: g.file_size() as u64,
+        synthetic: None,
     })
 }

@@ -4,7 +4,8 @@
 //! - `config.json`: Hugging Face fields for `model_type` llama / qwen2, plus `quantization`
 //!   (and its copy `quantization_config`, as mlx-lm writes) when any tensor is affine: the
 //!   most common (bits, group) as default, an entry per module that differs, and `false` for
-//!   matrices left dense.
+//!   matrices left dense; `ferrolm_synthetic` naming the shape when the weights are random
+//!   ([`super::synthetic`]).
 //! - `model.safetensors` (or `model-0000i-of-0000n.safetensors` + index past
 //!   [`MAX_SHARD_BYTES`]): an affine `<m>` as `<m>.weight` (u32 `[out, in·bits/32]`),
 //!   `<m>.scales`, `<m>.biases` (`[out, in/group]`, their dtype); dense tensors as they are.
@@ -13,10 +14,11 @@
 //! GGUF sources (`RopeStyle::Interleaved`) have q/k rows in ggml's order; they are put back
 //! in Hugging Face order here, so the output is a plain rotate-half checkpoint.
 
-use super::safetensors::{is_matrix_name, QuantConfig, QuantParams};
+use super::safetensors::{is_matrix_name, QuantConfig, QuantParams, SYNTHETIC_KEY};
 use super::{names, ModelSource};
 use crate::config::{Arch, ModelConfig, RopeStyle};
 use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
+use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
 use ::safetensors::tensor::View;
 use ::safetensors::Dtype;
@@ -33,6 +35,33 @@ pub const MAX_SHARD_BYTES: u64 = 5 << 30;
 pub struct TokenizerFiles {
     pub tokenizer_json: String,
     pub tokenizer_config_json: String,
+}
+
+/// tokenizer.json + tokenizer_config.json (chat template, BOS/EOS, add_bos_token) for `tok`,
+/// which [`Tokenizer::from_dir`] and transformers read back as the same tokenizer.
+pub fn tokenizer_files(tok: &Tokenizer) -> Result<TokenizerFiles> {
+    let tokenizer_json = tok
+        .hf()
+        .to_string(false)
+        .map_err(|e| Error::Invalid(format!("{}: serializing tokenizer.json: {e}", tok.source())))?;
+    let mut cfg = json!({
+        "add_bos_token": tok.add_bos_default(),
+        "add_eos_token": false,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": false,
+    });
+    if let Some(t) = tok.chat_template() {
+        cfg["chat_template"] = t.into();
+    }
+    if let Some(b) = tok.bos_token() {
+        cfg["bos_token"] = b.into();
+    }
+    if let Some(e) = tok.eos_token() {
+        cfg["eos_token"] = e.into();
+    }
+    let tokenizer_config_json = serde_json::to_string_pretty(&cfg)
+        .map_err(|e| Error::Invalid(format!("{}: serializing tokenizer_config.json: {e}", tok.source())))?;
+    Ok(TokenizerFiles { tokenizer_json, tokenizer_config_json })
 }
 
 /// Write `src` as an MLX directory at `out` (created; must not exist or be empty).
@@ -79,8 +108,11 @@ pub fn write_mlx_dir_sharded(
         .map(|(n, w)| (n.as_str(), fixed.get(n.as_str()).unwrap_or(w)))
         .collect();
     let quant = quant_config(&tensors);
-    let config =
+    let mut config =
         hf_config_json(cfg, quant.as_ref()).map_err(|m| Error::Unsupported(format!("{}: {m}", src.path.display())))?;
+    if let Some(name) = &src.synthetic {
+        config[SYNTHETIC_KEY] = name.as_str().into();
+    }
 
     if out.exists() {
         let empty = out.is_dir() && std::fs::read_dir(out).map_err(|e| Error::io(out, e))?.next().is_none();

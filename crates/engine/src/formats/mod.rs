@@ -10,6 +10,7 @@ pub mod gguf_names;
 pub mod gguf_write;
 pub mod mlx_write;
 pub mod safetensors;
+pub mod synthetic;
 
 use crate::config::ModelConfig;
 use crate::quant::Weight;
@@ -25,6 +26,8 @@ pub enum TokenizerSource {
     Gguf(PathBuf),
     /// A directory with tokenizer.json (+ tokenizer_config.json).
     Dir(PathBuf),
+    /// A synthetic model's: SmolLM2's tokenizer padded to `vocab` ids ([`synthetic::tokenizer`]).
+    Synthetic { vocab: usize },
 }
 
 pub struct ModelSource {
@@ -36,6 +39,10 @@ pub struct ModelSource {
     pub tokenizer: TokenizerSource,
     /// Size of the model file(s) on disk.
     pub file_bytes: u64,
+    /// `Some(name)` when the weights are random ([`synthetic`]): generated here, or read
+    /// from a directory whose config.json has `"ferrolm_synthetic": name`. Numbers measured
+    /// on such a model must say so.
+    pub synthetic: Option<String>,
 }
 
 impl ModelSource {

@@ -25,6 +25,10 @@ use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
+/// config.json key that marks a directory's weights as synthetic (random), naming the
+/// shape they were drawn for; written by the MLX writer, read back into `ModelSource::synthetic`.
+pub const SYNTHETIC_KEY: &str = "ferrolm_synthetic";
+
 /// `(bits, group)` of an affine tensor.
 pub type QuantParams = (u32, usize);
 
@@ -175,6 +179,13 @@ pub fn load_dir(dir: &Path, progress: bool) -> Result<ModelSource> {
         serde_json::from_str(&std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?)
             .map_err(|e| Error::format(&config_path, format!("invalid JSON: {e}")))?;
     let quant = QuantConfig::from_config(&cfg_json, &config_path)?;
+    let synthetic = match cfg_json.get(SYNTHETIC_KEY) {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(other) => {
+            return Err(Error::format(&config_path, format!("{SYNTHETIC_KEY}: expected a model name, found {other}")))
+        }
+    };
 
     let (files, index) = weight_files(dir)?;
     let mut shards = Vec::with_capacity(files.len());
@@ -284,6 +295,7 @@ pub fn load_dir(dir: &Path, progress: bool) -> Result<ModelSource> {
         tensors,
         tokenizer: TokenizerSource::Dir(dir.to_path_buf()),
         file_bytes: total,
+        synthetic,
     })
 }
 

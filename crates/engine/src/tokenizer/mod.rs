@@ -75,6 +75,7 @@ impl Tokenizer {
         match src {
             TokenizerSource::Gguf(path) => Tokenizer::from_gguf(&GgufFile::open(path)?),
             TokenizerSource::Dir(dir) => Tokenizer::from_dir(dir),
+            TokenizerSource::Synthetic { vocab } => crate::formats::synthetic::tokenizer(*vocab),
         }
     }
 
@@ -184,8 +185,55 @@ impl Tokenizer {
     pub fn eos_token(&self) -> Option<&str> {
         self.specials.eos.as_deref()
     }
+    /// The file or directory this tokenizer was read from (for messages).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
     pub fn token_to_id(&self, token: &str) -> Option<u32> {
         self.hf().token_to_id(token)
+    }
+
+    /// This tokenizer with its vocabulary extended to `vocab` ids, id i ≥ the current size
+    /// spelled `name(i)`, for a model whose embedding has more rows than the tokenizer has
+    /// tokens (synthetic models). The new ids are entries of the BPE vocabulary, not added
+    /// tokens: no merge produces them, so encoding never does (and does not pay for
+    /// matching tens of thousands of added tokens in every text), while decoding prints
+    /// their spelling, so a model that samples them shows it. Only BPE models extend.
+    pub fn padded(&self, vocab: usize, name: impl Fn(usize) -> String) -> Result<Tokenizer> {
+        let have = self.vocab_size();
+        if vocab < have {
+            return Err(Error::Invalid(format!(
+                "{}: cannot pad {have} tokens down to a vocabulary of {vocab}",
+                self.source
+            )));
+        }
+        let source = format!("{} (padded to {vocab} tokens)", self.source);
+        let err = |m: String| Error::format(&source, m);
+        let mut j = serde_json::to_value(&*self.hf()).map_err(|e| err(format!("serializing: {e}")))?;
+        let model = &mut j["model"];
+        if model["type"] != "BPE" {
+            return Err(Error::Unsupported(format!(
+                "{source}: padding a {} tokenizer model (only BPE)",
+                model["type"]
+            )));
+        }
+        let map = model["vocab"].as_object_mut().ok_or_else(|| err("model.vocab is not an object".into()))?;
+        for id in have..vocab {
+            let t = name(id);
+            if map.insert(t.clone(), id.into()).is_some() {
+                return Err(err(format!("padding token {t:?} is already in the vocabulary")));
+            }
+        }
+        let bytes = serde_json::to_vec(&j).map_err(|e| err(format!("serializing: {e}")))?;
+        let hf = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| err(format!("rebuilding: {e}")))?;
+        let t = Tokenizer::assemble(hf, source, self.specials.clone(), &self.stop_ids, self.chat_template.clone())?;
+        if t.vocab_size() != vocab {
+            return Err(Error::format(
+                &t.source,
+                format!("padded to {} tokens, expected {vocab} (ids are not contiguous)", t.vocab_size()),
+            ));
+        }
+        Ok(t)
     }
 
     pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
