@@ -93,7 +93,9 @@ impl<'m, B: Backend> Session<'m, B> {
             self.logits = Some(b.act_f32(1, self.model.cfg.vocab)?);
         }
         let (model, kv, logits) = (self.model, &mut self.kv, self.logits.as_mut().expect("set above"));
-        b.step(self.id, &[token], pos, &mut || model.forward_into(&[token], pos, kv, Logits::Last, Some(&mut *logits)).map(|_| ()))?;
+        b.step(self.id, &[token], pos, &mut || {
+            model.forward_into(&[token], pos, kv, Logits::Last, Some(&mut *logits)).map(|_| ())
+        })?;
         self.tokens.push(token);
         b.read_rows(self.logits.as_ref().expect("set above"), 0)
     }

@@ -122,7 +122,9 @@ impl<B: Backend> Llama<B> {
         let rows = match which {
             Logits::All => tokens.len(),
             Logits::Last => 1,
-            Logits::Hidden(_) => return self.forward_into(tokens, pos0, kv, which, None).map(|v| v.unwrap_or_default()),
+            Logits::Hidden(_) => {
+                return self.forward_into(tokens, pos0, kv, which, None).map(|v| v.unwrap_or_default())
+            }
         };
         let mut logits = self.backend.act_f32(rows, self.cfg.vocab)?; // [rows, V]
         self.forward_into(tokens, pos0, kv, which, Some(&mut logits))?;

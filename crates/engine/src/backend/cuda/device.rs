@@ -5,7 +5,9 @@ use super::kernels::{self, KernelFile};
 use super::nvrtc;
 use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
 use crate::{Error, Result};
-use cudarc::driver::{CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DriverError, PinnedHostSlice,
+};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::collections::HashMap;
@@ -34,6 +36,9 @@ pub struct Cuda {
     pub(crate) staged: Mutex<Option<Staged>>,
     /// Captured decode steps by session key.
     pub(crate) graphs: Mutex<HashMap<u64, Graph>>,
+    /// Set while a decode step is being captured: host-side staging (which synchronizes)
+    /// is done before the capture and must not run inside it.
+    pub(crate) capturing: std::sync::atomic::AtomicBool,
 }
 
 /// A captured graph, owned behind the backend's mutex.
@@ -146,6 +151,7 @@ impl Cuda {
             rope_freqs: Mutex::new(None),
             staged: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
+            capturing: std::sync::atomic::AtomicBool::new(false),
         })
     }
 

@@ -110,7 +110,10 @@ impl Backend for Cuda {
         kv.max_seq
     }
     fn begin(&self, tokens: &[u32], pos0: usize) -> Result<()> {
-        self.stage(tokens, pos0)?;
+        // While capturing, `step` has staged these values already; only the copies go in.
+        if !self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            self.stage(tokens, pos0)?;
+        }
         self.upload_staged()
     }
     fn step(&self, key: u64, tokens: &[u32], pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
@@ -120,11 +123,17 @@ impl Backend for Cuda {
         if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return g.0.launch().map_err(drv("replaying the decode graph"));
         }
-        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).map_err(drv("starting capture"))?;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("starting capture"))?;
+        self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
         let r = f();
+        self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
         let g = self.stream.end_capture(CUgraphInstantiate_flags(0));
         r?;
-        let g = g.map_err(drv("capturing the decode step"))?.ok_or_else(|| Error::Invalid("CUDA capture produced no graph".into()))?;
+        let g = g
+            .map_err(drv("capturing the decode step"))?
+            .ok_or_else(|| Error::Invalid("CUDA capture produced no graph".into()))?;
         g.launch().map_err(drv("launching the decode graph"))?;
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(key, super::device::Graph(g));
         Ok(())
@@ -134,7 +143,11 @@ impl Backend for Cuda {
     }
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-        let ids = &st.as_ref().filter(|s| s.cap >= tokens.len()).ok_or_else(|| Error::Invalid("CUDA embed without staged tokens".into()))?.tok_dev;
+        let ids = &st
+            .as_ref()
+            .filter(|s| s.cap >= tokens.len())
+            .ok_or_else(|| Error::Invalid("CUDA embed without staged tokens".into()))?
+            .tok_dev;
         let cols = table.cols() as i32;
         let c = cfg((tokens.len() as u32, 1), 256);
         let ActBuf::F32(o) = &mut out.buf else {
@@ -239,14 +252,7 @@ impl Backend for Cuda {
         let heads = (q.cols / kv.head_dim) as i32;
         let n_kv = (kv.width / kv.head_dim) as i32;
         let mut b = self.stream.launch_builder(&a);
-        b.arg(q.bf16())
-            .arg(&kv.k[layer])
-            .arg(&kv.v[layer])
-            .arg(out.bf16_mut())
-            .arg(&heads)
-            .arg(&n_kv)
-            .arg(&hd)
-            .arg(p0);
+        b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(out.bf16_mut()).arg(&heads).arg(&n_kv).arg(&hd).arg(p0);
         // SAFETY: matches attention.cu's attention.
         unsafe { b.launch(cfg((heads as u32, q.rows as u32), 128)) }.map(|_| ()).map_err(drv("attention launch"))
     }
