@@ -19,14 +19,23 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
     }
 }
 
-// grid (heads, m), block 128. q, out: [m, heads·hd].
-extern "C" __global__ void attention(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
-                                     const bf16_t* __restrict__ vc, bf16_t* __restrict__ out, int heads,
-                                     int n_kv, int hd, const int* __restrict__ pos0p) {
-    int pos0 = *pos0p;
+// Flash-decoding split-K: grid (heads, m, splits), block 128. Split s covers cached
+// positions [s·chunk, (s+1)·chunk) of query row t (causal length *pos0 + t + 1); its 4 warps
+// take every 4th position with an online softmax each, merged in warp order, and the split
+// writes its running max, sum and unnormalized accumulator to scratch. Splits past the
+// length write an empty partial. The split count is fixed by the cache size, so a captured
+// decode graph stays valid as the position grows.
+extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
+                                           const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
+                                           float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                                           const int* __restrict__ pos0p, int chunk) {
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
-    int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int kvh = h / (heads / n_kv), width = n_kv * hd, per = hd / 32;
+    int len = *pos0p + t + 1;
+    int p0 = sp * chunk, p1 = min(len, p0 + chunk);
+    long slot = ((long)t * heads + h) * splits + sp;
     float scale = rsqrtf((float)hd);
     const bf16_t* qh = q + ((long)t * heads + h) * hd;
     float qv[MAXD], acc[MAXD];
@@ -36,8 +45,7 @@ extern "C" __global__ void attention(const bf16_t* __restrict__ q, const bf16_t*
         acc[d] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
-    int len = pos0 + t + 1;
-    for (int p = warp; p < len; p += AW) {
+    for (int p = p0 + warp; p < p1; p += AW) {
         const bf16_t* kr = kc + (long)p * width + kvh * hd;
         float s = 0.f;
 #pragma unroll
@@ -62,11 +70,31 @@ extern "C" __global__ void attention(const bf16_t* __restrict__ q, const bf16_t*
         for (int w = 0; w < AW; w++) M = fmaxf(M, s_m[w]);
         float L = 0.f;
         for (int w = 0; w < AW; w++) L += s_m[w] == -INFINITY ? 0.f : s_l[w] * __expf(s_m[w] - M);
+        if (lane == 0) { part_ml[2 * slot] = M; part_ml[2 * slot + 1] = L; }
         for (int d = 0; d < per; d++) {
             float o = 0.f;
             for (int w = 0; w < AW; w++)
                 if (s_m[w] != -INFINITY) o += s_acc[w][lane + 32 * d] * __expf(s_m[w] - M);
-            out[((long)t * heads + h) * hd + lane + 32 * d] = f2bf(o / L);
+            part_acc[slot * hd + lane + 32 * d] = o;
         }
     }
+}
+
+// Merge the splits of each (row, head) in split order (deterministic). grid (heads, m),
+// block hd. out: [m, heads·hd] bf16.
+extern "C" __global__ void attention_merge(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                           bf16_t* __restrict__ out, int heads, int hd, int splits) {
+    int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    long base = ((long)t * heads + h) * splits;
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, part_ml[2 * (base + s)]);
+    float L = 0.f, o = 0.f;
+    for (int s = 0; s < splits; s++) {
+        float m = part_ml[2 * (base + s)];
+        if (m == -INFINITY) continue;
+        float w = __expf(m - M);
+        L += part_ml[2 * (base + s) + 1] * w;
+        o += part_acc[(base + s) * hd + d] * w;
+    }
+    out[((long)t * heads + h) * hd + d] = f2bf(o / L);
 }

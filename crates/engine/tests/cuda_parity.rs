@@ -168,7 +168,7 @@ fn attention_matches_cpu_prefill_and_decode() {
             head_dim: hd,
             ffn: 64,
             vocab: 8,
-            max_ctx: 64,
+            max_ctx: 2048,
             rms_eps: 1e-5,
             rope_theta: 1e4,
             rope_style: RopeStyle::Half,
@@ -177,44 +177,46 @@ fn attention_matches_cpu_prefill_and_decode() {
             tie_embeddings: true,
             qkv_bias: false,
         };
-        let mut kvg = g.kv_cache(&cfg, 64).unwrap();
-        let mut kvc = c.kv_cache(&cfg, 64).unwrap();
-        // prefill 37 tokens, then 3 decode steps
-        let mut pos = 0;
-        for m in [37usize, 1, 1, 1] {
-            let q = bf(&r.v(m * heads * hd, 1.0));
-            let k = bf(&r.v(m * n_kv * hd, 1.0));
-            let v = bf(&r.v(m * n_kv * hd, 1.0));
-            let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
-            g.begin(&[], pos).unwrap();
-            g.attention(
-                &g.act_from(m, heads * hd, &q).unwrap(),
-                &g.act_from(m, n_kv * hd, &k).unwrap(),
-                &g.act_from(m, n_kv * hd, &v).unwrap(),
-                &mut kvg,
-                0,
-                pos,
-                &mut og,
-            )
-            .unwrap();
-            let mut oc = c.act(m, heads * hd).unwrap();
-            c.attention(
-                &cpu(m, heads * hd, q),
-                &cpu(m, n_kv * hd, k),
-                &cpu(m, n_kv * hd, v),
-                &mut kvc,
-                0,
-                pos,
-                &mut oc,
-            )
-            .unwrap();
-            check(
-                &format!("attention {heads}/{n_kv}x{hd} m{m} pos{pos}"),
-                &g.read_rows(&og, 0).unwrap(),
-                &oc.data,
-                1e-2,
-            );
-            pos += m;
+        // a small cache (one split), then a large one (several splits, some past the length)
+        for (cache, steps) in [(64, vec![37usize, 1, 1, 1]), (1100, vec![300, 1, 1, 513, 1])] {
+            let mut kvg = g.kv_cache(&cfg, cache).unwrap();
+            let mut kvc = c.kv_cache(&cfg, cache).unwrap();
+            let mut pos = 0;
+            for m in steps {
+                let q = bf(&r.v(m * heads * hd, 1.0));
+                let k = bf(&r.v(m * n_kv * hd, 1.0));
+                let v = bf(&r.v(m * n_kv * hd, 1.0));
+                let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+                g.begin(&[], pos).unwrap();
+                g.attention(
+                    &g.act_from(m, heads * hd, &q).unwrap(),
+                    &g.act_from(m, n_kv * hd, &k).unwrap(),
+                    &g.act_from(m, n_kv * hd, &v).unwrap(),
+                    &mut kvg,
+                    0,
+                    pos,
+                    &mut og,
+                )
+                .unwrap();
+                let mut oc = c.act(m, heads * hd).unwrap();
+                c.attention(
+                    &cpu(m, heads * hd, q),
+                    &cpu(m, n_kv * hd, k),
+                    &cpu(m, n_kv * hd, v),
+                    &mut kvc,
+                    0,
+                    pos,
+                    &mut oc,
+                )
+                .unwrap();
+                check(
+                    &format!("attention {heads}/{n_kv}x{hd} cache{cache} m{m} pos{pos}"),
+                    &g.read_rows(&og, 0).unwrap(),
+                    &oc.data,
+                    1e-2,
+                );
+                pos += m;
+            }
         }
     }
 }

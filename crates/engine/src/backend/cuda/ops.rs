@@ -12,6 +12,9 @@ fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// Cached positions per attention split.
+const ATTN_CHUNK: usize = 256;
+
 /// Grid for a grid-stride element-wise kernel over n elements.
 fn elems(n: usize) -> (u32, u32) {
     ((n.div_ceil(256)).min(4096) as u32, 1)
@@ -247,14 +250,35 @@ impl Backend for Cuda {
         b.arg(&mut kv.k[layer]).arg(&mut kv.v[layer]).arg(k.bf16()).arg(v.bf16()).arg(&rows).arg(&width).arg(p0);
         // SAFETY: matches attention.cu's kv_write; pos0 + rows ≤ max_seq is checked by the model.
         unsafe { b.launch(cfg(elems(k.rows * kv.width), 256)) }.map_err(drv("kv_write launch"))?;
-        let a = self.simple("attention.cu", "attention")?;
+        // Split-K over the cache: the split count follows the cache size (fixed for a
+        // captured graph), so decode at depth fills the GPU with heads × splits blocks.
         let hd = kv.head_dim as i32;
         let heads = (q.cols / kv.head_dim) as i32;
         let n_kv = (kv.width / kv.head_dim) as i32;
+        let splits = kv.max_seq.div_ceil(ATTN_CHUNK);
+        let slots = q.rows * heads as usize * splits;
+        let mut ml = self.stream.alloc_zeros::<f32>(2 * slots).map_err(drv("allocating attention scratch"))?;
+        let mut acc =
+            self.stream.alloc_zeros::<f32>(slots * kv.head_dim).map_err(drv("allocating attention scratch"))?;
+        let (chunk, nsplit) = (ATTN_CHUNK as i32, splits as i32);
+        let a = self.simple("attention.cu", "attention_split")?;
         let mut b = self.stream.launch_builder(&a);
-        b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(out.bf16_mut()).arg(&heads).arg(&n_kv).arg(&hd).arg(p0);
-        // SAFETY: matches attention.cu's attention.
-        unsafe { b.launch(cfg((heads as u32, q.rows as u32), 128)) }.map(|_| ()).map_err(drv("attention launch"))
+        b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(&mut ml).arg(&mut acc);
+        b.arg(&heads).arg(&n_kv).arg(&hd).arg(p0).arg(&chunk);
+        let c = LaunchConfig {
+            grid_dim: (heads as u32, q.rows as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches attention.cu's attention_split; scratch sized [m, heads, splits].
+        unsafe { b.launch(c) }.map_err(drv("attention launch"))?;
+        let mg = self.simple("attention.cu", "attention_merge")?;
+        let mut b = self.stream.launch_builder(&mg);
+        b.arg(&ml).arg(&acc).arg(out.bf16_mut()).arg(&heads).arg(&hd).arg(&nsplit);
+        // SAFETY: matches attention.cu's attention_merge.
+        unsafe { b.launch(cfg((heads as u32, q.rows as u32), hd as u32)) }
+            .map(|_| ())
+            .map_err(drv("attention merge launch"))
     }
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, out: &mut CudaAct) -> Result<()> {
         let f = self.simple("elementwise.cu", "silu_mul")?;
