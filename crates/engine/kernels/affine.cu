@@ -29,59 +29,82 @@ __device__ __forceinline__ void load8(const bf16_t* p, float* f) {
     }
 }
 
-template <bool OUT_F32>
+// TOK activation rows per block-y: each 16-byte weight chunk is loaded once and used for
+// TOK rows (prefill reads the weights m/TOK times instead of m times).
+template <bool OUT_F32, int TOK>
 __device__ __forceinline__ void qmv_body(const u32* __restrict__ w, const scale_t* __restrict__ scales,
                                          const scale_t* __restrict__ biases, const bf16_t* __restrict__ x,
-                                         void* __restrict__ out, int rows, int cols) {
+                                         void* __restrict__ out, int rows, int cols, int m) {
     int lane = threadIdx.x & 31;
     int row = blockIdx.x * WARPS + (threadIdx.x >> 5);
-    int t = blockIdx.y;
+    int t0 = blockIdx.y * TOK;
     if (row >= rows) return;
+    int nt = min(TOK, m - t0);
     int chunks = cols / VPC, groups = cols / GROUP;
     const uint4* wrow = reinterpret_cast<const uint4*>(w + (size_t)row * (cols / (32 / BITS)));
-    const bf16_t* xr = x + (size_t)t * cols;
     const scale_t* sr = scales + (size_t)row * groups;
     const scale_t* br = biases + (size_t)row * groups;
-    float acc = 0.f;
+    float acc[TOK];
+#pragma unroll
+    for (int t = 0; t < TOK; t++) acc[t] = 0.f;
     for (int c = lane; c < chunks; c += 32) {
         uint4 q4 = wrow[c];
         u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
         int v0 = c * VPC;
 #pragma unroll
         for (int sg = 0; sg < VPC / SUBG; sg++) {
-            float dot = 0.f, sx = 0.f;
+            int g = (v0 + sg * SUBG) / GROUP;
+            float sc = s2f(sr[g]), bi = s2f(br[g]);
 #pragma unroll
-            for (int i8 = 0; i8 < SUBG; i8 += 8) {
-                float xf[8];
-                load8(xr + v0 + sg * SUBG + i8, xf);
+            for (int t = 0; t < TOK; t++) {
+                if (t < nt) {
+                    const bf16_t* xr = x + (size_t)(t0 + t) * cols + v0 + sg * SUBG;
+                    float dot = 0.f, sx = 0.f;
 #pragma unroll
-                for (int j = 0; j < 8; j++) {
-                    int i = sg * SUBG + i8 + j;  // value index inside the chunk
-                    float q = (float)((words[(i * BITS) / 32] >> ((i * BITS) % 32)) & MASK);
-                    dot = fmaf(q, xf[j], dot);
-                    sx += xf[j];
+                    for (int i8 = 0; i8 < SUBG; i8 += 8) {
+                        float xf[8];
+                        load8(xr + i8, xf);
+#pragma unroll
+                        for (int j = 0; j < 8; j++) {
+                            int i = sg * SUBG + i8 + j;  // value index inside the chunk
+                            float q = (float)((words[(i * BITS) / 32] >> ((i * BITS) % 32)) & MASK);
+                            dot = fmaf(q, xf[j], dot);
+                            sx += xf[j];
+                        }
+                    }
+                    acc[t] = fmaf(sc, dot, fmaf(bi, sx, acc[t]));
                 }
             }
-            int g = (v0 + sg * SUBG) / GROUP;
-            acc = fmaf(s2f(sr[g]), dot, fmaf(s2f(br[g]), sx, acc));
         }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) {
-        if (OUT_F32) reinterpret_cast<float*>(out)[(size_t)t * rows + row] = acc;
-        else reinterpret_cast<bf16_t*>(out)[(size_t)t * rows + row] = f2bf(acc);
+#pragma unroll
+    for (int t = 0; t < TOK; t++) {
+        float a = warp_sum(acc[t]);
+        if (lane == 0 && t < nt) {
+            size_t o = (size_t)(t0 + t) * rows + row;
+            if (OUT_F32) reinterpret_cast<float*>(out)[o] = a;
+            else reinterpret_cast<bf16_t*>(out)[o] = f2bf(a);
+        }
     }
 }
 
-// grid (ceil(rows / 4), m), block 128.
+// grid (ceil(rows / 4), m), block 128: one activation row per block-y (decode).
 extern "C" __global__ void qmv(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* y,
-                               int rows, int cols) {
-    qmv_body<false>(w, s, b, x, y, rows, cols);
+                               int rows, int cols, int m) {
+    qmv_body<false, 1>(w, s, b, x, y, rows, cols, m);
 }
-
 extern "C" __global__ void qmv_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* y,
-                                   int rows, int cols) {
-    qmv_body<true>(w, s, b, x, y, rows, cols);
+                                   int rows, int cols, int m) {
+    qmv_body<true, 1>(w, s, b, x, y, rows, cols, m);
+}
+// grid (ceil(rows / 4), ceil(m / 8)), block 128: eight activation rows per block-y (prefill).
+extern "C" __global__ void qmv8(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* y,
+                                int rows, int cols, int m) {
+    qmv_body<false, 8>(w, s, b, x, y, rows, cols, m);
+}
+extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* y,
+                                    int rows, int cols, int m) {
+    qmv_body<true, 8>(w, s, b, x, y, rows, cols, m);
 }
 
 // out[t, :] = dequantized row tokens[t] of the table (f32: the residual stream).

@@ -133,7 +133,7 @@ fn matmuls_and_embeddings_match_cpu() {
     cases.push(("dense bf16".into(), Weight::Dense(DenseTensor { rows: n, cols: k, data: dense })));
     for (name, w) in cases {
         let wg = g.matrix(w.clone()).unwrap();
-        for m in [1, 4] {
+        for m in [1, 4, 13] {
             let x = bf(&r.v(m * k, 1.0));
             let xg = g.act_from(m, k, &x).unwrap();
             let mut want = c.act(m, n).unwrap();

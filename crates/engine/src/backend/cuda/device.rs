@@ -68,7 +68,8 @@ pub enum CudaMat {
         words: CudaSlice<u32>,
         scales: DevScales,
         biases: DevScales,
-        f: [CudaFunction; 3],
+        /// [qmv, qmv_f32, embed, qmv8, qmv8_f32]
+        f: [CudaFunction; 5],
     },
     /// bf16 weights; f = [dmv, dmv_f32, dembed]
     Dense { rows: usize, cols: usize, w: CudaSlice<u16>, f: [CudaFunction; 3] },
@@ -217,6 +218,8 @@ impl Cuda {
             self.function(file, &defines, "qmv")?,
             self.function(file, &defines, "qmv_f32")?,
             self.function(file, &defines, "embed")?,
+            self.function(file, &defines, "qmv8")?,
+            self.function(file, &defines, "qmv8_f32")?,
         ];
         Ok(CudaMat::Affine {
             rows: a.rows,

@@ -33,12 +33,16 @@ impl Cuda {
                 x.rows, x.cols, out.rows, out.cols
             )));
         }
-        let c = cfg((w.rows().div_ceil(4) as u32, x.rows as u32), 128);
         let xb = x.bf16();
         let f32_out = matches!(out.buf, ActBuf::F32(_));
+        let m = x.rows as i32;
+        // Prefill: eight activation rows per block, so each weight chunk is read m/8 times.
+        let multi = x.rows >= 4 && matches!(w, CudaMat::Affine { .. });
+        let ty = if multi { x.rows.div_ceil(8) } else { x.rows };
+        let c = cfg((w.rows().div_ceil(4) as u32, ty as u32), 128);
         let r = match (w, &mut out.buf) {
             (CudaMat::Affine { words, scales, biases, f, .. }, ob) => {
-                let mut b = self.stream.launch_builder(&f[usize::from(f32_out)]);
+                let mut b = self.stream.launch_builder(&f[usize::from(f32_out) + if multi { 3 } else { 0 }]);
                 b.arg(words);
                 match scales {
                     DevScales::Half(s) => b.arg(s),
@@ -53,8 +57,8 @@ impl Cuda {
                     ActBuf::Bf16(o) => b.arg(o),
                     ActBuf::F32(o) => b.arg(o),
                 };
-                b.arg(&rows).arg(&cols);
-                // SAFETY: argument types and counts match affine.cu's qmv/qmv_f32; shapes checked above.
+                b.arg(&rows).arg(&cols).arg(&m);
+                // SAFETY: argument types and counts match affine.cu's qmv/qmv8 (+_f32); shapes checked above.
                 unsafe { b.launch(c) }
             }
             (CudaMat::Dense { w, f, .. }, ob) => {
