@@ -6,10 +6,18 @@ use super::kernels;
 use crate::backend::{Backend, Rope};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::{Error, Result};
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig, PushKernelArg};
 
 fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Scales or biases as a kernel argument, whatever their precision.
+fn push_scales<'a>(b: &mut LaunchArgs<'a>, s: &'a DevScales) {
+    match s {
+        DevScales::Half(v) => b.arg(v),
+        DevScales::F32(v) => b.arg(v),
+    };
 }
 
 /// Cached positions per attention split.
@@ -44,14 +52,8 @@ impl Cuda {
             (CudaMat::Affine { words, scales, biases, f, .. }, ob) => {
                 let mut b = self.stream.launch_builder(&f[usize::from(f32_out) + if multi { 3 } else { 0 }]);
                 b.arg(words);
-                match scales {
-                    DevScales::Half(s) => b.arg(s),
-                    DevScales::F32(s) => b.arg(s),
-                };
-                match biases {
-                    DevScales::Half(s) => b.arg(s),
-                    DevScales::F32(s) => b.arg(s),
-                };
+                push_scales(&mut b, scales);
+                push_scales(&mut b, biases);
                 b.arg(xb);
                 match ob {
                     ActBuf::Bf16(o) => b.arg(o),
@@ -164,14 +166,8 @@ impl Backend for Cuda {
             CudaMat::Affine { words, scales, biases, f, .. } => {
                 let mut b = self.stream.launch_builder(&f[2]);
                 b.arg(words);
-                match scales {
-                    DevScales::Half(s) => b.arg(s),
-                    DevScales::F32(s) => b.arg(s),
-                };
-                match biases {
-                    DevScales::Half(s) => b.arg(s),
-                    DevScales::F32(s) => b.arg(s),
-                };
+                push_scales(&mut b, scales);
+                push_scales(&mut b, biases);
                 b.arg(ids).arg(o).arg(&cols);
                 // SAFETY: matches affine.cu's embed.
                 unsafe { b.launch(c) }
