@@ -62,11 +62,14 @@ for case in "bf16:8" "4" "synthetic"; do
     $bin convert --input "$model" --output "$out" --quantize "$case"
   fi
   $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 512 --json > "$tmp/ppl.json"
-  python3 - "$tmp/ppl.json" "$tmp/hf.json" "$tmp/ours.json" <<'PY'
+  python3 - "$tmp/ppl.json" "$tmp/hf.json" "$tmp/ours.json" "$case" <<'PY'
 import json, sys
 p, hf = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 assert p["targets"][:-1] == hf["tokens"][1:], "ferrolm tokenized the prose differently"
-json.dump({"tokens": hf["tokens"], "argmax": p["argmax"]}, open(sys.argv[3], "w"))
+# The 1B synthetic model is slow under MLX on a 2-core CPU: its first 64 positions suffice
+# (causal, so they equal a 64-token run).
+n = 64 if sys.argv[4] == "synthetic" else len(hf["tokens"])
+json.dump({"tokens": hf["tokens"][:n], "argmax": p["argmax"][:n]}, open(sys.argv[3], "w"))
 print(f"ferrolm ppl {p['ppl']:.3f} on this directory")
 PY
   python3 tools/oracle/mlx_load_check.py "$out" --expect "$tmp/ours.json"
