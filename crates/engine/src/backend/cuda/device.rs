@@ -26,7 +26,11 @@ pub struct Cuda {
     /// e.g. "sm_90"
     pub arch: String,
     pub device_name: String,
+    /// Loaded modules by "file|defines", and their functions by "file|defines|function":
+    /// ops look kernels up on every launch, so the key is cheap (the source hash is only
+    /// computed on a miss, for the disk cache).
     modules: Mutex<HashMap<String, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
     /// Kernels compiled in this process (the rest came from the disk cache).
     pub compiled: Mutex<usize>,
     /// RoPE inverse frequencies uploaded once.
@@ -148,6 +152,7 @@ impl Cuda {
             arch: format!("sm_{major}{minor}"),
             device_name,
             modules: Mutex::new(HashMap::new()),
+            functions: Mutex::new(HashMap::new()),
             compiled: Mutex::new(0),
             rope_freqs: Mutex::new(None),
             staged: Mutex::new(None),
@@ -158,9 +163,13 @@ impl Cuda {
 
     /// Load `func` from `file` compiled with `defines` (NVRTC disk cache, then memory cache).
     pub fn function(&self, file: &KernelFile, defines: &[String], func: &str) -> Result<CudaFunction> {
-        let key = nvrtc::cache_key(file.name, file.src, &self.arch, defines);
+        let module_key = format!("{}|{}", file.name, defines.join(","));
+        let fn_key = format!("{module_key}|{func}");
+        if let Some(f) = self.functions.lock().unwrap_or_else(|e| e.into_inner()).get(&fn_key) {
+            return Ok(f.clone());
+        }
         let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        let module = match mods.get(&key) {
+        let module = match mods.get(&module_key) {
             Some(m) => m.clone(),
             None => {
                 let (bin, hit) = nvrtc::cached(file.name, file.src, &self.arch, defines)?;
@@ -168,11 +177,13 @@ impl Cuda {
                     *self.compiled.lock().unwrap_or_else(|e| e.into_inner()) += 1;
                 }
                 let m = self.ctx.load_module(Ptx::from_binary(bin)).map_err(drv(&format!("loading {}", file.name)))?;
-                mods.insert(key, m.clone());
+                mods.insert(module_key, m.clone());
                 m
             }
         };
-        module.load_function(func).map_err(drv(&format!("finding {func} in {}", file.name)))
+        let f = module.load_function(func).map_err(drv(&format!("finding {func} in {}", file.name)))?;
+        self.functions.lock().unwrap_or_else(|e| e.into_inner()).insert(fn_key, f.clone());
+        Ok(f)
     }
 
     pub fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T], what: &str) -> Result<CudaSlice<T>> {
