@@ -15,6 +15,11 @@ use ferrolm::model::{Llama, Logits};
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 use std::sync::OnceLock;
 
+#[path = "cuda_ops/flash.rs"]
+mod flash;
+#[path = "cuda_ops/gemm.rs"]
+mod gemm;
+
 fn gpu() -> &'static Cuda {
     static G: OnceLock<Cuda> = OnceLock::new();
     G.get_or_init(|| Cuda::new(0).expect("a CUDA device"))

@@ -74,6 +74,10 @@ pub enum CudaMat {
         biases: DevScales,
         /// [qmv, qmv_f32, embed, qmv8, qmv8_f32]
         f: [CudaFunction; 5],
+        bits: u32,
+        group: usize,
+        /// The -D defines this weight's kernels are compiled with (bits, group, scale dtype).
+        defines: Vec<String>,
     },
     /// bf16 weights; f = [dmv, dmv_f32, dembed]
     Dense { rows: usize, cols: usize, w: CudaSlice<u16>, f: [CudaFunction; 3] },
@@ -239,6 +243,9 @@ impl Cuda {
             scales: self.scales(&scales)?,
             biases: self.scales(&biases)?,
             f,
+            bits: a.bits,
+            group: a.group,
+            defines,
         })
     }
 

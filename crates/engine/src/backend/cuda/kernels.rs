@@ -22,6 +22,8 @@ pub const FILES: &[KernelFile] = &[
     kernel!("dense.cu"),
     kernel!("attention.cu"),
     kernel!("sample.cu"),
+    kernel!("gemm.cu"),
+    kernel!("flash_attention.cu"),
 ];
 
 pub fn file(name: &str) -> &'static KernelFile {
@@ -33,7 +35,10 @@ pub fn file(name: &str) -> &'static KernelFile {
 pub const AFFINE_BITS: [u32; 3] = [2, 4, 8];
 pub const AFFINE_GROUPS: [usize; 4] = [16, 32, 64, 128];
 
-/// -D defines for an affine.cu specialization.
+/// Head dims flash_attention.cu is compiled for (-D HD=…).
+pub const FLASH_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// -D defines for an affine.cu (and gemm.cu) specialization.
 pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String> {
     let s = match scale {
         ScaleDtype::F16 => 0,
@@ -43,16 +48,23 @@ pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String>
     vec![format!("BITS={bits}"), format!("GROUP={group}"), format!("SCALE_T={s}")]
 }
 
+/// Files compiled only with per-variant defines.
+const PER_VARIANT: [&str; 3] = ["affine.cu", "gemm.cu", "flash_attention.cu"];
+
 /// Every (file, defines) the backend may compile: what CI compiles with NVRTC.
 pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     let mut v: Vec<(&'static KernelFile, Vec<String>)> =
-        FILES.iter().filter(|f| f.name != "affine.cu").map(|f| (f, vec![])).collect();
+        FILES.iter().filter(|f| !PER_VARIANT.contains(&f.name)).map(|f| (f, vec![])).collect();
     for bits in AFFINE_BITS {
         for group in AFFINE_GROUPS {
             for s in [ScaleDtype::F16, ScaleDtype::BF16, ScaleDtype::F32] {
                 v.push((file("affine.cu"), affine_defines(bits, group, s)));
+                v.push((file("gemm.cu"), affine_defines(bits, group, s)));
             }
         }
+    }
+    for hd in FLASH_HEAD_DIMS {
+        v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }
     v
 }

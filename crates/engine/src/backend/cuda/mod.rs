@@ -4,6 +4,8 @@
 //! builds and runs where no CUDA is installed.
 
 pub mod device;
+mod flash;
+mod gemm;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;

@@ -1,0 +1,2 @@
+// Flash-attention prefill: see backend/cuda/flash.rs.
+#include "common.cuh"

@@ -1,0 +1,1 @@
+//! Flash-attention prefill on tensor cores (kernels/flash_attention.cu).

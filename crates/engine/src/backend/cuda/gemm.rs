@@ -1,0 +1,1 @@
+//! Tensor-core GEMM for affine weights, the prefill path (kernels/gemm.cu).

@@ -1,0 +1,1 @@
+//! Flash-attention prefill vs the CPU reference.

@@ -1,0 +1,1 @@
+//! Tensor-core GEMM (prefill) vs the CPU reference.
