@@ -25,10 +25,10 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
 // writes its running max, sum and unnormalized accumulator to scratch. Splits past the
 // length write an empty partial. The split count is fixed by the cache size, so a captured
 // decode graph stays valid as the position grows.
-extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
-                                           const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
-                                           float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                           const int* __restrict__ pos0p, int chunk) {
+__device__ __forceinline__ void split_partial(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
+                                              const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
+                                              float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                                              const int* __restrict__ pos0p, int chunk) {
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
     int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -76,6 +76,92 @@ extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const b
             for (int w = 0; w < AW; w++)
                 if (s_m[w] != -INFINITY) o += s_acc[w][lane + 32 * d] * __expf(s_m[w] - M);
             part_acc[slot * hd + lane + 32 * d] = o;
+        }
+    }
+}
+
+extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
+                                           const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
+                                           float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                                           const int* __restrict__ pos0p, int chunk) {
+    split_partial(q, kc, vc, part_ml, part_acc, heads, n_kv, hd, pos0p, chunk);
+}
+
+// Merge splits base..base+splits of one (row, head) in split order (deterministic) into
+// out (hd values); threads stride over d. `__ldcg`: partials written by other blocks.
+__device__ __forceinline__ void merge_splits(const float* part_ml, const float* part_acc, bf16_t* out, long base,
+                                             int hd, int splits) {
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float M = -INFINITY;
+        for (int s = 0; s < splits; s++) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
+        float L = 0.f, o = 0.f;
+        for (int s = 0; s < splits; s++) {
+            float m = __ldcg(part_ml + 2 * (base + s));
+            if (m == -INFINITY) continue;
+            float w = __expf(m - M);
+            L += __ldcg(part_ml + 2 * (base + s) + 1) * w;
+            o += __ldcg(part_acc + (base + s) * hd + d) * w;
+        }
+        out[d] = f2bf(o / L);
+    }
+}
+
+// Decode (one query row): split-K partials as attention_split, and the last split block of
+// each head to finish (counted in done[h], reset for the next step) merges them in split
+// order, so one launch does what attention_split + attention_merge do. grid (heads, 1,
+// splits), block 128.
+extern "C" __global__ void attention_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
+                                            const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
+                                            float* __restrict__ part_acc, bf16_t* __restrict__ out,
+                                            int* __restrict__ done, int heads, int n_kv, int hd,
+                                            const int* __restrict__ pos0p, int chunk) {
+    __shared__ int last;
+    split_partial(q, kc, vc, part_ml, part_acc, heads, n_kv, hd, pos0p, chunk);
+    __threadfence();
+    __syncthreads();
+    int h = blockIdx.x, splits = gridDim.z;
+    if (threadIdx.x == 0) last = atomicAdd(done + h, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    merge_splits(part_ml, part_acc, out + (long)h * hd, (long)h * splits, hd, splits);
+    if (threadIdx.x == 0) done[h] = 0;
+}
+
+// RoPE on this call's q (in place) and k, then k and v into the cache at positions
+// *pos0p.. (rope.cu's math; kv_write's layout). q [rows, heads·hd], k/v [rows, n_kv·hd].
+// One thread per rotated pair of q or k, and per v element.
+extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
+                                   const bf16_t* __restrict__ v, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
+                                   const float* __restrict__ inv_freq, int rows, int heads, int n_kv, int hd,
+                                   const int* __restrict__ pos0p, float linear, int interleaved) {
+    int pos0 = *pos0p, half = hd / 2, width = n_kv * hd;
+    long nq = (long)rows * heads * half, nk = (long)rows * n_kv * half, nv = (long)rows * width;
+    for (long t = blockIdx.x * (long)blockDim.x + threadIdx.x; t < nq + nk + nv; t += (long)gridDim.x * blockDim.x) {
+        if (t >= nq + nk) {
+            long i = t - nq - nk;
+            vc[(long)pos0 * width + i] = v[i];
+            continue;
+        }
+        bool isq = t < nq;
+        long u = isq ? t : t - nq;
+        int j = u % half;
+        long rh = u / half;
+        int row = rh / (isq ? heads : n_kv);
+        float a = ((float)(pos0 + row) / linear) * inv_freq[j];
+        float sn, cs;
+        sincosf(a, &sn, &cs);
+        int i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
+        const bf16_t* src = isq ? q + rh * hd : k + rh * hd;
+        float x0 = bf2f(src[i0]), x1 = bf2f(src[i1]);
+        bf16_t y0 = f2bf(x0 * cs - x1 * sn), y1 = f2bf(x0 * sn + x1 * cs);
+        if (isq) {
+            q[rh * hd + i0] = y0;
+            q[rh * hd + i1] = y1;
+        } else {
+            bf16_t* dst = kc + (long)pos0 * width + rh * hd;  // rh = row·n_kv + head
+            dst[i0] = y0;
+            dst[i1] = y1;
         }
     }
 }

@@ -1,9 +1,10 @@
 // Greedy sampling on the device: the index of the largest f32 logit (ties → lowest index,
 // as the CPU sampler), so a decode step copies back one token id, not the vocabulary.
-// One block of 1024 threads.
+// One block of 1024 threads. The index is written as f32 (exact below 2^24) so it comes
+// back through the same f32 activation path as logits.
 #include "common.cuh"
 
-extern "C" __global__ void argmax(const float* __restrict__ logits, int n, int* __restrict__ out) {
+extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float* __restrict__ out) {
     __shared__ float sv[32];
     __shared__ int si[32];
     float best = -INFINITY;
@@ -31,6 +32,6 @@ extern "C" __global__ void argmax(const float* __restrict__ logits, int n, int* 
             int oi = __shfl_xor_sync(0xffffffffu, bi, o);
             if (ov > best || (ov == best && oi < bi)) { best = ov; bi = oi; }
         }
-        if (lane == 0) *out = bi;
+        if (lane == 0) *out = (float)bi;
     }
 }

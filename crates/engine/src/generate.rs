@@ -15,6 +15,8 @@ pub struct Session<'m, B: Backend> {
     kv: B::Kv,
     /// Decode logits `[1, V]`, kept on the device across steps (a captured step writes here).
     logits: Option<B::Act>,
+    /// The greedy step's token id `[1, 1]` (f32), on the device.
+    argmax: Option<B::Act>,
     /// Identifies this session's captured decode step in the backend.
     id: u64,
     /// Tokens whose K/V are in the cache, in position order.
@@ -47,7 +49,7 @@ impl<'m, B: Backend> Session<'m, B> {
         let max_seq = max_seq.min(model.cfg.max_ctx).max(1);
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Session { model, kv: model.new_cache(max_seq)?, logits: None, id, tokens: Vec::new() })
+        Ok(Session { model, kv: model.new_cache(max_seq)?, logits: None, argmax: None, id, tokens: Vec::new() })
     }
 
     pub fn capacity(&self) -> usize {
@@ -84,6 +86,19 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Append one token and return the logits that follow it. The step's launches go
     /// through `Backend::step`, so CUDA captures them once and replays a graph.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        self.run_step(token, false)?;
+        self.model.backend.read_rows(self.logits.as_ref().expect("set by run_step"), 0)
+    }
+
+    /// Append one token and return the greedy (argmax) next token, computed on the device:
+    /// a step then reads back 4 bytes instead of the vocabulary's logits.
+    pub fn step_greedy(&mut self, token: u32) -> Result<u32> {
+        self.run_step(token, true)?;
+        let id = self.model.backend.read_rows(self.argmax.as_ref().expect("set by run_step"), 0)?;
+        Ok(id[0] as u32)
+    }
+
+    fn run_step(&mut self, token: u32, greedy: bool) -> Result<()> {
         let pos = self.tokens.len();
         if pos >= self.capacity() {
             return Err(Error::Invalid(format!("the context of {} tokens is full", self.capacity())));
@@ -91,13 +106,22 @@ impl<'m, B: Backend> Session<'m, B> {
         let b = &self.model.backend;
         if self.logits.is_none() {
             self.logits = Some(b.act_f32(1, self.model.cfg.vocab)?);
+            self.argmax = Some(b.act_f32(1, 1)?);
         }
-        let (model, kv, logits) = (self.model, &mut self.kv, self.logits.as_mut().expect("set above"));
-        b.step(self.id, &[token], pos, &mut || {
-            model.forward_into(&[token], pos, kv, Logits::Last, Some(&mut *logits)).map(|_| ())
+        let (model, kv) = (self.model, &mut self.kv);
+        let logits = self.logits.as_mut().expect("set above");
+        let argmax = self.argmax.as_mut().expect("set above");
+        // The greedy step is a different capture (it ends with the argmax launch).
+        let key = self.id << 1 | u64::from(greedy);
+        b.step(key, &[token], pos, &mut || {
+            model.forward_into(&[token], pos, kv, Logits::Last, Some(&mut *logits))?;
+            if greedy {
+                b.argmax(logits, argmax)?;
+            }
+            Ok(())
         })?;
         self.tokens.push(token);
-        b.read_rows(self.logits.as_ref().expect("set above"), 0)
+        Ok(())
     }
 
     /// Feed `prompt`, then sample up to `max_tokens` tokens, calling `on_token` for each
@@ -118,8 +142,14 @@ impl<'m, B: Backend> Session<'m, B> {
         st.prefill_secs = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut history = prompt.to_vec();
+        // Greedy without penalties needs no logits on the host: the device picks the token.
+        let greedy = sampler.cfg.temperature == 0.0 && sampler.cfg.repetition_penalty == 1.0;
+        let mut next = None;
         while st.generated < max_tokens {
-            let tok = sampler.sample(&mut logits, &history);
+            let tok = match next.take() {
+                Some(t) => t,
+                None => sampler.sample(&mut logits, &history),
+            };
             st.generated += 1;
             if stop.contains(&tok) {
                 st.stopped_by_eos = true;
@@ -130,7 +160,11 @@ impl<'m, B: Backend> Session<'m, B> {
             if !on_token(tok)? || st.generated == max_tokens || self.tokens.len() >= self.capacity() {
                 break;
             }
-            logits = self.step(tok)?;
+            if greedy {
+                next = Some(self.step_greedy(tok)?);
+            } else {
+                logits = self.step(tok)?;
+            }
         }
         st.decode_secs = t1.elapsed().as_secs_f64();
         Ok(st)
@@ -139,7 +173,8 @@ impl<'m, B: Backend> Session<'m, B> {
 
 impl<B: Backend> Drop for Session<'_, B> {
     fn drop(&mut self) {
-        self.model.backend.forget(self.id);
+        self.model.backend.forget(self.id << 1);
+        self.model.backend.forget(self.id << 1 | 1);
     }
 }
 

@@ -349,4 +349,148 @@ fn graph_replay_matches_plain_forward() {
         let lp = mg.forward(&[t], ids.len() + i, &mut kv, Logits::Last).unwrap();
         check(&format!("graph step {i}"), &l, &lp, 0.0);
     }
+    // the greedy step (argmax on the device, its own captured graph) follows plain argmax
+    let mut s = ferrolm::generate::Session::new(&mg, 256).unwrap();
+    let (l, _) = s.feed(&ids).unwrap();
+    let mut kv = mg.new_cache(256).unwrap();
+    mg.forward(&ids, 0, &mut kv, Logits::Last).unwrap();
+    let mut t = ferrolm::sample::argmax(&l);
+    for i in 0..20 {
+        let next = s.step_greedy(t).unwrap();
+        let lp = mg.forward(&[t], ids.len() + i, &mut kv, Logits::Last).unwrap();
+        assert_eq!(next, ferrolm::sample::argmax(&lp), "greedy step {i}");
+        t = next;
+    }
+}
+
+/// The fused decode ops (norm→q/k/v in one launch, norm→gate/up→SwiGLU, GEMV + residual
+/// add, norm→head, RoPE + cache write + attention with its merge, argmax) against the CPU
+/// backend's reference compositions, for one token and every weight format family.
+#[test]
+fn fused_decode_ops_match_cpu() {
+    let (g, c) = (gpu(), Cpu);
+    let mut r = Rng::seeded();
+    let (d, qd, kvd, f) = (512, 512, 128, 1024);
+    let formats = [
+        (4, 32, ScaleDtype::F16),
+        (4, 128, ScaleDtype::F32),
+        (8, 32, ScaleDtype::F16),
+        (8, 64, ScaleDtype::BF16),
+        (2, 16, ScaleDtype::BF16),
+        (2, 64, ScaleDtype::F16),
+    ];
+    for (bits, group, dt) in formats {
+        let name = format!("q{bits} g{group} {dt:?}");
+        let mut mat = |rows: usize, cols: usize| {
+            let w =
+                Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, bits, group, dt).unwrap());
+            (g.matrix(w.clone()).unwrap(), w)
+        };
+        let (wq, wk, wv, wg, wu, wd) = (mat(qd, d), mat(kvd, d), mat(kvd, d), mat(f, d), mat(f, d), mat(d, f));
+        let x = r.v(d, 20.0); // the f32 residual stream
+        let norm = r.v(d, 1.0);
+        let (xg, xc) = (g.act_from_f32(1, d, &x).unwrap(), cpu(1, d, x.clone()));
+        let ng = g.vector(norm.clone()).unwrap();
+        // norm → q/k/v
+        let mut outs_g: Vec<_> = [qd, kvd, kvd].iter().map(|&n| g.act_poisoned(1, n, false).unwrap()).collect();
+        let mut outs_c: Vec<_> = [qd, kvd, kvd].iter().map(|&n| c.act(1, n).unwrap()).collect();
+        let [og0, og1, og2] = &mut outs_g[..] else { unreachable!() };
+        let mut xn = g.act(1, d).unwrap();
+        g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wq.0, &wk.0, &wv.0], &mut [og0, og1, og2]).unwrap();
+        let [oc0, oc1, oc2] = &mut outs_c[..] else { unreachable!() };
+        let mut xnc = c.act(1, d).unwrap();
+        c.norm_matmul_many(&xc, &norm, 1e-5, &mut xnc, &[&wq.1, &wk.1, &wv.1], &mut [oc0, oc1, oc2]).unwrap();
+        for (i, (a, b)) in outs_g.iter().zip(&outs_c).enumerate() {
+            check(&format!("norm→qkv[{i}] {name}"), &g.read_rows(a, 0).unwrap(), &b.data, 1e-2);
+        }
+        // norm → head (f32 out)
+        let mut hg = g.act_poisoned(1, f, true).unwrap();
+        g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wg.0], &mut [&mut hg]).unwrap();
+        let mut hc = c.act(1, f).unwrap();
+        c.norm_matmul_many(&xc, &norm, 1e-5, &mut xnc, &[&wg.1], &mut [&mut hc]).unwrap();
+        check(&format!("norm→head f32 {name}"), &g.read_rows(&hg, 0).unwrap(), &hc.data, 1e-2);
+        // norm → gate/up → SwiGLU
+        let (mut gg, mut ug, mut sg) =
+            (g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act_poisoned(1, f, false).unwrap());
+        g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &wg.0, &wu.0, &mut gg, &mut ug, &mut sg).unwrap();
+        let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
+        c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc).unwrap();
+        check(&format!("norm→swiglu {name}"), &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+        // GEMV + residual add: compare the added part (the residual itself is exact)
+        let y = bf(&r.v(f, 1.0));
+        let mut rg = g.act_from_f32(1, d, &x).unwrap();
+        let mut tmp = g.act(1, d).unwrap();
+        g.matmul_add(&g.act_from(1, f, &y).unwrap(), &wd.0, &mut rg, &mut tmp).unwrap();
+        let mut rc = xc.clone();
+        let mut tmpc = c.act(1, d).unwrap();
+        c.matmul_add(&cpu(1, f, y), &wd.1, &mut rc, &mut tmpc).unwrap();
+        let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
+        check(&format!("matmul_add {name}"), &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
+    }
+    // argmax, ties to the lowest index
+    for n in [7, 1000, 49152, 128256] {
+        let mut v = r.v(n, 10.0);
+        v[n / 3] = 50.0;
+        v[n / 2] = 50.0;
+        let mut og = g.act_poisoned(1, 1, true).unwrap();
+        g.argmax(&g.act_from_f32(1, n, &v).unwrap(), &mut og).unwrap();
+        let got = g.read_rows(&og, 0).unwrap()[0];
+        assert_eq!(got as u32, ferrolm::sample::argmax(&v), "argmax over {n}");
+    }
+}
+
+/// RoPE + cache write + attention (one launch each on CUDA for a single token) against the
+/// CPU's rope, rope, attention, over prefill and decode steps.
+#[test]
+fn rope_attention_matches_cpu() {
+    let (g, c) = (gpu(), Cpu);
+    let mut r = Rng::seeded();
+    for (heads, n_kv, hd, style) in
+        [(9, 3, 64, RopeStyle::Half), (32, 8, 64, RopeStyle::Interleaved), (16, 2, 128, RopeStyle::Half)]
+    {
+        let cfg = ferrolm::config::ModelConfig {
+            arch: ferrolm::config::Arch::Llama,
+            hidden: heads * hd,
+            n_layers: 2,
+            n_heads: heads,
+            n_kv_heads: n_kv,
+            head_dim: hd,
+            ffn: 64,
+            vocab: 8,
+            max_ctx: 2048,
+            rms_eps: 1e-5,
+            rope_theta: 1e4,
+            rope_style: style,
+            llama3_scaling: None,
+            rope_linear: 1.0,
+            tie_embeddings: true,
+            qkv_bias: false,
+        };
+        let rope = Rope { inv_freq: cfg.rope_inv_freq(), style, linear: 1.0 };
+        let cache = 1100;
+        let mut kvg = g.kv_cache(&cfg, cache).unwrap();
+        let mut kvc = c.kv_cache(&cfg, cache).unwrap();
+        let mut pos = 0;
+        for m in [300usize, 1, 1, 200, 1, 1] {
+            let q = bf(&r.v(m * heads * hd, 1.0));
+            let k = bf(&r.v(m * n_kv * hd, 1.0));
+            let v = bf(&r.v(m * n_kv * hd, 1.0));
+            let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+            g.begin(&[], pos).unwrap();
+            let (mut qg, mut kg) = (g.act_from(m, heads * hd, &q).unwrap(), g.act_from(m, n_kv * hd, &k).unwrap());
+            let vg = g.act_from(m, n_kv * hd, &v).unwrap();
+            g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, pos, &rope, (heads, n_kv), &mut og).unwrap();
+            let mut oc = c.act(m, heads * hd).unwrap();
+            let (mut qc, mut kc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k));
+            c.rope_attention(&mut qc, &mut kc, &cpu(m, n_kv * hd, v), &mut kvc, 1, pos, &rope, (heads, n_kv), &mut oc)
+                .unwrap();
+            check(
+                &format!("rope_attention {heads}/{n_kv}x{hd} {style:?} m{m} pos{pos}"),
+                &g.read_rows(&og, 0).unwrap(),
+                &oc.data,
+                1e-2,
+            );
+            pos += m;
+        }
+    }
 }

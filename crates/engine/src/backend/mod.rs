@@ -84,6 +84,69 @@ pub trait Backend: Sync {
     fn silu_mul(&self, gate: &Self::Act, up: &Self::Act, out: &mut Self::Act) -> Result<()>;
     /// x += y
     fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
+    /// Fused forms of the sequences a layer runs. The defaults compose the ops above (the
+    /// reference); a backend overrides them where one launch can do the work of several.
+    ///
+    /// outs[i] = rms_norm(x)·ws[i]ᵀ. `xn` is scratch for the normalized rows (a fused
+    /// backend may leave it untouched).
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul_many(
+        &self,
+        x: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        xn: &mut Self::Act,
+        ws: &[&Self::Mat],
+        outs: &mut [&mut Self::Act],
+    ) -> Result<()> {
+        self.rms_norm(x, norm, eps, xn)?;
+        self.matmul_many(xn, ws, outs)
+    }
+    /// out = silu(xn·gateᵀ) · (xn·upᵀ) with xn = rms_norm(x); xn, g and u are scratch.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_swiglu(
+        &self,
+        x: &Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        xn: &mut Self::Act,
+        gate: &Self::Mat,
+        up: &Self::Mat,
+        g: &mut Self::Act,
+        u: &mut Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<()> {
+        self.rms_norm(x, norm, eps, xn)?;
+        self.matmul_many(xn, &[gate, up], &mut [g, u])?;
+        self.silu_mul(g, u, out)
+    }
+    /// x += y·wᵀ (x the f32 residual stream); tmp is scratch `[m, out]`.
+    fn matmul_add(&self, y: &Self::Act, w: &Self::Mat, x: &mut Self::Act, tmp: &mut Self::Act) -> Result<()> {
+        self.matmul(y, w, tmp)?;
+        self.add(x, tmp)
+    }
+    /// RoPE on q (n_heads) and k (n_kv heads) at positions pos0.., then `attention`.
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+        v: &Self::Act,
+        kv: &mut Self::Kv,
+        layer: usize,
+        pos0: usize,
+        rope: &Rope,
+        (n_heads, n_kv): (usize, usize),
+        out: &mut Self::Act,
+    ) -> Result<()> {
+        self.rope(q, n_heads, pos0, rope)?;
+        self.rope(k, n_kv, pos0, rope)?;
+        self.attention(q, k, v, kv, layer, pos0, out)
+    }
+    /// out[0] = index of the largest value of row 0 of x (ties → lowest index), stored as
+    /// f32 (exact for indices below 2²⁴), so greedy decoding reads back 4 bytes.
+    fn argmax(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()>;
+
     /// A new activation holding rows `[first, rows)` of x.
     fn slice_rows(&self, x: &Self::Act, first: usize) -> Result<Self::Act>;
     /// Copy rows `[first, rows)` to the host as f32.

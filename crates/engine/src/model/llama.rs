@@ -29,6 +29,8 @@ pub struct Llama<B: Backend> {
     norm: B::Vector,         // [d]
     lm_head: Option<B::Mat>, // [V, d]; None = tied to embed
     rope: Rope,
+    /// The decode (one-token) buffers, kept between steps.
+    decode_work: std::sync::Mutex<Vec<Work<B>>>,
 }
 
 /// Which positions' logits a forward call returns.
@@ -109,7 +111,7 @@ impl<B: Backend> Llama<B> {
             inv_freq.iter_mut().zip(factors).for_each(|(f, s)| *f /= s);
         }
         let rope = Rope { inv_freq, style: cfg.rope_style, linear: cfg.rope_linear };
-        Ok(Llama { cfg, backend, embed, layers, norm, lm_head, rope })
+        Ok(Llama { cfg, backend, embed, layers, norm, lm_head, rope, decode_work: std::sync::Mutex::new(Vec::new()) })
     }
 
     pub fn new_cache(&self, max_seq: usize) -> Result<B::Kv> {
@@ -154,60 +156,109 @@ impl<B: Backend> Llama<B> {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
             return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
         }
-        let (d, hd) = (c.hidden, c.head_dim);
-        let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
         b.begin(tokens, pos0)?;
-        let mut x = b.act_f32(m, d)?; // [m, d] residual stream, f32 on every backend
-        let mut xn = b.act(m, d)?; // [m, d] normed
-        let mut q = b.act(m, qd)?; // [m, h·hd]
-        let mut k = b.act(m, kvd)?; // [m, kvh·hd]
-        let mut v = b.act(m, kvd)?; // [m, kvh·hd]
-        let mut att = b.act(m, qd)?; // [m, h·hd]
-        let mut o = b.act(m, d)?; // [m, d]
-        let mut gate = b.act(m, c.ffn)?; // [m, f]
-        let mut up = b.act(m, c.ffn)?; // [m, f]
-        let mut act = b.act(m, c.ffn)?; // [m, f]
+        // Decode reuses its buffers (a captured step must find the same ones on every
+        // replay, and allocations would be graph nodes); prefill allocates per call. The
+        // pool only grows (calls on several threads at once), so no buffer a captured graph
+        // points at is ever freed.
+        let cached = match m {
+            1 => self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).pop(),
+            _ => None,
+        };
+        let mut w = match cached {
+            Some(w) => w,
+            None => Work::new(b, c, m)?,
+        };
+        let r = self.layers_into(tokens, pos0, kv, which, logits, &mut w);
+        if m == 1 {
+            self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+        }
+        r
+    }
 
-        b.embed(&self.embed, tokens, &mut x)?;
+    fn layers_into(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut B::Kv,
+        which: Logits,
+        logits: Option<&mut B::Act>,
+        w: &mut Work<B>,
+    ) -> Result<Option<Vec<f32>>> {
+        let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
+        let Work { x, xn, q, k, v, att, o, gate, up, act, last } = w;
+        b.embed(&self.embed, tokens, x)?;
         for (li, l) in self.layers.iter().enumerate() {
             if which == Logits::Hidden(li) {
-                return b.read_rows(&x, 0).map(Some);
+                return b.read_rows(x, 0).map(Some);
             }
-            // attention block
-            b.rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn)?;
-            b.matmul_many(&xn, &[&l.wq, &l.wk, &l.wv], &mut [&mut q, &mut k, &mut v])?;
+            // attention block: x += o_proj(attention(rope(q), rope(k), v)), q/k/v = proj(norm(x))
+            b.norm_matmul_many(x, &l.attn_norm, c.rms_eps, xn, &[&l.wq, &l.wk, &l.wv], &mut [q, k, v])?;
             if let Some([bq, bk, bv]) = &l.bias {
-                b.add_bias(&mut q, bq)?;
-                b.add_bias(&mut k, bk)?;
-                b.add_bias(&mut v, bv)?;
+                b.add_bias(q, bq)?;
+                b.add_bias(k, bk)?;
+                b.add_bias(v, bv)?;
             }
-            b.rope(&mut q, c.n_heads, pos0, &self.rope)?;
-            b.rope(&mut k, c.n_kv_heads, pos0, &self.rope)?;
-            b.attention(&q, &k, &v, kv, li, pos0, &mut att)?; // cache write + causal attention
-            b.matmul(&att, &l.wo, &mut o)?;
-            b.add(&mut x, &o)?;
-            // MLP block (SwiGLU)
-            b.rms_norm(&x, &l.mlp_norm, c.rms_eps, &mut xn)?;
-            b.matmul_many(&xn, &[&l.w_gate, &l.w_up], &mut [&mut gate, &mut up])?;
-            b.silu_mul(&gate, &up, &mut act)?;
-            b.matmul(&act, &l.w_down, &mut o)?;
-            b.add(&mut x, &o)?;
+            b.rope_attention(q, k, v, kv, li, pos0, &self.rope, (c.n_heads, c.n_kv_heads), att)?;
+            b.matmul_add(att, &l.wo, x, o)?;
+            // MLP block (SwiGLU): x += down(silu(gate(norm(x))) · up(norm(x)))
+            b.norm_swiglu(x, &l.mlp_norm, c.rms_eps, xn, &l.w_gate, &l.w_up, gate, up, act)?;
+            b.matmul_add(act, &l.w_down, x, o)?;
         }
         // Only the rows whose logits are wanted go through the final norm and the head.
         let (rows, first) = match which {
             Logits::All => (m, 0),
             Logits::Last => (1, m - 1),
-            Logits::Hidden(_) => return b.read_rows(&x, 0).map(Some),
+            Logits::Hidden(_) => return b.read_rows(x, 0).map(Some),
         };
-        let mut last = b.act(rows, d)?;
-        if rows == m {
-            b.rms_norm(&x, &self.norm, c.rms_eps, &mut last)?;
-        } else {
-            let tail = b.slice_rows(&x, first)?;
-            b.rms_norm(&tail, &self.norm, c.rms_eps, &mut last)?;
-        }
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let logits = logits.ok_or_else(|| Error::Invalid("forward_into: no logits buffer".into()))?;
-        b.matmul(&last, self.lm_head.as_ref().unwrap_or(&self.embed), logits)?; // [rows, V]
+        let tail;
+        let x = if rows == m {
+            &*x
+        } else {
+            tail = b.slice_rows(x, first)?;
+            &tail
+        };
+        if last.is_none() {
+            *last = Some(b.act(rows, c.hidden)?);
+        }
+        let last = last.as_mut().expect("set above");
+        b.norm_matmul_many(x, &self.norm, c.rms_eps, last, &[head], &mut [logits])?; // [rows, V]
         Ok(None)
+    }
+}
+
+/// One forward call's activations for m tokens.
+pub struct Work<B: Backend> {
+    x: B::Act,            // [m, d] residual stream, f32 on every backend
+    xn: B::Act,           // [m, d] normed
+    q: B::Act,            // [m, h·hd]
+    k: B::Act,            // [m, kvh·hd]
+    v: B::Act,            // [m, kvh·hd]
+    att: B::Act,          // [m, h·hd]
+    o: B::Act,            // [m, d]
+    gate: B::Act,         // [m, f]
+    up: B::Act,           // [m, f]
+    act: B::Act,          // [m, f]
+    last: Option<B::Act>, // [rows of logits, d] normed input of the head
+}
+
+impl<B: Backend> Work<B> {
+    fn new(b: &B, c: &ModelConfig, m: usize) -> Result<Self> {
+        let (d, qd, kvd) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
+        Ok(Work {
+            x: b.act_f32(m, d)?,
+            xn: b.act(m, d)?,
+            q: b.act(m, qd)?,
+            k: b.act(m, kvd)?,
+            v: b.act(m, kvd)?,
+            att: b.act(m, qd)?,
+            o: b.act(m, d)?,
+            gate: b.act(m, c.ffn)?,
+            up: b.act(m, c.ffn)?,
+            act: b.act(m, c.ffn)?,
+            last: None,
+        })
     }
 }

@@ -97,6 +97,10 @@ impl Backend for Cpu {
         ops::add(&mut x.data, &y.data);
         Ok(())
     }
+    fn argmax(&self, x: &CpuAct, out: &mut CpuAct) -> Result<()> {
+        out.data[0] = crate::sample::argmax(&x.data[..x.cols]) as f32;
+        Ok(())
+    }
     fn slice_rows(&self, x: &CpuAct, first: usize) -> Result<CpuAct> {
         Ok(CpuAct { rows: x.rows - first, cols: x.cols, data: x.data[first * x.cols..].to_vec() })
     }

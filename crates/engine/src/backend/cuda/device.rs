@@ -33,8 +33,13 @@ pub struct Cuda {
     functions: Mutex<HashMap<String, CudaFunction>>,
     /// Kernels compiled in this process (the rest came from the disk cache).
     pub compiled: Mutex<usize>,
-    /// RoPE inverse frequencies uploaded once.
-    pub(crate) rope_freqs: Mutex<Option<(Vec<f32>, CudaSlice<f32>)>>,
+    /// RoPE inverse frequencies, uploaded once per distinct table and never freed (captured
+    /// graphs point at them).
+    pub(crate) rope_freqs: Mutex<Vec<(Vec<f32>, CudaSlice<f32>)>>,
+    /// Decode attention scratch by (heads·splits, head_dim): partial max/sum, partial
+    /// outputs, and per-head done counters. Kept for the process (captured graphs use it).
+    #[allow(clippy::type_complexity)]
+    pub(crate) attn_scratch: Mutex<HashMap<(usize, usize), (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<i32>)>>,
     /// This forward call's token ids and start position, staged in pinned host memory and
     /// copied to the device by the call itself (so graph replays pick up new values).
     pub(crate) staged: Mutex<Option<Staged>>,
@@ -158,7 +163,8 @@ impl Cuda {
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             compiled: Mutex::new(0),
-            rope_freqs: Mutex::new(None),
+            rope_freqs: Mutex::new(Vec::new()),
+            attn_scratch: Mutex::new(HashMap::new()),
             staged: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
             capturing: std::sync::atomic::AtomicBool::new(false),
@@ -188,6 +194,19 @@ impl Cuda {
         let f = module.load_function(func).map_err(drv(&format!("finding {func} in {}", file.name)))?;
         self.functions.lock().unwrap_or_else(|e| e.into_inner()).insert(fn_key, f.clone());
         Ok(f)
+    }
+
+    /// Device address of `rope`'s inverse frequencies (uploaded on first use).
+    pub(crate) fn rope_freqs_for(&self, rope: &crate::backend::Rope) -> Result<u64> {
+        use cudarc::driver::DevicePtr;
+        let mut cache = self.rope_freqs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, d)) = cache.iter().find(|(v, _)| v == &rope.inv_freq) {
+            return Ok(d.device_ptr(&self.stream).0);
+        }
+        let d = self.upload(&rope.inv_freq, "uploading RoPE frequencies")?;
+        let p = d.device_ptr(&self.stream).0;
+        cache.push((rope.inv_freq.clone(), d));
+        Ok(p)
     }
 
     pub fn upload<T: cudarc::driver::DeviceRepr>(&self, v: &[T], what: &str) -> Result<CudaSlice<T>> {

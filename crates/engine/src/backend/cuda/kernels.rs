@@ -19,6 +19,7 @@ pub const FILES: &[KernelFile] = &[
     kernel!("elementwise.cu"),
     kernel!("rope.cu"),
     kernel!("affine.cu"),
+    kernel!("gemv.cu"),
     kernel!("dense.cu"),
     kernel!("attention.cu"),
     kernel!("sample.cu"),
@@ -49,7 +50,7 @@ pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String>
 }
 
 /// Files compiled only with per-variant defines.
-const PER_VARIANT: [&str; 3] = ["affine.cu", "gemm.cu", "flash_attention.cu"];
+const PER_VARIANT: [&str; 4] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu"];
 
 /// Every (file, defines) the backend may compile: what CI compiles with NVRTC.
 pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
@@ -59,6 +60,7 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
         for group in AFFINE_GROUPS {
             for s in [ScaleDtype::F16, ScaleDtype::BF16, ScaleDtype::F32] {
                 v.push((file("affine.cu"), affine_defines(bits, group, s)));
+                v.push((file("gemv.cu"), affine_defines(bits, group, s)));
                 v.push((file("gemm.cu"), affine_defines(bits, group, s)));
             }
         }

@@ -5,6 +5,7 @@
 
 pub mod device;
 mod flash;
+mod fused;
 mod gemm;
 pub mod kernels;
 pub mod nvrtc;

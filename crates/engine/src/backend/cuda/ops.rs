@@ -2,6 +2,7 @@
 //! CPU backend is the reference each is tested against).
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales};
+use super::fused::{GemvIn, GemvOut};
 use super::kernels;
 use crate::backend::{Backend, Rope};
 use crate::config::{ModelConfig, RopeStyle};
@@ -21,7 +22,7 @@ fn push_scales<'a>(b: &mut LaunchArgs<'a>, s: &'a DevScales) {
 }
 
 /// Cached positions per attention split.
-const ATTN_CHUNK: usize = 256;
+pub(crate) const ATTN_CHUNK: usize = 256;
 
 /// Grid for a grid-stride element-wise kernel over n elements.
 fn elems(n: usize) -> (u32, u32) {
@@ -40,6 +41,10 @@ impl Cuda {
                 "CUDA matmul shapes: x [{}, {}], w [{rows}, {cols}], out [{}, {}]",
                 x.rows, x.cols, out.rows, out.cols
             )));
+        }
+        // One token: the decode GEMV (gemv.cu).
+        if x.rows == 1 && self.gemv_fused(GemvIn::Bf16(x), &[w], &mut [&mut *out], GemvOut::Store)? {
+            return Ok(());
         }
         let xb = x.bf16();
         let f32_out = matches!(out.buf, ActBuf::F32(_));
@@ -76,6 +81,41 @@ impl Cuda {
             }
         };
         r.map(|_| ()).map_err(drv("matmul launch"))
+    }
+    /// Causal attention of q over the cache (this call's rows already written): split-K
+    /// partials and their merge.
+    fn attention_cached(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
+        // Split-K over the cache: the split count follows the cache size (fixed for a
+        // captured graph), so decode at depth fills the GPU with heads × splits blocks.
+        let hd = kv.head_dim as i32;
+        let heads = (q.cols / kv.head_dim) as i32;
+        let n_kv = (kv.width / kv.head_dim) as i32;
+        let splits = kv.max_seq.div_ceil(ATTN_CHUNK);
+        let slots = q.rows * heads as usize * splits;
+        let mut ml = self.stream.alloc_zeros::<f32>(2 * slots).map_err(drv("allocating attention scratch"))?;
+        let mut acc =
+            self.stream.alloc_zeros::<f32>(slots * kv.head_dim).map_err(drv("allocating attention scratch"))?;
+        let (chunk, nsplit) = (ATTN_CHUNK as i32, splits as i32);
+        let a = self.simple("attention.cu", "attention_split")?;
+        let mut b = self.stream.launch_builder(&a);
+        b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(&mut ml).arg(&mut acc);
+        b.arg(&heads).arg(&n_kv).arg(&hd).arg(p0).arg(&chunk);
+        let c = LaunchConfig {
+            grid_dim: (heads as u32, q.rows as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches attention.cu's attention_split; scratch sized [m, heads, splits].
+        unsafe { b.launch(c) }.map_err(drv("attention launch"))?;
+        let mg = self.simple("attention.cu", "attention_merge")?;
+        let mut b = self.stream.launch_builder(&mg);
+        b.arg(&ml).arg(&acc).arg(out.bf16_mut()).arg(&heads).arg(&hd).arg(&nsplit);
+        // SAFETY: matches attention.cu's attention_merge.
+        unsafe { b.launch(cfg((heads as u32, q.rows as u32), hd as u32)) }
+            .map(|_| ())
+            .map_err(drv("attention merge launch"))
     }
 }
 
@@ -200,6 +240,9 @@ impl Backend for Cuda {
         self.gemv(x, w, out)
     }
     fn matmul_many(&self, x: &CudaAct, ws: &[&CudaMat], outs: &mut [&mut CudaAct]) -> Result<()> {
+        if self.gemv_fused(GemvIn::Bf16(x), ws, outs, GemvOut::Store)? {
+            return Ok(());
+        }
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
             self.gemv(x, w, o)?;
         }
@@ -214,11 +257,7 @@ impl Backend for Cuda {
         unsafe { b.launch(cfg(elems(n as usize), 256)) }.map(|_| ()).map_err(drv("add_bias launch"))
     }
     fn rope(&self, x: &mut CudaAct, n_heads: usize, pos0: usize, rope: &Rope) -> Result<()> {
-        let mut cache = self.rope_freqs.lock().unwrap_or_else(|e| e.into_inner());
-        if cache.as_ref().is_none_or(|(v, _)| v != &rope.inv_freq) {
-            *cache = Some((rope.inv_freq.clone(), self.upload(&rope.inv_freq, "uploading RoPE frequencies")?));
-        }
-        let freqs = &cache.as_ref().expect("set above").1;
+        let freqs = self.rope_freqs_for(rope)?;
         let f = self.simple("rope.cu", "rope")?;
         let _ = pos0; // the kernel reads the staged position
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
@@ -227,7 +266,7 @@ impl Backend for Cuda {
         let inter = i32::from(rope.style == RopeStyle::Interleaved);
         let n = x.rows * x.cols / 2;
         let mut b = self.stream.launch_builder(&f);
-        b.arg(x.bf16_mut()).arg(freqs).arg(&rows).arg(&heads).arg(&hd).arg(p0).arg(&rope.linear).arg(&inter);
+        b.arg(x.bf16_mut()).arg(&freqs).arg(&rows).arg(&heads).arg(&hd).arg(p0).arg(&rope.linear).arg(&inter);
         // SAFETY: matches rope.cu.
         unsafe { b.launch(cfg(elems(n), 256)) }.map(|_| ()).map_err(drv("rope launch"))
     }
@@ -243,42 +282,71 @@ impl Backend for Cuda {
     ) -> Result<()> {
         let w = self.simple("attention.cu", "kv_write")?;
         let _ = pos0; // the kernels read the staged position
-        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-        let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
-        let (rows, width) = (k.rows as i32, kv.width as i32);
-        let mut b = self.stream.launch_builder(&w);
-        b.arg(&mut kv.k[layer]).arg(&mut kv.v[layer]).arg(k.bf16()).arg(v.bf16()).arg(&rows).arg(&width).arg(p0);
-        // SAFETY: matches attention.cu's kv_write; pos0 + rows ≤ max_seq is checked by the model.
-        unsafe { b.launch(cfg(elems(k.rows * kv.width), 256)) }.map_err(drv("kv_write launch"))?;
-        // Split-K over the cache: the split count follows the cache size (fixed for a
-        // captured graph), so decode at depth fills the GPU with heads × splits blocks.
-        let hd = kv.head_dim as i32;
-        let heads = (q.cols / kv.head_dim) as i32;
-        let n_kv = (kv.width / kv.head_dim) as i32;
-        let splits = kv.max_seq.div_ceil(ATTN_CHUNK);
-        let slots = q.rows * heads as usize * splits;
-        let mut ml = self.stream.alloc_zeros::<f32>(2 * slots).map_err(drv("allocating attention scratch"))?;
-        let mut acc =
-            self.stream.alloc_zeros::<f32>(slots * kv.head_dim).map_err(drv("allocating attention scratch"))?;
-        let (chunk, nsplit) = (ATTN_CHUNK as i32, splits as i32);
-        let a = self.simple("attention.cu", "attention_split")?;
-        let mut b = self.stream.launch_builder(&a);
-        b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(&mut ml).arg(&mut acc);
-        b.arg(&heads).arg(&n_kv).arg(&hd).arg(p0).arg(&chunk);
-        let c = LaunchConfig {
-            grid_dim: (heads as u32, q.rows as u32, splits as u32),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: matches attention.cu's attention_split; scratch sized [m, heads, splits].
-        unsafe { b.launch(c) }.map_err(drv("attention launch"))?;
-        let mg = self.simple("attention.cu", "attention_merge")?;
-        let mut b = self.stream.launch_builder(&mg);
-        b.arg(&ml).arg(&acc).arg(out.bf16_mut()).arg(&heads).arg(&hd).arg(&nsplit);
-        // SAFETY: matches attention.cu's attention_merge.
-        unsafe { b.launch(cfg((heads as u32, q.rows as u32), hd as u32)) }
-            .map(|_| ())
-            .map_err(drv("attention merge launch"))
+        {
+            let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+            let p0 =
+                &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
+            let (rows, width) = (k.rows as i32, kv.width as i32);
+            let mut b = self.stream.launch_builder(&w);
+            b.arg(&mut kv.k[layer]).arg(&mut kv.v[layer]).arg(k.bf16()).arg(v.bf16()).arg(&rows).arg(&width).arg(p0);
+            // SAFETY: matches attention.cu's kv_write; pos0 + rows ≤ max_seq is checked by the model.
+            unsafe { b.launch(cfg(elems(k.rows * kv.width), 256)) }.map_err(drv("kv_write launch"))?;
+        }
+        self.attention_cached(q, kv, layer, out)
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn rope_attention(
+        &self,
+        q: &mut CudaAct,
+        k: &mut CudaAct,
+        v: &CudaAct,
+        kv: &mut CudaKv,
+        layer: usize,
+        pos0: usize,
+        rope: &Rope,
+        (n_heads, _n_kv): (usize, usize),
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let _ = pos0; // the kernels read the staged position
+        self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
+        if q.rows == 1 {
+            self.attention_decode(q, kv, layer, out)
+        } else {
+            self.attention_cached(q, kv, layer, out)
+        }
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn norm_matmul_many(
+        &self,
+        x: &CudaAct,
+        norm: &Self::Vector,
+        eps: f32,
+        xn: &mut CudaAct,
+        ws: &[&CudaMat],
+        outs: &mut [&mut CudaAct],
+    ) -> Result<()> {
+        self.fused_norm_matmul_many(x, norm, eps, xn, ws, outs)
+    }
+    #[allow(clippy::too_many_arguments)]
+    fn norm_swiglu(
+        &self,
+        x: &CudaAct,
+        norm: &Self::Vector,
+        eps: f32,
+        xn: &mut CudaAct,
+        gate: &CudaMat,
+        up: &CudaMat,
+        g: &mut CudaAct,
+        u: &mut CudaAct,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        self.fused_norm_swiglu(x, norm, eps, xn, (gate, up), (g, u), out)
+    }
+    fn matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
+        self.fused_matmul_add(y, w, x, tmp)
+    }
+    fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
+        self.argmax_f32(x, out)
     }
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, out: &mut CudaAct) -> Result<()> {
         let f = self.simple("elementwise.cu", "silu_mul")?;

@@ -1,0 +1,246 @@
+// Decode GEMV (one token) for affine weights, fused with what surrounds it in a layer, so a
+// decode step is a handful of launches per layer instead of a dozen:
+//   input   b: bf16 x                    n: the f32 residual stream, RMS-normalized on load
+//   output  b: bf16 store   f: f32 store   a: f32 add into the residual   s: SwiGLU of two
+//           matrices (gate = mat 0, up = mat 1), bf16 store
+// Up to three matrices share one launch (q/k/v): blocks are dealt out to them in order.
+// Compiled per (BITS ∈ {2,4,8}, GROUP, SCALE_T) like affine.cu; CPU reference:
+// backend/cpu/matmul.rs (and ops.rs for the fused norm / add / SwiGLU).
+//
+// Where the time goes: a decode GEMV reads each weight byte once, so it must stream at HBM
+// speed while spending few instructions per weight.
+//  - x is staged once per block in shared memory as bf16 (normalized there for input n),
+//    XOR-swizzled by 16-byte part so the 8 lanes of a shared-memory phase hit distinct banks.
+//  - Each warp computes R rows; every lane takes 16-byte weight chunks c = lane, lane+32, …
+//    and reuses the x values of chunk c (in registers) for its R rows: R loads in flight.
+//  - No int→float conversions (quarter-rate on sm_90): one byte_perm places a quantized
+//    value q in the mantissa of a float v = A + q·B (A = 0.5, B = 2⁻⁸ for 2/4-bit with q in
+//    byte 2; A = 1, B = 2⁻¹⁵ for 8-bit with q in byte 1). Per group, with Σ over its values,
+//        Σ q·x = (Σ v·x − A·Σx) / B,  so  y += (scale/B)·Σv·x + (bias − scale·A/B)·Σx,
+//    one PRMT + one FFMA per weight per row; Σx is shared by the R rows.
+#include "common.cuh"
+
+#ifndef BITS
+#define BITS 4
+#endif
+#ifndef GROUP
+#define GROUP 32
+#endif
+#define VPC (128 / BITS)              // values per 16-byte weight chunk
+#define NP (VPC / 8)                  // 16-byte x parts (8 bf16) per chunk
+#define SUBG (VPC > GROUP ? GROUP : VPC)  // values per group segment inside a chunk
+#define NSUB (VPC / SUBG)             // group segments per chunk
+#define PPS (SUBG / 8)                // x parts per segment
+#define NW 4                          // warps per block
+
+#if BITS == 8
+#define MAGIC_Y 0x3F800000u
+#define MAGIC_A 1.0f
+#define MAGIC_INV_B 32768.0f
+#else
+#define MAGIC_Y 0x3F000000u
+#define MAGIC_A 0.5f
+#define MAGIC_INV_B 256.0f
+#endif
+
+// v = A + q·B from byte k of `bytes` (each byte one quantized value).
+__device__ __forceinline__ float qv(u32 bytes, int k) {
+#if BITS == 8
+    return __uint_as_float(__byte_perm(bytes, MAGIC_Y, 0x7604 | (k << 4)));
+#else
+    return __uint_as_float(__byte_perm(bytes, MAGIC_Y, 0x7054 | (k << 8)));
+#endif
+}
+
+// Physical index of 16-byte x part p of chunk c (bank-conflict-free reads, see above).
+__device__ __forceinline__ int xpart(int c, int p) { return c * NP + (p ^ ((c * NP / 8) & (NP - 1))); }
+
+// Σ v·x over the 8 values of x part p of a chunk (words = the chunk's 4 weight words).
+__device__ __forceinline__ float part_dot(const u32 (&words)[4], int p, const float (&xf)[8]) {
+    float d = 0.f;
+#if BITS == 8
+    u32 w0 = words[2 * p], w1 = words[2 * p + 1];  // values 8p..8p+3, 8p+4..8p+7
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        d = fmaf(qv(w0, k), xf[k], d);
+        d = fmaf(qv(w1, k), xf[4 + k], d);
+    }
+#elif BITS == 4
+    u32 w = words[p];  // nibble j = value 8p+j
+    u32 lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;  // byte k: values 2k, 2k+1
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        d = fmaf(qv(lo, k), xf[2 * k], d);
+        d = fmaf(qv(hi, k), xf[2 * k + 1], d);
+    }
+#else  // 2 bits: x part p = half-word (p & 1) of word p / 2
+    u32 w = words[p >> 1] >> (16 * (p & 1));
+    u32 b0 = w & 0x03030303u, b1 = (w >> 2) & 0x03030303u;  // byte k: values 4k, 4k+1
+    u32 b2 = (w >> 4) & 0x03030303u, b3 = (w >> 6) & 0x03030303u;
+#pragma unroll
+    for (int k = 0; k < 2; k++) {  // a half-word holds bytes 0,1 of each bN
+        d = fmaf(qv(b0, k), xf[4 * k], d);
+        d = fmaf(qv(b1, k), xf[4 * k + 1], d);
+        d = fmaf(qv(b2, k), xf[4 * k + 2], d);
+        d = fmaf(qv(b3, k), xf[4 * k + 3], d);
+    }
+#endif
+    return d;
+}
+
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
+struct Mat {
+    const u32* w;
+    const scale_t* s;
+    const scale_t* b;
+    void* o;
+    int rows;
+};
+
+// Stage x (cols values) into shared memory as swizzled bf16 parts. NORM: x is the f32
+// residual, normalized by rsqrt(mean(x²) + eps) and the gains nw (bf16-rounded, as the
+// unfused rmsnorm kernel writes it).
+template <bool NORM>
+__device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* __restrict__ nw, float eps,
+                                        int cols) {
+    int nparts = cols / 8;
+    if (NORM) {
+        __shared__ float red[32];
+        const float4* xf = reinterpret_cast<const float4*>(x);
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
+            float4 v = xf[i];
+            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        }
+        float r = rsqrtf(block_sum(ss, red) / cols + eps);
+        const float4* wf = reinterpret_cast<const float4*>(nw);
+        for (int i = threadIdx.x; i < nparts; i += blockDim.x) {
+            float4 a = xf[2 * i], b = xf[2 * i + 1], ga = wf[2 * i], gb = wf[2 * i + 1];
+            uint4 o;
+            o.x = (u32)f2bf(ga.x * (a.x * r)) | ((u32)f2bf(ga.y * (a.y * r)) << 16);
+            o.y = (u32)f2bf(ga.z * (a.z * r)) | ((u32)f2bf(ga.w * (a.w * r)) << 16);
+            o.z = (u32)f2bf(gb.x * (b.x * r)) | ((u32)f2bf(gb.y * (b.y * r)) << 16);
+            o.w = (u32)f2bf(gb.z * (b.z * r)) | ((u32)f2bf(gb.w * (b.w * r)) << 16);
+            xs[xpart(i / NP, i % NP)] = o;
+        }
+    } else {
+        const uint4* xb = reinterpret_cast<const uint4*>(x);
+        for (int i = threadIdx.x; i < nparts; i += blockDim.x) xs[xpart(i / NP, i % NP)] = xb[i];
+    }
+    __syncthreads();
+}
+
+// One warp: rows row0..row0+R-1 of matrix a (and of matrix b for SwiGLU); returns the dot
+// products in acc (lane 0 holds the sums after the warp reduction).
+template <int R, bool TWO>
+__device__ __forceinline__ void rows_dot(const uint4* xs, const Mat& a, const Mat& b, int row0, int cols,
+                                         float (&acc)[2][R]) {
+    int lane = threadIdx.x & 31;
+    int chunks = cols / VPC, groups = cols / GROUP;
+    size_t stride = (size_t)cols / (32 / BITS) / 4;  // uint4 per row
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[m][r] = 0.f;
+    for (int c = lane; c < chunks; c += 32) {
+        float xv[NP][8];
+#pragma unroll
+        for (int p = 0; p < NP; p++) unpack8(xs[xpart(c, p)], xv[p]);
+        float sx[NSUB];
+#pragma unroll
+        for (int s = 0; s < NSUB; s++) {
+            float t = 0.f;
+#pragma unroll
+            for (int p = s * PPS; p < (s + 1) * PPS; p++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) t += xv[p][j];
+            sx[s] = t;
+        }
+#pragma unroll
+        for (int m = 0; m < (TWO ? 2 : 1); m++) {
+            const Mat& mt = m == 0 ? a : b;
+            uint4 q4[R];
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                int row = min(row0 + r, mt.rows - 1);  // rows past the end compute row rows-1 again, unused
+                q4[r] = reinterpret_cast<const uint4*>(mt.w)[(size_t)row * stride + c];
+            }
+#pragma unroll
+            for (int r = 0; r < R; r++) {
+                int row = min(row0 + r, mt.rows - 1);
+                u32 words[4] = {q4[r].x, q4[r].y, q4[r].z, q4[r].w};
+#pragma unroll
+                for (int s = 0; s < NSUB; s++) {
+                    int g = (c * VPC + s * SUBG) / GROUP;
+                    float sc = s2f(mt.s[(size_t)row * groups + g]), bi = s2f(mt.b[(size_t)row * groups + g]);
+                    float d = 0.f;
+#pragma unroll
+                    for (int p = s * PPS; p < (s + 1) * PPS; p++) d += part_dot(words, p, xv[p]);
+                    acc[m][r] = fmaf(sc * MAGIC_INV_B, d, fmaf(bi - sc * (MAGIC_A * MAGIC_INV_B), sx[s], acc[m][r]));
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < (TWO ? 2 : 1); m++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
+}
+
+// OUT: 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU (bf16 store of silu(mat0)·mat1).
+template <int R, bool NORM, int OUT>
+__device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols) {
+    extern __shared__ uint4 xs[];
+    const int rb = NW * R;  // rows per block
+    int b = blockIdx.x;
+    Mat a = m0, second = m1;
+    if (OUT != 3) {
+        int b0 = (m0.rows + rb - 1) / rb, b1 = (m1.rows + rb - 1) / rb;
+        if (b >= b0 + b1) { a = m2; b -= b0 + b1; }
+        else if (b >= b0) { a = m1; b -= b0; }
+    }
+    stage_x<NORM>(xs, x, nw, eps, cols);
+    int row0 = b * rb + (threadIdx.x >> 5) * R;
+    if (row0 >= a.rows) return;
+    float acc[2][R];
+    rows_dot<R, OUT == 3>(xs, a, second, row0, cols, acc);
+    if ((threadIdx.x & 31) != 0) return;
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        int row = row0 + r;
+        if (row >= a.rows) break;
+        if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
+        else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
+        else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] += acc[0][r];
+        else {
+            float g = acc[0][r];
+            reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
+        }
+    }
+}
+
+// grid: Σ ceil(rows_i / (4·R)) blocks of 128 threads; dynamic shared memory cols·2 bytes.
+#define GEMV_ARGS                                                                                            \
+    const u32 *w0, const scale_t *s0, const scale_t *b0, void *o0, int n0, const u32 *w1, const scale_t *s1, \
+        const scale_t *b1, void *o1, int n1, const u32 *w2, const scale_t *s2, const scale_t *b2, void *o2,  \
+        int n2, const void *x, const float *nw, float eps, int cols
+#define GEMV_CALL(R, NORM, OUT) \
+    gemv<R, NORM, OUT>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1}, Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols)
+#define GEMV_KERNELS(R)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(128) gemv_bb_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 0); } \
+    extern "C" __global__ void __launch_bounds__(128) gemv_bf_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 1); } \
+    extern "C" __global__ void __launch_bounds__(128) gemv_ba_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 2); } \
+    extern "C" __global__ void __launch_bounds__(128) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0); }  \
+    extern "C" __global__ void __launch_bounds__(128) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1); }  \
+    extern "C" __global__ void __launch_bounds__(128) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3); }
+GEMV_KERNELS(1)
+GEMV_KERNELS(2)
+GEMV_KERNELS(4)

@@ -1,0 +1,284 @@
+//! The fused decode ops (one token): RMSNorm folded into the GEMV that consumes it, q/k/v
+//! in one launch, gate/up/SwiGLU in one launch, the residual add in the o/down GEMV's
+//! epilogue (kernels/gemv.cu); RoPE with the cache write, and attention with its split
+//! merge, in one launch each (kernels/attention.cu). A decode step is then 6 launches per
+//! layer instead of 16: at SmolLM2 size the step is launch-bound, so that is the speed.
+//! Anything these kernels do not cover (several rows, dense weights, mixed formats) goes
+//! through the unfused ops, which are the same math.
+
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales};
+use super::kernels;
+use crate::backend::{Backend, Rope};
+use crate::config::RopeStyle;
+use crate::{Error, Result};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+/// How the fused GEMV reads its input.
+pub(crate) enum GemvIn<'a> {
+    /// bf16 activations `[1, cols]`.
+    Bf16(&'a CudaAct),
+    /// The f32 residual stream, RMS-normalized with these gains and eps on load.
+    Norm(&'a CudaAct, &'a CudaSlice<f32>, f32),
+}
+
+/// What the fused GEMV does with its dot products.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum GemvOut {
+    /// Store into each matrix's output (bf16 or f32, the output's type).
+    Store,
+    /// Add into the f32 residual stream.
+    Add,
+    /// silu(mat 0) · mat 1 into one bf16 output.
+    Swiglu,
+}
+
+/// Largest input width whose bf16 copy fits the 48 KB of shared memory a launch gets
+/// without opting in.
+const MAX_COLS: usize = 24 * 1024;
+
+fn scales_ptr(c: &Cuda, s: &DevScales) -> u64 {
+    match s {
+        DevScales::Half(v) => v.device_ptr(&c.stream).0,
+        DevScales::F32(v) => v.device_ptr(&c.stream).0,
+    }
+}
+
+fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
+    match &a.buf {
+        ActBuf::Bf16(v) => v.device_ptr(&c.stream).0,
+        ActBuf::F32(v) => v.device_ptr(&c.stream).0,
+    }
+}
+
+/// Rows per warp: more rows reuse each x chunk more and keep more loads in flight, but
+/// leave fewer warps; `FERROLM_GEMV_R` forces a value (for tuning).
+fn rows_per_warp(total_rows: usize) -> usize {
+    if let Some(r) = std::env::var("FERROLM_GEMV_R").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
+    {
+        return r;
+    }
+    match total_rows {
+        n if n >= 16384 => 4,
+        n if n >= 8192 => 2,
+        _ => 1,
+    }
+}
+
+impl Cuda {
+    /// One fused decode GEMV over up to three matrices sharing the input. Ok(false) when the
+    /// kernels do not cover the case (the caller then runs the unfused ops).
+    pub(crate) fn gemv_fused(
+        &self,
+        input: GemvIn,
+        mats: &[&CudaMat],
+        outs: &mut [&mut CudaAct],
+        mode: GemvOut,
+    ) -> Result<bool> {
+        let x = match input {
+            GemvIn::Bf16(x) | GemvIn::Norm(x, ..) => x,
+        };
+        let norm = matches!(input, GemvIn::Norm(..));
+        let in_ok = match (&x.buf, norm) {
+            (ActBuf::Bf16(_), false) | (ActBuf::F32(_), true) => true,
+            _ => false,
+        };
+        if x.rows != 1 || !in_ok || x.cols > MAX_COLS || mats.is_empty() || mats.len() > 3 || mats.len() != outs.len() {
+            return Ok(false);
+        }
+        let Some(CudaMat::Affine { defines, .. }) = mats.first().copied() else { return Ok(false) };
+        for (m, o) in mats.iter().zip(outs.iter()) {
+            let CudaMat::Affine { defines: d, cols, rows, .. } = m else { return Ok(false) };
+            let out_ok = match (mode, &o.buf) {
+                (GemvOut::Add, ActBuf::F32(_)) | (GemvOut::Store, _) | (GemvOut::Swiglu, ActBuf::Bf16(_)) => true,
+                _ => false,
+            };
+            if d != defines || *cols != x.cols || o.rows != 1 || !out_ok {
+                return Ok(false);
+            }
+            if mode != GemvOut::Swiglu && o.cols != *rows {
+                return Err(Error::Invalid(format!("CUDA GEMV: output of {} columns for {rows} rows", o.cols)));
+            }
+        }
+        // One output type per launch (the kernel's store is per variant).
+        let f32_out = matches!(outs[0].buf, ActBuf::F32(_));
+        if outs.iter().any(|o| matches!(o.buf, ActBuf::F32(_)) != f32_out) {
+            return Ok(false);
+        }
+        if mode == GemvOut::Swiglu
+            && (mats.len() != 2 || mats[0].rows() != mats[1].rows() || outs[0].cols != mats[0].rows())
+        {
+            return Ok(false);
+        }
+        let launched_rows: usize =
+            if mode == GemvOut::Swiglu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
+        let r = rows_per_warp(launched_rows);
+        let o = match (mode, norm, f32_out) {
+            (GemvOut::Swiglu, _, _) => "s",
+            (GemvOut::Add, _, _) => "a",
+            (GemvOut::Store, _, true) => "f",
+            (GemvOut::Store, _, false) => "b",
+        };
+        let name = format!("gemv_{}{o}_r{r}", if norm { "n" } else { "b" });
+        let f = self.function(kernels::file("gemv.cu"), defines, &name)?;
+        // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
+        // Unused matrix slots repeat the first with 0 rows.
+        let mut args: Vec<u64> = Vec::with_capacity(15);
+        let mut rows: Vec<i32> = Vec::with_capacity(3);
+        let rb = 4 * r;
+        let mut blocks = 0;
+        for i in 0..3 {
+            let (m, o) = if i < mats.len() { (mats[i], &*outs[i]) } else { (mats[0], &*outs[0]) };
+            let CudaMat::Affine { words, scales, biases, rows: n, .. } = m else { unreachable!("checked above") };
+            let n = if i < mats.len() { *n } else { 0 };
+            args.extend([words.device_ptr(&self.stream).0, scales_ptr(self, scales), scales_ptr(self, biases)]);
+            args.push(act_ptr(self, o));
+            rows.push(n as i32);
+            if mode != GemvOut::Swiglu || i == 0 {
+                blocks += n.div_ceil(rb);
+            }
+        }
+        let (xp, cols) = (act_ptr(self, x), x.cols as i32);
+        let (nw, eps) = match input {
+            GemvIn::Norm(_, w, eps) => (w.device_ptr(&self.stream).0, eps),
+            GemvIn::Bf16(_) => (xp, 0.0f32),
+        };
+        let mut b = self.stream.launch_builder(&f);
+        for i in 0..3 {
+            for a in &args[4 * i..4 * i + 4] {
+                b.arg(a);
+            }
+            b.arg(&rows[i]);
+        }
+        b.arg(&xp).arg(&nw).arg(&eps).arg(&cols);
+        let c = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: (x.cols * 2) as u32,
+        };
+        // SAFETY: gemv.cu's GEMV_ARGS in order (pointers as u64: device addresses of live
+        // buffers owned by the caller); shapes and formats checked above.
+        unsafe { b.launch(c) }.map_err(drv("fused GEMV launch"))?;
+        Ok(true)
+    }
+
+    /// RoPE on q and k plus the cache write of k and v, one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rope_kv(
+        &self,
+        q: &mut CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        heads: usize,
+    ) -> Result<()> {
+        let freqs = self.rope_freqs_for(rope)?;
+        let f = self.function(kernels::file("attention.cu"), &[], "rope_kv")?;
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA rope without a staged position".into()))?.pos_dev;
+        let (rows, h, nkv, hd) = (q.rows as i32, heads as i32, (kv.width / kv.head_dim) as i32, kv.head_dim as i32);
+        let inter = i32::from(rope.style == RopeStyle::Interleaved);
+        let n = q.rows * (q.cols / 2 + kv.width / 2 + kv.width);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(q.bf16_mut()).arg(k.bf16()).arg(v.bf16()).arg(&mut kv.k[layer]).arg(&mut kv.v[layer]);
+        b.arg(&freqs).arg(&rows).arg(&h).arg(&nkv).arg(&hd).arg(p0).arg(&rope.linear).arg(&inter);
+        let c = LaunchConfig {
+            grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches attention.cu's rope_kv; pos0 + rows ≤ max_seq is checked by the model.
+        unsafe { b.launch(c) }.map(|_| ()).map_err(drv("rope_kv launch"))
+    }
+
+    /// Decode attention over the cache (one query row), split merge included: one launch.
+    pub(crate) fn attention_decode(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
+        let heads = q.cols / kv.head_dim;
+        let splits = kv.max_seq.div_ceil(super::ops::ATTN_CHUNK);
+        let f = self.function(kernels::file("attention.cu"), &[], "attention_decode")?;
+        let mut scratch = self.attn_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (heads * splits, kv.head_dim);
+        if !scratch.contains_key(&key) {
+            let ml = self.stream.alloc_zeros::<f32>(2 * key.0).map_err(drv("allocating attention scratch"))?;
+            let acc =
+                self.stream.alloc_zeros::<f32>(key.0 * kv.head_dim).map_err(drv("allocating attention scratch"))?;
+            let done = self.stream.alloc_zeros::<i32>(heads).map_err(drv("allocating attention scratch"))?;
+            scratch.insert(key, (ml, acc, done));
+        }
+        let (ml, acc, done) = scratch.get_mut(&key).expect("inserted above");
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
+        let (h, nkv, hd, chunk) =
+            (heads as i32, (kv.width / kv.head_dim) as i32, kv.head_dim as i32, super::ops::ATTN_CHUNK as i32);
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(ml).arg(acc).arg(out.bf16_mut()).arg(done);
+        b.arg(&h).arg(&nkv).arg(&hd).arg(p0).arg(&chunk);
+        let c =
+            LaunchConfig { grid_dim: (heads as u32, 1, splits as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: matches attention.cu's attention_decode; scratch sized [heads, splits] for
+        // this cache, `done` zeroed at allocation and reset by the kernel.
+        unsafe { b.launch(c) }.map(|_| ()).map_err(drv("attention launch"))
+    }
+
+    /// argmax of row 0 of f32 `x` into out[0] as f32.
+    pub(crate) fn argmax_f32(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
+        let (ActBuf::F32(xv), ActBuf::F32(ov)) = (&x.buf, &mut out.buf) else {
+            return Err(Error::Invalid("CUDA argmax reads f32 logits into an f32 output".into()));
+        };
+        let f = self.function(kernels::file("sample.cu"), &[], "argmax")?;
+        let n = x.cols as i32;
+        let mut b = self.stream.launch_builder(&f);
+        b.arg(xv).arg(&n).arg(ov);
+        let c = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: matches sample.cu's argmax.
+        unsafe { b.launch(c) }.map(|_| ()).map_err(drv("argmax launch"))
+    }
+}
+
+/// The decode-path overrides of `Backend`'s fused ops (called from ops.rs's impl).
+impl Cuda {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fused_norm_matmul_many(
+        &self,
+        x: &CudaAct,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        xn: &mut CudaAct,
+        ws: &[&CudaMat],
+        outs: &mut [&mut CudaAct],
+    ) -> Result<()> {
+        if self.gemv_fused(GemvIn::Norm(x, norm, eps), ws, outs, GemvOut::Store)? {
+            return Ok(());
+        }
+        self.rms_norm(x, norm, eps, xn)?;
+        self.matmul_many(xn, ws, outs)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fused_norm_swiglu(
+        &self,
+        x: &CudaAct,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        xn: &mut CudaAct,
+        (gate, up): (&CudaMat, &CudaMat),
+        (g, u): (&mut CudaAct, &mut CudaAct),
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        if self.gemv_fused(GemvIn::Norm(x, norm, eps), &[gate, up], &mut [&mut *out, &mut *u], GemvOut::Swiglu)? {
+            return Ok(());
+        }
+        self.rms_norm(x, norm, eps, xn)?;
+        self.matmul_many(xn, &[gate, up], &mut [g, u])?;
+        self.silu_mul(g, u, out)
+    }
+
+    pub(crate) fn fused_matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
+        if self.gemv_fused(GemvIn::Bf16(y), &[w], &mut [x], GemvOut::Add)? {
+            return Ok(());
+        }
+        self.matmul(y, w, tmp)?;
+        self.add(x, tmp)
+    }
+}
