@@ -106,20 +106,94 @@ __device__ __forceinline__ void merge_splits(const float* part_ml, const float* 
     }
 }
 
-// Decode (one query row): split-K partials as attention_split, and the last split block of
-// each head to finish (counted in done[h], reset for the next step) merges them in split
-// order, so one launch does what attention_split + attention_merge do. grid (heads, 1,
-// splits), block 128.
+// Decode (one query row), one launch: grid (heads, 1, splits), block 128. Split s covers
+// cached positions [s·chunk, (s+1)·chunk) ∩ [0, *pos0p]. Positions are spread over lanes,
+// not walked one by one: a group of hd/8 lanes takes one position (each lane 8 dims, one
+// 16-byte load of K and of V), so a warp scores 32·8/hd positions at once and every
+// iteration's loads are independent. Each group keeps an online softmax; groups merge in
+// a fixed order through shared memory into the split's partial, and the last split block
+// of each head to finish (counted in done[h], reset for the next step) merges the
+// partials in split order. Deterministic.
+__device__ __forceinline__ void ld8(const bf16_t* p, float* f) {
+    uint4 v = *reinterpret_cast<const uint4*>(p);
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
 extern "C" __global__ void attention_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
                                             const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
                                             float* __restrict__ part_acc, bf16_t* __restrict__ out,
                                             int* __restrict__ done, int heads, int n_kv, int hd,
                                             const int* __restrict__ pos0p, int chunk) {
+    __shared__ float s_m[32], s_l[32], s_acc[1024];  // ≤ 32 groups; groups · hd = 1024
     __shared__ int last;
-    split_partial(q, kc, vc, part_ml, part_acc, heads, n_kv, hd, pos0p, chunk);
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int G = hd / 8, PW = 32 / G;  // lanes per position, positions per warp step
+    int grp = lane / G, gl = lane % G, gid = warp * PW + grp;
+    int h = blockIdx.x, sp = blockIdx.z, splits = gridDim.z;
+    int kvh = h / (heads / n_kv), width = n_kv * hd;
+    int len = *pos0p + 1;
+    int p0 = sp * chunk, p1 = min(len, p0 + chunk);
+    float scale = rsqrtf((float)hd);
+    float qv[8], acc[8];
+    ld8(q + (long)h * hd + gl * 8, qv);
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        qv[j] *= scale;
+        acc[j] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    const bf16_t* kb = kc + kvh * hd + gl * 8;
+    const bf16_t* vb = vc + kvh * hd + gl * 8;
+    for (int base = p0 + warp * PW; base < p1; base += AW * PW) {  // uniform per warp: shuffles below
+        int p = base + grp;
+        bool valid = p < p1;
+        float kf[8], vf[8];
+        ld8(kb + (long)min(p, p1 - 1) * width, kf);
+        ld8(vb + (long)min(p, p1 - 1) * width, vf);
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) s = fmaf(qv[j], kf[j], s);
+        for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (valid) {
+            float mn = fmaxf(m, s), corr = __expf(m - mn), e = __expf(s - mn);
+            l = l * corr + e;
+#pragma unroll
+            for (int j = 0; j < 8; j++) acc[j] = acc[j] * corr + e * vf[j];
+            m = mn;
+        }
+    }
+    if (gl == 0) {
+        s_m[gid] = m;
+        s_l[gid] = l;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) s_acc[gid * hd + gl * 8 + j] = acc[j];
+    __syncthreads();
+    int groups = AW * PW;
+    long slot = (long)h * splits + sp;
+    float M = -INFINITY;
+    for (int g = 0; g < groups; g++) M = fmaxf(M, s_m[g]);
+    for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        float L = 0.f, o = 0.f;
+        for (int g = 0; g < groups; g++) {
+            if (s_m[g] == -INFINITY) continue;
+            float w = __expf(s_m[g] - M);
+            L += s_l[g] * w;
+            o += s_acc[g * hd + d] * w;
+        }
+        part_acc[slot * hd + d] = o;
+        if (d == 0) {
+            part_ml[2 * slot] = M;
+            part_ml[2 * slot + 1] = L;
+        }
+    }
     __threadfence();
     __syncthreads();
-    int h = blockIdx.x, splits = gridDim.z;
     if (threadIdx.x == 0) last = atomicAdd(done + h, 1) == splits - 1;
     __syncthreads();
     if (!last) return;

@@ -1,2 +1,273 @@
-// Flash-attention prefill: see backend/cuda/flash.rs.
+// Causal prefill attention on tensor cores, flash-attention-2 style (launcher:
+// backend/cuda/flash.rs; CPU reference: backend/cpu/attention.rs).
+//
+// q [m, heads·HD] bf16 at absolute positions pos0.. (pos0 read from device memory); the bf16
+// cache [max_seq, n_kv·HD] per layer already holds this call's keys/values (kv_write ran
+// first). Query row t of head h sees cached positions 0..=pos0+t of kv head h/(heads/n_kv).
+// out [m, heads·HD] bf16. Scale 1/sqrt(HD); f32 scores, softmax and accumulators; the
+// probabilities go to the P·V product as bf16.
+//
+// Grid (ceil(m/BQ), heads), block 128 = 4 warps. A block owns BQ = 64 query rows (latest
+// block first: it has the most keys), each warp 16 of them. Its Q fragments stay in registers
+// for the whole key loop, as do its O accumulators and the running max/sum of its rows. Key
+// tiles of BKV positions run from 0 to the block's causal end kend = pos0 + min(m, q0+BQ):
+//   wait for K tile; barrier; start the V tile's copy (cp.async)
+//   S = Q·Kᵀ (mma), causal mask (key > pos0+t → −inf) where the tile crosses the diagonal,
+//   online softmax (row max over the quad of lanes holding a row), O *= correction
+//   wait for V tile; barrier; start the next K tile's copy
+//   O += P·V (mma), P taken straight from S's accumulator registers as bf16 A fragments
+// so each copy overlaps the other half's math. Positions ≥ kend are zero-filled in shared
+// memory, not read (they may lie past the cache). A warp skips the math of tiles wholly
+// after its last row's diagonal (the block still loads them for its other warps).
+// Shared rows are padded by 8 bf16 (16 B): consecutive rows start 4 banks apart, so the 8
+// row addresses of each ldmatrix phase hit all 32 banks once.
+//
+// Per HD (live fragment registers per thread: Q HD/4, O HD/2, S BKV/2; ptxas for sm_90,
+// NVRTC 13.0, no spills):
+//   HD 64:  BKV 64, smem 2·64·72·2 = 18 KB,  98 registers
+//   HD 128: BKV 64, smem 2·64·136·2 = 34 KB, 176 registers
+//   HD 256: BKV 32, smem 2·32·264·2 = 33 KB, 253 registers (O alone is 128; BKV 16 needs
+//           as many)
+//
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 fragments (PTX ISA, "Matrix Fragments
+// for mma.m16n8k16 with floating point type"); g = lane>>2 (groupID), c = lane&3
+// (threadID_in_group); each 32-bit register holds two bf16 (PTX's elements a0..a7, b0..b3
+// in pairs), the lower column/row index in the low half:
+//   A (16×16, row-major): a0 = A[g][2c..2c+1], a1 = A[g+8][2c..], a2 = A[g][2c+8..],
+//                         a3 = A[g+8][2c+8..]
+//   B (16×8, "col": stored n-major): b0 = B[2c..2c+1][g], b1 = B[2c+8..2c+9][g]
+//   C/D (16×8 f32): c0,c1 = C[g][2c], C[g][2c+1]; c2,c3 = C[g+8][2c], C[g+8][2c+1]
+// Hence:
+//   S = Q·Kᵀ: A = Q rows (loaded from global as 32-bit pairs), B(k=d, n=key) = K[key][d]:
+//     the stored K row is contiguous in d, exactly B's layout. ldmatrix.x4 (no .trans) gives
+//     lane l row l/4, columns 2(l%4)..+1 of each 8×8 matrix i whose row addresses come from
+//     lanes 8i..8i+7: with rows = 8 keys and columns = 8 d that is b0 (d chunk base) and b1
+//     (base+8); one x4 covers two 16-wide d chunks.
+//   O += P·V: the C fragment of S's key columns 8j..8j+7 for j = 2kc, 2kc+1 is exactly the
+//     A fragment of P's 16-key chunk kc: a0 = (c0,c1) of j=2kc, a1 = (c2,c3) of j=2kc,
+//     a2 = (c0,c1) of j=2kc+1, a3 = (c2,c3) of j=2kc+1. B(k=key, n=d) = V[key][d] is
+//     row-major, so ldmatrix.x4.trans (lane l gets stored rows 2(l%4)..+1 of column l/4)
+//     with rows = 8 keys gives b0 (keys 16kc..+7), b1 (keys +8..+15) for two 8-wide d blocks.
 #include "common.cuh"
+
+#ifndef HD
+#error "flash_attention.cu is compiled with -D HD=64|128|256"
+#endif
+#if HD != 64 && HD != 128 && HD != 256
+#error "flash_attention.cu: HD must be 64, 128 or 256"
+#endif
+
+#define NW 4               // warps per block
+#define NT (32 * NW)       // threads per block
+#define BQ (16 * NW)       // query rows per block
+#if HD == 256
+#define BKV 32             // key positions per tile
+#else
+#define BKV 64
+#endif
+#define STR (HD + 8)       // shared row stride in bf16
+
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16-byte async copy global → shared; valid false zero-fills (src is not read).
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+// c += A·B for one m16n8k16 tile (fragments as in the header comment).
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 → bf16x2 (round to nearest even), lo in the low half.
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Start copying key/value rows kv0..kv0+BKV-1 of kv head kvh into s; rows ≥ kend are zeroed.
+__device__ __forceinline__ void load_tile(bf16_t* s, const bf16_t* __restrict__ cache, int kv0, int kend,
+                                          long width, int kvh) {
+#pragma unroll 1   // unrolled, the precomputed addresses cost registers (HD 256 spills)
+    for (int i = threadIdx.x; i < BKV * (HD / 8); i += NT) {
+        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        int p = kv0 + r;
+        bool ok = p < kend;
+        const bf16_t* src = cache + (long)(ok ? p : 0) * width + (long)kvh * HD + c;
+        cp_async16(smem_u32(s + r * STR + c), src, ok);
+    }
+    cp_commit();
+}
+
+extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __restrict__ q,
+                                                               const bf16_t* __restrict__ kc,
+                                                               const bf16_t* __restrict__ vc,
+                                                               bf16_t* __restrict__ out, int m, int heads, int n_kv,
+                                                               const int* __restrict__ pos0p) {
+    __shared__ __align__(16) bf16_t sk[BKV * STR];
+    __shared__ __align__(16) bf16_t sv[BKV * STR];
+    const int h = blockIdx.y;
+    const int q0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int kvh = h / (heads / n_kv);
+    const long width = (long)n_kv * HD;
+    const int pos0 = *pos0p;
+    const int kend = pos0 + min(m, q0 + BQ);   // keys 0..kend-1 are seen by some row of the block
+    const int ntiles = (kend + BKV - 1) / BKV;
+    const int ra = q0 + warp * 16 + g;         // this lane's rows: ra and ra + 8
+    const int lim_a = pos0 + ra, lim_b = lim_a + 8;    // their last visible key
+    const int wfirst = pos0 + q0 + warp * 16;  // the warp's first row's last visible key
+    const int wlast = wfirst + 15;             // and its last row's
+    const float sl2 = 1.4426950408889634f / sqrtf((float)HD);   // scale · log2(e): exp via exp2
+
+    // Q fragments for HD/16 chunks of 16 d (rows ≥ m read as zero).
+    u32 qf[HD / 16][4];
+    {
+        const bf16_t* qa = q + ((long)min(ra, m - 1) * heads + h) * HD;
+        const bf16_t* qb = q + ((long)min(ra + 8, m - 1) * heads + h) * HD;
+        const bool va = ra < m, vb = ra + 8 < m;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            int d = kk * 16 + 2 * c;
+            qf[kk][0] = va ? *(const u32*)(qa + d) : 0u;
+            qf[kk][1] = vb ? *(const u32*)(qb + d) : 0u;
+            qf[kk][2] = va ? *(const u32*)(qa + d + 8) : 0u;
+            qf[kk][3] = vb ? *(const u32*)(qb + d + 8) : 0u;
+        }
+    }
+    float o[HD / 8][4];
+#pragma unroll
+    for (int dn = 0; dn < HD / 8; dn++) o[dn][0] = o[dn][1] = o[dn][2] = o[dn][3] = 0.f;
+    float mx_a = -INFINITY, mx_b = -INFINITY;  // running max of the raw scores, rows ra / ra+8
+    float l_a = 0.f, l_b = 0.f;                // this lane's part of the running sums
+
+    // Per-lane ldmatrix row offsets (bf16 elements): K (no .trans): matrix lane>>3 is the
+    // 8-d block (lane>>3)·8 of keys lane&7; V (.trans): keys (lane&7) + 8·((lane>>3)&1),
+    // d block 8·(lane>>4).
+    const int k_off = (lane & 7) * STR + (lane >> 3) * 8;
+    const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * STR + (lane >> 4) * 8;
+    const u32 sk_base = smem_u32(sk) + 2 * k_off, sv_base = smem_u32(sv) + 2 * v_off;
+
+    load_tile(sk, kc, 0, kend, width, kvh);
+    for (int it = 0; it < ntiles; it++) {
+        const int kv0 = it * BKV;
+        cp_wait_all();
+        __syncthreads();   // K tile in; every warp is done with the previous V tile
+        load_tile(sv, vc, kv0, kend, width, kvh);
+        const bool active = kv0 <= wlast;   // warp-uniform: some row of the warp sees this tile
+        u32 pf[BKV / 16][4];                // P as A fragments, per 16-key chunk
+        if (active) {
+            float s[BKV / 8][4];
+#pragma unroll
+            for (int j = 0; j < BKV / 8; j++) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < HD / 16; kk += 2) {
+#pragma unroll
+                for (int j = 0; j < BKV / 8; j++) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(sk_base + 2 * (j * 8 * STR + kk * 16), b0, b1, b2, b3);
+                    mma16816(s[j], qf[kk], b0, b1);
+                    mma16816(s[j], qf[kk + 1], b2, b3);
+                }
+            }
+            if (kv0 + BKV - 1 > wfirst) {   // the tile crosses the diagonal of some row
+#pragma unroll
+                for (int j = 0; j < BKV / 8; j++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        int key = kv0 + j * 8 + 2 * c + e;
+                        if (key > lim_a) s[j][e] = -INFINITY;
+                        if (key > lim_b) s[j][2 + e] = -INFINITY;
+                    }
+                }
+            }
+            float mn_a = mx_a, mn_b = mx_b;
+#pragma unroll
+            for (int j = 0; j < BKV / 8; j++) {
+                mn_a = fmaxf(mn_a, fmaxf(s[j][0], s[j][1]));
+                mn_b = fmaxf(mn_b, fmaxf(s[j][2], s[j][3]));
+            }
+            // the 4 lanes of a quad (same g) hold one row
+            mn_a = fmaxf(mn_a, __shfl_xor_sync(0xffffffffu, mn_a, 1));
+            mn_a = fmaxf(mn_a, __shfl_xor_sync(0xffffffffu, mn_a, 2));
+            mn_b = fmaxf(mn_b, __shfl_xor_sync(0xffffffffu, mn_b, 1));
+            mn_b = fmaxf(mn_b, __shfl_xor_sync(0xffffffffu, mn_b, 2));
+            // a row that has seen no key yet keeps max −inf: subtract 0 so exp2 gives 0, not NaN
+            const float ms_a = mn_a == -INFINITY ? 0.f : mn_a * sl2;
+            const float ms_b = mn_b == -INFINITY ? 0.f : mn_b * sl2;
+            const float corr_a = exp2f(mx_a * sl2 - ms_a), corr_b = exp2f(mx_b * sl2 - ms_b);
+            mx_a = mn_a;
+            mx_b = mn_b;
+            l_a *= corr_a;
+            l_b *= corr_b;
+#pragma unroll
+            for (int dn = 0; dn < HD / 8; dn++) {
+                o[dn][0] *= corr_a;
+                o[dn][1] *= corr_a;
+                o[dn][2] *= corr_b;
+                o[dn][3] *= corr_b;
+            }
+#pragma unroll
+            for (int j = 0; j < BKV / 8; j++) {
+                float p0 = exp2f(fmaf(s[j][0], sl2, -ms_a)), p1 = exp2f(fmaf(s[j][1], sl2, -ms_a));
+                float p2 = exp2f(fmaf(s[j][2], sl2, -ms_b)), p3 = exp2f(fmaf(s[j][3], sl2, -ms_b));
+                l_a += p0 + p1;
+                l_b += p2 + p3;
+                pf[j / 2][(j & 1) * 2] = pack_bf16(p0, p1);       // row g: a0 (j even) / a2 (j odd)
+                pf[j / 2][(j & 1) * 2 + 1] = pack_bf16(p2, p3);   // row g+8: a1 / a3
+            }
+        }
+        cp_wait_all();
+        __syncthreads();   // V tile in; every warp is done with this K tile
+        if (it + 1 < ntiles) load_tile(sk, kc, kv0 + BKV, kend, width, kvh);
+        if (active) {
+#pragma unroll
+            for (int kq = 0; kq < BKV / 16; kq++) {
+#pragma unroll
+                for (int dn = 0; dn < HD / 8; dn += 2) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(sv_base + 2 * (kq * 16 * STR + dn * 8), b0, b1, b2, b3);
+                    mma16816(o[dn], pf[kq], b0, b1);
+                    mma16816(o[dn + 1], pf[kq], b2, b3);
+                }
+            }
+        }
+    }
+
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
+    if (ra < m) {
+        u32* oa = (u32*)(out + ((long)ra * heads + h) * HD + 2 * c);
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; dn++) oa[dn * 4] = pack_bf16(o[dn][0] * inv_a, o[dn][1] * inv_a);
+    }
+    if (ra + 8 < m) {
+        u32* ob = (u32*)(out + ((long)(ra + 8) * heads + h) * HD + 2 * c);
+#pragma unroll
+        for (int dn = 0; dn < HD / 8; dn++) ob[dn * 4] = pack_bf16(o[dn][2] * inv_b, o[dn][3] * inv_b);
+    }
+}

@@ -139,10 +139,14 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
 }
 
 // One warp: rows row0..row0+R-1 of matrix a (and of matrix b for SwiGLU); returns the dot
-// products in acc (lane 0 holds the sums after the warp reduction).
+// products in acc (every lane holds the sums after the warp reduction). The chunk loop
+// issues U·R (·2 for SwiGLU) 16-byte weight loads before using any, so each lane keeps
+// ≥ 4 loads in flight: with one load at a time a lane waits a full DRAM latency per chunk.
 template <int R, bool TWO>
 __device__ __forceinline__ void rows_dot(const uint4* xs, const Mat& a, const Mat& b, int row0, int cols,
                                          float (&acc)[2][R]) {
+    constexpr int U = 4 / R;
+    constexpr int NM = TWO ? 2 : 1;
     int lane = threadIdx.x & 31;
     int chunks = cols / VPC, groups = cols / GROUP;
     size_t stride = (size_t)cols / (32 / BITS) / 4;  // uint4 per row
@@ -150,47 +154,61 @@ __device__ __forceinline__ void rows_dot(const uint4* xs, const Mat& a, const Ma
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[m][r] = 0.f;
-    for (int c = lane; c < chunks; c += 32) {
-        float xv[NP][8];
+    for (int c0 = lane; c0 < chunks; c0 += 32 * U) {
+        uint4 q4[NM][U][R];
 #pragma unroll
-        for (int p = 0; p < NP; p++) unpack8(xs[xpart(c, p)], xv[p]);
-        float sx[NSUB];
+        for (int u = 0; u < U; u++) {
+            int c = min(c0 + 32 * u, chunks - 1);  // past the end: a valid chunk, unused
 #pragma unroll
-        for (int s = 0; s < NSUB; s++) {
-            float t = 0.f;
+            for (int m = 0; m < NM; m++) {
+                const Mat& mt = m == 0 ? a : b;
 #pragma unroll
-            for (int p = s * PPS; p < (s + 1) * PPS; p++)
-#pragma unroll
-                for (int j = 0; j < 8; j++) t += xv[p][j];
-            sx[s] = t;
+                for (int r = 0; r < R; r++) {
+                    int row = min(row0 + r, mt.rows - 1);  // rows past the end: computed, unused
+                    q4[m][u][r] = reinterpret_cast<const uint4*>(mt.w)[(size_t)row * stride + c];
+                }
+            }
         }
 #pragma unroll
-        for (int m = 0; m < (TWO ? 2 : 1); m++) {
-            const Mat& mt = m == 0 ? a : b;
-            uint4 q4[R];
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 32 * u;
+            if (c >= chunks) break;
+            float xv[NP][8];
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                int row = min(row0 + r, mt.rows - 1);  // rows past the end compute row rows-1 again, unused
-                q4[r] = reinterpret_cast<const uint4*>(mt.w)[(size_t)row * stride + c];
+            for (int p = 0; p < NP; p++) unpack8(xs[xpart(c, p)], xv[p]);
+            float sx[NSUB];
+#pragma unroll
+            for (int s = 0; s < NSUB; s++) {
+                float t = 0.f;
+#pragma unroll
+                for (int p = s * PPS; p < (s + 1) * PPS; p++)
+#pragma unroll
+                    for (int j = 0; j < 8; j++) t += xv[p][j];
+                sx[s] = t;
             }
 #pragma unroll
-            for (int r = 0; r < R; r++) {
-                int row = min(row0 + r, mt.rows - 1);
-                u32 words[4] = {q4[r].x, q4[r].y, q4[r].z, q4[r].w};
+            for (int m = 0; m < NM; m++) {
+                const Mat& mt = m == 0 ? a : b;
 #pragma unroll
-                for (int s = 0; s < NSUB; s++) {
-                    int g = (c * VPC + s * SUBG) / GROUP;
-                    float sc = s2f(mt.s[(size_t)row * groups + g]), bi = s2f(mt.b[(size_t)row * groups + g]);
-                    float d = 0.f;
+                for (int r = 0; r < R; r++) {
+                    int row = min(row0 + r, mt.rows - 1);
+                    u32 words[4] = {q4[m][u][r].x, q4[m][u][r].y, q4[m][u][r].z, q4[m][u][r].w};
 #pragma unroll
-                    for (int p = s * PPS; p < (s + 1) * PPS; p++) d += part_dot(words, p, xv[p]);
-                    acc[m][r] = fmaf(sc * MAGIC_INV_B, d, fmaf(bi - sc * (MAGIC_A * MAGIC_INV_B), sx[s], acc[m][r]));
+                    for (int s = 0; s < NSUB; s++) {
+                        int g = (c * VPC + s * SUBG) / GROUP;
+                        float sc = s2f(mt.s[(size_t)row * groups + g]), bi = s2f(mt.b[(size_t)row * groups + g]);
+                        float d = 0.f;
+#pragma unroll
+                        for (int p = s * PPS; p < (s + 1) * PPS; p++) d += part_dot(words, p, xv[p]);
+                        acc[m][r] =
+                            fmaf(sc * MAGIC_INV_B, d, fmaf(bi - sc * (MAGIC_A * MAGIC_INV_B), sx[s], acc[m][r]));
+                    }
                 }
             }
         }
     }
 #pragma unroll
-    for (int m = 0; m < (TWO ? 2 : 1); m++)
+    for (int m = 0; m < NM; m++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
 }

@@ -1,1 +1,136 @@
 //! Flash-attention prefill vs the CPU reference.
+
+use super::{bf, check, cpu, gpu, Rng};
+use ferrolm::backend::cpu::Cpu;
+use ferrolm::backend::Backend;
+use ferrolm::config::{Arch, ModelConfig, RopeStyle};
+
+fn config(heads: usize, n_kv: usize, hd: usize) -> ModelConfig {
+    ModelConfig {
+        arch: Arch::Llama,
+        hidden: heads * hd,
+        n_layers: 1,
+        n_heads: heads,
+        n_kv_heads: n_kv,
+        head_dim: hd,
+        ffn: 64,
+        vocab: 8,
+        max_ctx: 2048,
+        rms_eps: 1e-5,
+        rope_theta: 1e4,
+        rope_style: RopeStyle::Half,
+        llama3_scaling: None,
+        rope_linear: 1.0,
+        tie_embeddings: true,
+        qkv_bias: false,
+    }
+}
+
+/// Each step writes its k/v rows with the GPU `attention` op (the split-K kernels), then
+/// `flash_prefill` over the same cache must match the CPU attention of the same rows.
+#[test]
+fn flash_prefill_matches_cpu() {
+    let (g, c) = (gpu(), Cpu);
+    let mut r = Rng::seeded();
+    for (heads, n_kv, hd) in [(9, 3, 64), (32, 8, 64), (16, 2, 128), (8, 1, 256)] {
+        let cfg = config(heads, n_kv, hd);
+        // A short prompt (one partial 64-row block); a prompt of several blocks, a decode row,
+        // then a chunk after that context (pos0 301: key tiles straddle the diagonal); a lone
+        // row at depth 100.
+        for steps in [vec![37usize], vec![300, 1, 200], vec![100, 1]] {
+            let mut kvg = g.kv_cache(&cfg, 512).unwrap();
+            let mut kvc = c.kv_cache(&cfg, 512).unwrap();
+            let mut pos = 0;
+            for m in steps {
+                let q = bf(&r.v(m * heads * hd, 1.0));
+                let k = bf(&r.v(m * n_kv * hd, 1.0));
+                let v = bf(&r.v(m * n_kv * hd, 1.0));
+                let qg = g.act_from(m, heads * hd, &q).unwrap();
+                let mut split = g.act_poisoned(m, heads * hd, false).unwrap();
+                g.begin(&[], pos).unwrap();
+                g.attention(
+                    &qg,
+                    &g.act_from(m, n_kv * hd, &k).unwrap(),
+                    &g.act_from(m, n_kv * hd, &v).unwrap(),
+                    &mut kvg,
+                    0,
+                    pos,
+                    &mut split,
+                )
+                .unwrap();
+                let mut want = c.act(m, heads * hd).unwrap();
+                c.attention(
+                    &cpu(m, heads * hd, q),
+                    &cpu(m, n_kv * hd, k),
+                    &cpu(m, n_kv * hd, v),
+                    &mut kvc,
+                    0,
+                    pos,
+                    &mut want,
+                )
+                .unwrap();
+                let what = format!("{heads}/{n_kv}x{hd} m{m} pos{pos}");
+                // the cache writer and the reference kernels agree first
+                check(&format!("split-K attention {what}"), &g.read_rows(&split, 0).unwrap(), &want.data, 1e-2);
+                let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+                g.flash_prefill(&qg, &kvg, 0, &mut og).unwrap();
+                check(&format!("flash_prefill {what}"), &g.read_rows(&og, 0).unwrap(), &want.data, 1e-2);
+                pos += m;
+            }
+        }
+    }
+}
+
+#[test]
+fn flash_prefill_refuses_what_it_cannot_run() {
+    let g = gpu();
+    let mut r = Rng::seeded();
+    // head_dim 96: the cache is fine, flash_attention.cu is not compiled for it.
+    let kv = g.kv_cache(&config(4, 2, 96), 64).unwrap();
+    let q = g.act_from(3, 4 * 96, &bf(&r.v(3 * 4 * 96, 1.0))).unwrap();
+    g.begin(&[], 0).unwrap();
+    let e = g.flash_prefill(&q, &kv, 0, &mut g.act_poisoned(3, 4 * 96, false).unwrap()).unwrap_err();
+    assert!(matches!(e, ferrolm::Error::Unsupported(_)), "{e}");
+    let kv = g.kv_cache(&config(6, 2, 64), 64).unwrap();
+    let q = g.act_from(3, 6 * 64, &bf(&r.v(3 * 6 * 64, 1.0))).unwrap();
+    // out of the wrong shape, a layer the cache lacks, f32 output, heads not a multiple of n_kv
+    assert!(g.flash_prefill(&q, &kv, 0, &mut g.act_poisoned(2, 6 * 64, false).unwrap()).is_err());
+    assert!(g.flash_prefill(&q, &kv, 1, &mut g.act_poisoned(3, 6 * 64, false).unwrap()).is_err());
+    assert!(g.flash_prefill(&q, &kv, 0, &mut g.act_poisoned(3, 6 * 64, true).unwrap()).is_err());
+    let q5 = g.act_from(3, 5 * 64, &bf(&r.v(3 * 5 * 64, 1.0))).unwrap();
+    assert!(g.flash_prefill(&q5, &kv, 0, &mut g.act_poisoned(3, 5 * 64, false).unwrap()).is_err());
+}
+
+/// Timings for the lead (not a gate): `cuda_parity flash_prefill_speed --ignored --nocapture`.
+/// Prefill of 512 tokens at depth 0 and 8192, flash vs the split-K attention op.
+#[test]
+#[ignore]
+fn flash_prefill_speed() {
+    let g = gpu();
+    let mut r = Rng::seeded();
+    for (heads, n_kv, hd) in [(9, 3, 64), (32, 8, 64)] {
+        let cfg = config(heads, n_kv, hd);
+        let (m, depths) = (512, [0usize, 8192]);
+        let mut kv = g.kv_cache(&cfg, 8192 + m).unwrap();
+        let q = g.act_from(m, heads * hd, &bf(&r.v(m * heads * hd, 1.0))).unwrap();
+        let k = g.act_from(m, n_kv * hd, &bf(&r.v(m * n_kv * hd, 1.0))).unwrap();
+        let v = g.act_from(m, n_kv * hd, &bf(&r.v(m * n_kv * hd, 1.0))).unwrap();
+        let mut out = g.act_poisoned(m, heads * hd, false).unwrap();
+        for pos in depths {
+            g.begin(&[], pos).unwrap();
+            let time = |f: &mut dyn FnMut()| {
+                f();
+                g.stream.synchronize().unwrap();
+                let t = std::time::Instant::now();
+                for _ in 0..20 {
+                    f();
+                }
+                g.stream.synchronize().unwrap();
+                t.elapsed().as_secs_f64() / 20.0 * 1e3
+            };
+            let split = time(&mut || g.attention(&q, &k, &v, &mut kv, 0, pos, &mut out).unwrap());
+            let flash = time(&mut || g.flash_prefill(&q, &kv, 0, &mut out).unwrap());
+            eprintln!("attention {heads}/{n_kv}x{hd} m{m} pos{pos}: split-K {split:.3} ms, flash {flash:.3} ms");
+        }
+    }
+}

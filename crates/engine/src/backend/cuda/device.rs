@@ -36,6 +36,9 @@ pub struct Cuda {
     /// RoPE inverse frequencies, uploaded once per distinct table and never freed (captured
     /// graphs point at them).
     pub(crate) rope_freqs: Mutex<Vec<(Vec<f32>, CudaSlice<f32>)>>,
+    /// Argmax partials (value, index per block) and its done counter.
+    #[allow(clippy::type_complexity)]
+    pub(crate) argmax_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<i32>, CudaSlice<i32>)>>,
     /// Decode attention scratch by (heads·splits, head_dim): partial max/sum, partial
     /// outputs, and per-head done counters. Kept for the process (captured graphs use it).
     #[allow(clippy::type_complexity)]
@@ -165,6 +168,7 @@ impl Cuda {
             compiled: Mutex::new(0),
             rope_freqs: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(HashMap::new()),
+            argmax_scratch: Mutex::new(None),
             staged: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
             capturing: std::sync::atomic::AtomicBool::new(false),

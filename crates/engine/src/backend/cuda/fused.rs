@@ -32,6 +32,13 @@ pub(crate) enum GemvOut {
     Swiglu,
 }
 
+/// Cached positions per decode attention split: small, so even a short context spreads
+/// over many blocks (heads × splits), each a few loads deep.
+const DECODE_CHUNK: usize = 64;
+
+/// Most blocks the argmax kernel uses (its scratch size).
+const ARGMAX_BLOCKS: usize = 128;
+
 /// Largest input width whose bf16 copy fits the 48 KB of shared memory a launch gets
 /// without opting in.
 const MAX_COLS: usize = 24 * 1024;
@@ -78,20 +85,17 @@ impl Cuda {
             GemvIn::Bf16(x) | GemvIn::Norm(x, ..) => x,
         };
         let norm = matches!(input, GemvIn::Norm(..));
-        let in_ok = match (&x.buf, norm) {
-            (ActBuf::Bf16(_), false) | (ActBuf::F32(_), true) => true,
-            _ => false,
-        };
+        let in_ok = matches!((&x.buf, norm), (ActBuf::Bf16(_), false) | (ActBuf::F32(_), true));
         if x.rows != 1 || !in_ok || x.cols > MAX_COLS || mats.is_empty() || mats.len() > 3 || mats.len() != outs.len() {
             return Ok(false);
         }
         let Some(CudaMat::Affine { defines, .. }) = mats.first().copied() else { return Ok(false) };
         for (m, o) in mats.iter().zip(outs.iter()) {
             let CudaMat::Affine { defines: d, cols, rows, .. } = m else { return Ok(false) };
-            let out_ok = match (mode, &o.buf) {
-                (GemvOut::Add, ActBuf::F32(_)) | (GemvOut::Store, _) | (GemvOut::Swiglu, ActBuf::Bf16(_)) => true,
-                _ => false,
-            };
+            let out_ok = matches!(
+                (mode, &o.buf),
+                (GemvOut::Add, ActBuf::F32(_)) | (GemvOut::Store, _) | (GemvOut::Swiglu, ActBuf::Bf16(_))
+            );
             if d != defines || *cols != x.cols || o.rows != 1 || !out_ok {
                 return Ok(false);
             }
@@ -195,22 +199,22 @@ impl Cuda {
     /// Decode attention over the cache (one query row), split merge included: one launch.
     pub(crate) fn attention_decode(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
         let heads = q.cols / kv.head_dim;
-        let splits = kv.max_seq.div_ceil(super::ops::ATTN_CHUNK);
+        let splits = kv.max_seq.div_ceil(DECODE_CHUNK);
         let f = self.function(kernels::file("attention.cu"), &[], "attention_decode")?;
         let mut scratch = self.attn_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let key = (heads * splits, kv.head_dim);
-        if !scratch.contains_key(&key) {
+        if let std::collections::hash_map::Entry::Vacant(e) = scratch.entry(key) {
             let ml = self.stream.alloc_zeros::<f32>(2 * key.0).map_err(drv("allocating attention scratch"))?;
             let acc =
                 self.stream.alloc_zeros::<f32>(key.0 * kv.head_dim).map_err(drv("allocating attention scratch"))?;
             let done = self.stream.alloc_zeros::<i32>(heads).map_err(drv("allocating attention scratch"))?;
-            scratch.insert(key, (ml, acc, done));
+            e.insert((ml, acc, done));
         }
         let (ml, acc, done) = scratch.get_mut(&key).expect("inserted above");
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
         let (h, nkv, hd, chunk) =
-            (heads as i32, (kv.width / kv.head_dim) as i32, kv.head_dim as i32, super::ops::ATTN_CHUNK as i32);
+            (heads as i32, (kv.width / kv.head_dim) as i32, kv.head_dim as i32, DECODE_CHUNK as i32);
         let mut b = self.stream.launch_builder(&f);
         b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(ml).arg(acc).arg(out.bf16_mut()).arg(done);
         b.arg(&h).arg(&nkv).arg(&hd).arg(p0).arg(&chunk);
@@ -228,9 +232,19 @@ impl Cuda {
         };
         let f = self.function(kernels::file("sample.cu"), &[], "argmax")?;
         let n = x.cols as i32;
+        // ~2K values per block: enough blocks to stream a 128K vocabulary in parallel.
+        let blocks = x.cols.div_ceil(2048).clamp(1, ARGMAX_BLOCKS);
+        let mut scratch = self.argmax_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.is_none() {
+            let v = self.stream.alloc_zeros::<f32>(ARGMAX_BLOCKS).map_err(drv("allocating argmax scratch"))?;
+            let i = self.stream.alloc_zeros::<i32>(ARGMAX_BLOCKS).map_err(drv("allocating argmax scratch"))?;
+            let d = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating argmax scratch"))?;
+            *scratch = Some((v, i, d));
+        }
+        let (pv, pi, done) = scratch.as_mut().expect("set above");
         let mut b = self.stream.launch_builder(&f);
-        b.arg(xv).arg(&n).arg(ov);
-        let c = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        b.arg(xv).arg(&n).arg(ov).arg(pv).arg(pi).arg(done);
+        let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: matches sample.cu's argmax.
         unsafe { b.launch(c) }.map(|_| ()).map_err(drv("argmax launch"))
     }

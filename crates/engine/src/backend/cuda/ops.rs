@@ -172,6 +172,12 @@ impl Backend for Cuda {
         if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return g.0.launch().map_err(drv("replaying the decode graph"));
         }
+        // Run the step once un-captured first: buffers created on first use (decode work,
+        // attention scratch, RoPE tables) are then allocated outside the graph. An
+        // allocation captured into a graph and not freed there would forbid its relaunch.
+        // The captured launches then redo the same work (same token, position and cache
+        // slot), so the extra run changes nothing.
+        f()?;
         self.stream
             .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(drv("starting capture"))?;
@@ -311,6 +317,8 @@ impl Backend for Cuda {
         self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
         if q.rows == 1 {
             self.attention_decode(q, kv, layer, out)
+        } else if kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim) {
+            self.flash_prefill(q, kv, layer, out)
         } else {
             self.attention_cached(q, kv, layer, out)
         }
