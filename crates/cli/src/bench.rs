@@ -1,4 +1,7 @@
-//! `bench`: median prefill and decode tokens/s over repeated runs, plus peak memory.
+//! `bench`: median prefill and decode tokens/s over repeated runs (optionally at a context
+//! depth), peak memory, and on a GPU the device memory used, the effective weight bandwidth
+//! of decode (weight bytes read per token × tokens/s) and its ratio to the device's measured
+//! copy bandwidth.
 
 use crate::{load, ModelArg};
 use anyhow::{bail, Result};
@@ -16,6 +19,10 @@ pub struct BenchArgs {
     /// Tokens generated for the decode measurement (greedy, EOS ignored).
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
+    /// Context already in the cache before the measured prompt (tokens, prefilled untimed):
+    /// prefill and decode speed at depth, as llama-bench's -d.
+    #[arg(long, default_value_t = 0)]
+    depth: usize,
     /// Number of measured runs (after one warm-up run).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -55,19 +62,25 @@ pub fn bench(a: BenchArgs) -> Result<()> {
 }
 
 fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> Result<()> {
-    let ctx = a.prompt_tokens + a.gen_tokens;
+    let ctx = a.depth + a.prompt_tokens + a.gen_tokens;
     if ctx > l.model.cfg.max_ctx {
-        bail!("--prompt-tokens + --gen-tokens = {ctx} exceeds the model's context of {}", l.model.cfg.max_ctx);
+        bail!(
+            "--depth + --prompt-tokens + --gen-tokens = {ctx} exceeds the model's context of {}",
+            l.model.cfg.max_ctx
+        );
     }
     let one = l.tokenizer.encode(TEXT, false)?;
-    let prompt: Vec<u32> = one.iter().cycle().take(a.prompt_tokens).copied().collect();
+    let text: Vec<u32> = one.iter().cycle().take(a.depth + a.prompt_tokens).copied().collect();
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
     let mut kv_bytes = 0;
     for run in 0..=a.repeats {
         let mut s = Session::new(&l.model, ctx)?;
         kv_bytes = ctx * l.model.cfg.n_layers * l.model.cfg.n_kv_heads * l.model.cfg.head_dim * 2 * 2;
+        if a.depth > 0 {
+            s.feed(&text[..a.depth])?; // the context, untimed
+        }
         let mut sampler = Sampler::new(SamplerConfig::default());
-        let st = s.generate(&prompt, a.gen_tokens, &mut sampler, &[], |_| Ok(true))?;
+        let st = s.generate(&text, a.gen_tokens, &mut sampler, &[], |_| Ok(true))?;
         if run > 0 {
             pre.push(st.prefill_tps());
             dec.push(st.decode_tps());
@@ -76,6 +89,11 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
     let threads = rayon::current_num_threads();
     let (p, d) = (median(&mut pre), median(&mut dec));
     let rss = peak_rss();
+    let backend = &l.model.backend;
+    let mem = backend.device_memory()?; // after the runs: weights, caches, scratch
+    let copy_bw = backend.copy_bandwidth()?;
+    let wbytes = l.model.decode_weight_bytes;
+    let eff_bw = wbytes as f64 * d;
     if a.json {
         let j = serde_json::json!({
             "backend": l.model.backend.name(),
@@ -91,6 +109,14 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
             "model_file_bytes": l.file_bytes,
             "kv_cache_bytes": kv_bytes,
             "synthetic": l.synthetic,
+            "depth": a.depth,
+            "device": mem.as_ref().map(|m| m.0.clone()),
+            "device_memory_used_bytes": mem.as_ref().map(|m| m.1),
+            "device_memory_total_bytes": mem.as_ref().map(|m| m.2),
+            "decode_weight_bytes_per_token": wbytes,
+            "effective_bandwidth_bytes_per_s": eff_bw,
+            "copy_bandwidth_bytes_per_s": copy_bw,
+            "bandwidth_ratio": copy_bw.map(|c| eff_bw / c),
         });
         println!("{j}");
     } else {
@@ -98,10 +124,26 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
             println!("model SYNTHETIC weights ({name}): report these numbers as measured on synthetic weights");
         }
         println!(
-            "backend cpu  threads {threads}  prompt {}  gen {}  repeats {}",
-            a.prompt_tokens, a.gen_tokens, a.repeats
+            "backend {}  threads {threads}  depth {}  prompt {}  gen {}  repeats {}",
+            backend.name(),
+            a.depth,
+            a.prompt_tokens,
+            a.gen_tokens,
+            a.repeats
         );
         println!("prefill {p:.1} tok/s (median)   decode {d:.1} tok/s (median)");
+        if let Some((name, used, total)) = &mem {
+            println!("device {name}: {:.0} MiB used of {:.0} MiB", *used as f64 / 1048576.0, *total as f64 / 1048576.0);
+        }
+        print!(
+            "decode reads {:.1} MiB of weights per token: {:.3} TB/s effective",
+            wbytes as f64 / 1048576.0,
+            eff_bw / 1e12
+        );
+        match copy_bw {
+            Some(c) => println!(", {:.1}% of the measured copy bandwidth {:.3} TB/s", 100.0 * eff_bw / c, c / 1e12),
+            None => println!(),
+        }
         if let Some(r) = rss {
             println!(
                 "peak RSS {:.1} MiB = {:.2}× (model file {:.1} MiB + KV cache {:.1} MiB)",

@@ -1,2 +1,304 @@
-// Tensor-core GEMM for affine weights (prefill): see backend/cuda/gemm.rs.
+// Tensor-core GEMM for affine weights, the prefill path: out[t, r] = Σ_k x[t, k]·w[r, k] with
+// w = scale·q + bias (MLX layout, decoded exactly as affine.cu's qmv). Compiled per (BITS ∈
+// {2,4,8}, GROUP ∈ {16..128}, SCALE_T) with -D defines. Launcher and limits: backend/cuda/gemm.rs;
+// CPU reference: backend/cpu/matmul.rs.
+//
+// Design. A block of 128 threads (4 warps) owns a tile of BM = 64 tokens × BN = 64 output rows
+// and walks K in steps of BK = 64 values, two shared-memory stages deep:
+//   - x tile [64 tokens][64 k] bf16: cp.async 16-byte copies straight into shared memory,
+//     zero-filled past the last token and past cols (src-size 0).
+//   - w tile [64 rows][64 k]: each thread owns 32 consecutive values of one row (BITS u32
+//     words: one 8-byte load at 2 bits, one 16-byte load at 4, two at 8) and their 1–2
+//     scale/bias pairs; it dequantizes them in f32 (scale·q + bias, q made exact with the
+//     2^23 magic-number trick) and stores them as bf16 (round to nearest even, as f2bf).
+//     Rows past `rows` and values past cols become zeros.
+//   - Step s: issue the x copies and the global weight loads for step s+1, run the MMAs of
+//     step s from the other stage, then dequantize step s+1's words into shared memory, wait
+//     for the copies and __syncthreads. So global latency hides behind the MMAs.
+//   - Warp (wm, wn) = (warp & 1, warp >> 1) computes tokens wm·32.. +32 × rows wn·32.. +32:
+//     2 m16 tiles × 4 n8 tiles of mma.sync.m16n8k16 (bf16 in, f32 accumulators, 32 floats per
+//     thread), 4 k16 steps per BK.
+//   - Shared rows are padded to LDS = 72 bf16 (144 bytes): rows stay 16-byte aligned, and the
+//     8 row addresses of each ldmatrix phase fall in 8 distinct 16-byte bank groups (144·i mod
+//     128 = 16·i), as do the 16-byte dequant stores (8 lanes = 4 rows × 2 halves).
+//   - Epilogue: f32 accumulators written with bounds checks (t < m, r < rows), as bf16 or f32;
+//     pairs of columns go out as one 4/8-byte store where rows is even.
+//
+// Fragment layouts relied on (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
+// type", .bf16; groupID g = lane >> 2, threadID_in_group tg = lane % 4; each .b32 register holds
+// two bf16, the lower-indexed element in the low half):
+//   A (16×16, row-major, [token][k]): a-reg 0: row g,   k 2tg..2tg+1;   a-reg 1: row g+8, k 2tg..;
+//                                     a-reg 2: row g,   k 2tg+8..;      a-reg 3: row g+8, k 2tg+8..
+//   B (16×8, "col": element (k, n) stored at [n][k] — exactly the weight layout [row][k]):
+//                                     b-reg 0: k 2tg..2tg+1, n g;       b-reg 1: k 2tg+8.., n g
+//   C/D (16×8 f32): c0, c1: row g, n 2tg, 2tg+1;  c2, c3: row g+8, n 2tg, 2tg+1.
+// ldmatrix.x4 (m8n8, b16): lane 8·j + i supplies the address of row i of matrix j (16 bytes);
+// register j of lane l receives row l/4, elements 2·(l%4), 2·(l%4)+1 of matrix j — i.e. the
+// A/B register layouts above when matrix j is the 8×8 block that register j covers:
+//   A: matrices (rows 0–7, k 0–7), (rows 8–15, k 0–7), (rows 0–7, k 8–15), (rows 8–15, k 8–15)
+//      → lane l addresses row (l & 15), k 8·(l >> 4).
+//   B, two n8 tiles at once: (n 0–7, k 0–7), (n 0–7, k 8–15), (n 8–15, k 0–7), (n 8–15, k 8–15)
+//      → lane l addresses n (l & 7) + 8·(l >> 4), k 8·((l >> 3) & 1).
+// cvt.rn.bf16x2.f32 d, a, b puts a in the upper half of d and b in the lower.
 #include "common.cuh"
+
+#ifndef BITS
+#define BITS 4
+#endif
+#ifndef GROUP
+#define GROUP 32
+#endif
+#define MASK ((1u << BITS) - 1u)
+
+#define BM 64       // tokens per block
+#define BN 64       // output rows per block
+#define BK 64       // k values per step
+#define LDS 72      // shared row stride in bf16 (BK + 8 padding)
+#define THREADS 128
+#define SEG 32                                  // weight values one thread dequantizes per step
+#define SEG_G (GROUP < SEG ? GROUP : SEG)       // values per scale inside a segment
+#define NSG (SEG / SEG_G)                       // scale/bias pairs per segment (1 or 2)
+
+// The tile arithmetic below assumes these (one weight segment per thread per step; four
+// 16-byte x copies per thread per step).
+static_assert(BN * BK / SEG == THREADS, "one weight segment per thread");
+static_assert(BM * BK / 8 == 4 * THREADS, "four x copies per thread");
+
+// ---- PTX helpers (begin) ----
+__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// 16-byte global → shared copy; valid == false writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr)
+                 : "memory");
+}
+
+// c += a·b, m16n8k16, bf16 inputs, f32 accumulators.
+__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// Two f32 → bf16x2 (round to nearest even), lo in the low half.
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// ---- PTX helpers (end) ----
+
+// q (0..255) as an exact f32: 2^23 + q has q in its low mantissa bits.
+__device__ __forceinline__ float q2f(u32 q) { return __uint_as_float(0x4b000000u | q) - 8388608.f; }
+
+// One thread's weight segment for a step, as loaded from global memory (dequantized later,
+// after the MMAs, so the loads' latency is hidden).
+struct WSeg {
+    u32 q[BITS];
+    scale_t s[NSG], b[NSG];
+};
+
+__device__ __forceinline__ void load_wseg(WSeg& ws, const u32* __restrict__ wrow, const scale_t* __restrict__ srow,
+                                          const scale_t* __restrict__ brow, int k, bool valid) {
+    if (valid) {
+        const u32* p = wrow + k / (32 / BITS);  // k is a multiple of 32: whole words, aligned to 4·BITS bytes
+#if BITS == 2
+        uint2 v = *reinterpret_cast<const uint2*>(p);
+        ws.q[0] = v.x, ws.q[1] = v.y;
+#elif BITS == 4
+        uint4 v = *reinterpret_cast<const uint4*>(p);
+        ws.q[0] = v.x, ws.q[1] = v.y, ws.q[2] = v.z, ws.q[3] = v.w;
+#elif BITS == 8
+        uint4 v = *reinterpret_cast<const uint4*>(p);
+        uint4 u = *reinterpret_cast<const uint4*>(p + 4);
+        ws.q[0] = v.x, ws.q[1] = v.y, ws.q[2] = v.z, ws.q[3] = v.w;
+        ws.q[4] = u.x, ws.q[5] = u.y, ws.q[6] = u.z, ws.q[7] = u.w;
+#else
+#error "gemm.cu: BITS must be 2, 4 or 8"
+#endif
+#pragma unroll
+        for (int i = 0; i < NSG; i++) {
+            int g = (k + i * SEG_G) / GROUP;
+            ws.s[i] = srow[g];
+            ws.b[i] = brow[g];
+        }
+    } else {
+        // scale = bias = 0: the segment dequantizes to zeros.
+#pragma unroll
+        for (int i = 0; i < BITS; i++) ws.q[i] = 0;
+#pragma unroll
+        for (int i = 0; i < NSG; i++) ws.s[i] = ws.b[i] = (scale_t)0;
+    }
+}
+
+// Dequantize a segment (32 values) and store it as bf16 at dst (16-byte aligned).
+__device__ __forceinline__ void store_wseg(const WSeg& ws, bf16_t* dst) {
+    float sc[NSG], bi[NSG];
+#pragma unroll
+    for (int i = 0; i < NSG; i++) sc[i] = s2f(ws.s[i]), bi[i] = s2f(ws.b[i]);
+    u32 p[SEG / 2];
+#pragma unroll
+    for (int j = 0; j < SEG / 2; j++) {
+        const int v0 = 2 * j, v1 = 2 * j + 1;  // value indices inside the segment
+        const u32 q0 = (ws.q[(v0 * BITS) / 32] >> ((v0 * BITS) % 32)) & MASK;
+        const u32 q1 = (ws.q[(v1 * BITS) / 32] >> ((v1 * BITS) % 32)) & MASK;
+        const int g = v0 / SEG_G;  // v0 and v1 share a group (SEG_G is even)
+        p[j] = pack_bf16x2(fmaf(sc[g], q2f(q0), bi[g]), fmaf(sc[g], q2f(q1), bi[g]));
+    }
+    uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+    for (int i = 0; i < SEG / 8; i++) d[i] = make_uint4(p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]);
+}
+
+template <bool OUT_F32>
+__device__ __forceinline__ void qgemm_body(const u32* __restrict__ w, const scale_t* __restrict__ scales,
+                                           const scale_t* __restrict__ biases, const bf16_t* __restrict__ x,
+                                           void* __restrict__ out, int rows, int cols, int m) {
+    // Two stages of the x and w tiles (uint4 so the rows are 16-byte aligned).
+    __shared__ uint4 xs_raw[2][BM * LDS / 8];
+    __shared__ uint4 ws_raw[2][BN * LDS / 8];
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wm = warp & 1, wn = warp >> 1;
+    const int t0 = blockIdx.y * BM, r0 = blockIdx.x * BN;
+    const int nk = (cols + BK - 1) / BK;
+
+    // This thread's weight segment: row r0 + tid/2, values (tid & 1)·32.. of each step.
+    const int seg_row = tid >> 1, seg_k = (tid & 1) * SEG;
+    const int wr = r0 + seg_row;
+    const bool wr_ok = wr < rows;
+    const int wrc = wr_ok ? wr : 0;  // keep pointers inside the tensor for masked rows
+    const int groups = cols / GROUP;
+    const u32* wrow = w + (size_t)wrc * (size_t)(cols / (32 / BITS));
+    const scale_t* srow = scales + (size_t)wrc * groups;
+    const scale_t* brow = biases + (size_t)wrc * groups;
+
+    // x copies: chunk c = tid + i·THREADS is token row c/8, k 8·(c%8) of the tile.
+    auto load_x = [&](int stage, int k0) {
+        bf16_t* xs = reinterpret_cast<bf16_t*>(xs_raw[stage]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = tid + i * THREADS;
+            const int row = c >> 3, kc = (c & 7) * 8;
+            const int t = t0 + row, k = k0 + kc;
+            const bool ok = t < m && k < cols;
+            const bf16_t* src = ok ? x + (size_t)t * cols + k : x;
+            cp_async16(smem_u32(xs + row * LDS + kc), src, ok);
+        }
+        cp_async_commit();
+    };
+
+    // ldmatrix addresses (bytes, stage 0, k 0) of this lane.
+    const u32 xs_base = smem_u32(xs_raw[0]), ws_base = smem_u32(ws_raw[0]);
+    const u32 xstage = BM * LDS * 2, wstage = BN * LDS * 2;
+    u32 a_addr[2], b_addr[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+        a_addr[i] = xs_base + ((wm * 32 + i * 16 + (lane & 15)) * LDS + (lane >> 4) * 8) * 2;
+#pragma unroll
+    for (int j = 0; j < 2; j++)
+        b_addr[j] = ws_base + ((wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8) * 2;
+
+    float acc[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+
+    WSeg seg;
+    // Prologue: stage 0 holds step 0.
+    load_x(0, 0);
+    load_wseg(seg, wrow, srow, brow, seg_k, wr_ok && seg_k < cols);
+    store_wseg(seg, reinterpret_cast<bf16_t*>(ws_raw[0]) + seg_row * LDS + seg_k);
+    cp_async_wait_all();
+    __syncthreads();
+
+    for (int s = 0; s < nk; s++) {
+        const int cur = s & 1;
+        const bool more = s + 1 < nk;
+        if (more) {
+            const int k0 = (s + 1) * BK;
+            load_x(cur ^ 1, k0);
+            load_wseg(seg, wrow, srow, brow, k0 + seg_k, wr_ok && k0 + seg_k < cols);
+        }
+#pragma unroll
+        for (int kk = 0; kk < BK; kk += 16) {
+            u32 a[2][4], b[4][2];
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+                ldsm_x4(a_addr[i] + cur * xstage + kk * 2, a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+            for (int j = 0; j < 2; j++)
+                ldsm_x4(b_addr[j] + cur * wstage + kk * 2, b[2 * j][0], b[2 * j][1], b[2 * j + 1][0],
+                        b[2 * j + 1][1]);
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a[i], b[j]);
+        }
+        if (more) store_wseg(seg, reinterpret_cast<bf16_t*>(ws_raw[cur ^ 1]) + seg_row * LDS + seg_k);
+        cp_async_wait_all();
+        __syncthreads();
+    }
+
+    // Epilogue: c0, c1 at (token g, rows 2tg, 2tg+1), c2, c3 at token g + 8.
+    const int g = lane >> 2, tg = lane & 3;
+    const bool even = (rows & 1) == 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const int r = r0 + wn * 32 + j * 8 + tg * 2;
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int t = t0 + wm * 32 + i * 16 + g + h * 8;
+                if (t >= m) continue;
+                const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+                const size_t o = (size_t)t * rows + r;
+                if (OUT_F32) {
+                    float* po = reinterpret_cast<float*>(out) + o;
+                    if (even) {
+                        if (r < rows) *reinterpret_cast<float2*>(po) = make_float2(v0, v1);
+                    } else {
+                        if (r < rows) po[0] = v0;
+                        if (r + 1 < rows) po[1] = v1;
+                    }
+                } else {
+                    bf16_t* po = reinterpret_cast<bf16_t*>(out) + o;
+                    if (even) {
+                        if (r < rows) *reinterpret_cast<u32*>(po) = pack_bf16x2(v0, v1);
+                    } else {
+                        if (r < rows) po[0] = f2bf(v0);
+                        if (r + 1 < rows) po[1] = f2bf(v1);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// grid (ceil(rows / 64), ceil(m / 64)), block 128, static shared memory (36 KiB).
+// Needs cols a multiple of 32 (the launcher checks); x, w, scales 16-byte aligned allocations.
+extern "C" __global__ void __launch_bounds__(THREADS) qgemm(const u32* w, const scale_t* s, const scale_t* b,
+                                                            const bf16_t* x, bf16_t* out, int rows, int cols,
+                                                            int m) {
+    qgemm_body<false>(w, s, b, x, out, rows, cols, m);
+}
+extern "C" __global__ void __launch_bounds__(THREADS) qgemm_f32(const u32* w, const scale_t* s, const scale_t* b,
+                                                                const bf16_t* x, float* out, int rows, int cols,
+                                                                int m) {
+    qgemm_body<true>(w, s, b, x, out, rows, cols, m);
+}

@@ -217,35 +217,41 @@ __device__ __forceinline__ void rows_dot(const uint4* xs, const Mat& a, const Ma
 template <int R, bool NORM, int OUT>
 __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols) {
     extern __shared__ uint4 xs[];
-    const int rb = NW * R;  // rows per block
-    int b = blockIdx.x;
-    Mat a = m0, second = m1;
-    if (OUT != 3) {
-        int b0 = (m0.rows + rb - 1) / rb, b1 = (m1.rows + rb - 1) / rb;
-        if (b >= b0 + b1) { a = m2; b -= b0 + b1; }
-        else if (b >= b0) { a = m1; b -= b0; }
-    }
+    const int rb = NW * R;  // rows per block step
+    int b0 = (m0.rows + rb - 1) / rb, b1 = (m1.rows + rb - 1) / rb, b2 = (m2.rows + rb - 1) / rb;
+    int steps = OUT == 3 ? b0 : b0 + b1 + b2;
     stage_x<NORM>(xs, x, nw, eps, cols);
-    int row0 = b * rb + (threadIdx.x >> 5) * R;
-    if (row0 >= a.rows) return;
-    float acc[2][R];
-    rows_dot<R, OUT == 3>(xs, a, second, row0, cols, acc);
-    if ((threadIdx.x & 31) != 0) return;
+    // Persistent blocks: x is staged once per block (for a 128K-row head, staging it per
+    // 16 rows would read as many bytes from L2 as the weights themselves).
+    for (int b = blockIdx.x; b < steps; b += gridDim.x) {
+        Mat a = m0;
+        int lb = b;
+        if (OUT != 3) {
+            if (lb >= b0 + b1) { a = m2; lb -= b0 + b1; }
+            else if (lb >= b0) { a = m1; lb -= b0; }
+        }
+        int row0 = lb * rb + (threadIdx.x >> 5) * R;
+        if (row0 >= a.rows) continue;
+        float acc[2][R];
+        rows_dot<R, OUT == 3>(xs, a, m1, row0, cols, acc);
+        if ((threadIdx.x & 31) != 0) continue;
 #pragma unroll
-    for (int r = 0; r < R; r++) {
-        int row = row0 + r;
-        if (row >= a.rows) break;
-        if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
-        else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
-        else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] += acc[0][r];
-        else {
-            float g = acc[0][r];
-            reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
+        for (int r = 0; r < R; r++) {
+            int row = row0 + r;
+            if (row >= a.rows) break;
+            if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
+            else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
+            else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] += acc[0][r];
+            else {
+                float g = acc[0][r];
+                reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
+            }
         }
     }
 }
 
-// grid: Σ ceil(rows_i / (4·R)) blocks of 128 threads; dynamic shared memory cols·2 bytes.
+// grid: up to Σ ceil(rows_i / (4·R)) blocks of 128 threads (fewer: each loops); dynamic
+// shared memory cols·2 bytes.
 #define GEMV_ARGS                                                                                            \
     const u32 *w0, const scale_t *s0, const scale_t *b0, void *o0, int n0, const u32 *w1, const scale_t *s1, \
         const scale_t *b1, void *o1, int n1, const u32 *w2, const scale_t *s2, const scale_t *b2, void *o2,  \

@@ -7,9 +7,6 @@ use crate::sample::Sampler;
 use crate::{Error, Result};
 use std::time::Instant;
 
-/// Prompt tokens per forward call during prefill.
-pub const PREFILL_CHUNK: usize = 128;
-
 pub struct Session<'m, B: Backend> {
     pub model: &'m Llama<B>,
     kv: B::Kv,
@@ -76,7 +73,7 @@ impl<'m, B: Backend> Session<'m, B> {
         // Long prompts go through in chunks: activations stay bounded (a 512-token chunk of
         // a 1B model would hold ~100 MB of MLP activations) at no cost in speed.
         let mut logits = Vec::new();
-        for chunk in prompt[start..].chunks(PREFILL_CHUNK) {
+        for chunk in prompt[start..].chunks(self.model.backend.prefill_chunk()) {
             logits = self.model.forward(chunk, self.tokens.len(), &mut self.kv, Logits::Last)?;
             self.tokens.extend_from_slice(chunk);
         }

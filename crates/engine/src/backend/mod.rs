@@ -30,6 +30,20 @@ pub trait Backend: Sync {
     type Kv;
 
     fn name(&self) -> &'static str;
+    /// Prompt tokens per forward call during prefill: bounds activation memory; a GPU
+    /// wants enough rows to fill its matmul tiles.
+    fn prefill_chunk(&self) -> usize {
+        128
+    }
+    /// The device's name and memory (bytes in use, total), where the backend has its own.
+    fn device_memory(&self) -> Result<Option<(String, usize, usize)>> {
+        Ok(None)
+    }
+    /// Measured device-to-device copy bandwidth (bytes read + written per second): the
+    /// ceiling a decode step's weight streaming is judged against.
+    fn copy_bandwidth(&self) -> Result<Option<f64>> {
+        Ok(None)
+    }
     fn matrix(&self, w: Weight) -> Result<Self::Mat>;
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     /// Activations in the working precision (f32 on the CPU, bf16 on CUDA).

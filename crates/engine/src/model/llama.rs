@@ -29,6 +29,8 @@ pub struct Llama<B: Backend> {
     norm: B::Vector,         // [d]
     lm_head: Option<B::Mat>, // [V, d]; None = tied to embed
     rope: Rope,
+    /// Weight bytes one decode step reads (all matrices; the embedding table when tied).
+    pub decode_weight_bytes: usize,
     /// The decode (one-token) buffers, kept between steps.
     decode_work: std::sync::Mutex<Vec<Work<B>>>,
 }
@@ -59,8 +61,14 @@ impl<B: Backend> Llama<B> {
         let cfg = src.config.clone();
         let (d, hd, f) = (cfg.hidden, cfg.head_dim, cfg.ffn);
         let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
+        // Bytes a decode step reads: every matrix once (the embedding table only when it is
+        // also the head), norm gains aside.
+        let read = std::cell::Cell::new(0usize);
         let mat = |src: &mut ModelSource, name: &str, rows: usize, cols: usize| -> Result<B::Mat> {
             let w = src.take(name)?;
+            if name != names::EMBED || cfg.tie_embeddings || !src.tensors.contains_key(names::LM_HEAD) {
+                read.set(read.get() + w.byte_size());
+            }
             if w.rows() != rows || w.cols() != cols {
                 return Err(Error::format(
                     &src.path,
@@ -111,7 +119,18 @@ impl<B: Backend> Llama<B> {
             inv_freq.iter_mut().zip(factors).for_each(|(f, s)| *f /= s);
         }
         let rope = Rope { inv_freq, style: cfg.rope_style, linear: cfg.rope_linear };
-        Ok(Llama { cfg, backend, embed, layers, norm, lm_head, rope, decode_work: std::sync::Mutex::new(Vec::new()) })
+        let decode_weight_bytes = read.get();
+        Ok(Llama {
+            cfg,
+            backend,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            rope,
+            decode_weight_bytes,
+            decode_work: std::sync::Mutex::new(Vec::new()),
+        })
     }
 
     pub fn new_cache(&self, max_seq: usize) -> Result<B::Kv> {

@@ -26,6 +26,8 @@ pub struct Cuda {
     /// e.g. "sm_90"
     pub arch: String,
     pub device_name: String,
+    /// Streaming multiprocessors (sizes persistent grids).
+    pub sms: usize,
     /// Loaded modules by "file|defines", and their functions by "file|defines|function":
     /// ops look kernels up on every launch, so the key is cheap (the source hash is only
     /// computed on a miss, for the disk cache).
@@ -152,6 +154,9 @@ impl Cuda {
             )));
         }
         let device_name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        let sms = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(drv("reading the multiprocessor count"))? as usize;
         // One stream: cudarc's cross-stream event tracking is not needed, and its event
         // records would otherwise land inside captured graphs.
         // SAFETY: every operation of this backend runs on the one default stream.
@@ -163,6 +168,7 @@ impl Cuda {
             stream,
             arch: format!("sm_{major}{minor}"),
             device_name,
+            sms,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             compiled: Mutex::new(0),

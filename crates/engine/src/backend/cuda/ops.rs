@@ -24,6 +24,10 @@ fn push_scales<'a>(b: &mut LaunchArgs<'a>, s: &'a DevScales) {
 /// Cached positions per attention split.
 pub(crate) const ATTN_CHUNK: usize = 256;
 
+/// Activation rows from which a matmul runs on tensor cores (below, the GEMV reads the
+/// weights fewer times than the GEMM's fixed 64-token tiles waste).
+const GEMM_MIN_ROWS: usize = 16;
+
 /// Grid for a grid-stride element-wise kernel over n elements.
 fn elems(n: usize) -> (u32, u32) {
     ((n.div_ceil(256)).min(4096) as u32, 1)
@@ -45,6 +49,10 @@ impl Cuda {
         // One token: the decode GEMV (gemv.cu).
         if x.rows == 1 && self.gemv_fused(GemvIn::Bf16(x), &[w], &mut [&mut *out], GemvOut::Store)? {
             return Ok(());
+        }
+        // Prefill: tensor cores (gemm.cu) from a few tiles' worth of tokens.
+        if x.rows >= GEMM_MIN_ROWS && self.qgemm_supported(w) {
+            return self.qgemm(x, w, out);
         }
         let xb = x.bf16();
         let f32_out = matches!(out.buf, ActBuf::F32(_));
@@ -127,6 +135,18 @@ impl Backend for Cuda {
 
     fn name(&self) -> &'static str {
         "cuda"
+    }
+    fn device_memory(&self) -> Result<Option<(String, usize, usize)>> {
+        let (free, total) = self.ctx.mem_get_info().map_err(drv("reading memory use"))?;
+        Ok(Some((self.device_name.clone(), total - free, total)))
+    }
+    fn copy_bandwidth(&self) -> Result<Option<f64>> {
+        self.measure_copy_bandwidth().map(Some)
+    }
+    fn prefill_chunk(&self) -> usize {
+        // 64-token GEMM tiles: 512 rows give small models' matmuls enough blocks, and a
+        // 1B model's MLP activations stay ~25 MB.
+        512
     }
     fn matrix(&self, w: crate::quant::Weight) -> Result<CudaMat> {
         Cuda::matrix(self, w)
