@@ -467,11 +467,15 @@ fn rope_attention_matches_cpu() {
             qkv_bias: false,
         };
         let rope = Rope { inv_freq: cfg.rope_inv_freq(), style, linear: 1.0 };
-        let cache = 1100;
+        // a short context (18 decode splits), and for the first shape a deep one (many
+        // splits merged by the last block)
+        let deep = heads == 9;
+        let cache = if deep { 8192 } else { 1100 };
         let mut kvg = g.kv_cache(&cfg, cache).unwrap();
         let mut kvc = c.kv_cache(&cfg, cache).unwrap();
         let mut pos = 0;
-        for m in [300usize, 1, 1, 200, 1, 1] {
+        let steps: &[usize] = if deep { &[300, 1, 1, 5700, 1, 1] } else { &[300, 1, 1, 200, 1, 1] };
+        for &m in steps {
             let q = bf(&r.v(m * heads * hd, 1.0));
             let k = bf(&r.v(m * n_kv * hd, 1.0));
             let v = bf(&r.v(m * n_kv * hd, 1.0));

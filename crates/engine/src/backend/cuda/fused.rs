@@ -35,6 +35,8 @@ pub(crate) enum GemvOut {
 /// Cached positions per decode attention split: small, so even a short context spreads
 /// over many blocks (heads × splits), each a few loads deep.
 const DECODE_CHUNK: usize = 64;
+/// Most splits attention_decode.cu's merge holds (SPLITS_MAX there).
+const DECODE_SPLITS_MAX: usize = 4096;
 
 /// Most blocks the argmax kernel uses (its scratch size).
 const ARGMAX_BLOCKS: usize = 128;
@@ -155,8 +157,10 @@ impl Cuda {
         }
         b.arg(&xp).arg(&nw).arg(&eps).arg(&cols);
         // Persistent blocks: as many as fit on the GPU at once (registers allow ~4 per SM),
-        // each looping over row blocks with x staged once.
-        let blocks = blocks.min(self.sms * 4);
+        // each looping over row blocks with x staged once; `FERROLM_GEMV_BPS` overrides the
+        // blocks per SM (for tuning).
+        let per_sm = std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1);
+        let blocks = blocks.min(self.sms * per_sm);
         let c = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),
             block_dim: (128, 1, 1),
@@ -202,8 +206,14 @@ impl Cuda {
     /// Decode attention over the cache (one query row), split merge included: one launch.
     pub(crate) fn attention_decode(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
         let heads = q.cols / kv.head_dim;
-        let splits = kv.max_seq.div_ceil(DECODE_CHUNK);
-        let f = self.function(kernels::file("attention.cu"), &[], "attention_decode")?;
+        let n_kv = kv.width / kv.head_dim;
+        // Query heads per block: the largest divisor of the GQA group size up to 4.
+        let group = heads / n_kv;
+        let qb = (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
+        // Positions per split: 64, or more where the merge's shared memory would overflow.
+        let chunk = DECODE_CHUNK.max(kv.max_seq.div_ceil(DECODE_SPLITS_MAX));
+        let splits = kv.max_seq.div_ceil(chunk);
+        let f = self.function(kernels::file("attention_decode.cu"), &[], "attention_decode")?;
         let mut scratch = self.attn_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let key = (heads * splits, kv.head_dim);
         if let std::collections::hash_map::Entry::Vacant(e) = scratch.entry(key) {
@@ -216,15 +226,17 @@ impl Cuda {
         let (ml, acc, done) = scratch.get_mut(&key).expect("inserted above");
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
-        let (h, nkv, hd, chunk) =
-            (heads as i32, (kv.width / kv.head_dim) as i32, kv.head_dim as i32, DECODE_CHUNK as i32);
+        let (h, nkv, hd, qbi, chunk) = (heads as i32, n_kv as i32, kv.head_dim as i32, qb as i32, chunk as i32);
         let mut b = self.stream.launch_builder(&f);
         b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(ml).arg(acc).arg(out.bf16_mut()).arg(done);
-        b.arg(&h).arg(&nkv).arg(&hd).arg(p0).arg(&chunk);
-        let c =
-            LaunchConfig { grid_dim: (heads as u32, 1, splits as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: matches attention.cu's attention_decode; scratch sized [heads, splits] for
-        // this cache, `done` zeroed at allocation and reset by the kernel.
+        b.arg(&h).arg(&nkv).arg(&hd).arg(&qbi).arg(p0).arg(&chunk);
+        let c = LaunchConfig {
+            grid_dim: ((heads / qb) as u32, 1, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: matches attention_decode.cu; scratch sized [heads, splits] for this cache,
+        // `done` (one counter per block column) zeroed at allocation and reset by the kernel.
         unsafe { b.launch(c) }.map(|_| ()).map_err(drv("attention launch"))
     }
 

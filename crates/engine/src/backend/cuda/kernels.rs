@@ -22,6 +22,7 @@ pub const FILES: &[KernelFile] = &[
     kernel!("gemv.cu"),
     kernel!("dense.cu"),
     kernel!("attention.cu"),
+    kernel!("attention_decode.cu"),
     kernel!("sample.cu"),
     kernel!("gemm.cu"),
     kernel!("flash_attention.cu"),
