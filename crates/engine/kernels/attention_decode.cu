@@ -9,27 +9,13 @@
 // every iteration's loads are independent. Each lane group keeps an online softmax per
 // query head; groups merge in a fixed order through shared memory into the split's
 // partial (max, sum, unnormalized output). The last block of the kv group to finish
-// (counted in done[blockIdx.x], reset for the next step) merges the splits in split order:
-// the split weights exp(m_s − M) are computed once into shared memory, then every output
-// dim is one independent-load dot product over the splits. Deterministic.
+// (counted in done[blockIdx.x], reset for the next step) merges the splits in split order,
+// one warp per query head. Deterministic.
 #include "common.cuh"
 
 #define AW 4            // warps per block
 #define QB_MAX 4        // query heads per block
-#define SPLITS_MAX 4096 // splits the merge's shared memory holds
-
-// Block-wide max for blockDim.x ≤ 1024; every thread gets the result.
-__device__ __forceinline__ float block_max(float v, float* smem32) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) smem32[warp] = v;
-    __syncthreads();
-    int nw = (blockDim.x + 31) >> 5;
-    v = lane < nw ? smem32[lane] : -INFINITY;
-    v = warp_max(v);
-    __syncthreads();
-    return v;
-}
+#define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 
 __device__ __forceinline__ void ld8(const bf16_t* p, float* f) {
     uint4 v = *reinterpret_cast<const uint4*>(p);
@@ -47,8 +33,6 @@ extern "C" __global__ void __launch_bounds__(128)
                      int* __restrict__ done, int heads, int n_kv, int hd, int qb, const int* __restrict__ pos0p,
                      int chunk) {
     __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
-    __shared__ float s_w[SPLITS_MAX];
-    __shared__ float red[32];
     __shared__ int last;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int G = hd / 8, PW = 32 / G;  // lanes per position, positions per warp step
@@ -131,29 +115,34 @@ extern "C" __global__ void __launch_bounds__(128)
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // Merge the splits of each of this block's query heads (partials from other blocks:
-    // read through L2 with __ldcg).
-    for (int j = 0; j < qb; j++) {
+    // Merge the splits: warp j takes query head j (qb ≤ 4 warps), so the heads merge in
+    // parallel with warp-level reductions only. Partials come from other blocks: read
+    // through L2 with __ldcg. The split weights exp(m_s − M) go once into shared memory
+    // (s_acc's space, free by now), then each output dim is a dot product over the splits
+    // whose loads are all independent.
+    if (warp < qb) {
+        int j = warp;
         long base = (long)(h0 + j) * splits;
+        float* w = s_acc + j * 1024;
         float M = -INFINITY;
-        for (int s = threadIdx.x; s < splits; s += blockDim.x) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
-        M = block_max(M, red);
+        for (int s = lane; s < splits; s += 32) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
+        M = warp_max(M);
         float L = 0.f;
-        for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+        for (int s = lane; s < splits; s += 32) {
             float ms = __ldcg(part_ml + 2 * (base + s));
-            float w = ms == -INFINITY ? 0.f : __expf(ms - M);
-            s_w[s] = w;
-            L += w * __ldcg(part_ml + 2 * (base + s) + 1);
+            float ws = ms == -INFINITY ? 0.f : __expf(ms - M);
+            w[s] = ws;
+            L += ws * __ldcg(part_ml + 2 * (base + s) + 1);
         }
-        L = block_sum(L, red);  // also orders the s_w writes before the reads below
-        for (int d = threadIdx.x; d < hd; d += blockDim.x) {
+        L = warp_sum(L);
+        __syncwarp();
+        for (int d = lane; d < hd; d += 32) {
             const float* pa = part_acc + base * hd + d;
             float o = 0.f;
 #pragma unroll 8
-            for (int s = 0; s < splits; s++) o = fmaf(__ldcg(pa + (long)s * hd), s_w[s], o);
+            for (int s = 0; s < splits; s++) o = fmaf(__ldcg(pa + (long)s * hd), w[s], o);
             out[(long)(h0 + j) * hd + d] = f2bf(o / L);
         }
-        __syncthreads();  // s_w is reused by the next head
     }
     if (threadIdx.x == 0) done[blockIdx.x] = 0;
 }

@@ -36,7 +36,7 @@ pub(crate) enum GemvOut {
 /// over many blocks (heads × splits), each a few loads deep.
 const DECODE_CHUNK: usize = 64;
 /// Most splits attention_decode.cu's merge holds (SPLITS_MAX there).
-const DECODE_SPLITS_MAX: usize = 4096;
+const DECODE_SPLITS_MAX: usize = 1024;
 
 /// Most blocks the argmax kernel uses (its scratch size).
 const ARGMAX_BLOCKS: usize = 128;
@@ -207,12 +207,17 @@ impl Cuda {
     pub(crate) fn attention_decode(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
         let heads = q.cols / kv.head_dim;
         let n_kv = kv.width / kv.head_dim;
-        // Query heads per block: the largest divisor of the GQA group size up to 4.
-        let group = heads / n_kv;
-        let qb = (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
         // Positions per split: 64, or more where the merge's shared memory would overflow.
         let chunk = DECODE_CHUNK.max(kv.max_seq.div_ceil(DECODE_SPLITS_MAX));
         let splits = kv.max_seq.div_ceil(chunk);
+        // Query heads per block: one while heads × splits blocks leave SMs idle (a short
+        // cache: parallelism wins); else the largest divisor of the GQA group up to 4, so
+        // K/V rows are read once per group (a deep cache: bandwidth wins).
+        let group = heads / n_kv;
+        let qb = match heads * splits < 4 * self.sms {
+            true => 1,
+            false => (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1),
+        };
         let f = self.function(kernels::file("attention_decode.cu"), &[], "attention_decode")?;
         let mut scratch = self.attn_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let key = (heads * splits, kv.head_dim);
