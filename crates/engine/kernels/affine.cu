@@ -7,26 +7,14 @@
 // load, and folds the affine form once per group: scale·Σq·x + bias·Σx. f32 accumulation.
 // CPU reference: backend/cpu/matmul.rs.
 #include "common.cuh"
+#include "affine.cuh"
 
-#ifndef BITS
-#define BITS 4
-#endif
-#ifndef GROUP
-#define GROUP 32
-#endif
 #define VPC (128 / BITS)                      // values per 16-byte chunk
 #define SUBG (VPC > GROUP ? GROUP : VPC)      // values per group segment inside a chunk
-#define MASK ((1u << BITS) - 1u)
 #define WARPS 4
 
 __device__ __forceinline__ void load8(const bf16_t* p, float* f) {
-    uint4 v = *reinterpret_cast<const uint4*>(p);
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
 }
 
 // TOK activation rows per block-y: each 16-byte weight chunk is loaded once and used for

@@ -18,13 +18,7 @@
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 
 __device__ __forceinline__ void ld8(const bf16_t* p, float* f) {
-    uint4 v = *reinterpret_cast<const uint4*>(p);
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
 }
 
 extern "C" __global__ void __launch_bounds__(128)

@@ -41,6 +41,16 @@ typedef f16_t scale_t;
 __device__ __forceinline__ float s2f(f16_t v) { return h2f(v); }
 #endif
 
+// Eight bf16 (one 16-byte load) to f32: a bf16 is the high half of its f32.
+__device__ __forceinline__ void unpack_bf16x8(uint4 v, float* f) {
+    u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        f[2 * i] = __uint_as_float(w[i] << 16);
+        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

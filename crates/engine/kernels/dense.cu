@@ -5,15 +5,6 @@
 
 #define WARPS 4
 
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-}
-
 template <bool OUT_F32>
 __device__ __forceinline__ void dmv_body(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                                          void* __restrict__ out, int rows, int cols) {
@@ -24,8 +15,8 @@ __device__ __forceinline__ void dmv_body(const bf16_t* __restrict__ w, const bf1
     float acc = 0.f;
     for (int c = lane; c < cols / 8; c += 32) {
         float a[8], b[8];
-        unpack8(wr[c], a);
-        unpack8(xr[c], b);
+        unpack_bf16x8(wr[c], a);
+        unpack_bf16x8(xr[c], b);
 #pragma unroll
         for (int j = 0; j < 8; j++) acc = fmaf(a[j], b[j], acc);
     }

@@ -49,6 +49,7 @@
 //     row-major, so ldmatrix.x4.trans (lane l gets stored rows 2(l%4)..+1 of column l/4)
 //     with rows = 8 keys gives b0 (keys 16kc..+7), b1 (keys +8..+15) for two 8-wide d blocks.
 #include "common.cuh"
+#include "mma.cuh"
 
 #ifndef HD
 #error "flash_attention.cu is compiled with -D HD=64|128|256"
@@ -67,44 +68,6 @@
 #endif
 #define STR (HD + 8)       // shared row stride in bf16
 
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// 16-byte async copy global → shared; valid false zero-fills (src is not read).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-
-// c += A·B for one m16n8k16 tile (fragments as in the header comment).
-__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two f32 → bf16x2 (round to nearest even), lo in the low half.
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
 // Start copying key/value rows kv0..kv0+BKV-1 of kv head kvh into s; rows ≥ kend are zeroed.
 __device__ __forceinline__ void load_tile(bf16_t* s, const bf16_t* __restrict__ cache, int kv0, int kend,
                                           long width, int kvh) {
@@ -116,7 +79,7 @@ __device__ __forceinline__ void load_tile(bf16_t* s, const bf16_t* __restrict__ 
         const bf16_t* src = cache + (long)(ok ? p : 0) * width + (long)kvh * HD + c;
         cp_async16(smem_u32(s + r * STR + c), src, ok);
     }
-    cp_commit();
+    cp_async_commit();
 }
 
 extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __restrict__ q,
@@ -172,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
     load_tile(sk, kc, 0, kend, width, kvh);
     for (int it = 0; it < ntiles; it++) {
         const int kv0 = it * BKV;
-        cp_wait_all();
+        cp_async_wait_all();
         __syncthreads();   // K tile in; every warp is done with the previous V tile
         load_tile(sv, vc, kv0, kend, width, kvh);
         const bool active = kv0 <= wlast;   // warp-uniform: some row of the warp sees this tile
@@ -187,8 +150,8 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
                 for (int j = 0; j < BKV / 8; j++) {
                     u32 b0, b1, b2, b3;
                     ldsm_x4(sk_base + 2 * (j * 8 * STR + kk * 16), b0, b1, b2, b3);
-                    mma16816(s[j], qf[kk], b0, b1);
-                    mma16816(s[j], qf[kk + 1], b2, b3);
+                    mma_bf16(s[j], qf[kk], b0, b1);
+                    mma_bf16(s[j], qf[kk + 1], b2, b3);
                 }
             }
             if (kv0 + BKV - 1 > wfirst) {   // the tile crosses the diagonal of some row
@@ -234,11 +197,11 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
                 float p2 = exp2f(fmaf(s[j][2], sl2, -ms_b)), p3 = exp2f(fmaf(s[j][3], sl2, -ms_b));
                 l_a += p0 + p1;
                 l_b += p2 + p3;
-                pf[j / 2][(j & 1) * 2] = pack_bf16(p0, p1);       // row g: a0 (j even) / a2 (j odd)
-                pf[j / 2][(j & 1) * 2 + 1] = pack_bf16(p2, p3);   // row g+8: a1 / a3
+                pf[j / 2][(j & 1) * 2] = pack_bf16x2(p0, p1);       // row g: a0 (j even) / a2 (j odd)
+                pf[j / 2][(j & 1) * 2 + 1] = pack_bf16x2(p2, p3);   // row g+8: a1 / a3
             }
         }
-        cp_wait_all();
+        cp_async_wait_all();
         __syncthreads();   // V tile in; every warp is done with this K tile
         if (it + 1 < ntiles) load_tile(sk, kc, kv0 + BKV, kend, width, kvh);
         if (active) {
@@ -248,8 +211,8 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
                 for (int dn = 0; dn < HD / 8; dn += 2) {
                     u32 b0, b1, b2, b3;
                     ldsm_x4_t(sv_base + 2 * (kq * 16 * STR + dn * 8), b0, b1, b2, b3);
-                    mma16816(o[dn], pf[kq], b0, b1);
-                    mma16816(o[dn + 1], pf[kq], b2, b3);
+                    mma_bf16(o[dn], pf[kq], b0, b1);
+                    mma_bf16(o[dn + 1], pf[kq], b2, b3);
                 }
             }
         }
@@ -263,11 +226,11 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
     if (ra < m) {
         u32* oa = (u32*)(out + ((long)ra * heads + h) * HD + 2 * c);
 #pragma unroll
-        for (int dn = 0; dn < HD / 8; dn++) oa[dn * 4] = pack_bf16(o[dn][0] * inv_a, o[dn][1] * inv_a);
+        for (int dn = 0; dn < HD / 8; dn++) oa[dn * 4] = pack_bf16x2(o[dn][0] * inv_a, o[dn][1] * inv_a);
     }
     if (ra + 8 < m) {
         u32* ob = (u32*)(out + ((long)(ra + 8) * heads + h) * HD + 2 * c);
 #pragma unroll
-        for (int dn = 0; dn < HD / 8; dn++) ob[dn * 4] = pack_bf16(o[dn][2] * inv_b, o[dn][3] * inv_b);
+        for (int dn = 0; dn < HD / 8; dn++) ob[dn * 4] = pack_bf16x2(o[dn][2] * inv_b, o[dn][3] * inv_b);
     }
 }

@@ -41,14 +41,9 @@
 //      → lane l addresses n (l & 7) + 8·(l >> 4), k 8·((l >> 3) & 1).
 // cvt.rn.bf16x2.f32 d, a, b puts a in the upper half of d and b in the lower.
 #include "common.cuh"
+#include "affine.cuh"
+#include "mma.cuh"
 
-#ifndef BITS
-#define BITS 4
-#endif
-#ifndef GROUP
-#define GROUP 32
-#endif
-#define MASK ((1u << BITS) - 1u)
 
 #define BM 64       // tokens per block
 #define BN 64       // output rows per block
@@ -64,40 +59,6 @@
 static_assert(BN * BK / SEG == THREADS, "one weight segment per thread");
 static_assert(BM * BK / 8 == 4 * THREADS, "four x copies per thread");
 
-// ---- PTX helpers (begin) ----
-__device__ __forceinline__ u32 smem_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// 16-byte global → shared copy; valid == false writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    int n = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
-__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(addr)
-                 : "memory");
-}
-
-// c += a·b, m16n8k16, bf16 inputs, f32 accumulators.
-__device__ __forceinline__ void mma_bf16(float* c, const u32* a, const u32* b) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-
-// Two f32 → bf16x2 (round to nearest even), lo in the low half.
-__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-// ---- PTX helpers (end) ----
 
 // q (0..255) as an exact f32: 2^23 + q has q in its low mantissa bits.
 __device__ __forceinline__ float q2f(u32 q) { return __uint_as_float(0x4b000000u | q) - 8388608.f; }
@@ -247,7 +208,7 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ w, const scal
 #pragma unroll
             for (int i = 0; i < 2; i++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a[i], b[j]);
+                for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a[i], b[j][0], b[j][1]);
         }
         if (more) store_wseg(seg, reinterpret_cast<bf16_t*>(ws_raw[cur ^ 1]) + seg_row * LDS + seg_k);
         cp_async_wait_all();

@@ -19,13 +19,8 @@
 //        Σ q·x = (Σ v·x − A·Σx) / B,  so  y += (scale/B)·Σv·x + (bias − scale·A/B)·Σx,
 //    one PRMT + one FFMA per weight per row; Σx is shared by the R rows.
 #include "common.cuh"
+#include "affine.cuh"
 
-#ifndef BITS
-#define BITS 4
-#endif
-#ifndef GROUP
-#define GROUP 32
-#endif
 #define VPC (128 / BITS)              // values per 16-byte weight chunk
 #define NP (VPC / 8)                  // 16-byte x parts (8 bf16) per chunk
 #define SUBG (VPC > GROUP ? GROUP : VPC)  // values per group segment inside a chunk
@@ -86,15 +81,6 @@ __device__ __forceinline__ float part_dot(const u32 (&words)[4], int p, const fl
     }
 #endif
     return d;
-}
-
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        f[2 * i] = __uint_as_float(w[i] << 16);
-        f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
 }
 
 struct Mat {
@@ -175,7 +161,7 @@ __device__ __forceinline__ void rows_dot(const uint4* xs, const Mat& a, const Ma
             if (c >= chunks) break;
             float xv[NP][8];
 #pragma unroll
-            for (int p = 0; p < NP; p++) unpack8(xs[xpart(c, p)], xv[p]);
+            for (int p = 0; p < NP; p++) unpack_bf16x8(xs[xpart(c, p)], xv[p]);
             float sx[NSUB];
 #pragma unroll
             for (int s = 0; s < NSUB; s++) {

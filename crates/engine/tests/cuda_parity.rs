@@ -61,6 +61,52 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
     assert!(e <= tol, "{what}: rel err {e} > {tol}");
 }
 
+/// An attention-only model shape: `heads`/`n_kv` heads of `hd`, `layers` layers.
+fn attn_cfg(heads: usize, n_kv: usize, hd: usize, layers: usize, style: RopeStyle) -> ferrolm::config::ModelConfig {
+    ferrolm::config::ModelConfig {
+        arch: ferrolm::config::Arch::Llama,
+        hidden: heads * hd,
+        n_layers: layers,
+        n_heads: heads,
+        n_kv_heads: n_kv,
+        head_dim: hd,
+        ffn: 64,
+        vocab: 8,
+        max_ctx: 1 << 20,
+        rms_eps: 1e-5,
+        rope_theta: 1e4,
+        rope_style: style,
+        llama3_scaling: None,
+        rope_linear: 1.0,
+        tie_embeddings: true,
+        qkv_bias: false,
+    }
+}
+
+/// One `attention` call (cache write + causal attention) on both backends with fresh random
+/// q/k/v for `m` rows at `pos`: the GPU output, the CPU reference, and the GPU q.
+fn attention_both(
+    r: &mut Rng,
+    kvg: &mut ferrolm::backend::cuda::CudaKv,
+    kvc: &mut <Cpu as Backend>::Kv,
+    (heads, n_kv, hd): (usize, usize, usize),
+    m: usize,
+    pos: usize,
+) -> (ferrolm::backend::cuda::CudaAct, Vec<f32>, ferrolm::backend::cuda::CudaAct) {
+    let (g, c) = (gpu(), Cpu);
+    let q = bf(&r.v(m * heads * hd, 1.0));
+    let k = bf(&r.v(m * n_kv * hd, 1.0));
+    let v = bf(&r.v(m * n_kv * hd, 1.0));
+    let qg = g.act_from(m, heads * hd, &q).unwrap();
+    let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+    g.begin(&[], pos).unwrap();
+    let (kg, vg) = (g.act_from(m, n_kv * hd, &k).unwrap(), g.act_from(m, n_kv * hd, &v).unwrap());
+    g.attention(&qg, &kg, &vg, kvg, 0, pos, &mut og).unwrap();
+    let mut oc = c.act(m, heads * hd).unwrap();
+    c.attention(&cpu(m, heads * hd, q), &cpu(m, n_kv * hd, k), &cpu(m, n_kv * hd, v), kvc, 0, pos, &mut oc).unwrap();
+    (og, oc.data, qg)
+}
+
 #[test]
 fn ops_match_cpu() {
     let (g, c) = (gpu(), Cpu);
@@ -133,6 +179,11 @@ fn matmuls_and_embeddings_match_cpu() {
             }
         }
     }
+    // 3/5/6-bit weights run widened to 8 bits
+    for (bits, group, dt) in [(3, 32, ScaleDtype::F16), (5, 64, ScaleDtype::BF16), (6, 16, ScaleDtype::F32)] {
+        let a = AffineTensor::quantize(&wf, n, k, bits, group, dt).unwrap();
+        cases.push((format!("q{bits} g{group} {dt:?} (as 8-bit)"), Weight::Affine(a)));
+    }
     let dense = bf(&wf);
     let dense = DenseData::BF16(dense.iter().map(|&v| half::bf16::from_f32(v)).collect());
     cases.push(("dense bf16".into(), Weight::Dense(DenseTensor { rows: n, cols: k, data: dense })));
@@ -164,60 +215,18 @@ fn attention_matches_cpu_prefill_and_decode() {
     let (g, c) = (gpu(), Cpu);
     let mut r = Rng::seeded();
     for (heads, n_kv, hd) in [(9, 3, 64), (32, 8, 64), (16, 2, 128)] {
-        let cfg = ferrolm::config::ModelConfig {
-            arch: ferrolm::config::Arch::Llama,
-            hidden: heads * hd,
-            n_layers: 1,
-            n_heads: heads,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-            ffn: 64,
-            vocab: 8,
-            max_ctx: 2048,
-            rms_eps: 1e-5,
-            rope_theta: 1e4,
-            rope_style: RopeStyle::Half,
-            llama3_scaling: None,
-            rope_linear: 1.0,
-            tie_embeddings: true,
-            qkv_bias: false,
-        };
+        let cfg = attn_cfg(heads, n_kv, hd, 1, RopeStyle::Half);
         // a small cache (one split), then a large one (several splits, some past the length)
         for (cache, steps) in [(64, vec![37usize, 1, 1, 1]), (1100, vec![300, 1, 1, 513, 1])] {
             let mut kvg = g.kv_cache(&cfg, cache).unwrap();
             let mut kvc = c.kv_cache(&cfg, cache).unwrap();
             let mut pos = 0;
             for m in steps {
-                let q = bf(&r.v(m * heads * hd, 1.0));
-                let k = bf(&r.v(m * n_kv * hd, 1.0));
-                let v = bf(&r.v(m * n_kv * hd, 1.0));
-                let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
-                g.begin(&[], pos).unwrap();
-                g.attention(
-                    &g.act_from(m, heads * hd, &q).unwrap(),
-                    &g.act_from(m, n_kv * hd, &k).unwrap(),
-                    &g.act_from(m, n_kv * hd, &v).unwrap(),
-                    &mut kvg,
-                    0,
-                    pos,
-                    &mut og,
-                )
-                .unwrap();
-                let mut oc = c.act(m, heads * hd).unwrap();
-                c.attention(
-                    &cpu(m, heads * hd, q),
-                    &cpu(m, n_kv * hd, k),
-                    &cpu(m, n_kv * hd, v),
-                    &mut kvc,
-                    0,
-                    pos,
-                    &mut oc,
-                )
-                .unwrap();
+                let (og, want, _) = attention_both(&mut r, &mut kvg, &mut kvc, (heads, n_kv, hd), m, pos);
                 check(
                     &format!("attention {heads}/{n_kv}x{hd} cache{cache} m{m} pos{pos}"),
                     &g.read_rows(&og, 0).unwrap(),
-                    &oc.data,
+                    &want,
                     1e-2,
                 );
                 pos += m;
@@ -448,24 +457,7 @@ fn rope_attention_matches_cpu() {
     for (heads, n_kv, hd, style) in
         [(9, 3, 64, RopeStyle::Half), (32, 8, 64, RopeStyle::Interleaved), (16, 2, 128, RopeStyle::Half)]
     {
-        let cfg = ferrolm::config::ModelConfig {
-            arch: ferrolm::config::Arch::Llama,
-            hidden: heads * hd,
-            n_layers: 2,
-            n_heads: heads,
-            n_kv_heads: n_kv,
-            head_dim: hd,
-            ffn: 64,
-            vocab: 8,
-            max_ctx: 2048,
-            rms_eps: 1e-5,
-            rope_theta: 1e4,
-            rope_style: style,
-            llama3_scaling: None,
-            rope_linear: 1.0,
-            tie_embeddings: true,
-            qkv_bias: false,
-        };
+        let cfg = attn_cfg(heads, n_kv, hd, 2, style);
         let rope = Rope { inv_freq: cfg.rope_inv_freq(), style, linear: 1.0 };
         // a short context (18 decode splits), and for the first shape a deep one (many
         // splits merged by the last block)
@@ -497,4 +489,17 @@ fn rope_attention_matches_cpu() {
             pos += m;
         }
     }
+}
+
+/// Asking for more device memory than there is gives a clear error, and the device stays
+/// usable afterwards.
+#[test]
+fn out_of_memory_is_a_clear_error() {
+    let g = gpu();
+    let cfg = attn_cfg(32, 32, 128, 64, RopeStyle::Half);
+    // 64 layers × 2 × 1M positions × 4096 × 2 bytes = 1 TiB
+    let e = g.kv_cache(&cfg, 1 << 20).err().expect("a 1 TiB KV cache cannot fit").to_string();
+    assert!(e.contains("out of memory") && e.contains("KV cache"), "{e}");
+    let x = g.act_from(1, 4, &[1.0, 2.0, 3.0, 4.0]).unwrap();
+    assert_eq!(g.read_rows(&x, 0).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
 }

@@ -171,6 +171,25 @@ impl AffineTensor {
         self.packed.len() * 4 + self.scales.byte_size() + self.biases.byte_size()
     }
 
+    /// The same tensor with its q values re-packed at `bits` ≥ its own width: scales and
+    /// biases unchanged, so it dequantizes to exactly the same values (a backend without a
+    /// kernel for 3/5/6-bit streams runs them as 8-bit).
+    pub fn widen(&self, bits: u32) -> Result<AffineTensor> {
+        if bits < self.bits {
+            return Err(Error::Invalid(format!("widening {}-bit weights to {bits} bits", self.bits)));
+        }
+        check_scheme(bits, self.group, self.cols)?;
+        let wpr = self.cols * bits as usize / 32;
+        let mut packed = vec![0u32; self.rows * wpr];
+        for (r, out) in packed.chunks_mut(wpr).enumerate() {
+            let words = self.row_words(r);
+            for i in 0..self.cols {
+                set_q(out, bits, i, get_q(words, self.bits, i));
+            }
+        }
+        AffineTensor::new(self.rows, self.cols, bits, self.group, packed, self.scales.clone(), self.biases.clone())
+    }
+
     /// Dequantize row `r` into `out` (len `cols`), f32.
     pub fn dequant_row(&self, r: usize, out: &mut [f32]) {
         assert_eq!(out.len(), self.cols);
@@ -304,6 +323,26 @@ pub fn set_q(words: &mut [u32], bits: u32, i: usize, q: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn widening_keeps_every_value() {
+        let mut seed = 7u64;
+        let w: Vec<f32> = (0..8 * 128)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+            })
+            .collect();
+        for bits in [2, 3, 4, 5, 6] {
+            for group in [32, 64] {
+                let a = AffineTensor::quantize(&w, 8, 128, bits, group, ScaleDtype::F16).unwrap();
+                let b = a.widen(8).unwrap();
+                assert_eq!((b.bits, b.group), (8, group));
+                assert_eq!(a.dequantize(), b.dequantize(), "{bits}-bit g{group} widened to 8");
+                assert!(b.widen(4).is_err());
+            }
+        }
+    }
 
     #[test]
     fn pack_roundtrip_all_bits() {

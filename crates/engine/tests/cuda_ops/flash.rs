@@ -1,29 +1,12 @@
 //! Flash-attention prefill vs the CPU reference.
 
-use super::{bf, check, cpu, gpu, Rng};
+use super::{bf, check, gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::Backend;
-use ferrolm::config::{Arch, ModelConfig, RopeStyle};
+use ferrolm::config::{ModelConfig, RopeStyle};
 
 fn config(heads: usize, n_kv: usize, hd: usize) -> ModelConfig {
-    ModelConfig {
-        arch: Arch::Llama,
-        hidden: heads * hd,
-        n_layers: 1,
-        n_heads: heads,
-        n_kv_heads: n_kv,
-        head_dim: hd,
-        ffn: 64,
-        vocab: 8,
-        max_ctx: 2048,
-        rms_eps: 1e-5,
-        rope_theta: 1e4,
-        rope_style: RopeStyle::Half,
-        llama3_scaling: None,
-        rope_linear: 1.0,
-        tie_embeddings: true,
-        qkv_bias: false,
-    }
+    super::attn_cfg(heads, n_kv, hd, 1, RopeStyle::Half)
 }
 
 /// Each step writes its k/v rows with the GPU `attention` op (the split-K kernels), then
@@ -42,39 +25,13 @@ fn flash_prefill_matches_cpu() {
             let mut kvc = c.kv_cache(&cfg, 512).unwrap();
             let mut pos = 0;
             for m in steps {
-                let q = bf(&r.v(m * heads * hd, 1.0));
-                let k = bf(&r.v(m * n_kv * hd, 1.0));
-                let v = bf(&r.v(m * n_kv * hd, 1.0));
-                let qg = g.act_from(m, heads * hd, &q).unwrap();
-                let mut split = g.act_poisoned(m, heads * hd, false).unwrap();
-                g.begin(&[], pos).unwrap();
-                g.attention(
-                    &qg,
-                    &g.act_from(m, n_kv * hd, &k).unwrap(),
-                    &g.act_from(m, n_kv * hd, &v).unwrap(),
-                    &mut kvg,
-                    0,
-                    pos,
-                    &mut split,
-                )
-                .unwrap();
-                let mut want = c.act(m, heads * hd).unwrap();
-                c.attention(
-                    &cpu(m, heads * hd, q),
-                    &cpu(m, n_kv * hd, k),
-                    &cpu(m, n_kv * hd, v),
-                    &mut kvc,
-                    0,
-                    pos,
-                    &mut want,
-                )
-                .unwrap();
+                let (split, want, qg) = super::attention_both(&mut r, &mut kvg, &mut kvc, (heads, n_kv, hd), m, pos);
                 let what = format!("{heads}/{n_kv}x{hd} m{m} pos{pos}");
                 // the cache writer and the reference kernels agree first
-                check(&format!("split-K attention {what}"), &g.read_rows(&split, 0).unwrap(), &want.data, 1e-2);
+                check(&format!("split-K attention {what}"), &g.read_rows(&split, 0).unwrap(), &want, 1e-2);
                 let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
                 g.flash_prefill(&qg, &kvg, 0, &mut og).unwrap();
-                check(&format!("flash_prefill {what}"), &g.read_rows(&og, 0).unwrap(), &want.data, 1e-2);
+                check(&format!("flash_prefill {what}"), &g.read_rows(&og, 0).unwrap(), &want, 1e-2);
                 pos += m;
             }
         }

@@ -239,9 +239,18 @@ impl Cuda {
     }
 
     fn affine(&self, a: &AffineTensor) -> Result<CudaMat> {
+        // 3/5/6-bit streams cross word boundaries and have no kernels yet: they run as
+        // 8-bit (exact, same scales; more bytes per weight), said once per process.
+        if [3, 5, 6].contains(&a.bits) && kernels::AFFINE_GROUPS.contains(&a.group) {
+            static NOTE: std::sync::Once = std::sync::Once::new();
+            NOTE.call_once(|| {
+                eprintln!("ferrolm: CUDA runs 3/5/6-bit weights as 8-bit (same values, more bytes per weight)")
+            });
+            return self.affine(&a.widen(8)?);
+        }
         if !kernels::AFFINE_BITS.contains(&a.bits) || !kernels::AFFINE_GROUPS.contains(&a.group) {
             return Err(Error::Unsupported(format!(
-                "{}-bit weights with group {} on CUDA (supported: 2/4/8 bits, groups 16–128)",
+                "{}-bit weights with group {} on CUDA (supported: 2–8 bits, groups 16–128)",
                 a.bits, a.group
             )));
         }

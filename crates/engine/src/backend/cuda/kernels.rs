@@ -32,8 +32,8 @@ pub fn file(name: &str) -> &'static KernelFile {
     FILES.iter().find(|f| f.name == name).expect("kernel file is in FILES")
 }
 
-/// Bit widths and groups the CUDA GEMV handles (3/5/6-bit streams cross word boundaries
-/// and are not written yet).
+/// Bit widths and groups the CUDA kernels handle (3/5/6-bit weights, whose values cross
+/// word boundaries, are widened to 8 bits at load: device.rs).
 pub const AFFINE_BITS: [u32; 3] = [2, 4, 8];
 pub const AFFINE_GROUPS: [usize; 4] = [16, 32, 64, 128];
 

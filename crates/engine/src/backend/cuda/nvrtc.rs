@@ -10,7 +10,11 @@ use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 
 /// Headers every kernel may `#include "name"`.
-pub const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("../../../kernels/common.cuh"))];
+pub const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("../../../kernels/common.cuh")),
+    ("affine.cuh", include_str!("../../../kernels/affine.cuh")),
+    ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
+];
 
 /// Is the NVRTC library loadable (dynamic loading; no CUDA install is required to build)?
 pub fn available() -> bool {
