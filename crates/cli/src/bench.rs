@@ -72,10 +72,9 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
     let one = l.tokenizer.encode(TEXT, false)?;
     let text: Vec<u32> = one.iter().cycle().take(a.depth + a.prompt_tokens).copied().collect();
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
-    let mut kv_bytes = 0;
+    let kv_bytes = ctx * l.model.cfg.n_layers * l.model.cfg.n_kv_heads * l.model.cfg.head_dim * 2 * 2;
     for run in 0..=a.repeats {
         let mut s = Session::new(&l.model, ctx)?;
-        kv_bytes = ctx * l.model.cfg.n_layers * l.model.cfg.n_kv_heads * l.model.cfg.head_dim * 2 * 2;
         if a.depth > 0 {
             s.feed(&text[..a.depth])?; // the context, untimed
         }

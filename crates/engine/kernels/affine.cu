@@ -13,10 +13,6 @@
 #define SUBG (VPC > GROUP ? GROUP : VPC)      // values per group segment inside a chunk
 #define WARPS 4
 
-__device__ __forceinline__ void load8(const bf16_t* p, float* f) {
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
-}
-
 // TOK activation rows per block-y: each 16-byte weight chunk is loaded once and used for
 // TOK rows (prefill reads the weights m/TOK times instead of m times).
 template <bool OUT_F32, int TOK>
@@ -51,7 +47,7 @@ __device__ __forceinline__ void qmv_body(const u32* __restrict__ w, const scale_
 #pragma unroll
                     for (int i8 = 0; i8 < SUBG; i8 += 8) {
                         float xf[8];
-                        load8(xr + i8, xf);
+                        load_bf16x8(xr + i8, xf);
 #pragma unroll
                         for (int j = 0; j < 8; j++) {
                             int i = sg * SUBG + i8 + j;  // value index inside the chunk

@@ -25,10 +25,10 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
 // writes its running max, sum and unnormalized accumulator to scratch. Splits past the
 // length write an empty partial. The split count is fixed by the cache size, so a captured
 // decode graph stays valid as the position grows.
-__device__ __forceinline__ void split_partial(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
-                                              const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
-                                              float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                              const int* __restrict__ pos0p, int chunk) {
+extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
+                                           const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
+                                           float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                                           const int* __restrict__ pos0p, int chunk) {
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
     int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -80,13 +80,6 @@ __device__ __forceinline__ void split_partial(const bf16_t* __restrict__ q, cons
     }
 }
 
-extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
-                                           const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
-                                           float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                           const int* __restrict__ pos0p, int chunk) {
-    split_partial(q, kc, vc, part_ml, part_acc, heads, n_kv, hd, pos0p, chunk);
-}
-
 
 // RoPE on this call's q (in place) and k, then k and v into the cache at positions
 // *pos0p.. (rope.cu's math; kv_write's layout). q [rows, heads·hd], k/v [rows, n_kv·hd].
@@ -108,13 +101,11 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restr
         int j = u % half;
         long rh = u / half;
         int row = rh / (isq ? heads : n_kv);
-        float a = ((float)(pos0 + row) / linear) * inv_freq[j];
-        float sn, cs;
-        sincosf(a, &sn, &cs);
-        int i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
+        int i0, i1;
+        rope_pair_index(j, half, interleaved, i0, i1);
         const bf16_t* src = isq ? q + rh * hd : k + rh * hd;
-        float x0 = bf2f(src[i0]), x1 = bf2f(src[i1]);
-        bf16_t y0 = f2bf(x0 * cs - x1 * sn), y1 = f2bf(x0 * sn + x1 * cs);
+        bf16_t y0, y1;
+        rope_rotate(bf2f(src[i0]), bf2f(src[i1]), pos0 + row, linear, inv_freq[j], y0, y1);
         if (isq) {
             q[rh * hd + i0] = y0;
             q[rh * hd + i1] = y1;

@@ -17,10 +17,6 @@
 #define QB_MAX 4        // query heads per block
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 
-__device__ __forceinline__ void ld8(const bf16_t* p, float* f) {
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
-}
-
 extern "C" __global__ void __launch_bounds__(128)
     attention_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
                      float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ out,
@@ -39,7 +35,7 @@ extern "C" __global__ void __launch_bounds__(128)
     float qv[QB_MAX][8], acc[QB_MAX][8], m[QB_MAX], l[QB_MAX];
 #pragma unroll
     for (int j = 0; j < QB_MAX; j++) {
-        if (j < qb) ld8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
+        if (j < qb) load_bf16x8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             qv[j][i] = j < qb ? qv[j][i] * scale : 0.f;
@@ -54,8 +50,8 @@ extern "C" __global__ void __launch_bounds__(128)
         int p = base + grp;
         bool valid = p < p1;
         float kf[8], vf[8];
-        ld8(kb + (long)min(p, p1 - 1) * width, kf);
-        ld8(vb + (long)min(p, p1 - 1) * width, vf);
+        load_bf16x8(kb + (long)min(p, p1 - 1) * width, kf);
+        load_bf16x8(vb + (long)min(p, p1 - 1) * width, vf);
 #pragma unroll
         for (int j = 0; j < QB_MAX; j++) {
             if (j >= qb) break;

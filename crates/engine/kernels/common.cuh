@@ -51,6 +51,26 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float* f) {
     }
 }
 
+__device__ __forceinline__ void load_bf16x8(const bf16_t* p, float* f) {
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
+}
+
+// RoPE (rope.cu, and attention.cu's rope_kv): pair j of a head is (2j, 2j+1) when
+// interleaved (GGUF llama order), else (j, j + half) (Hugging Face order); the pair at
+// position pos turns by pos / linear · inv_freq_j.
+__device__ __forceinline__ void rope_pair_index(int j, int half, int interleaved, int& i0, int& i1) {
+    i0 = interleaved ? 2 * j : j;
+    i1 = interleaved ? 2 * j + 1 : j + half;
+}
+__device__ __forceinline__ void rope_rotate(float x0, float x1, int pos, float linear, float inv_freq, bf16_t& y0,
+                                            bf16_t& y1) {
+    float a = ((float)pos / linear) * inv_freq;
+    float s, c;
+    sincosf(a, &s, &c);
+    y0 = f2bf(x0 * c - x1 * s);
+    y1 = f2bf(x0 * s + x1 * c);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -15,12 +15,8 @@ extern "C" __global__ void rope(bf16_t* __restrict__ x, const float* __restrict_
         long rh = t / half;
         int row = rh / heads;
         bf16_t* h = x + rh * hd;
-        float a = ((float)(pos0 + row) / linear) * inv_freq[j];
-        float s, c;
-        sincosf(a, &s, &c);
-        int i0 = interleaved ? 2 * j : j, i1 = interleaved ? 2 * j + 1 : j + half;
-        float x0 = bf2f(h[i0]), x1 = bf2f(h[i1]);
-        h[i0] = f2bf(x0 * c - x1 * s);
-        h[i1] = f2bf(x0 * s + x1 * c);
+        int i0, i1;
+        rope_pair_index(j, half, interleaved, i0, i1);
+        rope_rotate(bf2f(h[i0]), bf2f(h[i1]), pos0 + row, linear, inv_freq[j], h[i0], h[i1]);
     }
 }

@@ -51,6 +51,32 @@ pub struct ModelConfig {
     pub qkv_bias: bool,
 }
 
+/// A Llama with no shape yet (all dimensions 0, which `validate` rejects) and Hugging Face's
+/// defaults for the rest (eps 1e-5, RoPE θ 10000 in half-split order, no scaling, untied
+/// head, no q/k/v bias): the base that shapes are written on with `..Default::default()`.
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            arch: Arch::Llama,
+            hidden: 0,
+            n_layers: 0,
+            n_heads: 0,
+            n_kv_heads: 0,
+            head_dim: 0,
+            ffn: 0,
+            vocab: 0,
+            max_ctx: 0,
+            rms_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_style: RopeStyle::Half,
+            llama3_scaling: None,
+            rope_linear: 1.0,
+            tie_embeddings: false,
+            qkv_bias: false,
+        }
+    }
+}
+
 impl ModelConfig {
     /// Check the shape is self-consistent; errors name the field.
     pub fn validate(&self, src: &str) -> Result<()> {

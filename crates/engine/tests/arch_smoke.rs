@@ -22,7 +22,6 @@ impl Rng {
 
 fn base_cfg() -> ModelConfig {
     ModelConfig {
-        arch: Arch::Llama,
         hidden: 64,
         n_layers: 2,
         n_heads: 4,
@@ -31,13 +30,7 @@ fn base_cfg() -> ModelConfig {
         ffn: 128,
         vocab: 96,
         max_ctx: 64,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_style: RopeStyle::Half,
-        llama3_scaling: None,
-        rope_linear: 1.0,
-        tie_embeddings: false,
-        qkv_bias: false,
+        ..Default::default()
     }
 }
 

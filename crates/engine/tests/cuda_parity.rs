@@ -64,7 +64,6 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f64) {
 /// An attention-only model shape: `heads`/`n_kv` heads of `hd`, `layers` layers.
 fn attn_cfg(heads: usize, n_kv: usize, hd: usize, layers: usize, style: RopeStyle) -> ferrolm::config::ModelConfig {
     ferrolm::config::ModelConfig {
-        arch: ferrolm::config::Arch::Llama,
         hidden: heads * hd,
         n_layers: layers,
         n_heads: heads,
@@ -73,13 +72,9 @@ fn attn_cfg(heads: usize, n_kv: usize, hd: usize, layers: usize, style: RopeStyl
         ffn: 64,
         vocab: 8,
         max_ctx: 1 << 20,
-        rms_eps: 1e-5,
-        rope_theta: 1e4,
         rope_style: style,
-        llama3_scaling: None,
-        rope_linear: 1.0,
         tie_embeddings: true,
-        qkv_bias: false,
+        ..Default::default()
     }
 }
 

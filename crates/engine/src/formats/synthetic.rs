@@ -33,7 +33,7 @@
 
 use super::safetensors::expected_shapes;
 use super::{names, ModelSource, TensorMap, TokenizerSource};
-use crate::config::{Arch, Llama3Scaling, ModelConfig, RopeStyle};
+use crate::config::{Llama3Scaling, ModelConfig};
 use crate::quant::affine::{check_scheme, quantize_group, set_q};
 use crate::quant::scheme::QuantScheme;
 use crate::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Scales, Weight};
@@ -69,24 +69,7 @@ pub fn config(name: &str) -> Result<ModelConfig> {
     let llama3 = |factor| {
         Some(Llama3Scaling { factor, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192.0 })
     };
-    let base = ModelConfig {
-        arch: Arch::Llama,
-        hidden: 0,
-        n_layers: 0,
-        n_heads: 0,
-        n_kv_heads: 0,
-        head_dim: 0,
-        ffn: 0,
-        vocab: 0,
-        max_ctx: 0,
-        rms_eps: 1e-5,
-        rope_theta: 10000.0,
-        rope_style: RopeStyle::Half,
-        llama3_scaling: None,
-        rope_linear: 1.0,
-        tie_embeddings: false,
-        qkv_bias: false,
-    };
+    let base = ModelConfig::default();
     let cfg = match name {
         // HuggingFaceTB/SmolLM2-135M(-Instruct)
         "smollm2-135m" => ModelConfig {

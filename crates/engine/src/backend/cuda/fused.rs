@@ -62,8 +62,11 @@ fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
 /// Rows per warp: more rows reuse each x chunk more and keep more loads in flight, but
 /// leave fewer warps; `FERROLM_GEMV_R` forces a value (for tuning).
 fn rows_per_warp(total_rows: usize) -> usize {
-    if let Some(r) = std::env::var("FERROLM_GEMV_R").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
-    {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| {
+        std::env::var("FERROLM_GEMV_R").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
+    });
+    if let Some(r) = *forced {
         return r;
     }
     match total_rows {
@@ -159,7 +162,10 @@ impl Cuda {
         // Persistent blocks: as many as fit on the GPU at once (registers allow ~4 per SM),
         // each looping over row blocks with x staged once; `FERROLM_GEMV_BPS` overrides the
         // blocks per SM (for tuning).
-        let per_sm = std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1);
+        static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let per_sm = *PER_SM.get_or_init(|| {
+            std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1)
+        });
         let blocks = blocks.min(self.sms * per_sm);
         let c = LaunchConfig {
             grid_dim: (blocks as u32, 1, 1),

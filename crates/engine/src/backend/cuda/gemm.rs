@@ -12,10 +12,11 @@
 //! Refusals are errors, never a silent fallback: callers check [`Cuda::qgemm_supported`]
 //! first and use the GEMV otherwise (which is also the better choice for a few tokens).
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, DevScales};
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat};
 use super::kernels;
+use super::ops::push_scales;
 use crate::{Error, Result};
-use cudarc::driver::{LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Tokens per block (gemm.cu's BM).
 const TILE_TOKENS: usize = 64;
@@ -25,14 +26,6 @@ const TILE_ROWS: usize = 64;
 const THREADS: u32 = 128;
 /// cols must be a multiple of this (one thread's 32-value weight segment).
 const COLS_MULTIPLE: usize = 32;
-
-/// Scales or biases as a kernel argument, whatever their precision.
-fn push_scales<'a>(b: &mut LaunchArgs<'a>, s: &'a DevScales) {
-    match s {
-        DevScales::Half(v) => b.arg(v),
-        DevScales::F32(v) => b.arg(v),
-    };
-}
 
 impl Cuda {
     /// Can [`Cuda::qgemm`] multiply by `w`? (Affine weights with cols a multiple of 32.)

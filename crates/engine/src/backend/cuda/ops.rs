@@ -14,7 +14,7 @@ fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
 }
 
 /// Scales or biases as a kernel argument, whatever their precision.
-fn push_scales<'a>(b: &mut LaunchArgs<'a>, s: &'a DevScales) {
+pub(crate) fn push_scales<'a>(b: &mut LaunchArgs<'a>, s: &'a DevScales) {
     match s {
         DevScales::Half(v) => b.arg(v),
         DevScales::F32(v) => b.arg(v),
