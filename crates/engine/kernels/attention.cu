@@ -88,6 +88,8 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restr
                                    const bf16_t* __restrict__ v, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                    const float* __restrict__ inv_freq, int rows, int heads, int n_kv, int hd,
                                    const int* __restrict__ pos0p, float linear, int interleaved) {
+    pdl_trigger();  // launched with PDL: nothing to load before the wait
+    pdl_wait();
     int pos0 = *pos0p, half = hd / 2, width = n_kv * hd;
     long nq = (long)rows * heads * half, nk = (long)rows * n_kv * half, nv = (long)rows * width;
     for (long t = blockIdx.x * (long)blockDim.x + threadIdx.x; t < nq + nk + nv; t += (long)gridDim.x * blockDim.x) {

@@ -1,41 +1,113 @@
-// Decode attention (one query row) over the bf16 cache, one launch. CPU reference:
-// backend/cpu/attention.rs.
+// Decode attention (one query row) over the bf16 cache, with the RoPE of q and of the new
+// k and the cache write of the new k/v folded in: one launch. CPU reference: rope, rope,
+// then attention (backend/cpu/attention.rs), which this matches value for value (the same
+// bf16 roundings of rotated q and k).
 //
 // grid (heads / QB, 1, splits), block 128. A block takes QB query heads of one kv group
-// (GQA: they share K/V, so each K/V row is loaded once for all of them) and the cached
-// positions [s·chunk, (s+1)·chunk) ∩ [0, *pos0p] of split s. Positions are spread over
-// lanes, not walked one by one: a group of hd/8 lanes takes one position (each lane 8
-// dims, one 16-byte load of K and of V), so a warp scores 32·8/hd positions at once and
-// every iteration's loads are independent. Each lane group keeps an online softmax per
-// query head; groups merge in a fixed order through shared memory into the split's
-// partial (max, sum, unnormalized output). The last block of the kv group to finish
-// (counted in done[blockIdx.x], reset for the next step) merges the splits in split order,
-// one warp per query head. Deterministic.
+// (GQA: they share K/V, so each K/V row is loaded once for all of them) and the positions
+// [s·chunk, (s+1)·chunk) ∩ [0, pos0] of split s. Positions are spread over lanes, not
+// walked one by one: a group of hd/8 lanes takes one position (each lane 8 dims, one
+// 16-byte load of K and of V), so a warp scores 32·8/hd positions at once and every
+// iteration's loads are independent. Each lane group keeps an online softmax per query
+// head; groups merge in a fixed order through shared memory into the split's partial (max,
+// sum, unnormalized output). The last block of the kv group to finish (counted in
+// done[blockIdx.x], reset for the next step) merges the splits in split order, one warp
+// per query head. Deterministic.
+//
+// The new position pos0 is not read from the cache: its k and v come from the q/k/v GEMV
+// (raw), k is rotated here, and it is scored last in its split by lane group 0. The first
+// block of each kv group in that split writes it to the cache for later steps.
+//
+// Where the time goes: at a few hundred cached positions a split is a chain of latencies
+// (load K/V, score, merge, fence, merge the splits). Launched with PDL: the cached
+// positions (< pos0) were written by earlier steps, which have finished (every step starts
+// with a non-PDL launch), so the first UNR positions' K/V loads go out before pdl_wait,
+// overlapping the q/k/v GEMV; each lane group keeps UNR positions' loads in flight.
 #include "common.cuh"
 
 #define AW 4            // warps per block
 #define QB_MAX 4        // query heads per block
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
+#define UNR 4           // positions per lane group whose loads are in flight together
+
+// RoPE at position pos of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl
+// (G lanes per head): pairs (2j, 2j+1) when interleaved, else (j, j + hd/2), whose partner
+// dim is in lane gl ^ G/2 (a shuffle: every lane of the warp must call this).
+__device__ __forceinline__ void rope8(float (&x)[8], int gl, int G, int hd, int pos, float linear,
+                                      const float* __restrict__ inv_freq, int interleaved) {
+    int half = hd / 2;
+    float other[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) other[i] = __shfl_xor_sync(0xffffffffu, x[i], G / 2);
+    if (interleaved) {
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+            bf16_t y0, y1;
+            rope_rotate(x[i], x[i + 1], pos, linear, inv_freq[(gl * 8 + i) / 2], y0, y1);
+            x[i] = bf2f(y0);
+            x[i + 1] = bf2f(y1);
+        }
+    } else {
+        bool first = gl * 8 < half;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int d = gl * 8 + i, j = first ? d : d - half;
+            bf16_t y0, y1;
+            rope_rotate(first ? x[i] : other[i], first ? other[i] : x[i], pos, linear, inv_freq[j], y0, y1);
+            x[i] = bf2f(first ? y0 : y1);
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(128)
-    attention_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
-                     float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ out,
-                     int* __restrict__ done, int heads, int n_kv, int hd, int qb, const int* __restrict__ pos0p,
-                     int chunk) {
+    attention_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_new, const bf16_t* __restrict__ v_new,
+                     bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const float* __restrict__ inv_freq,
+                     float linear, int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
+                     bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd, int qb,
+                     const int* __restrict__ pos0p, int chunk) {
     __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
     __shared__ int last;
+    pdl_trigger();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int G = hd / 8, PW = 32 / G;  // lanes per position, positions per warp step
     int grp = lane / G, gl = lane % G, gid = warp * PW + grp, groups = AW * PW;
     int h0 = blockIdx.x * qb, sp = blockIdx.z, splits = gridDim.z;
     int kvh = h0 / (heads / n_kv), width = n_kv * hd;
-    int len = *pos0p + 1;
-    int p0 = sp * chunk, p1 = min(len, p0 + chunk);
+    int pos0 = *pos0p;
+    int p0 = sp * chunk, p1 = min(pos0 + 1, p0 + chunk);
+    int pc = min(p1, pos0);  // cached positions of this split: [p0, pc)
+    const bf16_t* kb = kc + kvh * hd + gl * 8;
+    const bf16_t* vb = vc + kvh * hd + gl * 8;
+    // K/V of cached positions: positions past pc reload position pc - 1, unused.
+    auto load_kv = [&](int base0, uint4 (&kr)[UNR], uint4 (&vr)[UNR]) {
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            long p = min(base0 + u * AW * PW + grp, pc - 1);
+            kr[u] = *reinterpret_cast<const uint4*>(kb + p * width);
+            vr[u] = *reinterpret_cast<const uint4*>(vb + p * width);
+        }
+    };
+    int first = p0 + warp * PW;
+    uint4 kr[UNR], vr[UNR];
+    if (first < pc) load_kv(first, kr, vr);
+    pdl_wait();
+    // The new position's k (rotated below) and v, if it is in this split: loaded with q.
+    bool has_new = pos0 >= p0 && pos0 < p1 && warp == 0;
+    float kn[8], vn[8];
+    uint4 vnr;
+    if (has_new) {
+        load_bf16x8(k_new + kvh * hd + gl * 8, kn);
+        vnr = *reinterpret_cast<const uint4*>(v_new + kvh * hd + gl * 8);
+        unpack_bf16x8(vnr, vn);
+    }
     float scale = rsqrtf((float)hd);
     float qv[QB_MAX][8], acc[QB_MAX][8], m[QB_MAX], l[QB_MAX];
 #pragma unroll
     for (int j = 0; j < QB_MAX; j++) {
-        if (j < qb) load_bf16x8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
+        if (j < qb) {
+            load_bf16x8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
+            rope8(qv[j], gl, G, hd, pos0, linear, inv_freq, interleaved);
+        }
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             qv[j][i] = j < qb ? qv[j][i] * scale : 0.f;
@@ -44,14 +116,9 @@ extern "C" __global__ void __launch_bounds__(128)
         m[j] = -INFINITY;
         l[j] = 0.f;
     }
-    const bf16_t* kb = kc + kvh * hd + gl * 8;
-    const bf16_t* vb = vc + kvh * hd + gl * 8;
-    for (int base = p0 + warp * PW; base < p1; base += AW * PW) {  // uniform per warp: shuffles below
-        int p = base + grp;
-        bool valid = p < p1;
-        float kf[8], vf[8];
-        load_bf16x8(kb + (long)min(p, p1 - 1) * width, kf);
-        load_bf16x8(vb + (long)min(p, p1 - 1) * width, vf);
+    if (has_new) rope8(kn, gl, G, hd, pos0, linear, inv_freq, interleaved);
+    // Score positions p (valid: this lane group's position is real) into the online softmax.
+    auto score = [&](const float (&kf)[8], const float (&vf)[8], bool valid) {
 #pragma unroll
         for (int j = 0; j < QB_MAX; j++) {
             if (j >= qb) break;
@@ -66,6 +133,33 @@ extern "C" __global__ void __launch_bounds__(128)
                 for (int i = 0; i < 8; i++) acc[j][i] = acc[j][i] * corr + e * vf[i];
                 m[j] = mn;
             }
+        }
+    };
+    for (int base0 = first; base0 < pc; base0 += AW * PW * UNR) {  // uniform per warp: shuffles
+        if (base0 != first) load_kv(base0, kr, vr);
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            int base = base0 + u * AW * PW;
+            if (base >= pc) break;
+            float kf[8], vf[8];
+            unpack_bf16x8(kr[u], kf);
+            unpack_bf16x8(vr[u], vf);
+            score(kf, vf, base + grp < pc);
+        }
+    }
+    // The new position, if it is in this split: scored last by warp 0's lane group 0 (its
+    // k/v were loaded with q), written to the cache by the kv group's first block.
+    if (has_new) {
+        score(kn, vn, grp == 0);
+        if (grp == 0 && h0 % (heads / n_kv) == 0) {
+            long o = (long)pos0 * width + kvh * hd + gl * 8;
+            uint4 kw;
+            kw.x = (u32)f2bf(kn[0]) | ((u32)f2bf(kn[1]) << 16);
+            kw.y = (u32)f2bf(kn[2]) | ((u32)f2bf(kn[3]) << 16);
+            kw.z = (u32)f2bf(kn[4]) | ((u32)f2bf(kn[5]) << 16);
+            kw.w = (u32)f2bf(kn[6]) | ((u32)f2bf(kn[7]) << 16);
+            *reinterpret_cast<uint4*>(kc + o) = kw;
+            *reinterpret_cast<uint4*>(vc + o) = vnr;
         }
     }
 #pragma unroll

@@ -71,6 +71,22 @@ __device__ __forceinline__ void rope_rotate(float x0, float x1, int pos, float l
     y1 = f2bf(x0 * s + x1 * c);
 }
 
+// Programmatic dependent launch (Cuda::launch with the PDL attribute, sm_90+): the next
+// kernel may start once every block of this one has called pdl_trigger(); it runs until
+// its pdl_wait(), which returns when the previous kernel has finished and its writes are
+// visible. Before pdl_wait() a kernel may only touch what no kernel writes (weights).
+// Without the attribute (or before sm_90) both are no-ops.
+__device__ __forceinline__ void pdl_trigger() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

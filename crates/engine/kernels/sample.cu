@@ -33,11 +33,13 @@ __device__ __forceinline__ void block_best(float& best, int& bi) {
 
 // grid: any number of blocks of 256 threads, each taking a contiguous slice; every block
 // writes its (max, index) to part[], and the last block to finish (counted in *done, reset
-// for the next launch) reduces them in block order. The index is written as f32 (exact
+// for the next launch) reduces them in block order. Launched with PDL. The index is written as f32 (exact
 // below 2^24) so it comes back through the same f32 path as logits.
 extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float* __restrict__ out,
                                   float* __restrict__ part_v, int* __restrict__ part_i, int* __restrict__ done) {
     __shared__ int last;
+    pdl_trigger();
+    pdl_wait();
     int per = (n + gridDim.x - 1) / gridDim.x;
     int lo = blockIdx.x * per, hi = min(n, lo + per);
     float best = -INFINITY;

@@ -15,6 +15,8 @@ use ferrolm::model::{Llama, Logits};
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 use std::sync::OnceLock;
 
+#[path = "cuda_ops/decode.rs"]
+mod decode;
 #[path = "cuda_ops/flash.rs"]
 mod flash;
 #[path = "cuda_ops/gemm.rs"]

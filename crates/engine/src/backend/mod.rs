@@ -140,6 +140,8 @@ pub trait Backend: Sync {
         self.add(x, tmp)
     }
     /// RoPE on q (n_heads) and k (n_kv heads) at positions pos0.., then `attention`.
+    /// Afterwards q and k hold either the rotated or the original values (a backend may
+    /// rotate them on the fly): callers treat them as scratch.
     #[allow(clippy::too_many_arguments)]
     fn rope_attention(
         &self,

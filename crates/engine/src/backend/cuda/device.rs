@@ -6,7 +6,7 @@ use super::nvrtc;
 use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
 use crate::{Error, Result};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DriverError, PinnedHostSlice,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DriverError, LaunchConfig, PinnedHostSlice,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -28,6 +28,8 @@ pub struct Cuda {
     pub device_name: String,
     /// Streaming multiprocessors (sizes persistent grids).
     pub sms: usize,
+    /// Launch the decode kernels with programmatic dependent launch (sm_90+; see `launch`).
+    pub pdl: bool,
     /// Loaded modules by "file|defines", and their functions by "file|defines|function":
     /// ops look kernels up on every launch, so the key is cheap (the source hash is only
     /// computed on a miss, for the disk cache).
@@ -53,6 +55,14 @@ pub struct Cuda {
     /// Set while a decode step is being captured: host-side staging (which synchronizes)
     /// is done before the capture and must not run inside it.
     pub(crate) capturing: std::sync::atomic::AtomicBool,
+}
+
+/// A kernel argument for `Cuda::launch`: a device address, or a scalar.
+#[derive(Clone, Copy)]
+pub(crate) enum KArg {
+    Ptr(u64),
+    I32(i32),
+    F32(f32),
 }
 
 /// A captured graph, owned behind the backend's mutex.
@@ -169,6 +179,8 @@ impl Cuda {
             arch: format!("sm_{major}{minor}"),
             device_name,
             sms,
+            // `FERROLM_PDL=0` turns it off (for A/B measurements).
+            pdl: major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0"),
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             compiled: Mutex::new(0),
@@ -192,7 +204,8 @@ impl Cuda {
         let module = match mods.get(&module_key) {
             Some(m) => m.clone(),
             None => {
-                let (bin, hit) = nvrtc::cached(file.name, file.src, &self.arch, defines)?;
+                let src = nvrtc::source(file.name, file.src);
+                let (bin, hit) = nvrtc::cached(file.name, &src, &self.arch, defines)?;
                 if !hit {
                     *self.compiled.lock().unwrap_or_else(|e| e.into_inner()) += 1;
                 }
@@ -204,6 +217,50 @@ impl Cuda {
         let f = module.load_function(func).map_err(drv(&format!("finding {func} in {}", file.name)))?;
         self.functions.lock().unwrap_or_else(|e| e.into_inner()).insert(fn_key, f.clone());
         Ok(f)
+    }
+
+    /// Launch `f` with `args` (in the kernel's parameter order and types). With `self.pdl`
+    /// the launch allows programmatic dependent launch: the kernel may start while the
+    /// previous kernel in the stream is still running, once all of that kernel's blocks
+    /// have executed `pdl_trigger()` (common.cuh). So a kernel launched this way must call
+    /// `pdl_wait()` before it reads or writes anything an earlier kernel touches; what it
+    /// does before (loading weights, which nothing writes) overlaps the previous kernel's
+    /// tail and the launch gap. Graph capture keeps these as programmatic edges.
+    pub(crate) fn launch(&self, f: &CudaFunction, c: LaunchConfig, args: &[KArg], what: &str) -> Result<()> {
+        use cudarc::driver::sys;
+        // One 8-byte slot per argument; a 4-byte scalar sits in its slot's first bytes
+        // (the driver reads as many bytes as the parameter has).
+        let mut slots: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                KArg::Ptr(p) => p,
+                KArg::I32(v) => u64::from(v as u32),
+                KArg::F32(v) => u64::from(v.to_bits()),
+            })
+            .collect();
+        let mut ptrs: Vec<*mut std::ffi::c_void> =
+            slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect();
+        // SAFETY: plain-old-data union; only the PDL member is set.
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: c.grid_dim.0,
+            gridDimY: c.grid_dim.1,
+            gridDimZ: c.grid_dim.2,
+            blockDimX: c.block_dim.0,
+            blockDimY: c.block_dim.1,
+            blockDimZ: c.block_dim.2,
+            sharedMemBytes: c.shared_mem_bytes,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(self.pdl),
+        };
+        self.ctx.bind_to_thread().map_err(drv(what))?;
+        // SAFETY: the caller passes args matching the kernel's parameters (device addresses
+        // of live buffers, sizes checked by the caller); slots, ptrs and attr outlive the call.
+        let r = unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) };
+        r.result().map_err(drv(what))
     }
 
     /// Device address of `rope`'s inverse frequencies (uploaded on first use).

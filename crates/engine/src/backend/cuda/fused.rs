@@ -6,12 +6,12 @@
 //! Anything these kernels do not cover (several rows, dense weights, mixed formats) goes
 //! through the unfused ops, which are the same math.
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales};
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales, KArg};
 use super::kernels;
 use crate::backend::{Backend, Rope};
 use crate::config::RopeStyle;
 use crate::{Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 /// How the fused GEMV reads its input.
 pub(crate) enum GemvIn<'a> {
@@ -59,9 +59,17 @@ fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
     }
 }
 
-/// Rows per warp: more rows reuse each x chunk more and keep more loads in flight, but
-/// leave fewer warps; `FERROLM_GEMV_R` forces a value (for tuning).
-fn rows_per_warp(total_rows: usize) -> usize {
+/// Warps per GEMV block (NW in gemv.cu) and 16-byte weight loads per lane per tile (LIF;
+/// half of them per matrix for SwiGLU's two).
+const GEMV_WARPS: usize = 4;
+const GEMV_LOADS: usize = 8;
+
+/// Rows per warp: more rows reuse each x chunk more, but leave fewer warps. At least as
+/// many as keep a lane's tile of `loads` loads (per matrix) within a row's chunks (`chunks`
+/// 16-byte chunks per row): a 2048-wide 4-bit row is 64 chunks, 2 per lane, so a one-row
+/// tile of 8 would leave 3/4 of its loads empty. `FERROLM_GEMV_R` forces a value (for
+/// tuning).
+fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> usize {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| {
         std::env::var("FERROLM_GEMV_R").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
@@ -69,11 +77,13 @@ fn rows_per_warp(total_rows: usize) -> usize {
     if let Some(r) = *forced {
         return r;
     }
-    match total_rows {
+    let by_rows = match total_rows {
         n if n >= 16384 => 4,
         n if n >= 8192 => 2,
         _ => 1,
-    }
+    };
+    let per_lane = chunks.div_ceil(32).clamp(1, loads);
+    by_rows.max(loads / per_lane).min(4)
 }
 
 impl Cuda {
@@ -120,7 +130,9 @@ impl Cuda {
         }
         let launched_rows: usize =
             if mode == GemvOut::Swiglu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
-        let r = rows_per_warp(launched_rows);
+        let CudaMat::Affine { bits, .. } = mats[0] else { unreachable!("checked above") };
+        let loads = if mode == GemvOut::Swiglu { GEMV_LOADS / 2 } else { GEMV_LOADS };
+        let r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
         let o = match (mode, norm, f32_out) {
             (GemvOut::Swiglu, _, _) => "s",
             (GemvOut::Add, _, _) => "a",
@@ -131,50 +143,42 @@ impl Cuda {
         let f = self.function(kernels::file("gemv.cu"), defines, &name)?;
         // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
         // Unused matrix slots repeat the first with 0 rows.
-        let mut args: Vec<u64> = Vec::with_capacity(15);
-        let mut rows: Vec<i32> = Vec::with_capacity(3);
-        let rb = 4 * r;
+        let mut args: Vec<KArg> = Vec::with_capacity(19);
         let mut blocks = 0;
         for i in 0..3 {
             let (m, o) = if i < mats.len() { (mats[i], &*outs[i]) } else { (mats[0], &*outs[0]) };
             let CudaMat::Affine { words, scales, biases, rows: n, .. } = m else { unreachable!("checked above") };
             let n = if i < mats.len() { *n } else { 0 };
-            args.extend([words.device_ptr(&self.stream).0, scales_ptr(self, scales), scales_ptr(self, biases)]);
-            args.push(act_ptr(self, o));
-            rows.push(n as i32);
+            args.extend([
+                KArg::Ptr(words.device_ptr(&self.stream).0),
+                KArg::Ptr(scales_ptr(self, scales)),
+                KArg::Ptr(scales_ptr(self, biases)),
+                KArg::Ptr(act_ptr(self, o)),
+                KArg::I32(n as i32),
+            ]);
             if mode != GemvOut::Swiglu || i == 0 {
-                blocks += n.div_ceil(rb);
+                blocks += n.div_ceil(GEMV_WARPS * r);
             }
         }
-        let (xp, cols) = (act_ptr(self, x), x.cols as i32);
+        let xp = act_ptr(self, x);
         let (nw, eps) = match input {
             GemvIn::Norm(_, w, eps) => (w.device_ptr(&self.stream).0, eps),
             GemvIn::Bf16(_) => (xp, 0.0f32),
         };
-        let mut b = self.stream.launch_builder(&f);
-        for i in 0..3 {
-            for a in &args[4 * i..4 * i + 4] {
-                b.arg(a);
-            }
-            b.arg(&rows[i]);
-        }
-        b.arg(&xp).arg(&nw).arg(&eps).arg(&cols);
-        // Persistent blocks: as many as fit on the GPU at once (registers allow ~4 per SM),
-        // each looping over row blocks with x staged once; `FERROLM_GEMV_BPS` overrides the
-        // blocks per SM (for tuning).
+        args.extend([KArg::Ptr(xp), KArg::Ptr(nw), KArg::F32(eps), KArg::I32(x.cols as i32)]);
+        // Persistent blocks: as many as are resident on the GPU at once (registers decide:
+        // 3-5 per SM), each looping over row blocks with x staged once. More would queue
+        // behind the first wave and finish last. `FERROLM_GEMV_BPS` caps the blocks per SM
+        // (for tuning).
         static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let per_sm = *PER_SM.get_or_init(|| {
-            std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1)
+        let per_sm_cap = *PER_SM.get_or_init(|| {
+            std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8usize).max(1)
         });
-        let blocks = blocks.min(self.sms * per_sm);
-        let c = LaunchConfig {
-            grid_dim: (blocks as u32, 1, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: (x.cols * 2) as u32,
-        };
-        // SAFETY: gemv.cu's GEMV_ARGS in order (pointers as u64: device addresses of live
-        // buffers owned by the caller); shapes and formats checked above.
-        unsafe { b.launch(c) }.map_err(drv("fused GEMV launch"))?;
+        let smem = x.cols * 2;
+        let resident = f.occupancy_max_active_blocks_per_multiprocessor(128, smem, None).unwrap_or(4).max(1);
+        let blocks = blocks.min(self.sms * per_sm_cap.min(resident as usize));
+        let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 };
+        self.launch(&f, c, &args, "fused GEMV launch")?;
         Ok(true)
     }
 
@@ -197,34 +201,61 @@ impl Cuda {
         let (rows, h, nkv, hd) = (q.rows as i32, heads as i32, (kv.width / kv.head_dim) as i32, kv.head_dim as i32);
         let inter = i32::from(rope.style == RopeStyle::Interleaved);
         let n = q.rows * (q.cols / 2 + kv.width / 2 + kv.width);
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(q.bf16_mut()).arg(k.bf16()).arg(v.bf16()).arg(&mut kv.k[layer]).arg(&mut kv.v[layer]);
-        b.arg(&freqs).arg(&rows).arg(&h).arg(&nkv).arg(&hd).arg(p0).arg(&rope.linear).arg(&inter);
+        let args = [
+            KArg::Ptr(q.bf16().device_ptr(&self.stream).0),
+            KArg::Ptr(k.bf16().device_ptr(&self.stream).0),
+            KArg::Ptr(v.bf16().device_ptr(&self.stream).0),
+            KArg::Ptr(kv.k[layer].device_ptr(&self.stream).0),
+            KArg::Ptr(kv.v[layer].device_ptr(&self.stream).0),
+            KArg::Ptr(freqs),
+            KArg::I32(rows),
+            KArg::I32(h),
+            KArg::I32(nkv),
+            KArg::I32(hd),
+            KArg::Ptr(p0.device_ptr(&self.stream).0),
+            KArg::F32(rope.linear),
+            KArg::I32(inter),
+        ];
         let c = LaunchConfig {
             grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches attention.cu's rope_kv; pos0 + rows ≤ max_seq is checked by the model.
-        unsafe { b.launch(c) }.map(|_| ()).map_err(drv("rope_kv launch"))
+        // Matches attention.cu's rope_kv; pos0 + rows ≤ max_seq is checked by the model.
+        self.launch(&f, c, &args, "rope_kv launch")
     }
 
-    /// Decode attention over the cache (one query row), split merge included: one launch.
-    pub(crate) fn attention_decode(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
+    /// Decode attention (one query row) with RoPE of q and of the new k, the cache write of
+    /// the new k/v, and the split merge: one launch. q, k, v are the unrotated projections.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_decode(
+        &self,
+        q: &CudaAct,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        out: &mut CudaAct,
+    ) -> Result<()> {
         let heads = q.cols / kv.head_dim;
         let n_kv = kv.width / kv.head_dim;
-        // Positions per split: 64, or more where the merge's shared memory would overflow.
-        let chunk = DECODE_CHUNK.max(kv.max_seq.div_ceil(DECODE_SPLITS_MAX));
-        let splits = kv.max_seq.div_ceil(chunk);
         // Query heads per block: one while heads × splits blocks leave SMs idle (a short
         // cache: parallelism wins); else the largest divisor of the GQA group up to 4, so
         // K/V rows are read once per group (a deep cache: bandwidth wins).
         let group = heads / n_kv;
-        let qb = match heads * splits < 4 * self.sms {
+        let qb = match heads * kv.max_seq.div_ceil(DECODE_CHUNK) < 4 * self.sms {
             true => 1,
             false => (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1),
         };
         let f = self.function(kernels::file("attention_decode.cu"), &[], "attention_decode")?;
+        // Positions per split: 64, or more where the blocks would not all be resident at
+        // once (a second wave would start only as the first ends; longer splits keep more
+        // loads in flight instead) or the merge's shared memory would overflow.
+        let resident = f.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).unwrap_or(3).max(1) as usize;
+        let max_splits = (resident * self.sms / (heads / qb)).clamp(1, DECODE_SPLITS_MAX);
+        let chunk = DECODE_CHUNK.max(kv.max_seq.div_ceil(max_splits));
+        let splits = kv.max_seq.div_ceil(chunk);
+        let freqs = self.rope_freqs_for(rope)?;
         let mut scratch = self.attn_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let key = (heads * splits, kv.head_dim);
         if let std::collections::hash_map::Entry::Vacant(e) = scratch.entry(key) {
@@ -238,17 +269,35 @@ impl Cuda {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
         let (h, nkv, hd, qbi, chunk) = (heads as i32, n_kv as i32, kv.head_dim as i32, qb as i32, chunk as i32);
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(q.bf16()).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(ml).arg(acc).arg(out.bf16_mut()).arg(done);
-        b.arg(&h).arg(&nkv).arg(&hd).arg(&qbi).arg(p0).arg(&chunk);
+        let ptr = |p: &CudaSlice<f32>| KArg::Ptr(p.device_ptr(&self.stream).0);
+        let args = [
+            KArg::Ptr(q.bf16().device_ptr(&self.stream).0),
+            KArg::Ptr(k.bf16().device_ptr(&self.stream).0),
+            KArg::Ptr(v.bf16().device_ptr(&self.stream).0),
+            KArg::Ptr(kv.k[layer].device_ptr(&self.stream).0),
+            KArg::Ptr(kv.v[layer].device_ptr(&self.stream).0),
+            KArg::Ptr(freqs),
+            KArg::F32(rope.linear),
+            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            ptr(ml),
+            ptr(acc),
+            KArg::Ptr(out.bf16().device_ptr(&self.stream).0),
+            KArg::Ptr(done.device_ptr(&self.stream).0),
+            KArg::I32(h),
+            KArg::I32(nkv),
+            KArg::I32(hd),
+            KArg::I32(qbi),
+            KArg::Ptr(p0.device_ptr(&self.stream).0),
+            KArg::I32(chunk),
+        ];
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: matches attention_decode.cu; scratch sized [heads, splits] for this cache,
-        // `done` (one counter per block column) zeroed at allocation and reset by the kernel.
-        unsafe { b.launch(c) }.map(|_| ()).map_err(drv("attention launch"))
+        // Matches attention_decode.cu; scratch sized [heads, splits] for this cache, `done`
+        // (one counter per block column) zeroed at allocation and reset by the kernel.
+        self.launch(&f, c, &args, "attention launch")
     }
 
     /// argmax of row 0 of f32 `x` into out[0] as f32.
@@ -268,11 +317,17 @@ impl Cuda {
             *scratch = Some((v, i, d));
         }
         let (pv, pi, done) = scratch.as_mut().expect("set above");
-        let mut b = self.stream.launch_builder(&f);
-        b.arg(xv).arg(&n).arg(ov).arg(pv).arg(pi).arg(done);
+        let args = [
+            KArg::Ptr(xv.device_ptr(&self.stream).0),
+            KArg::I32(n),
+            KArg::Ptr(ov.device_ptr(&self.stream).0),
+            KArg::Ptr(pv.device_ptr(&self.stream).0),
+            KArg::Ptr(pi.device_ptr(&self.stream).0),
+            KArg::Ptr(done.device_ptr(&self.stream).0),
+        ];
         let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: matches sample.cu's argmax.
-        unsafe { b.launch(c) }.map(|_| ()).map_err(drv("argmax launch"))
+        // Matches sample.cu's argmax.
+        self.launch(&f, c, &args, "argmax launch")
     }
 }
 

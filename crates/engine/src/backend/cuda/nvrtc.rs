@@ -16,6 +16,27 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
 ];
 
+/// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel
+/// text of the same name (a development knob: kernel variants can be tried on a GPU
+/// machine without rebuilding the binary). Read once; the cache key covers the text used.
+fn kernel_dir() -> Option<&'static PathBuf> {
+    static DIR: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| std::env::var_os("FERROLM_KERNEL_DIR").map(PathBuf::from)).as_ref()
+}
+
+/// The text of kernel file or header `name`: the override directory's copy when there is
+/// one, else the built-in text.
+pub fn source(name: &str, builtin: &'static str) -> std::borrow::Cow<'static, str> {
+    match kernel_dir().and_then(|d| std::fs::read_to_string(d.join(name)).ok()) {
+        Some(s) => s.into(),
+        None => builtin.into(),
+    }
+}
+
+fn headers() -> Vec<(&'static str, std::borrow::Cow<'static, str>)> {
+    HEADERS.iter().map(|(n, s)| (*n, source(n, s))).collect()
+}
+
 /// Is the NVRTC library loadable (dynamic loading; no CUDA install is required to build)?
 pub fn available() -> bool {
     // SAFETY: only tries to dlopen the candidate library names.
@@ -39,8 +60,9 @@ pub fn compile(name: &str, src: &str, arch: &str, defines: &[String]) -> Result<
     }
     let c = |s: &str| CString::new(s).map_err(|_| Error::Invalid(format!("NUL byte in kernel text {name}")));
     let (src_c, name_c) = (c(src)?, c(name)?);
-    let header_src: Vec<CString> = HEADERS.iter().map(|(_, s)| c(s)).collect::<Result<_>>()?;
-    let header_name: Vec<CString> = HEADERS.iter().map(|(n, _)| c(n)).collect::<Result<_>>()?;
+    let headers = headers();
+    let header_src: Vec<CString> = headers.iter().map(|(_, s)| c(s)).collect::<Result<_>>()?;
+    let header_name: Vec<CString> = headers.iter().map(|(n, _)| c(n)).collect::<Result<_>>()?;
     let hs: Vec<*const i8> = header_src.iter().map(|s| s.as_ptr()).collect();
     let hn: Vec<*const i8> = header_name.iter().map(|s| s.as_ptr()).collect();
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-default-device".into()];
@@ -95,8 +117,9 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
 
 /// Cache key: source, headers, options and arch (and the NVRTC version, via the caller).
 pub fn cache_key(name: &str, src: &str, arch: &str, defines: &[String]) -> String {
+    let headers = headers();
     let mut parts: Vec<&[u8]> = vec![name.as_bytes(), src.as_bytes(), arch.as_bytes()];
-    for (n, s) in HEADERS {
+    for (n, s) in &headers {
         parts.push(n.as_bytes());
         parts.push(s.as_bytes());
     }

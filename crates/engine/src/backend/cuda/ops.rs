@@ -334,10 +334,12 @@ impl Backend for Cuda {
         out: &mut CudaAct,
     ) -> Result<()> {
         let _ = pos0; // the kernels read the staged position
-        self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
         if q.rows == 1 {
-            self.attention_decode(q, kv, layer, out)
-        } else if kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim) {
+            // RoPE and the cache write happen inside (q and k stay unrotated).
+            return self.attention_decode(q, (k, v), kv, layer, rope, out);
+        }
+        self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
+        if kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim) {
             self.flash_prefill(q, kv, layer, out)
         } else {
             self.attention_cached(q, kv, layer, out)

@@ -1,0 +1,192 @@
+//! The fused decode GEMVs at the Llama-3.2-1B shapes (4-bit, group 64, bf16 scales; random
+//! weights): parity with the CPU composition, then the time per launch inside a captured
+//! graph, as a decode step runs them (launch gaps and PDL overlap included). Timed launches
+//! cycle over 16 device copies of the weights, as a decode step walks 16 layers: one copy
+//! would stay in the 50 MB L2 and time L2, not HBM. The timings are printed for the record,
+//! never asserted.
+
+use super::{bf, check, cpu, gpu, Rng};
+use ferrolm::backend::cpu::Cpu;
+use ferrolm::backend::cuda::Cuda;
+use ferrolm::backend::Backend;
+use ferrolm::quant::{AffineTensor, ScaleDtype, Weight};
+
+fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> (ferrolm::backend::cuda::CudaMat, Weight) {
+    let w =
+        Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, 4, 64, ScaleDtype::BF16).unwrap());
+    (g.matrix(w.clone()).unwrap(), w)
+}
+
+/// Device copies of a weight the timed launches cycle over (layers of a decode step).
+const COPIES: usize = 16;
+
+fn copies(g: &Cuda, w: &Weight) -> Vec<ferrolm::backend::cuda::CudaMat> {
+    (0..COPIES).map(|_| g.matrix(w.clone()).unwrap()).collect()
+}
+
+/// Mean µs per call of `f(i)` over `n` calls (i = 0..n) captured into one graph (after a
+/// warm-up replay).
+fn graph_time(g: &Cuda, n: usize, f: &mut dyn FnMut(usize)) -> f64 {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    f(0); // kernels loaded and compiled outside the capture
+    g.stream.synchronize().unwrap();
+    g.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    for i in 0..n {
+        f(i);
+    }
+    let graph = g.stream.end_capture(CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+    graph.launch().unwrap();
+    g.stream.synchronize().unwrap();
+    let mut times = Vec::new();
+    for _ in 0..5 {
+        let t = std::time::Instant::now();
+        graph.launch().unwrap();
+        g.stream.synchronize().unwrap();
+        times.push(t.elapsed().as_secs_f64() * 1e6 / n as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    times[2]
+}
+
+fn report(what: &str, us: f64, bytes: usize) {
+    eprintln!("{what}: {us:.2} µs per launch, {:.0} GB/s of weights", bytes as f64 / us / 1e3);
+}
+
+#[test]
+fn decode_gemvs_at_1b_shapes_match_cpu_and_time_them() {
+    let (g, c, mut r) = (gpu(), Cpu, Rng::seeded());
+    let (d, kvd, f, vocab) = (2048, 512, 8192, 128256);
+    let x = r.v(d, 20.0);
+    let norm = r.v(d, 1.0);
+    let (xg, xc) = (g.act_from_f32(1, d, &x).unwrap(), cpu(1, d, x.clone()));
+    let ng = g.vector(norm.clone()).unwrap();
+    let (mut xn, mut xnc) = (g.act(1, d).unwrap(), c.act(1, d).unwrap());
+    let bytes = |ws: &[&Weight]| ws.iter().map(|w| w.byte_size()).sum::<usize>();
+
+    // norm → q/k/v (one launch)
+    let (wq, wk, wv) = (mat(g, &mut r, d, d), mat(g, &mut r, kvd, d), mat(g, &mut r, kvd, d));
+    let mut og: Vec<_> = [d, kvd, kvd].iter().map(|&n| g.act_poisoned(1, n, false).unwrap()).collect();
+    let mut oc: Vec<_> = [d, kvd, kvd].iter().map(|&n| c.act(1, n).unwrap()).collect();
+    {
+        let [a, b, e] = &mut og[..] else { unreachable!() };
+        g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wq.0, &wk.0, &wv.0], &mut [a, b, e]).unwrap();
+        let [a, b, e] = &mut oc[..] else { unreachable!() };
+        c.norm_matmul_many(&xc, &norm, 1e-5, &mut xnc, &[&wq.1, &wk.1, &wv.1], &mut [a, b, e]).unwrap();
+    }
+    for (i, (a, b)) in og.iter().zip(&oc).enumerate() {
+        check(&format!("1B norm→qkv[{i}]"), &g.read_rows(a, 0).unwrap(), &b.data, 1e-2);
+    }
+    let (cq, ck, cv) = (copies(g, &wq.1), copies(g, &wk.1), copies(g, &wv.1));
+    let us = graph_time(g, 48, &mut |i| {
+        let [a, b, e] = &mut og[..] else { unreachable!() };
+        let j = i % COPIES;
+        g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&cq[j], &ck[j], &cv[j]], &mut [a, b, e]).unwrap();
+    });
+    report("1B norm→q/k/v 2048+512+512×2048", us, bytes(&[&wq.1, &wk.1, &wv.1]));
+
+    // o: GEMV + residual add
+    let wo = mat(g, &mut r, d, d);
+    let y = bf(&r.v(d, 1.0));
+    let yg = g.act_from(1, d, &y).unwrap();
+    let mut rg = g.act_from_f32(1, d, &x).unwrap();
+    let mut tmp = g.act(1, d).unwrap();
+    g.matmul_add(&yg, &wo.0, &mut rg, &mut tmp).unwrap();
+    let (mut rc, mut tmpc) = (xc.clone(), c.act(1, d).unwrap());
+    c.matmul_add(&cpu(1, d, y), &wo.1, &mut rc, &mut tmpc).unwrap();
+    let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
+    check("1B o + residual", &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
+    let co = copies(g, &wo.1);
+    let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &co[i % COPIES], &mut rg, &mut tmp).unwrap());
+    report("1B o 2048×2048 + add", us, bytes(&[&wo.1]));
+
+    // norm → gate/up → SwiGLU (one launch)
+    let (wg, wu) = (mat(g, &mut r, f, d), mat(g, &mut r, f, d));
+    let (mut gg, mut ug, mut sg) = (g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act_poisoned(1, f, false).unwrap());
+    g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &wg.0, &wu.0, &mut gg, &mut ug, &mut sg).unwrap();
+    let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
+    c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc).unwrap();
+    check("1B norm→gate/up→SwiGLU", &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+    let (cg, cu) = (copies(g, &wg.1), copies(g, &wu.1));
+    let us = graph_time(g, 48, &mut |i| {
+        let j = i % COPIES;
+        g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &cg[j], &cu[j], &mut gg, &mut ug, &mut sg).unwrap()
+    });
+    report("1B norm→gate/up 2×8192×2048 →SwiGLU", us, bytes(&[&wg.1, &wu.1]));
+
+    // down: GEMV + residual add
+    let wd = mat(g, &mut r, d, f);
+    let y = bf(&r.v(f, 1.0));
+    let yg = g.act_from(1, f, &y).unwrap();
+    let mut rg = g.act_from_f32(1, d, &x).unwrap();
+    g.matmul_add(&yg, &wd.0, &mut rg, &mut tmp).unwrap();
+    let mut rc = xc.clone();
+    c.matmul_add(&cpu(1, f, y), &wd.1, &mut rc, &mut tmpc).unwrap();
+    check("1B down + residual", &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
+    let cd = copies(g, &wd.1);
+    let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &cd[i % COPIES], &mut rg, &mut tmp).unwrap());
+    report("1B down 2048×8192 + add", us, bytes(&[&wd.1]));
+
+    // A whole layer as the decode step runs it (norm→q/k/v, attention over 512 cached
+    // positions with RoPE, o + add, norm→gate/up→SwiGLU, down + add), over 16 layers.
+    {
+        use ferrolm::backend::Rope;
+        use ferrolm::config::RopeStyle;
+        let (heads, n_kv, hd, pos) = (32, 8, 64, 512);
+        let cfg = super::attn_cfg(heads, n_kv, hd, COPIES, RopeStyle::Interleaved);
+        let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Interleaved, linear: 1.0 };
+        let mut kv = g.kv_cache(&cfg, 640).unwrap();
+        let mut att = g.act(1, d).unwrap();
+        let mut resid = g.act_from_f32(1, d, &x).unwrap();
+        g.begin(&[], pos).unwrap();
+        let us = graph_time(g, 48, &mut |i| {
+            let j = i % COPIES;
+            let [q, k, v] = &mut og[..] else { unreachable!() };
+            g.norm_matmul_many(&resid, &ng, 1e-5, &mut xn, &[&cq[j], &ck[j], &cv[j]], &mut [q, k, v]).unwrap();
+            g.rope_attention(q, k, v, &mut kv, j, pos, &rope, (heads, n_kv), &mut att).unwrap();
+            g.matmul_add(&att, &co[j], &mut resid, &mut tmp).unwrap();
+            g.norm_swiglu(&resid, &ng, 1e-5, &mut xn, &cg[j], &cu[j], &mut gg, &mut ug, &mut sg).unwrap();
+            g.matmul_add(&sg, &cd[j], &mut resid, &mut tmp).unwrap();
+        });
+        let layer_bytes = bytes(&[&wq.1, &wk.1, &wv.1, &wo.1, &wg.1, &wu.1, &wd.1]);
+        report("1B whole layer (5 launches, 512 cached)", us, layer_bytes);
+    }
+
+    // final norm → head (f32 logits)
+    let wh = mat(g, &mut r, vocab, d);
+    let mut hg = g.act_poisoned(1, vocab, true).unwrap();
+    g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wh.0], &mut [&mut hg]).unwrap();
+    let mut hc = c.act(1, vocab).unwrap();
+    c.norm_matmul_many(&xc, &norm, 1e-5, &mut xnc, &[&wh.1], &mut [&mut hc]).unwrap();
+    check("1B norm→head", &g.read_rows(&hg, 0).unwrap(), &hc.data, 1e-2);
+    let us = graph_time(g, 20, &mut |_| g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wh.0], &mut [&mut hg]).unwrap());
+    report("1B norm→head 128256×2048", us, bytes(&[&wh.1]));
+}
+
+/// Decode attention at the 1B shape (32 query / 8 kv heads of 64) over 512 and 8191 cached
+/// positions (caches sized as `ferrolm bench` sizes them): time per launch in a graph.
+/// Correctness is rope_attention_matches_cpu's.
+#[test]
+fn decode_attention_at_1b_shape_time() {
+    use ferrolm::backend::Rope;
+    use ferrolm::config::RopeStyle;
+    let (g, mut r) = (gpu(), Rng::seeded());
+    let (heads, n_kv, hd) = (32, 8, 64);
+    let cfg = super::attn_cfg(heads, n_kv, hd, COPIES, RopeStyle::Interleaved);
+    let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Interleaved, linear: 1.0 };
+    for (pos, cache) in [(512, 640), (8191, 8320)] {
+        let mut kv = g.kv_cache(&cfg, cache).unwrap(); // 16 layers: one per timed launch
+        let mut q = g.act_from(1, heads * hd, &bf(&r.v(heads * hd, 1.0))).unwrap();
+        let mut k = g.act_from(1, n_kv * hd, &bf(&r.v(n_kv * hd, 1.0))).unwrap();
+        let v = g.act_from(1, n_kv * hd, &bf(&r.v(n_kv * hd, 1.0))).unwrap();
+        let mut out = g.act(1, heads * hd).unwrap();
+        g.begin(&[], pos).unwrap();
+        let us = graph_time(g, 48, &mut |i| {
+            g.rope_attention(&mut q, &mut k, &v, &mut kv, i % COPIES, pos, &rope, (heads, n_kv), &mut out).unwrap()
+        });
+        let bytes = 2 * (pos + 1) * n_kv * hd * 2;
+        eprintln!(
+            "1B decode attention at {pos} cached: {us:.2} µs per launch, {:.0} GB/s of K/V",
+            bytes as f64 / us / 1e3
+        );
+    }
+}
