@@ -1,33 +1,45 @@
 #!/usr/bin/env bash
 # GPU test suite and benchmarks, on a machine with an NVIDIA GPU and no Rust toolchain.
 # Build the binaries elsewhere (x86-64) and bring them in BIN_DIR (default gpu-bin/):
-#   cargo build --profile gpu -p ferrolm-cli && cp target/gpu/ferrolm gpu-bin/
-#   cargo test --profile gpu -p ferrolm-engine --features cuda-tests --test cuda_parity --no-run
-#   cp target/gpu/deps/cuda_parity-<hash> gpu-bin/cuda_parity
+#   bash scripts/gpu-stage.sh   (builds gpu-bin/ferrolm and gpu-bin/cuda_parity)
 # The SmolLM2 GGUF must be in $FERROLM_HOME/models (default ~/.cache/ferrolm/models); the
-# 1B shape is generated (synthetic weights) into $M1B; the PyTorch peer needs torch and
-# transformers (tools/peers/torch_bench.py).
+# 1B shape is generated (SYNTHETIC weights) into $M1B. Peers, side by side in this run:
+#   - PyTorch (torch + transformers): tools/peers/torch_bench.py;
+#   - llama.cpp, when LLAMA_BENCH names a llama-bench binary (CUDA build, docs/peers.md)
+#     and GGUF_PY a llama.cpp gguf-py directory: it runs on the SmolLM2 GGUF and on a
+#     synthetic 1B-shape Q4_0 GGUF (tools/peers/synth_gguf.py) that ferrolm runs too.
 # Prints a short table last; full logs go to $OUT (or /tmp) as gpu-check.log.
 set -uo pipefail
 bin=${1:-gpu-bin}
-log=${OUT:-/tmp}/gpu-check.log
+out=${OUT:-/tmp}
+log=$out/gpu-check.log
+here=$(cd "$(dirname "$0")/.." && pwd)
 model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 status=0
 echo "== parity tests" | tee -a "$log"
 "$bin/cuda_parity" --test-threads=1 --nocapture >>"$log" 2>&1 || status=1
-grep -E "^test |rel err|argmax|greedy|test result" "$log" | grep -vE "rel err [0-9.]+e-0[4-9]" | tail -40
+# The decode GEMV's other x path (bf16 x, f32 math) must stay correct too.
+FERROLM_GEMV_XQ=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode matmuls_and_embeddings \
+  smollm2_cuda_agrees >>"$log" 2>&1 || status=1
+grep -E "^test |rel err|argmax|greedy|test result|µs per launch" "$log" | grep -vE "rel err [0-9.]+e-0[4-9]" | tail -60
 echo "== bench" | tee -a "$log"
-# SmolLM2 (real weights) and the Llama-3.2-1B shape (SYNTHETIC weights, generated here),
-# at a 512-token prompt and at depth; then the PyTorch peer at the same shapes.
 m1b=${M1B:-/tmp/ferrolm-m1b}
 [[ -f $m1b/config.json ]] || "$bin/ferrolm" convert --synthetic llama-3.2-1b --quantize 4 --output "$m1b" >>"$log" 2>&1 || status=1
+gguf1b=${GGUF_1B:-/tmp/ferrolm-synthetic-1b-q4_0.gguf}
+if [[ -n ${LLAMA_BENCH:-} && -n ${GGUF_PY:-} ]]; then
+  PYTHONPATH=$GGUF_PY python3 "$here/tools/peers/synth_gguf.py" --tokenizer-from "$model" --output "$gguf1b" >>"$log" 2>&1 || status=1
+fi
 results=()
 bench() { "$bin/ferrolm" bench --device cuda --json --repeats 5 "$@" 2>>"$log" || echo '{}'; }
-results+=("SmolLM2-135M Q4_1|$(bench --model "$model")")
-results+=("SmolLM2-135M Q4_1, depth 7424|$(bench --model "$model" --depth 7424)")
-results+=("1B shape 4-bit (synthetic)|$(bench --model "$m1b")")
-results+=("1B shape 4-bit (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
+results+=("ferrolm, SmolLM2-135M Q4_1|$(bench --model "$model")")
+results+=("ferrolm, SmolLM2-135M Q4_1, depth 7424|$(bench --model "$model" --depth 7424)")
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic)|$(bench --model "$m1b")")
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
+if [[ -f $gguf1b ]]; then
+  results+=("ferrolm, 1B shape Q4_0 GGUF (synthetic)|$(bench --model "$gguf1b")")
+  results+=("ferrolm, 1B shape Q4_0 GGUF (synthetic), depth 8192|$(bench --model "$gguf1b" --depth 8192)")
+fi
 python3 - "${results[@]}" <<'PY'
 import json, sys
 print("| run | prefill tok/s | decode tok/s | decode weight bandwidth | of copy bandwidth |")
@@ -43,9 +55,21 @@ for arg in sys.argv[1:]:
     except Exception as e:
         print(f"| {name} | failed: {e!r} | | | |")
 PY
+if [[ -n ${LLAMA_BENCH:-} ]]; then
+  lb() { "$LLAMA_BENCH" -m "$1" -ngl 99 -fa 1 "${@:2}" -o json 2>>"$log" || echo '[]'; }
+  for m in "$model" "$gguf1b"; do
+    [[ -f $m ]] || continue
+    python3 - "$(basename "$m")" "$(lb "$m" -p 512 -n 128 -r 5)" "$(lb "$m" -p 0 -n 128 -d 8192 -r 3)" <<'PY'
+import json, statistics, sys
+for js in sys.argv[2:]:
+    for t in json.loads(js):
+        what = f"pp{t['n_prompt']}" if t["n_prompt"] else f"tg{t['n_gen']} at depth {t.get('n_depth', 0)}"
+        print(f"llama.cpp CUDA, {sys.argv[1]}, {what}: median {statistics.median(t['samples_ts']):.1f} tok/s {t['samples_ts']}")
+PY
+  done
+fi
 # The PyTorch peer last (torch.compile takes a minute per shape).
-peer=$(dirname "$0")/../tools/peers/torch_bench.py
 for shape in smollm2-135m llama-3.2-1b; do
-  echo "PyTorch bf16 $shape (random weights): $(timeout 240 python3 "$peer" --shape $shape 2>>"$log" | tail -1)"
+  echo "PyTorch bf16 $shape (random weights): $(timeout 240 python3 "$here/tools/peers/torch_bench.py" --shape $shape 2>>"$log" | tail -1)"
 done
 exit $status

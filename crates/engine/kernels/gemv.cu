@@ -25,6 +25,15 @@
 //    byte 2; A = 1, B = 2⁻¹⁵ for 8-bit with q in byte 1). Per group, with Σ over its values,
 //        Σ q·x = (Σ v·x − A·Σx) / B,  so  y += (scale/B)·Σv·x + (bias − scale·A/B)·Σx,
 //    one PRMT + one FFMA per weight per row; Σx is shared by the R rows.
+//  - XQ (the default): even so the math, not HBM, bounded the big matrices (a variant that
+//    skipped it streamed the 1B head at 4.28 TB/s against 2.87 with it). So x is staged as
+//    int16 with one f32 scale per 32 values (xd = max|x|/32767: a bf16 x keeps its 8
+//    significant bits, unlike int8, which measured 1.4% error), and a DP2A instruction does
+//    2 multiply-adds of quantized weight bytes by int16 x: for 4-bit, 3 mask/shift and 4
+//    DP2A per 8 weights instead of 8 PRMT + 8 FFMA. Per group segment,
+//        y += scale·Σ_blocks xd·Σq·xq + bias·Σx,
+//    with Σx the exact f32 sum of the bf16 x (staged per 16 values). The int16 x is packed
+//    in pairs in the order the masks take weight bytes out of a word.
 #include "common.cuh"
 #include "affine.cuh"
 
@@ -42,6 +51,9 @@
 #endif
 #ifndef PIPE
 #define PIPE 1                        // load the next tile before using the current one
+#endif
+#ifndef XQ
+#define XQ 1                          // x as int8 + DP4A (else bf16 x + f32 FMA); see below
 #endif
 
 #if BITS == 8
@@ -65,6 +77,45 @@ __device__ __forceinline__ float qv(u32 bytes, int k) {
 
 // Physical index of 16-byte x part p of chunk c (bank-conflict-free reads, see above).
 __device__ __forceinline__ int xpart(int c, int p) { return c * NP + (p ^ ((c * NP / 8) & (NP - 1))); }
+
+// XQ shared-memory layout (cols % 32 == 0): int16 x (2·cols bytes; chunk c is NP 16-byte
+// parts, swizzled as xpart), then xd (cols/32 f32 block scales), then xs16 (cols/16 f32
+// sums of x). A weight word of 32/BITS values meets XW u32 (int16 pairs) of x.
+#define XW (16 / BITS)
+__device__ __forceinline__ u32* xq_u32(uint4* xs, int c, int t) {  // u32 t of chunk c
+    return reinterpret_cast<u32*>(xs + xpart(c, t / 4)) + t % 4;
+}
+// acc + x.lo·q.byte0 + x.hi·q.byte1 (lo) or … q.byte2, q.byte3 (hi): x two int16, q bytes.
+__device__ __forceinline__ int dp2a_lo(u32 x, u32 q, int acc) {
+    int d;
+    asm("dp2a.lo.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(q), "r"(acc));
+    return d;
+}
+__device__ __forceinline__ int dp2a_hi(u32 x, u32 q, int acc) {
+    int d;
+    asm("dp2a.hi.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(x), "r"(q), "r"(acc));
+    return d;
+}
+__device__ __forceinline__ u32 pair16(u32 a, u32 b) { return (a & 0xffffu) | b << 16; }
+
+// Σ q·xq over weight word w (32/BITS values, value j at bits [BITS·j, BITS·j + BITS)) and
+// its XW u32 of packed int16 x.
+__device__ __forceinline__ int word_dot(u32 w, const u32* x, int acc) {
+#if BITS == 8  // bytes = values 0..3; x: (0,1) (2,3)
+    return dp2a_hi(x[1], w, dp2a_lo(x[0], w, acc));
+#elif BITS == 4  // lo bytes = values 0,2,4,6, hi bytes = 1,3,5,7; x: (0,2) (4,6) (1,3) (5,7)
+    u32 lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
+    acc = dp2a_hi(x[1], lo, dp2a_lo(x[0], lo, acc));
+    return dp2a_hi(x[3], hi, dp2a_lo(x[2], hi, acc));
+#else  // byte b of (w >> 2k) & 0x03030303 = value 4b + k; x: (k, 4+k) (8+k, 12+k) for k = 0..3
+#pragma unroll
+    for (int k = 0; k < 4; k++) {
+        u32 b = (w >> (2 * k)) & 0x03030303u;
+        acc = dp2a_hi(x[2 * k + 1], b, dp2a_lo(x[2 * k], b, acc));
+    }
+    return acc;
+#endif
+}
 
 // Σ v·x over the 8 values of x part p of a chunk (words = the chunk's 4 weight words).
 __device__ __forceinline__ float part_dot(const u32 (&words)[4], int p, const float (&xf)[8]) {
@@ -116,35 +167,90 @@ __device__ __forceinline__ uint4 ld_weights(const uint4* p) {
     return v;
 }
 
-// Stage x (cols values) into shared memory as swizzled bf16 parts. NORM: x is the f32
-// residual, normalized by rsqrt(mean(x²) + eps) and the gains nw (bf16-rounded, as the
-// unfused rmsnorm kernel writes it).
+// Put the 8 values v of x part i (values 8i..8i+7, bf16-exact) into shared memory. Every
+// thread of the block calls this together (XQ shuffles across the 4 parts of a 32-block);
+// `on`: part i exists.
+__device__ __forceinline__ void put_x(uint4* xs, int i, const float (&v)[8], bool on, int cols) {
+#if XQ
+    float am = 0.f, sum = 0.f;
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        am = fmaxf(am, fabsf(v[k]));
+        sum += v[k];
+    }
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 1));
+    am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, 2));
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    if (!on) return;
+    float inv = am > 0.f ? 32767.f / am : 0.f;
+    u32 q[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++) q[k] = (u32)__float2int_rn(v[k] * inv);  // |q| ≤ 32767; pair16 masks
+    float* xd = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + 2 * cols);
+    if (i % 4 == 0) xd[i / 4] = am / 32767.f;
+    if (i % 2 == 0) xd[cols / 32 + i / 2] = sum;  // xs16
+#if BITS == 4  // part i = word p = i % 4 of chunk i / 4
+    int c = i / 4, t = 4 * (i % 4);
+    *xq_u32(xs, c, t) = pair16(q[0], q[2]);
+    *xq_u32(xs, c, t + 1) = pair16(q[4], q[6]);
+    *xq_u32(xs, c, t + 2) = pair16(q[1], q[3]);
+    *xq_u32(xs, c, t + 3) = pair16(q[5], q[7]);
+#elif BITS == 8  // part i = words 2(i % 2) and 2(i % 2) + 1 of chunk i / 2
+    int c = i / 2, t = 4 * (i % 2);
+    *xq_u32(xs, c, t) = pair16(q[0], q[1]);
+    *xq_u32(xs, c, t + 1) = pair16(q[2], q[3]);
+    *xq_u32(xs, c, t + 2) = pair16(q[4], q[5]);
+    *xq_u32(xs, c, t + 3) = pair16(q[6], q[7]);
+#else  // 2 bits: part i = values 8h..8h+7 (h = i % 2) of word w = (i % 8) / 2 of chunk i / 8,
+       // which fill x u32 2k + h = (8h + k, 8h + 4 + k) of the word
+    int c = i / 8, w = (i % 8) / 2, h = i % 2;
+#pragma unroll
+    for (int k = 0; k < 4; k++) *xq_u32(xs, c, 8 * w + 2 * k + h) = pair16(q[k], q[k + 4]);
+#endif
+#else
+    if (!on) return;
+    uint4 o;
+    o.x = (u32)f2bf(v[0]) | ((u32)f2bf(v[1]) << 16);
+    o.y = (u32)f2bf(v[2]) | ((u32)f2bf(v[3]) << 16);
+    o.z = (u32)f2bf(v[4]) | ((u32)f2bf(v[5]) << 16);
+    o.w = (u32)f2bf(v[6]) | ((u32)f2bf(v[7]) << 16);
+    xs[xpart(i / NP, i % NP)] = o;
+#endif
+}
+
+// Stage x (cols values) into shared memory. NORM: x is the f32 residual, normalized by
+// rsqrt(mean(x²) + eps) and the gains nw (bf16-rounded, as the unfused rmsnorm kernel
+// writes it); else bf16.
 template <bool NORM>
 __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* __restrict__ nw, float eps,
                                         int cols) {
     int nparts = cols / 8;
+    float r = 1.f;
+    const float4* xf = reinterpret_cast<const float4*>(x);
     if (NORM) {
         __shared__ float red[32];
-        const float4* xf = reinterpret_cast<const float4*>(x);
         float ss = 0.f;
         for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
             float4 v = xf[i];
             ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
         }
-        float r = rsqrtf(block_sum(ss, red) / cols + eps);
-        const float4* wf = reinterpret_cast<const float4*>(nw);
-        for (int i = threadIdx.x; i < nparts; i += blockDim.x) {
+        r = rsqrtf(block_sum(ss, red) / cols + eps);
+    }
+    const float4* wf = reinterpret_cast<const float4*>(nw);
+    for (int i0 = 0; i0 < nparts; i0 += blockDim.x) {  // uniform trip count: put_x shuffles
+        int i = i0 + threadIdx.x;
+        bool on = i < nparts;
+        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        if (on && NORM) {
             float4 a = xf[2 * i], b = xf[2 * i + 1], ga = wf[2 * i], gb = wf[2 * i + 1];
-            uint4 o;
-            o.x = (u32)f2bf(ga.x * (a.x * r)) | ((u32)f2bf(ga.y * (a.y * r)) << 16);
-            o.y = (u32)f2bf(ga.z * (a.z * r)) | ((u32)f2bf(ga.w * (a.w * r)) << 16);
-            o.z = (u32)f2bf(gb.x * (b.x * r)) | ((u32)f2bf(gb.y * (b.y * r)) << 16);
-            o.w = (u32)f2bf(gb.z * (b.z * r)) | ((u32)f2bf(gb.w * (b.w * r)) << 16);
-            xs[xpart(i / NP, i % NP)] = o;
+            float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
+                          gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
+#pragma unroll
+            for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
+        } else if (on) {
+            unpack_bf16x8(reinterpret_cast<const uint4*>(x)[i], v);
         }
-    } else {
-        const uint4* xb = reinterpret_cast<const uint4*>(x);
-        for (int i = threadIdx.x; i < nparts; i += blockDim.x) xs[xpart(i / NP, i % NP)] = xb[i];
+        put_x(xs, i, v, on, cols);
     }
     __syncthreads();
 }
@@ -189,6 +295,57 @@ struct Tile {
         }
     }
 
+#if XQ
+    // acc[m][r] += this tile's part of the dot products (lane-partial sums).
+    __device__ __forceinline__ void dot(const uint4* xs, int c0, const Shape& sh, float (&acc)[2][R]) const {
+        const float* xd = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(xs) + 2 * sh.chunks * VPC);
+        const float* xs16 = xd + sh.chunks * VPC / 32;
+        constexpr int NXB = VPC > 32 ? VPC / 32 : 1;  // x blocks per chunk
+        constexpr int WPS = SUBG * BITS / 32;          // weight words per group segment
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 32 * u;
+            if (c >= sh.chunks) break;
+            u32 xw[4 * NP];
+#pragma unroll
+            for (int p = 0; p < NP; p++) {
+                uint4 t = xs[xpart(c, p)];
+                xw[4 * p] = t.x, xw[4 * p + 1] = t.y, xw[4 * p + 2] = t.z, xw[4 * p + 3] = t.w;
+            }
+            float d[NXB], sx[NSUB];
+#pragma unroll
+            for (int b = 0; b < NXB; b++) d[b] = xd[(c * VPC) / 32 + b];
+#pragma unroll
+            for (int k = 0; k < NSUB; k++) {
+                float t = 0.f;
+#pragma unroll
+                for (int e = 0; e < SUBG / 16; e++) t += xs16[(c * VPC + k * SUBG) / 16 + e];
+                sx[k] = t;
+            }
+#pragma unroll
+            for (int m = 0; m < NM; m++)
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    u32 words[4] = {q[m][u][r].x, q[m][u][r].y, q[m][u][r].z, q[m][u][r].w};
+#pragma unroll
+                    for (int k = 0; k < NSUB; k++) {
+                        float ds = 0.f;
+                        int is = 0;
+#pragma unroll
+                        for (int i = k * WPS; i < (k + 1) * WPS; i++) {
+                            is = word_dot(words[i], xw + i * XW, is);
+                            // the last word of an x block (or of the segment): scale it
+                            if ((i + 1) * NXB / 4 != i * NXB / 4 || i + 1 == (k + 1) * WPS) {
+                                ds = fmaf(d[i * NXB / 4], (float)is, ds);
+                                is = 0;
+                            }
+                        }
+                        acc[m][r] = fmaf(s2f(s[m][u][r][k]), ds, fmaf(s2f(b[m][u][r][k]), sx[k], acc[m][r]));
+                    }
+                }
+        }
+    }
+#else
     // acc[m][r] += this tile's part of the dot products (lane-partial sums).
     __device__ __forceinline__ void dot(const uint4* xs, int c0, const Shape& sh, float (&acc)[2][R]) const {
 #pragma unroll
@@ -225,6 +382,7 @@ struct Tile {
                 }
         }
     }
+#endif
 };
 
 // Which matrix block step `b` falls in (blocks are dealt to m0, m1, m2 in order), and the

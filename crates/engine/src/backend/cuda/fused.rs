@@ -86,6 +86,14 @@ fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> usize {
     by_rows.max(loads / per_lane).min(4)
 }
 
+/// Whether the decode GEMV stages x as int16 blocks and uses DP2A (gemv.cu's XQ; the
+/// default) or multiplies bf16 x in f32; `FERROLM_GEMV_XQ=0` picks the latter (for
+/// comparisons; both stay tested).
+fn gemv_int16_x() -> bool {
+    static XQ: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *XQ.get_or_init(|| std::env::var("FERROLM_GEMV_XQ").map_or(true, |v| v != "0"))
+}
+
 impl Cuda {
     /// One fused decode GEMV over up to three matrices sharing the input. Ok(false) when the
     /// kernels do not cover the case (the caller then runs the unfused ops).
@@ -140,7 +148,13 @@ impl Cuda {
             (GemvOut::Store, _, false) => "b",
         };
         let name = format!("gemv_{}{o}_r{r}", if norm { "n" } else { "b" });
-        let f = self.function(kernels::file("gemv.cu"), defines, &name)?;
+        // int16 x with DP2A (gemv.cu's XQ) needs whole 32-value x blocks, and room for the
+        // block scales and sums beside x.
+        let xq_smem = 2 * x.cols + x.cols / 32 * 4 + x.cols / 16 * 4;
+        let xq = x.cols.is_multiple_of(32) && xq_smem <= 2 * MAX_COLS && gemv_int16_x();
+        let mut defines = defines.clone();
+        defines.push(format!("XQ={}", u8::from(xq)));
+        let f = self.function(kernels::file("gemv.cu"), &defines, &name)?;
         // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
         // Unused matrix slots repeat the first with 0 rows.
         let mut args: Vec<KArg> = Vec::with_capacity(19);
@@ -174,7 +188,8 @@ impl Cuda {
         let per_sm_cap = *PER_SM.get_or_init(|| {
             std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8usize).max(1)
         });
-        let smem = x.cols * 2;
+        // x in shared memory: bf16, or int16 + a scale per 32 values + a sum per 16 (XQ).
+        let smem = if xq { xq_smem } else { x.cols * 2 };
         let resident = f.occupancy_max_active_blocks_per_multiprocessor(128, smem, None).unwrap_or(4).max(1);
         let blocks = blocks.min(self.sms * per_sm_cap.min(resident as usize));
         let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 };

@@ -61,7 +61,11 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
         for group in AFFINE_GROUPS {
             for s in [ScaleDtype::F16, ScaleDtype::BF16, ScaleDtype::F32] {
                 v.push((file("affine.cu"), affine_defines(bits, group, s)));
-                v.push((file("gemv.cu"), affine_defines(bits, group, s)));
+                for xq in ["XQ=0", "XQ=1"] {
+                    let mut d = affine_defines(bits, group, s);
+                    d.push(xq.into());
+                    v.push((file("gemv.cu"), d));
+                }
                 v.push((file("gemm.cu"), affine_defines(bits, group, s)));
             }
         }
