@@ -45,6 +45,11 @@ const ARGMAX_BLOCKS: usize = 128;
 /// without opting in.
 const MAX_COLS: usize = 24 * 1024;
 
+/// A device buffer as a kernel argument.
+fn dev<T>(c: &Cuda, s: &CudaSlice<T>) -> KArg {
+    KArg::Ptr(s.device_ptr(&c.stream).0)
+}
+
 fn scales_ptr(c: &Cuda, s: &DevScales) -> u64 {
     match s {
         DevScales::Half(v) => v.device_ptr(&c.stream).0,
@@ -164,7 +169,7 @@ impl Cuda {
             let CudaMat::Affine { words, scales, biases, rows: n, .. } = m else { unreachable!("checked above") };
             let n = if i < mats.len() { *n } else { 0 };
             args.extend([
-                KArg::Ptr(words.device_ptr(&self.stream).0),
+                dev(self, words),
                 KArg::Ptr(scales_ptr(self, scales)),
                 KArg::Ptr(scales_ptr(self, biases)),
                 KArg::Ptr(act_ptr(self, o)),
@@ -217,17 +222,17 @@ impl Cuda {
         let inter = i32::from(rope.style == RopeStyle::Interleaved);
         let n = q.rows * (q.cols / 2 + kv.width / 2 + kv.width);
         let args = [
-            KArg::Ptr(q.bf16().device_ptr(&self.stream).0),
-            KArg::Ptr(k.bf16().device_ptr(&self.stream).0),
-            KArg::Ptr(v.bf16().device_ptr(&self.stream).0),
-            KArg::Ptr(kv.k[layer].device_ptr(&self.stream).0),
-            KArg::Ptr(kv.v[layer].device_ptr(&self.stream).0),
+            dev(self, q.bf16()),
+            dev(self, k.bf16()),
+            dev(self, v.bf16()),
+            dev(self, &kv.k[layer]),
+            dev(self, &kv.v[layer]),
             KArg::Ptr(freqs),
             KArg::I32(rows),
             KArg::I32(h),
             KArg::I32(nkv),
             KArg::I32(hd),
-            KArg::Ptr(p0.device_ptr(&self.stream).0),
+            dev(self, p0),
             KArg::F32(rope.linear),
             KArg::I32(inter),
         ];
@@ -284,25 +289,24 @@ impl Cuda {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
         let (h, nkv, hd, qbi, chunk) = (heads as i32, n_kv as i32, kv.head_dim as i32, qb as i32, chunk as i32);
-        let ptr = |p: &CudaSlice<f32>| KArg::Ptr(p.device_ptr(&self.stream).0);
         let args = [
-            KArg::Ptr(q.bf16().device_ptr(&self.stream).0),
-            KArg::Ptr(k.bf16().device_ptr(&self.stream).0),
-            KArg::Ptr(v.bf16().device_ptr(&self.stream).0),
-            KArg::Ptr(kv.k[layer].device_ptr(&self.stream).0),
-            KArg::Ptr(kv.v[layer].device_ptr(&self.stream).0),
+            dev(self, q.bf16()),
+            dev(self, k.bf16()),
+            dev(self, v.bf16()),
+            dev(self, &kv.k[layer]),
+            dev(self, &kv.v[layer]),
             KArg::Ptr(freqs),
             KArg::F32(rope.linear),
             KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
-            ptr(ml),
-            ptr(acc),
-            KArg::Ptr(out.bf16().device_ptr(&self.stream).0),
-            KArg::Ptr(done.device_ptr(&self.stream).0),
+            dev(self, ml),
+            dev(self, acc),
+            dev(self, out.bf16()),
+            dev(self, done),
             KArg::I32(h),
             KArg::I32(nkv),
             KArg::I32(hd),
             KArg::I32(qbi),
-            KArg::Ptr(p0.device_ptr(&self.stream).0),
+            dev(self, p0),
             KArg::I32(chunk),
         ];
         let c = LaunchConfig {
@@ -332,14 +336,7 @@ impl Cuda {
             *scratch = Some((v, i, d));
         }
         let (pv, pi, done) = scratch.as_mut().expect("set above");
-        let args = [
-            KArg::Ptr(xv.device_ptr(&self.stream).0),
-            KArg::I32(n),
-            KArg::Ptr(ov.device_ptr(&self.stream).0),
-            KArg::Ptr(pv.device_ptr(&self.stream).0),
-            KArg::Ptr(pi.device_ptr(&self.stream).0),
-            KArg::Ptr(done.device_ptr(&self.stream).0),
-        ];
+        let args = [dev(self, xv), KArg::I32(n), dev(self, ov), dev(self, pv), dev(self, pi), dev(self, done)];
         let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // Matches sample.cu's argmax.
         self.launch(&f, c, &args, "argmax launch")
