@@ -202,6 +202,17 @@ impl Cuda {
         Ok(true)
     }
 
+    /// q, k, v and layer's K and V caches: the first arguments of rope_kv and attention_decode.
+    fn qkv_cache_args(&self, q: &CudaAct, (k, v): (&CudaAct, &CudaAct), kv: &CudaKv, layer: usize) -> [KArg; 5] {
+        [
+            dev(self, q.bf16()),
+            dev(self, k.bf16()),
+            dev(self, v.bf16()),
+            dev(self, &kv.k[layer]),
+            dev(self, &kv.v[layer]),
+        ]
+    }
+
     /// RoPE on q and k plus the cache write of k and v, one launch.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn rope_kv(
@@ -221,12 +232,8 @@ impl Cuda {
         let (rows, h, nkv, hd) = (q.rows as i32, heads as i32, (kv.width / kv.head_dim) as i32, kv.head_dim as i32);
         let inter = i32::from(rope.style == RopeStyle::Interleaved);
         let n = q.rows * (q.cols / 2 + kv.width / 2 + kv.width);
-        let args = [
-            dev(self, q.bf16()),
-            dev(self, k.bf16()),
-            dev(self, v.bf16()),
-            dev(self, &kv.k[layer]),
-            dev(self, &kv.v[layer]),
+        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
+        args.extend([
             KArg::Ptr(freqs),
             KArg::I32(rows),
             KArg::I32(h),
@@ -235,7 +242,7 @@ impl Cuda {
             dev(self, p0),
             KArg::F32(rope.linear),
             KArg::I32(inter),
-        ];
+        ]);
         let c = LaunchConfig {
             grid_dim: (n.div_ceil(256).min(4096) as u32, 1, 1),
             block_dim: (256, 1, 1),
@@ -289,12 +296,8 @@ impl Cuda {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
         let (h, nkv, hd, qbi, chunk) = (heads as i32, n_kv as i32, kv.head_dim as i32, qb as i32, chunk as i32);
-        let args = [
-            dev(self, q.bf16()),
-            dev(self, k.bf16()),
-            dev(self, v.bf16()),
-            dev(self, &kv.k[layer]),
-            dev(self, &kv.v[layer]),
+        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
+        args.extend([
             KArg::Ptr(freqs),
             KArg::F32(rope.linear),
             KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
@@ -308,7 +311,7 @@ impl Cuda {
             KArg::I32(qbi),
             dev(self, p0),
             KArg::I32(chunk),
-        ];
+        ]);
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),
