@@ -17,6 +17,9 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 status=0
+# Every kernel variant compiled up front on all cores (the tests would otherwise compile
+# them one by one as they first use them).
+"$bin/ferrolm" kernels 2>&1 | tee -a "$log" || status=1
 echo "== parity tests" | tee -a "$log"
 "$bin/cuda_parity" --test-threads=1 --nocapture >>"$log" 2>&1 || status=1
 # The decode GEMV's other x path (bf16 x, f32 math) must stay correct too.

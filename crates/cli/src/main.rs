@@ -34,6 +34,8 @@ enum Cmd {
     Convert(tools::ConvertArgs),
     /// Measure prefill and decode speed (medians over repeated runs).
     Bench(bench::BenchArgs),
+    /// Compile every CUDA kernel into the kernel cache now (so no later start compiles).
+    Kernels(tools::KernelsArgs),
 }
 
 /// `--model`: shared by every command that loads a model.
@@ -78,6 +80,7 @@ fn main() {
         Cmd::Inspect(a) => tools::inspect(a),
         Cmd::Convert(a) => tools::convert(a),
         Cmd::Bench(a) => bench::bench(a),
+        Cmd::Kernels(a) => tools::kernels(a),
     });
     if let Err(e) = r {
         // One line: the chain of causes, outermost first.

@@ -226,3 +226,30 @@ pub fn convert(a: ConvertArgs) -> Result<()> {
     eprintln!("wrote {}", a.output.display());
     Ok(())
 }
+
+#[derive(Args, Debug)]
+pub struct KernelsArgs {
+    /// GPU architecture to compile for, e.g. sm_90 (default: that of CUDA device 0). Needs
+    /// only the NVRTC library, not a GPU, when given.
+    #[arg(long)]
+    arch: Option<String>,
+}
+
+/// Compile every CUDA kernel variant into the cache ($FERROLM_HOME/kernels) on all cores, so
+/// a later start compiles nothing (e.g. before serving, or at the start of a GPU test run).
+pub fn kernels(a: KernelsArgs) -> Result<()> {
+    use ferrolm::backend::cuda::{nvrtc, Cuda};
+    let arch = match a.arch {
+        Some(arch) if arch.starts_with("sm_") && arch[3..].parse::<u32>().is_ok() => arch,
+        Some(arch) => bail!("--arch {arch}: expected sm_<major><minor>, e.g. sm_90"),
+        None => Cuda::new(0).context("no --arch given and no usable CUDA device")?.arch,
+    };
+    let t = std::time::Instant::now();
+    let (compiled, cached) = nvrtc::warm_cache(&arch)?;
+    eprintln!(
+        "{arch}: {compiled} kernel variants compiled, {cached} already cached, in {:.1} s ({})",
+        t.elapsed().as_secs_f64(),
+        nvrtc::cache_dir().display()
+    );
+    Ok(())
+}

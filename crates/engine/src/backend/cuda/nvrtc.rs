@@ -115,7 +115,7 @@ fn fnv1a(parts: &[&[u8]]) -> u64 {
     h
 }
 
-/// Cache key: source, headers, options and arch (and the NVRTC version, via the caller).
+/// Cache key: source, headers, options and arch.
 pub fn cache_key(name: &str, src: &str, arch: &str, defines: &[String]) -> String {
     let headers = headers();
     let mut parts: Vec<&[u8]> = vec![name.as_bytes(), src.as_bytes(), arch.as_bytes()];
@@ -150,6 +150,24 @@ pub fn cached(name: &str, src: &str, arch: &str, defines: &[String]) -> Result<(
         }
     }
     Ok((bin, false))
+}
+
+/// Compile every kernel variant the backend may load (kernels::all_variants) for `arch`
+/// into the disk cache, on all cores: a later start (or a GPU test run) then compiles
+/// nothing. Returns (compiled now, found in the cache).
+pub fn warm_cache(arch: &str) -> Result<(usize, usize)> {
+    use rayon::prelude::*;
+    let hits = std::sync::atomic::AtomicUsize::new(0);
+    let variants = super::kernels::all_variants();
+    variants.par_iter().try_for_each(|(f, defines)| {
+        let (_, hit) = cached(f.name, &source(f.name, f.src), arch, defines)?;
+        if hit {
+            hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok::<(), Error>(())
+    })?;
+    let hits = hits.into_inner();
+    Ok((variants.len() - hits, hits))
 }
 
 #[cfg(test)]
