@@ -228,6 +228,7 @@ fn bad_arguments_are_errors_not_panics() {
         (vec!["generate", "--model", m, "--prompt", "x", "--temperature=-1"], "temperature"),
         (vec!["perplexity", "--model", m, "--file", "/nonexistent/file.txt"], "file.txt"),
         (vec!["convert", "--input", m, "--output", "/tmp/x", "--quantize", "7"], "7"),
+        (vec!["kernels", "--arch", "90"], "sm_90"),
     ] {
         let o = run(&args);
         let err = stderr(&o);
