@@ -25,6 +25,13 @@ echo "== parity tests" | tee -a "$log"
 # The decode GEMV's other x path (bf16 x, f32 math) must stay correct too.
 FERROLM_GEMV_XQ=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode matmuls_and_embeddings \
   smollm2_cuda_agrees >>"$log" 2>&1 || status=1
+# Top-k sampling with the device top-k (FERROLM_CUDA_TOPK=1; off by default until this
+# passes) must give the host sampler's text for the same seed.
+gen() { "$bin/ferrolm" generate --device cuda --model "$model" --prompt "Once upon a time" --temperature 0.8 \
+  --top-k 40 --top-p 0.95 --seed 7 -n 48 2>>"$log"; }
+host=$(gen); dev=$(FERROLM_CUDA_TOPK=1 gen)
+if [[ -n $host && "$host" == "$dev" ]]; then echo "device top-k sampling: same text as the host sampler" | tee -a "$log"
+else echo "device top-k sampling DIFFERS: host [$host] device [$dev]" | tee -a "$log"; status=1; fi
 grep -E "^test |rel err|argmax|greedy|test result|µs per launch" "$log" | grep -vE "rel err [0-9.]+e-0[4-9]" | tail -60
 echo "== bench" | tee -a "$log"
 m1b=${M1B:-/tmp/ferrolm-m1b}

@@ -14,6 +14,8 @@ pub struct Session<'m, B: Backend> {
     logits: Option<B::Act>,
     /// The greedy step's token id `[1, 1]` (f32), on the device.
     argmax: Option<B::Act>,
+    /// The top-k step's (k, 1/temperature bits) and its (index, value) pairs `[1, 2k]`.
+    top_k: Option<(usize, u32, B::Act)>,
     /// Identifies this session's captured decode step in the backend.
     id: u64,
     /// Tokens whose K/V are in the cache, in position order.
@@ -46,7 +48,15 @@ impl<'m, B: Backend> Session<'m, B> {
         let max_seq = max_seq.min(model.cfg.max_ctx).max(1);
         static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(Session { model, kv: model.new_cache(max_seq)?, logits: None, argmax: None, id, tokens: Vec::new() })
+        Ok(Session {
+            model,
+            kv: model.new_cache(max_seq)?,
+            logits: None,
+            argmax: None,
+            top_k: None,
+            id,
+            tokens: Vec::new(),
+        })
     }
 
     pub fn capacity(&self) -> usize {
@@ -83,19 +93,40 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Append one token and return the logits that follow it. The step's launches go
     /// through `Backend::step`, so CUDA captures them once and replays a graph.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
-        self.run_step(token, false)?;
+        self.run_step(token, StepEnd::Logits)?;
         self.model.backend.read_rows(self.logits.as_ref().expect("set by run_step"), 0)
     }
 
     /// Append one token and return the greedy (argmax) next token, computed on the device:
     /// a step then reads back 4 bytes instead of the vocabulary's logits.
     pub fn step_greedy(&mut self, token: u32) -> Result<u32> {
-        self.run_step(token, true)?;
+        self.run_step(token, StepEnd::Argmax)?;
         let id = self.model.backend.read_rows(self.argmax.as_ref().expect("set by run_step"), 0)?;
         Ok(id[0] as u32)
     }
 
-    fn run_step(&mut self, token: u32, greedy: bool) -> Result<()> {
+    /// Append one token and return the k best next tokens as (token, logit × inv_t), found
+    /// on the device (`Backend::top_k`), for `Sampler::sample_candidates`: a step reads
+    /// back 8·k bytes instead of the vocabulary's logits.
+    pub fn step_top_k(&mut self, token: u32, k: usize, inv_t: f32) -> Result<Vec<(u32, f32)>> {
+        let b = &self.model.backend;
+        crate::backend::check_top_k(self.model.cfg.vocab, k, 2 * k)?;
+        if self.top_k.as_ref().is_none_or(|t| (t.0, t.1) != (k, inv_t.to_bits())) {
+            // A new k or temperature is a new capture (both are baked into its launch).
+            b.forget(self.key(StepEnd::TopK));
+            self.top_k = Some((k, inv_t.to_bits(), b.act_f32(1, 2 * k)?));
+        }
+        self.run_step(token, StepEnd::TopK)?;
+        let v = b.read_rows(&self.top_k.as_ref().expect("set above").2, 0)?;
+        Ok(v[..2 * k].chunks(2).map(|p| (p[0] as u32, p[1])).collect())
+    }
+
+    /// This session's capture of a step ending in `end`.
+    fn key(&self, end: StepEnd) -> u64 {
+        self.id << 2 | end as u64
+    }
+
+    fn run_step(&mut self, token: u32, end: StepEnd) -> Result<()> {
         let pos = self.tokens.len();
         if pos >= self.capacity() {
             return Err(Error::Invalid(format!("the context of {} tokens is full", self.capacity())));
@@ -105,17 +136,20 @@ impl<'m, B: Backend> Session<'m, B> {
             self.logits = Some(b.act_f32(1, self.model.cfg.vocab)?);
             self.argmax = Some(b.act_f32(1, 1)?);
         }
+        let key = self.key(end);
         let (model, kv) = (self.model, &mut self.kv);
         let logits = self.logits.as_mut().expect("set above");
         let argmax = self.argmax.as_mut().expect("set above");
-        // The greedy step is a different capture (it ends with the argmax launch).
-        let key = self.id << 1 | u64::from(greedy);
+        let mut top_k = self.top_k.as_mut();
+        // Each ending is its own capture (the last launch differs).
         b.step(key, &[token], pos, &mut || {
             model.forward_into(&[token], pos, kv, Logits::Last, Some(&mut *logits))?;
-            if greedy {
-                b.argmax(logits, argmax)?;
+            match (end, top_k.as_deref_mut()) {
+                (StepEnd::Logits, _) => Ok(()),
+                (StepEnd::Argmax, _) => b.argmax(logits, argmax),
+                (StepEnd::TopK, Some((k, inv_t, out))) => b.top_k(logits, *k, f32::from_bits(*inv_t), out),
+                (StepEnd::TopK, None) => Err(Error::Invalid("top-k step without its output buffer".into())),
             }
-            Ok(())
         })?;
         self.tokens.push(token);
         Ok(())
@@ -140,7 +174,10 @@ impl<'m, B: Backend> Session<'m, B> {
         let t1 = Instant::now();
         let mut history = prompt.to_vec();
         // Greedy without penalties needs no logits on the host: the device picks the token.
+        // Top-k sampling needs only the k best: the device finds them, the host draws.
         let greedy = sampler.cfg.temperature == 0.0 && sampler.cfg.repetition_penalty == 1.0;
+        let b = &self.model.backend;
+        let top_k = b.top_k_preferred() && sampler.top_k_on_device(self.model.cfg.vocab, crate::backend::TOP_K_MAX);
         let mut next = None;
         while st.generated < max_tokens {
             let tok = match next.take() {
@@ -159,6 +196,9 @@ impl<'m, B: Backend> Session<'m, B> {
             }
             if greedy {
                 next = Some(self.step_greedy(tok)?);
+            } else if top_k {
+                let cand = self.step_top_k(tok, sampler.cfg.top_k, 1.0 / sampler.cfg.temperature)?;
+                next = Some(sampler.sample_candidates(&cand));
             } else {
                 logits = self.step(tok)?;
             }
@@ -168,10 +208,22 @@ impl<'m, B: Backend> Session<'m, B> {
     }
 }
 
+/// How a decode step ends (each is its own captured graph).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum StepEnd {
+    /// f32 logits left on the device for `read_rows`.
+    Logits = 0,
+    /// The argmax token id.
+    Argmax = 1,
+    /// The k best (index, value) pairs.
+    TopK = 2,
+}
+
 impl<B: Backend> Drop for Session<'_, B> {
     fn drop(&mut self) {
-        self.model.backend.forget(self.id << 1);
-        self.model.backend.forget(self.id << 1 | 1);
+        for end in [StepEnd::Logits, StepEnd::Argmax, StepEnd::TopK] {
+            self.model.backend.forget(self.key(end));
+        }
     }
 }
 

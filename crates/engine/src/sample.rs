@@ -95,6 +95,24 @@ impl Ord for Cand {
     }
 }
 
+/// The `k` best of `logits` × `inv_t` by (value desc, index asc), best first, into `out`.
+/// One pass keeping the best k in a heap whose top is the worst kept: most candidates lose
+/// one comparison against it. (A 128K vocabulary: ~0.1 ms, not the ~0.35 ms of collecting
+/// and selecting; this runs once per sampled token.)
+pub fn top_k_into(logits: &[f32], k: usize, inv_t: f32, out: &mut Vec<(u32, f32)>) {
+    let mut heap = std::collections::BinaryHeap::with_capacity(k + 1);
+    for cd in logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)) {
+        if heap.len() < k {
+            heap.push(Cand(cd));
+        } else if heap.peek().is_some_and(|w: &Cand| by_logit(&cd, &w.0).is_lt()) {
+            heap.pop();
+            heap.push(Cand(cd));
+        }
+    }
+    out.clear();
+    out.extend(heap.into_sorted_vec().into_iter().map(|w| w.0));
+}
+
 impl Sampler {
     pub fn new(cfg: SamplerConfig) -> Sampler {
         let rng = ChaCha8Rng::seed_from_u64(cfg.seed);
@@ -119,26 +137,41 @@ impl Sampler {
             return argmax(logits);
         }
         let inv_t = 1.0 / c.temperature;
-        self.cand.clear();
-        let scaled = logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t));
         if c.top_k > 0 && c.top_k < logits.len() {
-            // One pass keeping the best k in a heap whose top is the worst kept: most
-            // candidates lose one comparison against it. (A 128K vocabulary: ~0.1 ms, not
-            // the ~0.35 ms of collecting and selecting; this runs once per sampled token.)
-            let mut heap = std::collections::BinaryHeap::with_capacity(c.top_k + 1);
-            for cd in scaled {
-                if heap.len() < c.top_k {
-                    heap.push(Cand(cd));
-                } else if heap.peek().is_some_and(|w: &Cand| by_logit(&cd, &w.0).is_lt()) {
-                    heap.pop();
-                    heap.push(Cand(cd));
-                }
-            }
-            self.cand.extend(heap.into_sorted_vec().into_iter().map(|w| w.0));
+            let mut cand = std::mem::take(&mut self.cand);
+            top_k_into(logits, c.top_k, inv_t, &mut cand);
+            self.cand = cand;
         } else {
-            self.cand.extend(scaled);
+            self.cand.clear();
+            self.cand.extend(logits.iter().enumerate().map(|(i, &l)| (i as u32, l * inv_t)));
             self.cand.sort_unstable_by(by_logit);
         }
+        self.finish()
+    }
+
+    /// Sample from top-k candidates found elsewhere (e.g. on the GPU: `Backend::top_k`):
+    /// (token, logit × 1/temperature) pairs, in any order. With the same candidates this
+    /// draws exactly what `sample` draws (same order, same arithmetic, same random draw).
+    /// Only for configurations `top_k_on_device` accepts.
+    pub fn sample_candidates(&mut self, cand: &[(u32, f32)]) -> u32 {
+        assert!(!cand.is_empty(), "sample_candidates needs at least one candidate");
+        self.cand.clear();
+        self.cand.extend_from_slice(cand);
+        self.cand.sort_unstable_by(by_logit);
+        self.finish()
+    }
+
+    /// Can `sample` be split into a device top-k plus `sample_candidates`? Sampling (not
+    /// greedy), no repetition penalty (it would change the logits first), and top-k set
+    /// below the vocabulary and at most `max_k` (what the device kernel handles).
+    pub fn top_k_on_device(&self, vocab: usize, max_k: usize) -> bool {
+        let c = &self.cfg;
+        c.temperature > 0.0 && c.repetition_penalty == 1.0 && c.top_k > 0 && c.top_k < vocab && c.top_k <= max_k
+    }
+
+    /// Softmax over `cand` (sorted best first), top-p and min-p cuts, one random draw.
+    fn finish(&mut self) -> u32 {
+        let c = &self.cfg;
         // softmax over the survivors
         let max = self.cand[0].1;
         let mut sum = 0f64;
@@ -219,6 +252,36 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn candidates_from_elsewhere_draw_what_sample_draws() {
+        let mut seed = 11u64;
+        let l: Vec<f32> = (0..3000)
+            .map(|_| {
+                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((seed >> 40) as f32 / 16777216.0 * 200.0).floor() / 10.0 // ties
+            })
+            .collect();
+        for (top_k, top_p, min_p, temperature) in [(40, 1.0, 0.0, 0.8), (5, 0.9, 0.0, 1.0), (200, 0.95, 0.05, 1.3)] {
+            let cfg = SamplerConfig { temperature, top_k, top_p, min_p, seed: 5, ..Default::default() };
+            let (mut a, mut b) = (Sampler::new(cfg.clone()), Sampler::new(cfg));
+            assert!(a.top_k_on_device(l.len(), 1024));
+            let mut cand = Vec::new();
+            top_k_into(&l, top_k, 1.0 / temperature, &mut cand);
+            cand.reverse(); // any order
+            let want: Vec<u32> = (0..100).map(|_| a.sample(&mut l.clone(), &[])).collect();
+            let got: Vec<u32> = (0..100).map(|_| b.sample_candidates(&cand)).collect();
+            assert_eq!(got, want, "top_k {top_k} top_p {top_p} min_p {min_p}");
+            assert!(want.iter().any(|&t| t != want[0]), "the draws vary");
+        }
+        let off = |c: SamplerConfig| Sampler::new(c).top_k_on_device(3000, 1024);
+        let base = SamplerConfig { temperature: 1.0, top_k: 40, ..Default::default() };
+        assert!(!off(SamplerConfig { temperature: 0.0, ..base.clone() }));
+        assert!(!off(SamplerConfig { repetition_penalty: 1.1, ..base.clone() }));
+        assert!(!off(SamplerConfig { top_k: 0, ..base.clone() }));
+        assert!(!off(SamplerConfig { top_k: 2000, ..base.clone() }));
+        assert!(!off(SamplerConfig { top_k: 3000, ..base }));
     }
 
     #[test]

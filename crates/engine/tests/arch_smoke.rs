@@ -291,3 +291,59 @@ fn missing_and_misshapen_tensors_are_named() {
     let e = Llama::load(Cpu, &mut src).err().unwrap().to_string();
     assert!(e.contains("k_proj") && e.contains("[3, 64]"), "{e}");
 }
+
+/// Top-k sampling through `Session::step_top_k` (the k best found by the backend, the draw
+/// on the host) picks what the host sampler picks from the full logits, step for step, and
+/// `generate` (which takes that path for top-k configurations) gives the same tokens.
+#[test]
+fn top_k_steps_sample_what_the_host_sampler_samples() {
+    use ferrolm::sample::{Sampler, SamplerConfig};
+    let (_, cfg, bits) = variants().remove(1);
+    let (mut src, _) = build(&cfg, bits, 13);
+    let model = Llama::load(Cpu, &mut src).unwrap();
+    let prompt = [3u32, 1, 4, 1, 5];
+    for (k, temperature, top_p) in [(5, 0.9f32, 1.0f32), (17, 1.4, 0.9), (1, 1.0, 1.0)] {
+        let sc = SamplerConfig { temperature, top_k: k, top_p, seed: 21, ..Default::default() };
+        let (mut sa, mut sb) = (Sampler::new(sc.clone()), Sampler::new(sc.clone()));
+        let (mut a, mut b) = (Session::new(&model, 32).unwrap(), Session::new(&model, 32).unwrap());
+        let (mut la, _) = a.feed(&prompt).unwrap();
+        b.feed(&prompt).unwrap();
+        let mut ta = sa.sample(&mut la.clone(), &[]);
+        let mut tb = ta;
+        sb.sample(&mut la.clone(), &[]); // same draw count on both samplers
+        for i in 0..12 {
+            la = a.step(ta).unwrap();
+            ta = sa.sample(&mut la.clone(), &[]);
+            let cand = b.step_top_k(tb, k, 1.0 / temperature).unwrap();
+            assert_eq!(cand.len(), k);
+            tb = sb.sample_candidates(&cand);
+            assert_eq!(tb, ta, "k {k} t {temperature} step {i}");
+        }
+        // generate: the same tokens whichever path it takes
+        let run = || {
+            let mut s = Session::new(&model, 32).unwrap();
+            let mut out = vec![];
+            s.generate(&prompt, 10, &mut Sampler::new(sc.clone()), &[], |t| {
+                out.push(t);
+                Ok(true)
+            })
+            .unwrap();
+            out
+        };
+        let mut host = Session::new(&model, 32).unwrap();
+        let mut want = vec![];
+        let mut s = Sampler::new(sc.clone());
+        let (mut l, _) = host.feed(&prompt).unwrap();
+        for _ in 0..10 {
+            let t = s.sample(&mut l, &[]);
+            want.push(t);
+            l = host.step(t).unwrap();
+        }
+        assert_eq!(run(), want, "generate k {k}");
+    }
+    // bad k is an error, not a panic
+    let mut s = Session::new(&model, 8).unwrap();
+    s.feed(&prompt).unwrap();
+    assert!(s.step_top_k(1, 0, 1.0).is_err());
+    assert!(s.step_top_k(1, cfg.vocab + 1, 1.0).is_err());
+}

@@ -500,3 +500,48 @@ fn out_of_memory_is_a_clear_error() {
     let x = g.act_from(1, 4, &[1.0, 2.0, 3.0, 4.0]).unwrap();
     assert_eq!(g.read_rows(&x, 0).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
 }
+
+/// The device top-k (sample.cu's radix select + ordered compaction) returns exactly the
+/// host's candidates (same tokens, same scaled values to the bit, ties to the lower id),
+/// and SmolLM2 top-k steps through a session (a captured graph ending in top_k) sample
+/// what the host sampler samples from the full logits.
+#[test]
+fn top_k_matches_cpu() {
+    let g = gpu();
+    let mut r = Rng::seeded();
+    for n in [7, 1000, 49152, 128256] {
+        // coarse values: many exact ties at every k
+        let v: Vec<f32> = r.v(n, 8.0).iter().map(|x| (x * 4.0).floor() / 4.0).collect();
+        let xg = g.act_from_f32(1, n, &v).unwrap();
+        for k in [1, 40, 1000].into_iter().filter(|&k| k <= n) {
+            for inv_t in [1.0f32, 1.0 / 0.7] {
+                let mut og = g.act_poisoned(1, 2 * k, true).unwrap();
+                g.top_k(&xg, k, inv_t, &mut og).unwrap();
+                let got = g.read_rows(&og, 0).unwrap();
+                let mut got: Vec<(u32, f32)> = got.chunks(2).map(|p| (p[0] as u32, p[1])).collect();
+                got.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                let mut want = Vec::new();
+                ferrolm::sample::top_k_into(&v, k, inv_t, &mut want);
+                let bits = |c: &[(u32, f32)]| c.iter().map(|&(i, s)| (i, s.to_bits())).collect::<Vec<_>>();
+                assert_eq!(bits(&got), bits(&want), "top-k n {n} k {k} inv_t {inv_t}");
+            }
+        }
+    }
+    let (_, mg, tok) = smollm2();
+    let ids = tok.encode("The capital of France is", true).unwrap();
+    let sc = ferrolm::sample::SamplerConfig { temperature: 0.8, top_k: 40, top_p: 0.95, seed: 3, ..Default::default() };
+    let (mut sa, mut sb) = (ferrolm::sample::Sampler::new(sc.clone()), ferrolm::sample::Sampler::new(sc));
+    let mut a = ferrolm::generate::Session::new(&mg, 128).unwrap();
+    let mut b = ferrolm::generate::Session::new(&mg, 128).unwrap();
+    let (mut l, _) = a.feed(&ids).unwrap();
+    b.feed(&ids).unwrap();
+    let mut t = sa.sample(&mut l.clone(), &[]);
+    sb.sample(&mut l.clone(), &[]);
+    for i in 0..24 {
+        l = a.step(t).unwrap();
+        let want = sa.sample(&mut l.clone(), &[]);
+        let got = sb.sample_candidates(&b.step_top_k(t, 40, 1.0 / 0.8).unwrap());
+        assert_eq!(got, want, "SmolLM2 top-k step {i}");
+        t = want;
+    }
+}

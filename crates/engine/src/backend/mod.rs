@@ -19,6 +19,10 @@ pub struct Rope {
 
 /// The ops a forward pass needs. Activations are row-major `[tokens, width]`. Ops return
 /// errors because device launches can fail; the CPU's never do.
+/// Largest k `Backend::top_k` takes (the CUDA kernel's limit is only the output size; this
+/// keeps the read-back small).
+pub const TOP_K_MAX: usize = 1024;
+
 pub trait Backend: Sync {
     /// Activations `[rows, cols]` (f32 on the CPU).
     type Act;
@@ -162,9 +166,29 @@ pub trait Backend: Sync {
     /// out[0] = index of the largest value of row 0 of x (ties → lowest index), stored as
     /// f32 (exact for indices below 2²⁴), so greedy decoding reads back 4 bytes.
     fn argmax(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()>;
+    /// The `k` largest of row 0 of x × inv_t by (value desc, index asc), as (index, value)
+    /// f32 pairs in out[0..2k] (f32 `[1, ≥ 2k]`), in any order; 1 ≤ k ≤ x.cols, k ≤
+    /// `TOP_K_MAX`. With `Sampler::sample_candidates` a sampled step then reads back 8·k
+    /// bytes instead of the vocabulary's logits.
+    fn top_k(&self, x: &Self::Act, k: usize, inv_t: f32, out: &mut Self::Act) -> Result<()>;
+    /// Whether sessions should sample top-k through `top_k` (and read back k pairs) rather
+    /// than read the logits back and select on the host.
+    fn top_k_preferred(&self) -> bool {
+        true
+    }
 
     /// A new activation holding rows `[first, rows)` of x.
     fn slice_rows(&self, x: &Self::Act, first: usize) -> Result<Self::Act>;
     /// Copy rows `[first, rows)` to the host as f32.
     fn read_rows(&self, x: &Self::Act, first: usize) -> Result<Vec<f32>>;
+}
+
+/// `Backend::top_k`'s argument checks (shared by the backends).
+pub fn check_top_k(cols: usize, k: usize, out_cols: usize) -> Result<()> {
+    if k == 0 || k > cols || k > TOP_K_MAX || out_cols < 2 * k {
+        return Err(crate::Error::Invalid(format!(
+            "top-k of {k} over {cols} values into {out_cols} outputs (need 1 ≤ k ≤ min(values, {TOP_K_MAX}), 2k outputs)"
+        )));
+    }
+    Ok(())
 }

@@ -6,7 +6,7 @@ pub mod matmul;
 pub mod ops;
 pub mod simd;
 
-use super::{Backend, Rope};
+use super::{check_top_k, Backend, Rope};
 use crate::config::ModelConfig;
 use crate::kv::dense::DenseKv;
 use crate::quant::Weight;
@@ -99,6 +99,16 @@ impl Backend for Cpu {
     }
     fn argmax(&self, x: &CpuAct, out: &mut CpuAct) -> Result<()> {
         out.data[0] = crate::sample::argmax(&x.data[..x.cols]) as f32;
+        Ok(())
+    }
+    fn top_k(&self, x: &CpuAct, k: usize, inv_t: f32, out: &mut CpuAct) -> Result<()> {
+        check_top_k(x.cols, k, out.cols)?;
+        let mut cand = Vec::with_capacity(k);
+        crate::sample::top_k_into(&x.data[..x.cols], k, inv_t, &mut cand);
+        for (i, (t, v)) in cand.into_iter().enumerate() {
+            out.data[2 * i] = t as f32;
+            out.data[2 * i + 1] = v;
+        }
         Ok(())
     }
     fn slice_rows(&self, x: &CpuAct, first: usize) -> Result<CpuAct> {

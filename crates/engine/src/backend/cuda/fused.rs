@@ -346,6 +346,21 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// The k best of row 0 of f32 `x` × inv_t as (index, value) pairs into out (sample.cu's
+    /// top_k; arguments checked by the caller).
+    pub(crate) fn top_k_f32(&self, x: &CudaAct, k: usize, inv_t: f32, out: &mut CudaAct) -> Result<()> {
+        let (ActBuf::F32(xv), ActBuf::F32(ov)) = (&x.buf, &mut out.buf) else {
+            return Err(Error::Invalid("CUDA top-k reads f32 logits into an f32 output".into()));
+        };
+        let f = self.function(kernels::file("sample.cu"), &[], "top_k")?;
+        let args = [dev(self, xv), KArg::I32(x.cols as i32), KArg::F32(inv_t), KArg::I32(k as i32), dev(self, ov)];
+        let c = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // Matches sample.cu's top_k: one block (no inter-block synchronization).
+        self.launch(&f, c, &args, "top-k launch")
+    }
+}
+
 /// The decode-path overrides of `Backend`'s fused ops (called from ops.rs's impl).
 impl Cuda {
     #[allow(clippy::too_many_arguments)]

@@ -378,6 +378,16 @@ impl Backend for Cuda {
     fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
         self.argmax_f32(x, out)
     }
+    /// Off unless `FERROLM_CUDA_TOPK=1`: the top-k kernel has not run on a GPU yet (its
+    /// parity test is in cuda_parity; turn this on once gpu-check.sh has passed it).
+    fn top_k_preferred(&self) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("FERROLM_CUDA_TOPK").is_ok_and(|v| v == "1"))
+    }
+    fn top_k(&self, x: &CudaAct, k: usize, inv_t: f32, out: &mut CudaAct) -> Result<()> {
+        crate::backend::check_top_k(x.cols, k, out.cols)?;
+        self.top_k_f32(x, k, inv_t, out)
+    }
     fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, out: &mut CudaAct) -> Result<()> {
         let f = self.simple("elementwise.cu", "silu_mul")?;
         let n = (gate.rows * gate.cols) as i32;
