@@ -80,12 +80,13 @@ __device__ __forceinline__ u32 order_key(float s) {
 //     passes give its key T and how many elements equal to T to take;
 //  2. an ordered compaction writes every element above T (at positions in index order),
 //     then the first elements equal to T by index.
-// Each pass reads the vocabulary once from L2 (a 128K vocabulary: 512 KB). Launched with PDL.
+// Each pass reads the vocabulary once from L2 (a 128K vocabulary: 512 KB) through one SM;
+// make it multi-block if it shows in the decode step. Launched with PDL.
 extern "C" __global__ void __launch_bounds__(1024)
     top_k(const float* __restrict__ x, int n, float inv_t, int k, float* __restrict__ out) {
     __shared__ unsigned hist[256];
     __shared__ u32 s_prefix, s_left;
-    __shared__ unsigned wgt[32], weq[32], base_gt, base_eq;
+    __shared__ unsigned wgt[32], weq[32];
     pdl_trigger();
     pdl_wait();
     int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
@@ -117,15 +118,17 @@ extern "C" __global__ void __launch_bounds__(1024)
         mask |= 255u << shift;
     }
     // prefix = T, the k-th best key; `left` elements equal to T are taken, after k - left above it.
-    u32 above_t = (u32)k - left;
-    if (tid == 0) base_gt = base_eq = 0;
-    __syncthreads();
+    // Tiles without a candidate (most of them: k of n) cost one barrier; in the others a
+    // ballot per warp and the warps' counts give every candidate its place. Each thread
+    // keeps the running counts itself (all compute the same totals).
+    u32 above_t = (u32)k - left, base_gt = 0, base_eq = 0;
     u32 lt_mask = (1u << lane) - 1u;
     for (int i0 = 0; i0 < n; i0 += blockDim.x) {
         int i = i0 + tid;
         float s = i < n ? x[i] * inv_t : 0.f;
         u32 key = order_key(s);
         bool gt = i < n && key > prefix, eq = i < n && key == prefix;
+        if (!__syncthreads_or(gt || eq)) continue;  // uniform: every thread takes the same branch
         u32 bg = __ballot_sync(0xffffffffu, gt), be = __ballot_sync(0xffffffffu, eq);
         if (lane == 0) {
             wgt[warp] = __popc(bg);
@@ -133,9 +136,13 @@ extern "C" __global__ void __launch_bounds__(1024)
         }
         __syncthreads();
         u32 og = base_gt + __popc(bg & lt_mask), oe = base_eq + __popc(be & lt_mask);
-        for (int w = 0; w < warp; w++) {
-            og += wgt[w];
-            oe += weq[w];
+        for (int w = 0; w < nw; w++) {
+            if (w < warp) {
+                og += wgt[w];
+                oe += weq[w];
+            }
+            base_gt += wgt[w];
+            base_eq += weq[w];
         }
         if (gt) {
             out[2 * og] = (float)i;
@@ -145,13 +152,6 @@ extern "C" __global__ void __launch_bounds__(1024)
             out[2 * (above_t + oe)] = (float)i;
             out[2 * (above_t + oe) + 1] = s;
         }
-        __syncthreads();
-        if (tid == 0) {
-            for (int w = 0; w < nw; w++) {
-                base_gt += wgt[w];
-                base_eq += weq[w];
-            }
-        }
-        __syncthreads();
+        __syncthreads();  // wgt/weq are rewritten by the next candidate tile
     }
 }
