@@ -42,7 +42,9 @@
 #define SUBG (VPC > GROUP ? GROUP : VPC)  // values per group segment inside a chunk
 #define NSUB (VPC / SUBG)             // group segments per chunk
 #define PPS (SUBG / 8)                // x parts per segment
-#define NW 4                          // warps per block
+#ifndef NW
+#define NW 4                          // warps per block (FERROLM_GEMV_WARPS: 4 or 8)
+#endif
 #ifndef LIF
 #define LIF 8                         // 16-byte weight loads per lane per tile (half per matrix for SwiGLU)
 #endif
@@ -477,7 +479,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     }
 }
 
-// grid: up to Σ ceil(rows_i / (4·R)) blocks of 128 threads (fewer: each loops); dynamic
+// grid: up to Σ ceil(rows_i / (NW·R)) blocks of 32·NW threads (fewer: each loops); dynamic
 // shared memory cols·2 bytes. Launched with PDL (see pdl_wait in common.cuh).
 #define GEMV_ARGS                                                                                            \
     const u32 *w0, const scale_t *s0, const scale_t *b0, void *o0, int n0, const u32 *w1, const scale_t *s1, \
@@ -486,12 +488,12 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 #define GEMV_CALL(R, NORM, OUT) \
     gemv<R, NORM, OUT>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1}, Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols)
 #define GEMV_KERNELS(R)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(128) gemv_bb_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 0); } \
-    extern "C" __global__ void __launch_bounds__(128) gemv_bf_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 1); } \
-    extern "C" __global__ void __launch_bounds__(128) gemv_ba_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 2); } \
-    extern "C" __global__ void __launch_bounds__(128) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0); }  \
-    extern "C" __global__ void __launch_bounds__(128) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1); }  \
-    extern "C" __global__ void __launch_bounds__(128) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3); }
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_bb_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 0); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_bf_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 1); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ba_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 2); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0); }  \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1); }  \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3); }
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)

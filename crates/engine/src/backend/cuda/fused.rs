@@ -64,10 +64,19 @@ fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
     }
 }
 
-/// Warps per GEMV block (NW in gemv.cu) and 16-byte weight loads per lane per tile (LIF;
-/// half of them per matrix for SwiGLU's two).
-const GEMV_WARPS: usize = 4;
+/// 16-byte weight loads per lane per GEMV tile (LIF in gemv.cu; half of them per matrix
+/// for SwiGLU's two).
 const GEMV_LOADS: usize = 8;
+
+/// Warps per GEMV block (NW in gemv.cu): 4, or 8 with `FERROLM_GEMV_WARPS=8` (for tuning:
+/// fewer blocks stage x fewer times).
+fn gemv_warps() -> usize {
+    static NW: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *NW.get_or_init(|| match std::env::var("FERROLM_GEMV_WARPS").as_deref() {
+        Ok("8") => 8,
+        _ => 4,
+    })
+}
 
 /// Rows per warp: more rows reuse each x chunk more, but leave fewer warps. At least as
 /// many as keep a lane's tile of `loads` loads (per matrix) within a row's chunks (`chunks`
@@ -157,8 +166,12 @@ impl Cuda {
         // block scales and sums beside x.
         let xq_smem = 2 * x.cols + x.cols / 32 * 4 + x.cols / 16 * 4;
         let xq = x.cols.is_multiple_of(32) && xq_smem <= 2 * MAX_COLS && gemv_int16_x();
+        let nw = gemv_warps();
         let mut defines = defines.clone();
         defines.push(format!("XQ={}", u8::from(xq)));
+        if nw != 4 {
+            defines.push(format!("NW={nw}"));
+        }
         let f = self.function(kernels::file("gemv.cu"), &defines, &name)?;
         // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
         // Unused matrix slots repeat the first with 0 rows.
@@ -176,7 +189,7 @@ impl Cuda {
                 KArg::I32(n as i32),
             ]);
             if mode != GemvOut::Swiglu || i == 0 {
-                blocks += n.div_ceil(GEMV_WARPS * r);
+                blocks += n.div_ceil(nw * r);
             }
         }
         let xp = act_ptr(self, x);
@@ -195,9 +208,11 @@ impl Cuda {
         });
         // x in shared memory: bf16, or int16 + a scale per 32 values + a sum per 16 (XQ).
         let smem = if xq { xq_smem } else { x.cols * 2 };
-        let resident = f.occupancy_max_active_blocks_per_multiprocessor(128, smem, None).unwrap_or(4).max(1);
+        let threads = 32 * nw as u32;
+        let resident = f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None).unwrap_or(2).max(1);
         let blocks = blocks.min(self.sms * per_sm_cap.min(resident as usize));
-        let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: smem as u32 };
+        let c =
+            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, c, &args, "fused GEMV launch")?;
         Ok(true)
     }
