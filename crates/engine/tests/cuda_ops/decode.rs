@@ -200,3 +200,20 @@ fn decode_attention_at_1b_shape_time() {
         );
     }
 }
+
+/// Device top-k over a 128K vocabulary (the sampled step's last launch) and device argmax
+/// (the greedy step's): time per launch in a graph. Correctness is top_k_matches_cpu's.
+#[test]
+fn decode_sampling_time() {
+    let (g, mut r) = (gpu(), Rng::seeded());
+    let vocab = 128256;
+    let x = g.act_from_f32(1, vocab, &r.v(vocab, 10.0)).unwrap();
+    let mut am = g.act_poisoned(1, 1, true).unwrap();
+    let us = graph_time(g, 48, &mut |_| g.argmax(&x, &mut am).unwrap());
+    eprintln!("argmax over {vocab}: {us:.2} µs per launch");
+    for k in [40, 1024] {
+        let mut out = g.act_poisoned(1, 2 * k, true).unwrap();
+        let us = graph_time(g, 48, &mut |_| g.top_k(&x, k, 1.0 / 0.8, &mut out).unwrap());
+        eprintln!("top-{k} over {vocab}: {us:.2} µs per launch");
+    }
+}
