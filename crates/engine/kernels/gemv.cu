@@ -4,13 +4,14 @@
 //   output  b: bf16 store   f: f32 store   a: f32 add into the residual   s: SwiGLU of two
 //           matrices (gate = mat 0, up = mat 1), bf16 store
 // Up to three matrices share one launch (q/k/v): blocks are dealt out to them in order.
-// Compiled per (BITS ∈ {2,4,8}, GROUP, SCALE_T) like affine.cu; CPU reference:
+// Compiled per (BITS ∈ {2,4,8}, GROUP, SCALE_T) like affine.cu, and XQ; CPU reference:
 // backend/cpu/matmul.rs (and ops.rs for the fused norm / add / SwiGLU).
 //
 // Where the time goes: a decode GEMV reads each weight byte once, so it must stream at HBM
 // speed while spending few instructions per weight.
-//  - x is staged once per block in shared memory as bf16 (normalized there for input n),
-//    XOR-swizzled by 16-byte part so the 8 lanes of a shared-memory phase hit distinct banks.
+//  - x is staged once per block in shared memory (normalized there for input n) as bf16, or
+//    as int16 with XQ, XOR-swizzled by 16-byte part so the 8 lanes of a shared-memory phase
+//    hit distinct banks.
 //  - Each warp computes R rows; every lane takes 16-byte weight chunks c = lane, lane+32, …
 //    and reuses the x values of chunk c (in registers) for its R rows. A lane's loads for
 //    one step (U chunks × R rows, with their scales and biases) form a tile, issued before
@@ -55,7 +56,7 @@
 #define PIPE 1                        // load the next tile before using the current one
 #endif
 #ifndef XQ
-#define XQ 1                          // x as int8 + DP4A (else bf16 x + f32 FMA); see below
+#define XQ 1                          // x as int16 + DP2A (else bf16 x + f32 FMA); see below
 #endif
 
 #if BITS == 8
