@@ -44,6 +44,10 @@ results=()
 bench() { "$bin/ferrolm" bench --device cuda --json --repeats 5 "$@" 2>>"$log" || echo '{}'; }
 results+=("ferrolm, SmolLM2-135M Q4_1|$(bench --model "$model")")
 results+=("ferrolm, SmolLM2-135M Q4_1, depth 7424|$(bench --model "$model" --depth 7424)")
+# What a sampled step costs (top-k 40 at temperature 0.8): host sampling from read-back
+# logits, then the device top-k (FERROLM_CUDA_TOPK=1).
+results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, host|$(bench --model "$model" --temperature 0.8 --top-k 40)")
+results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, device|$(FERROLM_CUDA_TOPK=1 bench --model "$model" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic)|$(bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
 if [[ -f $gguf1b ]]; then

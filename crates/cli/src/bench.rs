@@ -16,13 +16,19 @@ pub struct BenchArgs {
     /// Prompt length (tokens) for the prefill measurement.
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
-    /// Tokens generated for the decode measurement (greedy, EOS ignored).
+    /// Tokens generated for the decode measurement (EOS ignored).
     #[arg(long, default_value_t = 128)]
     gen_tokens: usize,
     /// Context already in the cache before the measured prompt (tokens, prefilled untimed):
     /// prefill and decode speed at depth, as llama-bench's -d.
     #[arg(long, default_value_t = 0)]
     depth: usize,
+    /// Sample the decode tokens at this temperature (0 = greedy, as llama-bench) ...
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// ... from the k best (0 = all): what a sampled step costs over a greedy one.
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
     /// Number of measured runs (after one warm-up run).
     #[arg(long, default_value_t = 3)]
     repeats: usize,
@@ -58,6 +64,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     if a.prompt_tokens == 0 || a.gen_tokens == 0 || a.repeats == 0 {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
     }
+    SamplerConfig { temperature: a.temperature, ..Default::default() }.validate()?;
     crate::with_model!(load::model(&a.model)?, l => bench_on(l, a))
 }
 
@@ -78,7 +85,8 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
         if a.depth > 0 {
             s.feed(&text[..a.depth])?; // the context, untimed
         }
-        let mut sampler = Sampler::new(SamplerConfig::default());
+        let mut sampler =
+            Sampler::new(SamplerConfig { temperature: a.temperature, top_k: a.top_k, seed: 1, ..Default::default() });
         let st = s.generate(&text, a.gen_tokens, &mut sampler, &[], |_| Ok(true))?;
         if run > 0 {
             pre.push(st.prefill_tps());
@@ -109,6 +117,8 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
             "kv_cache_bytes": kv_bytes,
             "synthetic": l.synthetic,
             "depth": a.depth,
+            "temperature": a.temperature,
+            "top_k": a.top_k,
             "device": mem.as_ref().map(|m| m.0.clone()),
             "device_memory_used_bytes": mem.as_ref().map(|m| m.1),
             "device_memory_total_bytes": mem.as_ref().map(|m| m.2),

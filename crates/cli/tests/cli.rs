@@ -266,3 +266,28 @@ fn bad_arguments_are_errors_not_panics() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("context of 64"), "{err}");
 }
+
+#[test]
+fn bench_reports_json_greedy_and_sampled() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    let base = ["bench", "--model", m, "--device", "cpu", "--prompt-tokens", "8", "--gen-tokens", "6"];
+    for extra in [&[][..], &["--temperature", "0.8", "--top-k", "40"][..]] {
+        let mut args = base.to_vec();
+        args.extend_from_slice(&["--repeats", "1"]);
+        args.extend_from_slice(extra);
+        args.push("--json");
+        let o = run(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        let j: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one JSON object");
+        assert!(j["prefill_tps"].as_f64().unwrap() > 0.0 && j["decode_tps"].as_f64().unwrap() > 0.0, "{j}");
+        assert_eq!(j["top_k"].as_u64(), Some(if extra.is_empty() { 0 } else { 40 }), "{j}");
+        assert_eq!(j["backend"].as_str(), Some("cpu"), "{j}");
+    }
+    let o = run(&[&base[..], &["--repeats", "1", "--temperature=-1"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("temperature"), "{}", stderr(&o));
+    let o = run(&[&base[..], &["--repeats", "0"]].concat());
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--repeats"), "{}", stderr(&o));
+}
