@@ -56,18 +56,19 @@ if [[ -f $gguf1b ]]; then
 fi
 python3 - "${results[@]}" <<'PY'
 import json, sys
-print("| run | prefill tok/s | decode tok/s | decode weight bandwidth | of copy bandwidth |")
-print("|---|---|---|---|---|")
+print("| run | prefill tok/s | decode tok/s | decode weight bandwidth | of copy bandwidth | load / first token |")
+print("|---|---|---|---|---|---|")
 for arg in sys.argv[1:]:
     name, _, js = arg.partition("|")
     try:
         j = json.loads(js)
         bw, r = j.get("effective_bandwidth_bytes_per_s"), j.get("bandwidth_ratio")
         cells = [f"{j['prefill_tps']:.0f}", f"{j['decode_tps']:.1f}"]
-        cells += [f"{bw / 1e12:.3f} TB/s", f"{100 * r:.1f}% of {j['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"] if bw else ["–", "–"]
+        cells += [f"{bw / 1e12:.3f} TB/s", f"{100 * r:.1f}% of {j['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s"] if bw and r else ["–", "–"]
+        cells += [f"{j['load_seconds']:.2f} s / {j['first_token_seconds']:.2f} s"]
         print(f"| {name} | " + " | ".join(cells) + " |")
     except Exception as e:
-        print(f"| {name} | failed: {e!r} | | | |")
+        print(f"| {name} | failed: {e!r} | | | | |")
 PY
 if [[ -n ${LLAMA_BENCH:-} ]]; then
   lb() { "$LLAMA_BENCH" -m "$1" -ngl 99 -fa 1 "${@:2}" -o json 2>>"$log" || echo '[]'; }

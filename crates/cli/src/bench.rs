@@ -65,10 +65,14 @@ pub fn bench(a: BenchArgs) -> Result<()> {
         bail!("--prompt-tokens, --gen-tokens and --repeats must be at least 1");
     }
     SamplerConfig { temperature: a.temperature, ..Default::default() }.validate()?;
-    crate::with_model!(load::model(&a.model)?, l => bench_on(l, a))
+    let t0 = std::time::Instant::now();
+    crate::with_model!(load::model(&a.model)?, l => bench_on(l, a, t0))
 }
 
-fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> Result<()> {
+/// `t0`: when the command started (load time and load-to-first-token are measured from it).
+fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: std::time::Instant) -> Result<()> {
+    let load_secs = t0.elapsed().as_secs_f64();
+    let mut first_token_secs = None;
     let ctx = a.depth + a.prompt_tokens + a.gen_tokens;
     if ctx > l.model.cfg.max_ctx {
         bail!(
@@ -87,7 +91,12 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
         }
         let mut sampler =
             Sampler::new(SamplerConfig { temperature: a.temperature, top_k: a.top_k, seed: 1, ..Default::default() });
-        let st = s.generate(&text, a.gen_tokens, &mut sampler, &[], |_| Ok(true))?;
+        let st = s.generate(&text, a.gen_tokens, &mut sampler, &[], |_| {
+            // The first run's first token: load, the prompt's prefill (kernels compiled or
+            // taken from the cache on first use), the first sample.
+            first_token_secs.get_or_insert_with(|| t0.elapsed().as_secs_f64());
+            Ok(true)
+        })?;
         if run > 0 {
             pre.push(st.prefill_tps());
             dec.push(st.decode_tps());
@@ -117,6 +126,8 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
             "kv_cache_bytes": kv_bytes,
             "synthetic": l.synthetic,
             "depth": a.depth,
+            "load_seconds": load_secs,
+            "first_token_seconds": first_token_secs,
             "temperature": a.temperature,
             "top_k": a.top_k,
             "device": mem.as_ref().map(|m| m.0.clone()),
@@ -141,6 +152,12 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs) -> R
             a.repeats
         );
         println!("prefill {p:.1} tok/s (median)   decode {d:.1} tok/s (median)");
+        println!(
+            "load {load_secs:.2} s, first token {:.2} s after start (first run, {}-token prompt{})",
+            first_token_secs.unwrap_or(f64::NAN),
+            a.prompt_tokens,
+            if a.depth > 0 { " after the depth" } else { "" }
+        );
         if let Some((name, used, total)) = &mem {
             println!("device {name}: {:.0} MiB used of {:.0} MiB", *used as f64 / 1048576.0, *total as f64 / 1048576.0);
         }

@@ -283,6 +283,8 @@ fn bench_reports_json_greedy_and_sampled() {
         assert!(j["prefill_tps"].as_f64().unwrap() > 0.0 && j["decode_tps"].as_f64().unwrap() > 0.0, "{j}");
         assert_eq!(j["top_k"].as_u64(), Some(if extra.is_empty() { 0 } else { 40 }), "{j}");
         assert_eq!(j["backend"].as_str(), Some("cpu"), "{j}");
+        let (load, first) = (j["load_seconds"].as_f64().unwrap(), j["first_token_seconds"].as_f64().unwrap());
+        assert!(load > 0.0 && first > load, "{j}");
     }
     let o = run(&[&base[..], &["--repeats", "1", "--temperature=-1"]].concat());
     assert_eq!(o.status.code(), Some(1));
