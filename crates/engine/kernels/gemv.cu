@@ -264,6 +264,76 @@ struct Shape {
     size_t stride;
 };
 
+// x of one weight chunk (c), read from shared memory once and used for the R rows (and
+// both SwiGLU matrices): segment() adds one group segment's scale·Σq·x + bias·Σx.
+#if XQ
+struct XChunk {
+    static constexpr int NXB = VPC > 32 ? VPC / 32 : 1;  // x blocks per chunk
+    static constexpr int WPS = SUBG * BITS / 32;          // weight words per group segment
+    u32 xw[4 * NP];                                       // packed int16 x pairs
+    float d[NXB], sx[NSUB];                               // x block scales, segment sums of x
+
+    __device__ __forceinline__ void load(const uint4* xs, int c, int chunks) {
+        const float* xd = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(xs) + 2 * chunks * VPC);
+        const float* xs16 = xd + chunks * VPC / 32;
+#pragma unroll
+        for (int p = 0; p < NP; p++) {
+            uint4 t = xs[xpart(c, p)];
+            xw[4 * p] = t.x, xw[4 * p + 1] = t.y, xw[4 * p + 2] = t.z, xw[4 * p + 3] = t.w;
+        }
+#pragma unroll
+        for (int b = 0; b < NXB; b++) d[b] = xd[(c * VPC) / 32 + b];
+#pragma unroll
+        for (int k = 0; k < NSUB; k++) {
+            float t = 0.f;
+#pragma unroll
+            for (int e = 0; e < SUBG / 16; e++) t += xs16[(c * VPC + k * SUBG) / 16 + e];
+            sx[k] = t;
+        }
+    }
+
+    __device__ __forceinline__ float segment(const u32 (&words)[4], int k, float sc, float bi, float acc) const {
+        float ds = 0.f;
+        int is = 0;
+#pragma unroll
+        for (int i = k * WPS; i < (k + 1) * WPS; i++) {
+            is = word_dot(words[i], xw + i * XW, is);
+            // the last word of an x block (or of the segment): scale it
+            if ((i + 1) * NXB / 4 != i * NXB / 4 || i + 1 == (k + 1) * WPS) {
+                ds = fmaf(d[i * NXB / 4], (float)is, ds);
+                is = 0;
+            }
+        }
+        return fmaf(sc, ds, fmaf(bi, sx[k], acc));
+    }
+};
+#else
+struct XChunk {
+    float xv[NP][8], sx[NSUB];  // bf16 x as f32, segment sums of x
+
+    __device__ __forceinline__ void load(const uint4* xs, int c, int) {
+#pragma unroll
+        for (int p = 0; p < NP; p++) unpack_bf16x8(xs[xpart(c, p)], xv[p]);
+#pragma unroll
+        for (int k = 0; k < NSUB; k++) {
+            float t = 0.f;
+#pragma unroll
+            for (int p = k * PPS; p < (k + 1) * PPS; p++)
+#pragma unroll
+                for (int j = 0; j < 8; j++) t += xv[p][j];
+            sx[k] = t;
+        }
+    }
+
+    __device__ __forceinline__ float segment(const u32 (&words)[4], int k, float sc, float bi, float acc) const {
+        float d = 0.f;
+#pragma unroll
+        for (int p = k * PPS; p < (k + 1) * PPS; p++) d += part_dot(words, p, xv[p]);
+        return fmaf(sc * MAGIC_INV_B, d, fmaf(bi - sc * (MAGIC_A * MAGIC_INV_B), sx[k], acc));
+    }
+};
+#endif
+
 // One lane's loads for one step of one warp: chunks c0 + 32u (u < U) of rows row0..+R-1
 // of matrix a (and of matrix b for SwiGLU), with the scale and bias of each group segment.
 template <int R, bool TWO>
@@ -298,94 +368,25 @@ struct Tile {
         }
     }
 
-#if XQ
-    // acc[m][r] += this tile's part of the dot products (lane-partial sums).
-    __device__ __forceinline__ void dot(const uint4* xs, int c0, const Shape& sh, float (&acc)[2][R]) const {
-        const float* xd = reinterpret_cast<const float*>(reinterpret_cast<const unsigned char*>(xs) + 2 * sh.chunks * VPC);
-        const float* xs16 = xd + sh.chunks * VPC / 32;
-        constexpr int NXB = VPC > 32 ? VPC / 32 : 1;  // x blocks per chunk
-        constexpr int WPS = SUBG * BITS / 32;          // weight words per group segment
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int c = c0 + 32 * u;
-            if (c >= sh.chunks) break;
-            u32 xw[4 * NP];
-#pragma unroll
-            for (int p = 0; p < NP; p++) {
-                uint4 t = xs[xpart(c, p)];
-                xw[4 * p] = t.x, xw[4 * p + 1] = t.y, xw[4 * p + 2] = t.z, xw[4 * p + 3] = t.w;
-            }
-            float d[NXB], sx[NSUB];
-#pragma unroll
-            for (int b = 0; b < NXB; b++) d[b] = xd[(c * VPC) / 32 + b];
-#pragma unroll
-            for (int k = 0; k < NSUB; k++) {
-                float t = 0.f;
-#pragma unroll
-                for (int e = 0; e < SUBG / 16; e++) t += xs16[(c * VPC + k * SUBG) / 16 + e];
-                sx[k] = t;
-            }
-#pragma unroll
-            for (int m = 0; m < NM; m++)
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    u32 words[4] = {q[m][u][r].x, q[m][u][r].y, q[m][u][r].z, q[m][u][r].w};
-#pragma unroll
-                    for (int k = 0; k < NSUB; k++) {
-                        float ds = 0.f;
-                        int is = 0;
-#pragma unroll
-                        for (int i = k * WPS; i < (k + 1) * WPS; i++) {
-                            is = word_dot(words[i], xw + i * XW, is);
-                            // the last word of an x block (or of the segment): scale it
-                            if ((i + 1) * NXB / 4 != i * NXB / 4 || i + 1 == (k + 1) * WPS) {
-                                ds = fmaf(d[i * NXB / 4], (float)is, ds);
-                                is = 0;
-                            }
-                        }
-                        acc[m][r] = fmaf(s2f(s[m][u][r][k]), ds, fmaf(s2f(b[m][u][r][k]), sx[k], acc[m][r]));
-                    }
-                }
-        }
-    }
-#else
     // acc[m][r] += this tile's part of the dot products (lane-partial sums).
     __device__ __forceinline__ void dot(const uint4* xs, int c0, const Shape& sh, float (&acc)[2][R]) const {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 32 * u;
             if (c >= sh.chunks) break;
-            float xv[NP][8];
-#pragma unroll
-            for (int p = 0; p < NP; p++) unpack_bf16x8(xs[xpart(c, p)], xv[p]);
-            float sx[NSUB];
-#pragma unroll
-            for (int k = 0; k < NSUB; k++) {
-                float t = 0.f;
-#pragma unroll
-                for (int p = k * PPS; p < (k + 1) * PPS; p++)
-#pragma unroll
-                    for (int j = 0; j < 8; j++) t += xv[p][j];
-                sx[k] = t;
-            }
+            XChunk x;
+            x.load(xs, c, sh.chunks);
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     u32 words[4] = {q[m][u][r].x, q[m][u][r].y, q[m][u][r].z, q[m][u][r].w};
 #pragma unroll
-                    for (int k = 0; k < NSUB; k++) {
-                        float sc = s2f(s[m][u][r][k]), bi = s2f(b[m][u][r][k]);
-                        float d = 0.f;
-#pragma unroll
-                        for (int p = k * PPS; p < (k + 1) * PPS; p++) d += part_dot(words, p, xv[p]);
-                        acc[m][r] =
-                            fmaf(sc * MAGIC_INV_B, d, fmaf(bi - sc * (MAGIC_A * MAGIC_INV_B), sx[k], acc[m][r]));
-                    }
+                    for (int k = 0; k < NSUB; k++)
+                        acc[m][r] = x.segment(words, k, s2f(s[m][u][r][k]), s2f(b[m][u][r][k]), acc[m][r]);
                 }
         }
     }
-#endif
 };
 
 // Which matrix block step `b` falls in (blocks are dealt to m0, m1, m2 in order), and the
