@@ -4,7 +4,7 @@
 #   bash scripts/gpu-stage.sh   (builds gpu-bin/ferrolm and gpu-bin/cuda_parity)
 # The SmolLM2 GGUF must be in $FERROLM_HOME/models (default ~/.cache/ferrolm/models); the
 # 1B shape is generated (SYNTHETIC weights) into $M1B. Peers, side by side in this run:
-#   - PyTorch (torch + transformers): tools/peers/torch_bench.py;
+#   - PyTorch (torch + transformers): tools/peers/torch_bench.py, unless TORCH=0;
 #   - llama.cpp, when LLAMA_BENCH names a llama-bench binary (CUDA build, docs/peers.md)
 #     and GGUF_PY a llama.cpp gguf-py directory: it runs on the SmolLM2 GGUF and on a
 #     synthetic 1B-shape Q4_0 GGUF (tools/peers/synth_gguf.py) that ferrolm runs too.
@@ -25,11 +25,11 @@ echo "== parity tests" | tee -a "$log"
 # The decode GEMV's other x path (bf16 x, f32 math) must stay correct too.
 FERROLM_GEMV_XQ=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode matmuls_and_embeddings \
   smollm2_cuda_agrees >>"$log" 2>&1 || status=1
-# Top-k sampling with the device top-k (FERROLM_CUDA_TOPK=1; off by default until this
-# passes) must give the host sampler's text for the same seed.
+# Top-k sampling with the device top-k (the default) must give the host sampler's text
+# (FERROLM_CUDA_TOPK=0: read back the logits, select on the host) for the same seed.
 gen() { "$bin/ferrolm" generate --device cuda --model "$model" --prompt "Once upon a time" --temperature 0.8 \
   --top-k 40 --top-p 0.95 --seed 7 -n 48 2>>"$log"; }
-host=$(gen); dev=$(FERROLM_CUDA_TOPK=1 gen)
+host=$(FERROLM_CUDA_TOPK=0 gen); dev=$(gen)
 if [[ -n $host && "$host" == "$dev" ]]; then echo "device top-k sampling: same text as the host sampler" | tee -a "$log"
 else echo "device top-k sampling DIFFERS: host [$host] device [$dev]" | tee -a "$log"; status=1; fi
 grep -E "^test |rel err|argmax|greedy|test result|µs per launch" "$log" | grep -vE "rel err [0-9.]+e-0[4-9]" | tail -60
@@ -45,11 +45,13 @@ bench() { "$bin/ferrolm" bench --device cuda --json --repeats 5 "$@" 2>>"$log" |
 results+=("ferrolm, SmolLM2-135M Q4_1|$(bench --model "$model")")
 results+=("ferrolm, SmolLM2-135M Q4_1, depth 7424|$(bench --model "$model" --depth 7424)")
 # What a sampled step costs (top-k 40 at temperature 0.8): host sampling from read-back
-# logits, then the device top-k (FERROLM_CUDA_TOPK=1).
-results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, host|$(bench --model "$model" --temperature 0.8 --top-k 40)")
-results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, device|$(FERROLM_CUDA_TOPK=1 bench --model "$model" --temperature 0.8 --top-k 40)")
+# logits (FERROLM_CUDA_TOPK=0), then the device top-k (the default).
+results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, host|$(FERROLM_CUDA_TOPK=0 bench --model "$model" --temperature 0.8 --top-k 40)")
+results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, device|$(bench --model "$model" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic)|$(bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
+results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, host|$(FERROLM_CUDA_TOPK=0 bench --model "$m1b" --temperature 0.8 --top-k 40)")
+results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, device|$(bench --model "$m1b" --temperature 0.8 --top-k 40)")
 if [[ -f $gguf1b ]]; then
   results+=("ferrolm, 1B shape Q4_0 GGUF (synthetic)|$(bench --model "$gguf1b")")
   results+=("ferrolm, 1B shape Q4_0 GGUF (synthetic), depth 8192|$(bench --model "$gguf1b" --depth 8192)")
@@ -83,8 +85,8 @@ for js in sys.argv[2:]:
 PY
   done
 fi
-# The PyTorch peer last (torch.compile takes a minute per shape).
-for shape in smollm2-135m llama-3.2-1b; do
+# The PyTorch peer last (torch.compile takes a minute per shape; TORCH=0 skips it).
+[[ ${TORCH:-1} == 0 ]] || for shape in smollm2-135m llama-3.2-1b; do
   echo "PyTorch bf16 $shape (random weights): $(timeout 240 python3 "$here/tools/peers/torch_bench.py" --shape $shape 2>>"$log" | tail -1)"
 done
 exit $status

@@ -74,60 +74,112 @@ __device__ __forceinline__ u32 order_key(float s) {
 
 // The k best of s_i = x_i · inv_t by (s desc, i asc) into out[0..2k] as (i, s) f32 pairs,
 // for the host to finish sampling (Sampler::sample_candidates: same candidates, same draw
-// as the CPU sampler). One block of 1024 threads, no inter-block synchronization:
-//  1. radix select, 8 bits a pass from the top: a shared histogram of the key digit among
-//     the elements still matching the prefix finds the digit holding the k-th best, four
-//     passes give its key T and how many elements equal to T to take;
-//  2. an ordered compaction writes every element above T (at positions in index order),
-//     then the first elements equal to T by index.
-// Each pass reads the vocabulary once from L2 (a 128K vocabulary: 512 KB) through one SM;
-// make it multi-block if it shows in the decode step. Launched with PDL.
-extern "C" __global__ void __launch_bounds__(1024)
-    top_k(const float* __restrict__ x, int n, float inv_t, int k, float* __restrict__ out) {
-    __shared__ unsigned hist[256];
-    __shared__ u32 s_prefix, s_left;
-    __shared__ unsigned wgt[32], weq[32];
-    pdl_trigger();
-    pdl_wait();
-    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
-    u32 prefix = 0, mask = 0, left = (u32)k;
+// as the CPU sampler). Two phases in one launch (grid: B blocks of 512 threads, dynamic
+// shared memory for `cap` u32 keys):
+//  1. block b takes the slice [b·per, (b+1)·per) and writes its own k best (a radix select
+//     and an ordered compaction) to cand_key/cand_idx[b·k, (b+1)·k), in index order; the
+//     host makes per > k unless there is one block, so only the last slice can be shorter
+//     than k (it writes all its values) and the candidates are a prefix with no gaps;
+//  2. the last block to finish (counted in *done, reset for the next launch) selects the k
+//     best of those candidates the same way and writes them out.
+// The global k best are among the slices' k best (one strict order, ties by index), and
+// the candidates lie in index order, so phase 2's compaction keeps the lowest indices on
+// ties, as the CPU's heap does.
+// Radix select, 8 bits a pass from the top: a shared histogram of the key digit among the
+// keys still matching the prefix finds the digit holding the k-th best; four passes give
+// its key T and how many keys equal to T are taken. Logits share their top bits (sign and
+// exponent), so most keys of a pass hit a few bins: each warp adds one count per distinct
+// digit (__match_any_sync) instead of one atomic per key, which serialized the first
+// one-block version (223 µs for 128K values). Keys live in shared memory when they fit
+// (`cap`), else they are re-read each pass. Launched with PDL.
+#define TK_THREADS 512
+
+// The float whose order_key is `key` (exact inverse).
+__device__ __forceinline__ float key_value(u32 key) {
+    return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// hist[digit] += 1 for every active lane, one shared atomic per distinct digit of the warp.
+// Every lane of the warp must call this.
+__device__ __forceinline__ void hist_count(unsigned* hist, u32 digit, bool active) {
+    unsigned am = __ballot_sync(0xffffffffu, active);
+    if (!active) return;
+    unsigned peers = __match_any_sync(am, digit);
+    if ((int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[digit], (unsigned)__popc(peers));
+}
+
+// Keys of one phase: from shared memory when staged, else computed from the source.
+struct TkKeys {
+    const u32* smem;   // staged keys, or null
+    const float* x;    // phase 1 source (x · inv_t), when not staged
+    const u32* cand;   // phase 2 source, when not staged
+    float inv_t;
+    __device__ __forceinline__ u32 get(int i) const {
+        return smem ? smem[i] : cand ? __ldcg(cand + i) : order_key(x[i] * inv_t);
+    }
+};
+
+// The k-th best key T of keys[0, n) and how many keys equal to T the k best take (`left`).
+__device__ void radix_select(const TkKeys& keys, int n, u32 k, unsigned* hist, u32& T, u32& left) {
+    __shared__ u32 s_digit, s_left;
+    int tid = threadIdx.x, lane = tid & 31;
+    u32 prefix = 0, mask = 0;
+    left = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int t = tid; t < 256; t += blockDim.x) hist[t] = 0;
         __syncthreads();
-        for (int i = tid; i < n; i += blockDim.x) {
-            u32 key = order_key(x[i] * inv_t);
-            if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+        for (int i0 = 0; i0 < n; i0 += blockDim.x) {  // uniform trip count: hist_count's ballot
+            u32 key = i0 + tid < n ? keys.get(i0 + tid) : 0u;
+            bool act = i0 + tid < n && (key & mask) == prefix;
+            hist_count(hist, (key >> shift) & 255, act);
         }
         __syncthreads();
-        if (tid == 0) {
-            u32 above = 0;
-            for (int d = 255; d >= 0; d--) {
-                if (above + hist[d] >= left) {
-                    prefix |= (u32)d << shift;
-                    left -= above;
-                    break;
-                }
-                above += hist[d];
+        if (tid < 32) {
+            // Lane l sums bins [248 − 8l, 256 − 8l); a prefix sum over lanes (top bins first)
+            // finds the lane, then the bin, where the count of better keys reaches `left`.
+            unsigned c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) sum += c[j] = hist[255 - 8 * lane - j];
+            unsigned incl = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                unsigned t = __shfl_up_sync(0xffffffffu, incl, o);
+                if (lane >= o) incl += t;
             }
-            s_prefix = prefix;
-            s_left = left;
+            unsigned above = incl - sum;
+            if (above < left && left <= incl) {
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    if (above + c[j] >= left) {
+                        s_digit = 255 - 8 * lane - j;
+                        s_left = left - above;
+                        break;
+                    }
+                    above += c[j];
+                }
+            }
         }
         __syncthreads();
-        prefix = s_prefix;
+        prefix |= s_digit << shift;
         left = s_left;
         mask |= 255u << shift;
+        __syncthreads();  // s_digit / s_left are rewritten by the next pass
     }
-    // prefix = T, the k-th best key; `left` elements equal to T are taken, after k - left above it.
-    // Tiles without a candidate (most of them: k of n) cost one barrier; in the others a
-    // ballot per warp and the warps' counts give every candidate its place. Each thread
-    // keeps the running counts itself (all compute the same totals).
-    u32 above_t = (u32)k - left, base_gt = 0, base_eq = 0;
-    u32 lt_mask = (1u << lane) - 1u;
+    T = prefix;
+}
+
+// Every key above T and the first `left` keys equal to T (by position), in position order:
+// emit(slot, position, key) with slots [0, k). Tiles without a candidate cost one barrier;
+// in the others a ballot per warp and the warps' counts give each its slot.
+template <typename Emit>
+__device__ void compact(const TkKeys& keys, int n, u32 k, u32 T, u32 left, Emit emit) {
+    __shared__ unsigned wgt[32], weq[32];
+    int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+    u32 above_t = k - left, base_gt = 0, base_eq = 0, lt_mask = (1u << lane) - 1u;
     for (int i0 = 0; i0 < n; i0 += blockDim.x) {
         int i = i0 + tid;
-        float s = i < n ? x[i] * inv_t : 0.f;
-        u32 key = order_key(s);
-        bool gt = i < n && key > prefix, eq = i < n && key == prefix;
+        u32 key = i < n ? keys.get(i) : 0u;
+        bool gt = i < n && key > T, eq = i < n && key == T;
         if (!__syncthreads_or(gt || eq)) continue;  // uniform: every thread takes the same branch
         u32 bg = __ballot_sync(0xffffffffu, gt), be = __ballot_sync(0xffffffffu, eq);
         if (lane == 0) {
@@ -144,14 +196,60 @@ extern "C" __global__ void __launch_bounds__(1024)
             base_gt += wgt[w];
             base_eq += weq[w];
         }
-        if (gt) {
-            out[2 * og] = (float)i;
-            out[2 * og + 1] = s;
-        }
-        if (eq && oe < left) {
-            out[2 * (above_t + oe)] = (float)i;
-            out[2 * (above_t + oe) + 1] = s;
-        }
+        if (gt) emit(og, i, key);
+        if (eq && oe < left) emit(above_t + oe, i, key);
         __syncthreads();  // wgt/weq are rewritten by the next candidate tile
     }
+}
+
+extern "C" __global__ void __launch_bounds__(TK_THREADS)
+    top_k(const float* __restrict__ x, int n, float inv_t, int k, int per, int cap, u32* __restrict__ cand_key,
+          int* __restrict__ cand_idx, int* __restrict__ done, float* __restrict__ out) {
+    extern __shared__ u32 s_keys[];
+    __shared__ unsigned hist[256];
+    __shared__ int last;
+    pdl_trigger();
+    pdl_wait();
+    int tid = threadIdx.x, b = blockIdx.x;
+    int lo = b * per, len = max(0, min(n, lo + per) - lo);
+    u32* ck = cand_key + (long)b * k;
+    int* ci = cand_idx + (long)b * k;
+    if (len <= k) {  // the whole slice is candidates
+        for (int j = tid; j < len; j += blockDim.x) {
+            ck[j] = order_key(x[lo + j] * inv_t);
+            ci[j] = lo + j;
+        }
+    } else {
+        bool staged = len <= cap;
+        if (staged)
+            for (int j = tid; j < len; j += blockDim.x) s_keys[j] = order_key(x[lo + j] * inv_t);
+        __syncthreads();
+        TkKeys keys{staged ? s_keys : nullptr, x + lo, nullptr, inv_t};
+        u32 T, left;
+        radix_select(keys, len, (u32)k, hist, T, left);
+        compact(keys, len, (u32)k, T, left, [&](u32 slot, int i, u32 key) {
+            ck[slot] = key;
+            ci[slot] = lo + i;
+        });
+    }
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) last = atomicAdd(done, 1) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Candidates: k per block, the last block's slice possibly fewer.
+    int c = (gridDim.x - 1) * k + min(k, n - (int)(gridDim.x - 1) * per);
+    bool staged = c <= cap;
+    if (staged)
+        for (int j = tid; j < c; j += blockDim.x) s_keys[j] = __ldcg(cand_key + j);
+    __syncthreads();
+    TkKeys keys{staged ? s_keys : nullptr, nullptr, cand_key, inv_t};
+    u32 T, left;
+    radix_select(keys, c, (u32)k, hist, T, left);
+    compact(keys, c, (u32)k, T, left, [&](u32 slot, int i, u32 key) {
+        out[2 * slot] = (float)__ldcg(cand_idx + i);
+        out[2 * slot + 1] = key_value(key);
+    });
+    if (tid == 0) *done = 0;
 }

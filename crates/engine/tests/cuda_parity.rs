@@ -502,18 +502,19 @@ fn out_of_memory_is_a_clear_error() {
 }
 
 /// The device top-k (sample.cu's radix select + ordered compaction) returns exactly the
-/// host's candidates (same tokens, same scaled values to the bit, ties to the lower id),
-/// and SmolLM2 top-k steps through a session (a captured graph ending in top_k) sample
+/// host's candidates (same tokens, same scaled values to the bit, ties to the lower id)
+/// on every split it takes (one block; many blocks with slices in shared memory; slices
+/// too long for it; a short last slice), and SmolLM2 top-k steps through a session (a captured graph ending in top_k) sample
 /// what the host sampler samples from the full logits.
 #[test]
 fn top_k_matches_cpu() {
     let g = gpu();
     let mut r = Rng::seeded();
-    for n in [7, 1000, 49152, 128256] {
+    for n in [7, 1000, 5000, 49152, 128256, 128256 + 1017] {
         // coarse values: many exact ties at every k
         let v: Vec<f32> = r.v(n, 8.0).iter().map(|x| (x * 4.0).floor() / 4.0).collect();
         let xg = g.act_from_f32(1, n, &v).unwrap();
-        for k in [1, 40, 1000].into_iter().filter(|&k| k <= n) {
+        for k in [1, 40, 1000, 1024].into_iter().filter(|&k| k <= n) {
             for inv_t in [1.0f32, 1.0 / 0.7] {
                 let mut og = g.act_poisoned(1, 2 * k, true).unwrap();
                 g.top_k(&xg, k, inv_t, &mut og).unwrap();

@@ -43,6 +43,9 @@ pub struct Cuda {
     /// Argmax partials (value, index per block) and its done counter.
     #[allow(clippy::type_complexity)]
     pub(crate) argmax_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<i32>, CudaSlice<i32>)>>,
+    /// Top-k candidates (key, index; `TOP_K_CAP` of each) and its done counter.
+    #[allow(clippy::type_complexity)]
+    pub(crate) top_k_scratch: Mutex<Option<(CudaSlice<u32>, CudaSlice<i32>, CudaSlice<i32>)>>,
     /// Decode attention scratch by (heads·splits, head_dim): partial max/sum, partial
     /// outputs, and per-head done counters. Kept for the process (captured graphs use it).
     #[allow(clippy::type_complexity)]
@@ -187,6 +190,7 @@ impl Cuda {
             rope_freqs: Mutex::new(Vec::new()),
             attn_scratch: Mutex::new(HashMap::new()),
             argmax_scratch: Mutex::new(None),
+            top_k_scratch: Mutex::new(None),
             staged: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
             capturing: std::sync::atomic::AtomicBool::new(false),

@@ -68,13 +68,16 @@ fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
 /// for SwiGLU's two).
 const GEMV_LOADS: usize = 8;
 
-/// Warps per GEMV block (NW in gemv.cu): 4, or 8 with `FERROLM_GEMV_WARPS=8` (for tuning:
-/// fewer blocks stage x fewer times).
+/// Warps per GEMV block (NW in gemv.cu): 8, or 4 or 16 with `FERROLM_GEMV_WARPS` (for
+/// tuning). 8 measured best at the 1B shape (H200, docs/perf.md): each block stages x (from
+/// L2) once, so fewer, larger blocks read less of it; the 128K-row head alone was 7% faster
+/// at 4, less than the layers' gain.
 fn gemv_warps() -> usize {
     static NW: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *NW.get_or_init(|| match std::env::var("FERROLM_GEMV_WARPS").as_deref() {
-        Ok("8") => 8,
-        _ => 4,
+        Ok("4") => 4,
+        Ok("16") => 16,
+        _ => 8,
     })
 }
 
@@ -155,13 +158,13 @@ impl Cuda {
         let CudaMat::Affine { bits, .. } = mats[0] else { unreachable!("checked above") };
         let loads = if mode == GemvOut::Swiglu { GEMV_LOADS / 2 } else { GEMV_LOADS };
         let r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
-        let o = match (mode, norm, f32_out) {
+        let out_kind = match (mode, norm, f32_out) {
             (GemvOut::Swiglu, _, _) => "s",
             (GemvOut::Add, _, _) => "a",
             (GemvOut::Store, _, true) => "f",
             (GemvOut::Store, _, false) => "b",
         };
-        let name = format!("gemv_{}{o}_r{r}", if norm { "n" } else { "b" });
+        let name = format!("gemv_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
         // int16 x with DP2A (gemv.cu's XQ) needs whole 32-value x blocks, and room for the
         // block scales and sums beside x.
         let xq_smem = 2 * x.cols + x.cols / 32 * 4 + x.cols / 16 * 4;
@@ -169,7 +172,7 @@ impl Cuda {
         let nw = gemv_warps();
         let mut defines = defines.clone();
         defines.push(format!("XQ={}", u8::from(xq)));
-        if nw != 4 {
+        if nw != 8 {
             defines.push(format!("NW={nw}"));
         }
         let f = self.function(kernels::file("gemv.cu"), &defines, &name)?;
@@ -179,8 +182,8 @@ impl Cuda {
         let mut blocks = 0;
         for i in 0..3 {
             let (m, o) = if i < mats.len() { (mats[i], &*outs[i]) } else { (mats[0], &*outs[0]) };
-            let CudaMat::Affine { words, scales, biases, rows: n, .. } = m else { unreachable!("checked above") };
-            let n = if i < mats.len() { *n } else { 0 };
+            let CudaMat::Affine { words, scales, biases, rows, .. } = m else { unreachable!("checked above") };
+            let n = if i < mats.len() { *rows } else { 0 };
             args.extend([
                 dev(self, words),
                 KArg::Ptr(scales_ptr(self, scales)),
@@ -193,11 +196,11 @@ impl Cuda {
             }
         }
         let xp = act_ptr(self, x);
-        let (nw, eps) = match input {
+        let (gains, eps) = match input {
             GemvIn::Norm(_, w, eps) => (w.device_ptr(&self.stream).0, eps),
             GemvIn::Bf16(_) => (xp, 0.0f32),
         };
-        args.extend([KArg::Ptr(xp), KArg::Ptr(nw), KArg::F32(eps), KArg::I32(x.cols as i32)]);
+        args.extend([KArg::Ptr(xp), KArg::Ptr(gains), KArg::F32(eps), KArg::I32(x.cols as i32)]);
         // Persistent blocks: as many as are resident on the GPU at once (registers decide:
         // 3-5 per SM), each looping over row blocks with x staged once. More would queue
         // behind the first wave and finish last. `FERROLM_GEMV_BPS` caps the blocks per SM
@@ -369,11 +372,53 @@ impl Cuda {
             return Err(Error::Invalid("CUDA top-k reads f32 logits into an f32 output".into()));
         };
         let f = self.function(kernels::file("sample.cu"), &[], "top_k")?;
-        let args = [dev(self, xv), KArg::I32(x.cols as i32), KArg::F32(inv_t), KArg::I32(k as i32), dev(self, ov)];
-        let c = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // Matches sample.cu's top_k: one block (no inter-block synchronization).
+        let (n, k) = (x.cols, k.min(x.cols));
+        let (blocks, per) = top_k_split(n, k);
+        let mut scratch = self.top_k_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.is_none() {
+            let key = self.stream.alloc_zeros::<u32>(TOP_K_CAP).map_err(drv("allocating top-k scratch"))?;
+            let idx = self.stream.alloc_zeros::<i32>(TOP_K_CAP).map_err(drv("allocating top-k scratch"))?;
+            let done = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating top-k scratch"))?;
+            *scratch = Some((key, idx, done));
+        }
+        let (ck, ci, done) = scratch.as_mut().expect("set above");
+        let args = [
+            dev(self, xv),
+            KArg::I32(n as i32),
+            KArg::F32(inv_t),
+            KArg::I32(k as i32),
+            KArg::I32(per as i32),
+            KArg::I32(TOP_K_CAP as i32),
+            dev(self, ck),
+            dev(self, ci),
+            dev(self, done),
+            dev(self, ov),
+        ];
+        let c = LaunchConfig {
+            grid_dim: (blocks as u32, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: (TOP_K_CAP * 4) as u32,
+        };
+        // Matches sample.cu's top_k: blocks · k ≤ TOP_K_CAP candidates (top_k_split), done
+        // zeroed at allocation and reset by the kernel.
         self.launch(&f, c, &args, "top-k launch")
     }
+}
+
+/// Keys sample.cu's top_k holds in shared memory (a slice in phase 1, all candidates in
+/// phase 2), and the candidate scratch's size: 43 KB, within the 48 KB a launch gets.
+const TOP_K_CAP: usize = 11008;
+
+/// (blocks, values per block) for top-k of k over n: slices of ~1K values spread a 128K
+/// vocabulary over ~128 SMs, as long as the blocks' k candidates each fit TOP_K_CAP
+/// together; each slice longer than k unless one block takes everything.
+fn top_k_split(n: usize, k: usize) -> (usize, usize) {
+    let blocks = (TOP_K_CAP / k).min(n.div_ceil(1024)).max(1);
+    let per = n.div_ceil(blocks);
+    if per <= k {
+        return (1, n);
+    }
+    (n.div_ceil(per), per)
 }
 
 /// The decode-path overrides of `Backend`'s fused ops (called from ops.rs's impl).
@@ -442,5 +487,26 @@ impl Cuda {
         }
         times.sort_by(f64::total_cmp);
         Ok(2.0 * bytes as f64 / times[times.len() / 2])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// top_k_split's promises to sample.cu's top_k: every value in a slice, at most
+    /// TOP_K_CAP candidates, and slices longer than k unless one block takes everything
+    /// (so only the last slice writes fewer than k).
+    #[test]
+    fn top_k_split_covers_and_fits() {
+        for n in [1, 7, 1000, 1024, 1025, 5000, 49152, 128256, 262144] {
+            for k in [1, 2, 40, 1000, 1024].into_iter().filter(|&k| k <= n) {
+                let (blocks, per) = top_k_split(n, k);
+                assert!(blocks >= 1 && (blocks - 1) * per < n && blocks * per >= n, "n {n} k {k}: {blocks} × {per}");
+                assert!(blocks * k <= TOP_K_CAP, "n {n} k {k}: {blocks} blocks of {k}");
+                assert!(blocks == 1 || per > k, "n {n} k {k}: slices of {per}");
+            }
+        }
+        assert_eq!(top_k_split(128256, 40), (126, 1018));
     }
 }

@@ -70,10 +70,13 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
             }
         }
     }
-    // The 8-warp GEMV (FERROLM_GEMV_WARPS=8, a tuning knob): one variant, so it compiles.
-    let mut d = affine_defines(4, 64, ScaleDtype::BF16);
-    d.extend(["XQ=1".into(), "NW=8".into()]);
-    v.push((file("gemv.cu"), d));
+    // The 4- and 16-warp GEMVs (FERROLM_GEMV_WARPS, a tuning knob): one variant each, so
+    // they compile.
+    for nw in ["NW=4", "NW=16"] {
+        let mut d = affine_defines(4, 64, ScaleDtype::BF16);
+        d.extend(["XQ=1".into(), nw.into()]);
+        v.push((file("gemv.cu"), d));
+    }
     for hd in FLASH_HEAD_DIMS {
         v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }

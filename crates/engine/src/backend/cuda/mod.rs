@@ -3,6 +3,10 @@
 //! accumulation; bf16 KV cache. cudarc loads libcuda and libnvrtc dynamically, so the binary
 //! builds and runs where no CUDA is installed.
 
+// Kernel launches take long positional argument lists; a binding that shadows an unrelated
+// one (a warp count by a pointer, once) passes every CPU check and fails only on a GPU.
+#![deny(clippy::shadow_unrelated)]
+
 pub mod device;
 mod flash;
 mod fused;

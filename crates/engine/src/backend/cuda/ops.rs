@@ -118,10 +118,10 @@ impl Cuda {
         // SAFETY: matches attention.cu's attention_split; scratch sized [m, heads, splits].
         unsafe { b.launch(c) }.map_err(drv("attention launch"))?;
         let mg = self.simple("attention.cu", "attention_merge")?;
-        let mut b = self.stream.launch_builder(&mg);
-        b.arg(&ml).arg(&acc).arg(out.bf16_mut()).arg(&heads).arg(&hd).arg(&nsplit);
+        let mut bm = self.stream.launch_builder(&mg);
+        bm.arg(&ml).arg(&acc).arg(out.bf16_mut()).arg(&heads).arg(&hd).arg(&nsplit);
         // SAFETY: matches attention.cu's attention_merge.
-        unsafe { b.launch(cfg((heads as u32, q.rows as u32), hd as u32)) }
+        unsafe { bm.launch(cfg((heads as u32, q.rows as u32), hd as u32)) }
             .map(|_| ())
             .map_err(drv("attention merge launch"))
     }
@@ -378,11 +378,11 @@ impl Backend for Cuda {
     fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
         self.argmax_f32(x, out)
     }
-    /// Off unless `FERROLM_CUDA_TOPK=1`: the top-k kernel has not run on a GPU yet (its
-    /// parity test is in cuda_parity; turn this on once gpu-check.sh has passed it).
+    /// On unless `FERROLM_CUDA_TOPK=0` (host sampling from read-back logits, for
+    /// comparisons): the device top-k reads back 8·k bytes instead of the vocabulary.
     fn top_k_preferred(&self) -> bool {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *ON.get_or_init(|| std::env::var("FERROLM_CUDA_TOPK").is_ok_and(|v| v == "1"))
+        *ON.get_or_init(|| std::env::var("FERROLM_CUDA_TOPK").map_or(true, |v| v != "0"))
     }
     fn top_k(&self, x: &CudaAct, k: usize, inv_t: f32, out: &mut CudaAct) -> Result<()> {
         crate::backend::check_top_k(x.cols, k, out.cols)?;
