@@ -12,7 +12,7 @@
 //! itself (a 24-bit product), so our dequant equals ggml's bit for bit.
 
 use super::affine::{set_q, AffineTensor, Scales};
-use super::ggml::{f16_at, GgmlType};
+use super::ggml::{f16_at, par_blocks, GgmlType};
 use super::Weight;
 use crate::{Error, Result};
 
@@ -44,19 +44,27 @@ pub fn import(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Wei
     let mut packed = vec![0u32; nblocks * wpb];
     let mut scales = vec![0f32; nblocks * gpb];
     let mut biases = vec![0f32; nblocks * gpb];
-    let mut q = [0u32; QK_K];
-    for (b, blk) in data.chunks_exact(block_bytes).enumerate() {
-        let (s, o) = (&mut scales[b * gpb..(b + 1) * gpb], &mut biases[b * gpb..(b + 1) * gpb]);
-        match ty {
-            GgmlType::Q4K => q4k_block(blk, &mut q, s, o),
-            GgmlType::Q5K => q5k_block(blk, &mut q, s, o),
-            _ => q6k_block(blk, &mut q, s, o),
-        }
-        let words = &mut packed[b * wpb..(b + 1) * wpb];
-        for (i, &v) in q.iter().enumerate() {
-            set_q(words, bits, i, v);
-        }
-    }
+    par_blocks(
+        data,
+        block_bytes,
+        (&mut packed, wpb),
+        (&mut scales, &mut biases, gpb),
+        |data, packed, scales, biases| {
+            let mut q = [0u32; QK_K];
+            for (b, blk) in data.chunks_exact(block_bytes).enumerate() {
+                let (s, o) = (&mut scales[b * gpb..(b + 1) * gpb], &mut biases[b * gpb..(b + 1) * gpb]);
+                match ty {
+                    GgmlType::Q4K => q4k_block(blk, &mut q, s, o),
+                    GgmlType::Q5K => q5k_block(blk, &mut q, s, o),
+                    _ => q6k_block(blk, &mut q, s, o),
+                }
+                let words = &mut packed[b * wpb..(b + 1) * wpb];
+                for (i, &v) in q.iter().enumerate() {
+                    set_q(words, bits, i, v);
+                }
+            }
+        },
+    );
     Ok(Weight::Affine(AffineTensor::new(rows, cols, bits, group, packed, Scales::F32(scales), Scales::F32(biases))?))
 }
 
