@@ -25,6 +25,9 @@ echo "== parity tests" | tee -a "$log"
 # The decode GEMV's other x path (bf16 x, f32 math) must stay correct too.
 FERROLM_GEMV_XQ=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode matmuls_and_embeddings \
   smollm2_cuda_agrees >>"$log" 2>&1 || status=1
+# So must decode attention's split merge through global memory only (no clusters).
+FERROLM_ATTN_CLUSTER=0 "$bin/cuda_parity" --test-threads=1 --nocapture rope_attention smollm2_cuda_agrees \
+  >>"$log" 2>&1 || status=1
 # Top-k sampling with the device top-k (the default) must give the host sampler's text
 # (FERROLM_CUDA_TOPK=0: read back the logits, select on the host) for the same seed.
 gen() { "$bin/ferrolm" generate --device cuda --model "$model" --prompt "Once upon a time" --temperature 0.8 \

@@ -3,15 +3,18 @@
 // then attention (backend/cpu/attention.rs), which this matches value for value (the same
 // bf16 roundings of rotated q and k).
 //
-// grid (heads / QB, 1, splits), block 128. A block takes QB query heads of one kv group
-// (GQA: they share K/V, so each K/V row is loaded once for all of them) and the positions
-// [s·chunk, (s+1)·chunk) ∩ [0, pos0] of split s. Positions are spread over lanes, not
-// walked one by one: a group of hd/8 lanes takes one position (each lane 8 dims, one
-// 16-byte load of K and of V), so a warp scores 32·8/hd positions at once and every
-// iteration's loads are independent. Each lane group keeps an online softmax per query
-// head; groups merge in a fixed order through shared memory into the split's partial (max,
-// sum, unnormalized output). The last block of the kv group to finish (counted in
-// done[blockIdx.x], reset for the next step) merges the splits in split order, one warp
+// grid (heads / QB, 1, splits), block 128, clusters of cs blocks along z (cs = 1: none).
+// A block takes QB query heads of one kv group (GQA: they share K/V, so each K/V row is
+// loaded once for all of them) and the positions [s·chunk, (s+1)·chunk) ∩ [0, pos0] of
+// split s. Positions are spread over lanes, not walked one by one: a group of hd/8 lanes
+// takes one position (each lane 8 dims, one 16-byte load of K and of V), so a warp scores
+// 32·8/hd positions at once and every iteration's loads are independent. Each lane group
+// keeps an online softmax per query head; groups merge in a fixed order through shared
+// memory into the split's partial (max, sum, unnormalized output). A cluster's rank 0
+// merges its cs splits in rank order, reading them from the other blocks' shared memory.
+// If one cluster (with cs = 1, one block) covers a head's positions, that is the output;
+// else each cluster's (block's) partial goes to global memory and the last to finish
+// (counted in done[blockIdx.x], reset for the next step) merges them in order, one warp
 // per query head. Deterministic.
 //
 // The new position pos0 is not read from the cache: its k and v come from the q/k/v GEMV
@@ -19,7 +22,8 @@
 // block of each kv group in that split writes it to the cache for later steps.
 //
 // Where the time goes: at a few hundred cached positions a split is a chain of latencies
-// (load K/V, score, merge, fence, merge the splits). Launched with PDL: the cached
+// (load K/V, score, merge, then the split merge: through global memory a fence, an atomic
+// and dependent L2 reads, ~3 µs; in a cluster two barriers and shared-memory reads). Launched with PDL: the cached
 // positions (< pos0) were written by earlier steps, which have finished (every step starts
 // with a non-PDL launch), so the first UNR positions' K/V loads go out before pdl_wait,
 // overlapping the q/k/v GEMV; each lane group keeps UNR positions' loads in flight.
@@ -64,8 +68,9 @@ extern "C" __global__ void __launch_bounds__(128)
                      bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const float* __restrict__ inv_freq,
                      float linear, int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
                      bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd, int qb,
-                     const int* __restrict__ pos0p, int chunk) {
+                     const int* __restrict__ pos0p, int chunk, int cs) {
     __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
+    __shared__ float s_pm[QB_MAX], s_pl[QB_MAX], s_po[QB_MAX * 256];             // qb · hd ≤ 1024
     __shared__ int last;
     pdl_trigger();
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -173,7 +178,8 @@ extern "C" __global__ void __launch_bounds__(128)
         for (int i = 0; i < 8; i++) s_acc[j * 1024 + gid * hd + gl * 8 + i] = acc[j][i];
     }
     __syncthreads();
-    // This split's partial per query head: the lane groups merged in group order.
+    // This split's partial per query head: the lane groups merged in group order, into
+    // s_pm/s_pl (max, sum) and s_po (unnormalized output).
     for (int t = threadIdx.x; t < qb * hd; t += blockDim.x) {
         int j = t / hd, d = t % hd;
         float M = -INFINITY;
@@ -186,33 +192,84 @@ extern "C" __global__ void __launch_bounds__(128)
             L += s_l[j * 32 + g] * w;
             o += s_acc[j * 1024 + g * hd + d] * w;
         }
-        long slot = (long)(h0 + j) * splits + sp;
-        part_acc[slot * hd + d] = o;
+        s_po[t] = o;
         if (d == 0) {
-            part_ml[2 * slot] = M;
-            part_ml[2 * slot + 1] = L;
+            s_pm[j] = M;
+            s_pl[j] = L;
+        }
+    }
+    __syncthreads();
+    const float *pm = s_pm, *pl = s_pl, *po = s_po;
+    if (cs > 1) {
+        // The cluster's splits merged by its rank 0 in rank order, reading the others'
+        // partials from their shared memory (no global round trip, no fence), into s_m /
+        // s_l / s_acc (free by now). The second barrier keeps every block's shared memory
+        // alive until rank 0 has read it.
+        cluster_sync();
+        bool lead = cluster_rank() == 0;
+        if (lead) {
+            for (int t = threadIdx.x; t < qb * hd; t += blockDim.x) {
+                int j = t / hd;
+                float M = -INFINITY;
+                for (int r = 0; r < cs; r++) M = fmaxf(M, ld_cluster(s_pm + j, r));
+                float L = 0.f, o = 0.f;
+                for (int r = 0; r < cs; r++) {
+                    float mr = ld_cluster(s_pm + j, r);
+                    if (mr == -INFINITY) continue;
+                    float w = __expf(mr - M);
+                    L += ld_cluster(s_pl + j, r) * w;
+                    o += ld_cluster(s_po + t, r) * w;
+                }
+                s_acc[t] = o;
+                if (t % hd == 0) {
+                    s_m[j] = M;
+                    s_l[j] = L;
+                }
+            }
+        }
+        cluster_sync();
+        if (!lead) return;
+        pm = s_m;
+        pl = s_l;
+        po = s_acc;
+    }
+    // One merge unit (a cluster, or a block when cs = 1) per head covers every position:
+    // its partial is the output.
+    int units = splits / cs, unit = sp / cs;
+    if (units == 1) {
+        for (int t = threadIdx.x; t < qb * hd; t += blockDim.x)
+            out[(long)h0 * hd + t] = f2bf(po[t] / pl[t / hd]);
+        return;
+    }
+    for (int t = threadIdx.x; t < qb * hd; t += blockDim.x) {
+        int j = t / hd, d = t % hd;
+        long slot = (long)(h0 + j) * units + unit;
+        part_acc[slot * hd + d] = po[t];
+        if (d == 0) {
+            part_ml[2 * slot] = pm[j];
+            part_ml[2 * slot + 1] = pl[j];
         }
     }
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.x, 1) == splits - 1;
+    if (threadIdx.x == 0) last = atomicAdd(done + blockIdx.x, 1) == units - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // Merge the splits: warp j takes query head j (qb ≤ 4 warps), so the heads merge in
+    // Merge the units: warp j takes query head j (qb ≤ 4 warps), so the heads merge in
     // parallel with warp-level reductions only. Partials come from other blocks: read
-    // through L2 with __ldcg. The split weights exp(m_s − M) go once into shared memory
-    // (s_acc's space, free by now), then each output dim is a dot product over the splits
+    // through L2 with __ldcg. The unit weights exp(m_u − M) go once into shared memory
+    // (s_acc's space, free by now), then each output dim is a dot product over the units
     // whose loads are all independent.
     if (warp < qb) {
         int j = warp;
-        long base = (long)(h0 + j) * splits;
+        long base = (long)(h0 + j) * units;
         float* w = s_acc + j * 1024;
         float M = -INFINITY;
-        for (int s = lane; s < splits; s += 32) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
+        for (int s = lane; s < units; s += 32) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
         M = warp_max(M);
         float L = 0.f;
-        for (int s = lane; s < splits; s += 32) {
+        for (int s = lane; s < units; s += 32) {
             float ms = __ldcg(part_ml + 2 * (base + s));
             float ws = ms == -INFINITY ? 0.f : __expf(ms - M);
             w[s] = ws;
@@ -224,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(128)
             const float* pa = part_acc + base * hd + d;
             float o = 0.f;
 #pragma unroll 8
-            for (int s = 0; s < splits; s++) o = fmaf(__ldcg(pa + (long)s * hd), w[s], o);
+            for (int s = 0; s < units; s++) o = fmaf(__ldcg(pa + (long)s * hd), w[s], o);
             out[(long)(h0 + j) * hd + d] = f2bf(o / L);
         }
     }

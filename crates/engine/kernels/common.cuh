@@ -87,6 +87,39 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Thread-block clusters (Cuda::launch_clustered, sm_90+): the blocks of a cluster run at
+// once on one GPC and read each other's shared memory. cluster_sync() is a barrier over
+// every thread of the cluster that also orders shared-memory writes before it with reads
+// after it; ld_cluster reads a float at the same shared-memory offset in the cluster's
+// block `rank`. Before sm_90 the host never launches clusters and these trap.
+__device__ __forceinline__ unsigned cluster_rank() {
+    unsigned r = 0;
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#else
+    __trap();
+#endif
+    return r;
+}
+__device__ __forceinline__ void cluster_sync() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ float ld_cluster(const float* p, int rank) {
+    float v = 0.f;
+#if __CUDA_ARCH__ >= 900
+    unsigned a = (unsigned)__cvta_generic_to_shared(p), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+#else
+    __trap();
+#endif
+    return v;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

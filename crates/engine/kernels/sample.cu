@@ -119,6 +119,20 @@ struct TkKeys {
     }
 };
 
+// dst[j] = key(j) for j < n, 8 loads in flight per thread: ~5K candidates come from L2 in
+// about one round trip instead of ten dependent ones.
+template <typename Key>
+__device__ __forceinline__ void stage_keys(u32* dst, int n, Key key) {
+    for (int j0 = threadIdx.x; j0 < n; j0 += 8 * blockDim.x) {
+        u32 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; u++) v[u] = j0 + u * (int)blockDim.x < n ? key(j0 + u * blockDim.x) : 0u;
+#pragma unroll
+        for (int u = 0; u < 8; u++)
+            if (j0 + u * (int)blockDim.x < n) dst[j0 + u * blockDim.x] = v[u];
+    }
+}
+
 // The k-th best key T of keys[0, n) and how many keys equal to T the k best take (`left`).
 __device__ void radix_select(const TkKeys& keys, int n, u32 k, unsigned* hist, u32& T, u32& left) {
     __shared__ u32 s_digit, s_left;
@@ -221,8 +235,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
         }
     } else {
         bool staged = len <= cap;
-        if (staged)
-            for (int j = tid; j < len; j += blockDim.x) s_keys[j] = order_key(x[lo + j] * inv_t);
+        if (staged) stage_keys(s_keys, len, [&](int j) { return order_key(x[lo + j] * inv_t); });
         __syncthreads();
         TkKeys keys{staged ? s_keys : nullptr, x + lo, nullptr, inv_t};
         u32 T, left;
@@ -241,8 +254,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
     // Candidates: k per block, the last block's slice possibly fewer.
     int c = (gridDim.x - 1) * k + min(k, n - (int)(gridDim.x - 1) * per);
     bool staged = c <= cap;
-    if (staged)
-        for (int j = tid; j < c; j += blockDim.x) s_keys[j] = __ldcg(cand_key + j);
+    if (staged) stage_keys(s_keys, c, [&](int j) { return __ldcg(cand_key + j); });
     __syncthreads();
     TkKeys keys{staged ? s_keys : nullptr, nullptr, cand_key, inv_t};
     u32 T, left;

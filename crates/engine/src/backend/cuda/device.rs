@@ -30,6 +30,8 @@ pub struct Cuda {
     pub sms: usize,
     /// Launch the decode kernels with programmatic dependent launch (sm_90+; see `launch`).
     pub pdl: bool,
+    /// Thread-block clusters can be launched (sm_90+).
+    pub clusters: bool,
     /// Loaded modules by "file|defines", and their functions by "file|defines|function":
     /// ops look kernels up on every launch, so the key is cheap (the source hash is only
     /// computed on a miss, for the disk cache).
@@ -184,6 +186,7 @@ impl Cuda {
             sms,
             // `FERROLM_PDL=0` turns it off (for A/B measurements).
             pdl: major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0"),
+            clusters: major >= 9,
             modules: Mutex::new(HashMap::new()),
             functions: Mutex::new(HashMap::new()),
             compiled: Mutex::new(0),
@@ -231,6 +234,37 @@ impl Cuda {
     /// does before (loading weights, which nothing writes) overlaps the previous kernel's
     /// tail and the launch gap. Graph capture keeps these as programmatic edges.
     pub(crate) fn launch(&self, f: &CudaFunction, c: LaunchConfig, args: &[KArg], what: &str) -> Result<()> {
+        self.launch_ex(f, c, args, what, None)
+    }
+
+    /// `launch` with the blocks grouped into thread-block clusters of `cluster` blocks along
+    /// z (sm_90+, `self.clusters`): a cluster's blocks run at once and read each other's
+    /// shared memory (common.cuh's cluster_sync / ld_cluster). grid z must be a multiple.
+    pub(crate) fn launch_clustered(
+        &self,
+        f: &CudaFunction,
+        c: LaunchConfig,
+        args: &[KArg],
+        what: &str,
+        cluster: u32,
+    ) -> Result<()> {
+        if !self.clusters || !c.grid_dim.2.is_multiple_of(cluster) {
+            return Err(Error::Invalid(format!(
+                "{what}: clusters of {cluster} over a grid of {} (device clusters: {})",
+                c.grid_dim.2, self.clusters
+            )));
+        }
+        self.launch_ex(f, c, args, what, Some(cluster))
+    }
+
+    fn launch_ex(
+        &self,
+        f: &CudaFunction,
+        c: LaunchConfig,
+        args: &[KArg],
+        what: &str,
+        cluster: Option<u32>,
+    ) -> Result<()> {
         use cudarc::driver::sys;
         // One 8-byte slot per argument; a 4-byte scalar sits in its slot's first bytes
         // (the driver reads as many bytes as the parameter has).
@@ -244,10 +278,21 @@ impl Cuda {
             .collect();
         let mut ptrs: Vec<*mut std::ffi::c_void> =
             slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect();
-        // SAFETY: plain-old-data union; only the PDL member is set.
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr.value.programmaticStreamSerializationAllowed = 1;
+        let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
+        if self.pdl {
+            // SAFETY: plain-old-data union; only the PDL member is set.
+            let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            a.value.programmaticStreamSerializationAllowed = 1;
+            attrs.push(a);
+        }
+        if let Some(z) = cluster {
+            // SAFETY: plain-old-data union; only the cluster dimension member is set.
+            let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z };
+            attrs.push(a);
+        }
         let config = sys::CUlaunchConfig {
             gridDimX: c.grid_dim.0,
             gridDimY: c.grid_dim.1,
@@ -257,12 +302,12 @@ impl Cuda {
             blockDimZ: c.block_dim.2,
             sharedMemBytes: c.shared_mem_bytes,
             hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: u32::from(self.pdl),
+            attrs: attrs.as_mut_ptr(),
+            numAttrs: attrs.len() as u32,
         };
         self.ctx.bind_to_thread().map_err(drv(what))?;
         // SAFETY: the caller passes args matching the kernel's parameters (device addresses
-        // of live buffers, sizes checked by the caller); slots, ptrs and attr outlive the call.
+        // of live buffers, sizes checked by the caller); slots, ptrs and attrs outlive the call.
         let r = unsafe { sys::cuLaunchKernelEx(&config, f.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) };
         r.result().map_err(drv(what))
     }

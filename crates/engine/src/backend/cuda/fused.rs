@@ -38,6 +38,17 @@ const DECODE_CHUNK: usize = 64;
 /// Most splits attention_decode.cu's merge holds (SPLITS_MAX there).
 const DECODE_SPLITS_MAX: usize = 1024;
 
+/// Most blocks of a decode attention cluster (8: the portable cluster size).
+const ATTN_CLUSTER_MAX: usize = 8;
+
+/// Whether decode attention merges its splits in thread-block clusters (sm_90+; the
+/// default) or every split through global memory (`FERROLM_ATTN_CLUSTER=0`, for
+/// comparisons and older GPUs' path).
+fn attention_clusters() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERROLM_ATTN_CLUSTER").map_or(true, |v| v != "0"))
+}
+
 /// Most blocks the argmax kernel uses (its scratch size).
 const ARGMAX_BLOCKS: usize = 128;
 
@@ -300,6 +311,20 @@ impl Cuda {
         let max_splits = (resident * self.sms / (heads / qb)).clamp(1, DECODE_SPLITS_MAX);
         let chunk = DECODE_CHUNK.max(kv.max_seq.div_ceil(max_splits));
         let splits = kv.max_seq.div_ceil(chunk);
+        // A cache of up to 8 · 128 positions: one cluster of up to 8 blocks per head, whose
+        // splits merge through shared memory into the output (no global round trip; splits
+        // of up to 128 positions: a second load round costs less than the global merge).
+        // Deeper caches keep one wave of single blocks merging through global memory:
+        // clusters there (7 of 7 splits per head at 8K) did not all fit one wave and the
+        // 1B attention at 8191 cached went 28 → 54 µs (H200, docs/perf.md).
+        let one_cluster = kv.max_seq <= ATTN_CLUSTER_MAX * 128 && splits > 1;
+        let (cs, splits, chunk) = match self.clusters && attention_clusters() && one_cluster {
+            true => {
+                let cs = ATTN_CLUSTER_MAX.min(splits);
+                (cs, cs, kv.max_seq.div_ceil(cs))
+            }
+            false => (1, splits, chunk),
+        };
         let freqs = self.rope_freqs_for(rope)?;
         let mut scratch = self.attn_scratch.lock().unwrap_or_else(|e| e.into_inner());
         let key = (heads * splits, kv.head_dim);
@@ -329,6 +354,7 @@ impl Cuda {
             KArg::I32(qbi),
             dev(self, p0),
             KArg::I32(chunk),
+            KArg::I32(cs as i32),
         ]);
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
@@ -337,7 +363,10 @@ impl Cuda {
         };
         // Matches attention_decode.cu; scratch sized [heads, splits] for this cache, `done`
         // (one counter per block column) zeroed at allocation and reset by the kernel.
-        self.launch(&f, c, &args, "attention launch")
+        match cs {
+            1 => self.launch(&f, c, &args, "attention launch"),
+            _ => self.launch_clustered(&f, c, &args, "attention launch", cs as u32),
+        }
     }
 
     /// argmax of row 0 of f32 `x` into out[0] as f32.
