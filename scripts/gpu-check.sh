@@ -4,7 +4,8 @@
 #   bash scripts/gpu-stage.sh   (builds gpu-bin/ferrolm and gpu-bin/cuda_parity)
 # The SmolLM2 GGUF must be in $FERROLM_HOME/models (default ~/.cache/ferrolm/models); the
 # 1B shape is generated (SYNTHETIC weights) into $M1B. Peers, side by side in this run:
-#   - PyTorch (torch + transformers): tools/peers/torch_bench.py, unless TORCH=0;
+#   - PyTorch (torch + transformers): tools/peers/torch_bench.py, unless TORCH=0, and
+#     tools/peers/cublas_gemm.py (dequantize + cuBLAS, the prefill design not taken);
 #   - llama.cpp, when LLAMA_BENCH names a llama-bench binary (CUDA build, docs/peers.md)
 #     and GGUF_PY a llama.cpp gguf-py directory: it runs on the SmolLM2 GGUF and on a
 #     synthetic 1B-shape Q4_0 GGUF (tools/peers/synth_gguf.py) that ferrolm runs too.
@@ -47,12 +48,16 @@ results=()
 bench() { "$bin/ferrolm" bench --device cuda --json --repeats 5 "$@" 2>>"$log" || echo '{}'; }
 results+=("ferrolm, SmolLM2-135M Q4_1|$(bench --model "$model")")
 results+=("ferrolm, SmolLM2-135M Q4_1, depth 7424|$(bench --model "$model" --depth 7424)")
+# Greedy steps not fed on the device (each waits for the host to read its token and stage
+# the next): what feeding saves.
+results+=("ferrolm, SmolLM2-135M Q4_1, steps not fed|$(FERROLM_CUDA_FEED=0 bench --model "$model")")
 # What a sampled step costs (top-k 40 at temperature 0.8): host sampling from read-back
 # logits (FERROLM_CUDA_TOPK=0), then the device top-k (the default).
 results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, host|$(FERROLM_CUDA_TOPK=0 bench --model "$model" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, device|$(bench --model "$model" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic)|$(bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), steps not fed|$(FERROLM_CUDA_FEED=0 bench --model "$m1b")")
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, host|$(FERROLM_CUDA_TOPK=0 bench --model "$m1b" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, device|$(bench --model "$m1b" --temperature 0.8 --top-k 40)")
 if [[ -f $gguf1b ]]; then
@@ -88,6 +93,10 @@ for js in sys.argv[2:]:
 PY
   done
 fi
+# Prefill's other design, dequantize per layer then cuBLAS (PyTorch), at the GEMM shapes
+# the qgemm test times.
+grep -E "^q4 g64 m512" "$log"
+python3 "$here/tools/peers/cublas_gemm.py" 2>>"$log" | sed 's/^/dequantize + cuBLAS: /'
 # The PyTorch peer last (torch.compile takes a minute per shape; TORCH=0 skips it).
 [[ ${TORCH:-1} == 0 ]] || for shape in smollm2-135m llama-3.2-1b; do
   echo "PyTorch bf16 $shape (random weights): $(timeout 240 python3 "$here/tools/peers/torch_bench.py" --shape $shape 2>>"$log" | tail -1)"

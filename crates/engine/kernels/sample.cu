@@ -34,9 +34,12 @@ __device__ __forceinline__ void block_best(float& best, int& bi) {
 // grid: any number of blocks of 256 threads, each taking a contiguous slice; every block
 // writes its (max, index) to part[], and the last block to finish (counted in *done, reset
 // for the next launch) reduces them in block order. Launched with PDL. The index is written as f32 (exact
-// below 2^24) so it comes back through the same f32 path as logits.
+// below 2^24) so it comes back through the same f32 path as logits. A fed greedy step
+// (feed_tok not null: Backend::step_fed) also makes it the next step's input token and
+// advances the position, so the next step needs nothing from the host.
 extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float* __restrict__ out,
-                                  float* __restrict__ part_v, int* __restrict__ part_i, int* __restrict__ done) {
+                                  float* __restrict__ part_v, int* __restrict__ part_i, int* __restrict__ done,
+                                  int* __restrict__ feed_tok, int* __restrict__ feed_pos) {
     __shared__ int last;
     pdl_trigger();
     pdl_wait();
@@ -62,6 +65,10 @@ extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float
     if (threadIdx.x == 0) {
         *out = (float)bi;
         *done = 0;
+        if (feed_tok) {
+            *feed_tok = bi;
+            *feed_pos += 1;
+        }
     }
 }
 

@@ -121,9 +121,80 @@ impl<'m, B: Backend> Session<'m, B> {
         Ok(v[..2 * k].chunks(2).map(|p| (p[0] as u32, p[1])).collect())
     }
 
+    /// Queue one greedy step fed on the device (`Backend::step_fed`) at the next position:
+    /// its input is `token`, or (None) the argmax of the step queued before it, which the
+    /// caller appends to `tokens` once it has read and accepted it. The step's argmax is
+    /// read back through `queue_read(.., slot)`.
+    fn queue_fed(&mut self, token: Option<u32>, pos: usize, slot: usize) -> Result<()> {
+        if pos >= self.capacity() {
+            return Err(Error::Invalid(format!("the context of {} tokens is full", self.capacity())));
+        }
+        let b = &self.model.backend;
+        self.ensure_step_buffers()?;
+        let key = self.key(StepEnd::Fed);
+        let (model, kv) = (self.model, &mut self.kv);
+        let logits = self.logits.as_mut().expect("set above");
+        let argmax = self.argmax.as_mut().expect("set above");
+        // The token value matters only to the host staging of a given token (a fed step's
+        // embedding reads the device's copy); its count sets the step's shape.
+        b.step_fed(key, token, pos, &mut || {
+            model.forward_into(&[token.unwrap_or(0)], pos, kv, Logits::Last, Some(&mut *logits))?;
+            b.argmax_fed(logits, argmax)
+        })?;
+        b.queue_read(argmax, slot)
+    }
+
+    /// Greedy generation with fed steps: while the host reads and hands out token n, the
+    /// step consuming it is already queued on the device (speculatively: if token n stops
+    /// generation, that step's result is dropped and its cache slot, past `tokens`, is
+    /// overwritten by whatever is fed next). `first` is the token sampled from the prompt.
+    fn generate_fed(
+        &mut self,
+        first: u32,
+        max_tokens: usize,
+        stop: &[u32],
+        st: &mut GenStats,
+        on_token: &mut impl FnMut(u32) -> Result<bool>,
+    ) -> Result<()> {
+        let mut tok = first;
+        let mut slot = 0;
+        let mut queued = false; // whether the step consuming `tok` is queued already
+        loop {
+            st.generated += 1;
+            if stop.contains(&tok) {
+                st.stopped_by_eos = true;
+                return Ok(());
+            }
+            if !on_token(tok)? || st.generated == max_tokens || self.tokens.len() >= self.capacity() {
+                return Ok(());
+            }
+            if !queued {
+                self.queue_fed(Some(tok), self.tokens.len(), slot)?;
+            }
+            self.tokens.push(tok);
+            // The next step (consuming the token being read) goes in before the read when
+            // it may be needed at all; the generation goes on only if it is.
+            queued = st.generated + 1 < max_tokens && self.tokens.len() < self.capacity();
+            if queued {
+                self.queue_fed(None, self.tokens.len(), slot ^ 1)?;
+            }
+            tok = self.model.backend.take_read(slot)? as u32;
+            slot ^= 1;
+        }
+    }
+
     /// This session's capture of a step ending in `end`.
     fn key(&self, end: StepEnd) -> u64 {
         self.id << 2 | end as u64
+    }
+
+    /// The decode step's logits and argmax buffers, made on first use.
+    fn ensure_step_buffers(&mut self) -> Result<()> {
+        if self.logits.is_none() {
+            self.logits = Some(self.model.backend.act_f32(1, self.model.cfg.vocab)?);
+            self.argmax = Some(self.model.backend.act_f32(1, 1)?);
+        }
+        Ok(())
     }
 
     fn run_step(&mut self, token: u32, end: StepEnd) -> Result<()> {
@@ -132,10 +203,7 @@ impl<'m, B: Backend> Session<'m, B> {
             return Err(Error::Invalid(format!("the context of {} tokens is full", self.capacity())));
         }
         let b = &self.model.backend;
-        if self.logits.is_none() {
-            self.logits = Some(b.act_f32(1, self.model.cfg.vocab)?);
-            self.argmax = Some(b.act_f32(1, 1)?);
-        }
+        self.ensure_step_buffers()?;
         let key = self.key(end);
         let (model, kv) = (self.model, &mut self.kv);
         let logits = self.logits.as_mut().expect("set above");
@@ -147,6 +215,7 @@ impl<'m, B: Backend> Session<'m, B> {
             match (end, top_k.as_deref_mut()) {
                 (StepEnd::Logits, _) => Ok(()),
                 (StepEnd::Argmax, _) => b.argmax(logits, argmax),
+                (StepEnd::Fed, _) => Err(Error::Invalid("fed steps are queued by queue_fed".into())),
                 (StepEnd::TopK, Some((k, inv_t, out))) => b.top_k(logits, *k, f32::from_bits(*inv_t), out),
                 (StepEnd::TopK, None) => Err(Error::Invalid("top-k step without its output buffer".into())),
             }
@@ -178,6 +247,12 @@ impl<'m, B: Backend> Session<'m, B> {
         let greedy = sampler.cfg.temperature == 0.0 && sampler.cfg.repetition_penalty == 1.0;
         let b = &self.model.backend;
         let top_k = b.top_k_preferred() && sampler.top_k_on_device(self.model.cfg.vocab, crate::backend::TOP_K_MAX);
+        if greedy && b.feeds_steps() && max_tokens > 0 {
+            let first = sampler.sample(&mut logits, &history);
+            self.generate_fed(first, max_tokens, stop, &mut st, &mut on_token)?;
+            st.decode_secs = t1.elapsed().as_secs_f64();
+            return Ok(st);
+        }
         let mut next = None;
         while st.generated < max_tokens {
             let tok = match next.take() {
@@ -217,11 +292,13 @@ enum StepEnd {
     Argmax = 1,
     /// The k best (index, value) pairs.
     TopK = 2,
+    /// The argmax, fed to the next step on the device (`Backend::step_fed`).
+    Fed = 3,
 }
 
 impl<B: Backend> Drop for Session<'_, B> {
     fn drop(&mut self) {
-        for end in [StepEnd::Logits, StepEnd::Argmax, StepEnd::TopK] {
+        for end in [StepEnd::Logits, StepEnd::Argmax, StepEnd::TopK, StepEnd::Fed] {
             self.model.backend.forget(self.key(end));
         }
     }

@@ -369,6 +369,79 @@ fn graph_replay_matches_plain_forward() {
     }
 }
 
+/// Greedy `generate` on CUDA queues fed steps (each step's argmax is the next step's input
+/// on the device, read back one step behind): it gives the tokens of step-by-step greedy
+/// decoding; stopping (a stop token, `on_token` returning false, max_tokens, a full
+/// context) hands out exactly the tokens before the stop; and the session's cache stays
+/// right for the next turn although a speculative step wrote one slot past its tokens.
+#[test]
+fn fed_greedy_generate_matches_step_by_step() {
+    use ferrolm::generate::Session;
+    use ferrolm::sample::{Sampler, SamplerConfig};
+    let (_, mg, tok) = smollm2();
+    assert!(mg.backend.feeds_steps(), "CUDA feeds greedy steps by default");
+    let ids = tok.encode("The capital of France is", true).unwrap();
+    let greedy = || Sampler::new(SamplerConfig { temperature: 0.0, ..Default::default() });
+    // reference: one step at a time, each read back before the next (a session of the
+    // same capacity: the attention's splits, so its rounding, follow the cache size)
+    let reference = |cap: usize, n: usize| {
+        let mut s = Session::new(&mg, cap).unwrap();
+        let (l, _) = s.feed(&ids).unwrap();
+        let mut want = vec![ferrolm::sample::argmax(&l)];
+        while want.len() < n {
+            let t = *want.last().unwrap();
+            want.push(s.step_greedy(t).unwrap());
+        }
+        (s, want)
+    };
+    let (_, want) = reference(256, 40);
+    let run = |s: &mut Session<'_, _>, prompt: &[u32], max: usize, stop: &[u32], until: usize| {
+        let mut got = Vec::new();
+        let st = s
+            .generate(prompt, max, &mut greedy(), stop, |t| {
+                got.push(t);
+                Ok(got.len() < until)
+            })
+            .unwrap();
+        (got, st)
+    };
+    let mut s = Session::new(&mg, 256).unwrap();
+    let (got, st) = run(&mut s, &ids, 40, &[], usize::MAX);
+    assert_eq!(got, want, "fed greedy tokens");
+    assert_eq!((st.generated, st.stopped_by_eos), (40, false));
+    // the last token is handed out but not fed: the cache holds the prompt and 39 tokens
+    assert_eq!(s.tokens.len(), ids.len() + 39);
+    // a stop token: the tokens before it, and it is not handed out
+    let stop_at = 7;
+    let mut s = Session::new(&mg, 256).unwrap();
+    let (got, st) = run(&mut s, &ids, 40, &[want[stop_at]], usize::MAX);
+    let first_stop = want.iter().position(|&t| t == want[stop_at]).unwrap();
+    assert_eq!(got, want[..first_stop], "tokens before the stop token");
+    assert!(st.stopped_by_eos);
+    // on_token saying stop, and max_tokens
+    let mut s = Session::new(&mg, 256).unwrap();
+    assert_eq!(run(&mut s, &ids, 40, &[], 5).0, want[..5]);
+    let mut s = Session::new(&mg, 256).unwrap();
+    assert_eq!(run(&mut s, &ids, 3, &[], usize::MAX).0, want[..3]);
+    assert_eq!(run(&mut Session::new(&mg, 256).unwrap(), &ids, 1, &[], usize::MAX).0, want[..1]);
+    // a context that fills up: capacity for the prompt and 10 more
+    let mut s = Session::new(&mg, ids.len() + 10).unwrap();
+    let (got, _) = run(&mut s, &ids, 40, &[], usize::MAX);
+    assert_eq!(got, reference(ids.len() + 10, 11).1, "generation stops when the context is full");
+    // next turn on the stopped session (its speculative step wrote the slot after its
+    // tokens) equals the next turn on a session that fed the same tokens step by step
+    let mut s = Session::new(&mg, 256).unwrap();
+    let (first, _) = run(&mut s, &ids, 40, &[], 5);
+    let (mut r, _) = reference(256, 5);
+    assert_eq!(s.tokens, r.tokens, "fed tokens after a stop by on_token");
+    let mut turn2 = s.tokens.clone();
+    turn2.push(first[4]);
+    turn2.extend(tok.encode(" Also,", false).unwrap());
+    let (a, _) = run(&mut s, &turn2, 12, &[], usize::MAX);
+    let (b, _) = run(&mut r, &turn2, 12, &[], usize::MAX);
+    assert_eq!(a, b, "second turn after a stopped fed generation");
+}
+
 /// The fused decode ops (norm→q/k/v in one launch, norm→gate/up→SwiGLU, GEMV + residual
 /// add, norm→head, RoPE + cache write + attention with its merge, argmax) against the CPU
 /// backend's reference compositions, for one token and every weight format family.

@@ -70,8 +70,33 @@ pub trait Backend: Sync {
         let _ = (tokens, pos0);
         f()
     }
-    /// Drop what `step` kept under `key`.
+    /// Drop what `step` (or `step_fed`) kept under `key`.
     fn forget(&self, _key: u64) {}
+    /// Whether greedy decode steps can feed themselves (`step_fed`): each step's argmax
+    /// becomes the next step's input on the device, so the host queues a step before it
+    /// has read the token that step consumes and the device never waits on the host.
+    fn feeds_steps(&self) -> bool {
+        false
+    }
+    /// Queue one decode step `f` (as `step`, captured under `key`) that ends in
+    /// `argmax_fed`, without waiting for it. Its input is `token` at `pos0` when given (the
+    /// host's), else the previous fed step's argmax at the position after it; a step is
+    /// captured only when its token is given.
+    fn step_fed(&self, _key: u64, _token: Option<u32>, _pos0: usize, _f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        Err(crate::Error::Invalid(format!("the {} backend does not feed decode steps", self.name())))
+    }
+    /// `argmax`, also made the next fed step's input (see `step_fed`).
+    fn argmax_fed(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()> {
+        self.argmax(x, out)
+    }
+    /// Queue a copy of x[0] (f32) for `take_read(slot)`, behind the work queued so far.
+    fn queue_read(&self, _x: &Self::Act, _slot: usize) -> Result<()> {
+        Err(crate::Error::Invalid(format!("the {} backend does not queue reads", self.name())))
+    }
+    /// The value `queue_read` queued for `slot`, waiting for it.
+    fn take_read(&self, _slot: usize) -> Result<f32> {
+        Err(crate::Error::Invalid(format!("the {} backend does not queue reads", self.name())))
+    }
     /// out[i] = table[tokens[i]] (out is the f32 residual stream)
     fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Act) -> Result<()>;
     /// out = x / rms(x) · w, per row.

@@ -88,8 +88,10 @@ fn qgemm_matches_cpu_at_prefill_size_and_times_it() {
     let (n, k, m) = (2048, 2048, 512);
     let w = affine(&mut r, n, k, 4, 64, ScaleDtype::F16);
     compare("q4 g64 F16 n2048 k2048", &w, &[m], &mut r);
-    // Timing, for the record (no assertion): the tensor-core GEMM against the GEMV path.
-    for n in [2048, 8192] {
+    // Timing, for the record (no assertion): the tensor-core GEMM against the GEMV path,
+    // at the 1B shape's q/o, gate/up and down sizes (tools/peers/cublas_gemm.py times
+    // dequantize-then-cuBLAS at the same ones).
+    for (n, k) in [(2048, 2048), (8192, 2048), (2048, 8192)] {
         let wg = g.matrix(affine(&mut r, n, k, 4, 64, ScaleDtype::F16)).unwrap();
         let xg = g.act_from(m, k, &bf(&r.v(m * k, 1.0))).unwrap();
         let mut og = g.act_poisoned(m, n, false).unwrap();

@@ -60,6 +60,11 @@ pub struct Cuda {
     /// Set while a decode step is being captured: host-side staging (which synchronizes)
     /// is done before the capture and must not run inside it.
     pub(crate) capturing: std::sync::atomic::AtomicBool,
+    /// Set while a fed decode step (`Backend::step_fed`) is being queued or captured: its
+    /// token and position are on the device already, so `begin` copies nothing.
+    pub(crate) feeding: std::sync::atomic::AtomicBool,
+    /// Pinned slots for `Backend::queue_read` / `take_read`.
+    pub(crate) reads: Mutex<Vec<PinnedHostSlice<f32>>>,
 }
 
 /// A kernel argument for `Cuda::launch`: a device address, or a scalar.
@@ -197,6 +202,8 @@ impl Cuda {
             staged: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
             capturing: std::sync::atomic::AtomicBool::new(false),
+            feeding: std::sync::atomic::AtomicBool::new(false),
+            reads: Mutex::new(Vec::new()),
         })
     }
 
@@ -455,6 +462,26 @@ impl Cuda {
             *d = t as i32;
         }
         s.pos_host.as_mut_slice().map_err(drv("writing the position"))?[0] = pos0 as i32;
+        Ok(())
+    }
+
+    /// Capture `f`'s launches as the graph for `key`, keep it and launch it once.
+    pub(crate) fn capture_and_launch(&self, key: u64, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        use std::sync::atomic::Ordering::Relaxed;
+        self.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("starting capture"))?;
+        self.capturing.store(true, Relaxed);
+        let r = f();
+        self.capturing.store(false, Relaxed);
+        let g = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        let g = g
+            .map_err(drv("capturing the decode step"))?
+            .ok_or_else(|| Error::Invalid("CUDA capture produced no graph".into()))?;
+        g.launch().map_err(drv("launching the decode graph"))?;
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Graph(g));
         Ok(())
     }
 

@@ -369,8 +369,9 @@ impl Cuda {
         }
     }
 
-    /// argmax of row 0 of f32 `x` into out[0] as f32.
-    pub(crate) fn argmax_f32(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
+    /// argmax of row 0 of f32 `x` into out[0] as f32; with `feed`, also into the staged
+    /// token id with the staged position advanced (the next fed step's input).
+    pub(crate) fn argmax_f32(&self, x: &CudaAct, out: &mut CudaAct, feed: bool) -> Result<()> {
         let (ActBuf::F32(xv), ActBuf::F32(ov)) = (&x.buf, &mut out.buf) else {
             return Err(Error::Invalid("CUDA argmax reads f32 logits into an f32 output".into()));
         };
@@ -386,7 +387,24 @@ impl Cuda {
             *scratch = Some((v, i, d));
         }
         let (pv, pi, done) = scratch.as_mut().expect("set above");
-        let args = [dev(self, xv), KArg::I32(n), dev(self, ov), dev(self, pv), dev(self, pi), dev(self, done)];
+        let (feed_tok, feed_pos) = match feed {
+            true => {
+                let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+                let s = st.as_ref().ok_or_else(|| Error::Invalid("CUDA fed argmax without a staged step".into()))?;
+                (dev(self, &s.tok_dev), dev(self, &s.pos_dev))
+            }
+            false => (KArg::Ptr(0), KArg::Ptr(0)),
+        };
+        let args = [
+            dev(self, xv),
+            KArg::I32(n),
+            dev(self, ov),
+            dev(self, pv),
+            dev(self, pi),
+            dev(self, done),
+            feed_tok,
+            feed_pos,
+        ];
         let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // Matches sample.cu's argmax.
         self.launch(&f, c, &args, "argmax launch")

@@ -8,6 +8,7 @@ use crate::backend::{Backend, Rope};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, LaunchArgs, LaunchConfig, PushKernelArg};
+use std::sync::atomic::Ordering::Relaxed;
 
 fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
@@ -179,14 +180,18 @@ impl Backend for Cuda {
         kv.max_seq
     }
     fn begin(&self, tokens: &[u32], pos0: usize) -> Result<()> {
+        // A fed step's token and position are on the device already (the previous step's
+        // argmax, or step_fed's own upload).
+        if self.feeding.load(Relaxed) {
+            return Ok(());
+        }
         // While capturing, `step` has staged these values already; only the copies go in.
-        if !self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+        if !self.capturing.load(Relaxed) {
             self.stage(tokens, pos0)?;
         }
         self.upload_staged()
     }
     fn step(&self, key: u64, tokens: &[u32], pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
         // Stage first: a new staging buffer drops stale graphs before we look one up.
         self.stage(tokens, pos0)?;
         if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
@@ -198,23 +203,61 @@ impl Backend for Cuda {
         // The captured launches then redo the same work (same token, position and cache
         // slot), so the extra run changes nothing.
         f()?;
-        self.stream
-            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(drv("starting capture"))?;
-        self.capturing.store(true, std::sync::atomic::Ordering::Relaxed);
-        let r = f();
-        self.capturing.store(false, std::sync::atomic::Ordering::Relaxed);
-        let g = self.stream.end_capture(CUgraphInstantiate_flags(0));
-        r?;
-        let g = g
-            .map_err(drv("capturing the decode step"))?
-            .ok_or_else(|| Error::Invalid("CUDA capture produced no graph".into()))?;
-        g.launch().map_err(drv("launching the decode graph"))?;
-        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(key, super::device::Graph(g));
-        Ok(())
+        self.capture_and_launch(key, f)
     }
     fn forget(&self, key: u64) {
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+    }
+    /// On unless `FERROLM_CUDA_FEED=0` (every greedy step then waits for the host to read
+    /// its token and stage the next: for comparisons).
+    fn feeds_steps(&self) -> bool {
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *ON.get_or_init(|| std::env::var("FERROLM_CUDA_FEED").map_or(true, |v| v != "0"))
+    }
+    fn step_fed(&self, key: u64, token: Option<u32>, pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let captured = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&key);
+        match token {
+            // Staging waits for the previous upload from the pinned buffer to finish.
+            Some(t) => {
+                self.stage(&[t], pos0)?;
+                self.upload_staged()?;
+            }
+            None if !captured => {
+                return Err(Error::Invalid(
+                    "a device-fed decode step before its capture (the first needs its token)".into(),
+                ))
+            }
+            None => {}
+        }
+        self.feeding.store(true, Relaxed);
+        let r = match captured {
+            true => self.graphs.lock().unwrap_or_else(|e| e.into_inner())[&key]
+                .0
+                .launch()
+                .map_err(drv("replaying the fed decode graph")),
+            // As in `step`, one un-captured run first; its argmax advanced the device's
+            // token and position, so this step's go back before the capture runs.
+            false => f().and_then(|()| self.upload_staged()).and_then(|()| self.capture_and_launch(key, f)),
+        };
+        self.feeding.store(false, Relaxed);
+        r
+    }
+    fn queue_read(&self, x: &CudaAct, slot: usize) -> Result<()> {
+        let ActBuf::F32(v) = &x.buf else {
+            return Err(Error::Invalid("CUDA queued reads take f32 values".into()));
+        };
+        let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        while reads.len() <= slot {
+            // SAFETY: written by the copy below before `take_read` reads it.
+            reads.push(unsafe { self.ctx.alloc_pinned::<f32>(1) }.map_err(drv("allocating pinned memory"))?);
+        }
+        // Waits for this slot's previous copy (read by now), then records its own event.
+        self.stream.memcpy_dtoh(&v.slice(0..1), &mut reads[slot]).map_err(drv("queueing a read"))
+    }
+    fn take_read(&self, slot: usize) -> Result<f32> {
+        let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        let r = reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
+        Ok(r.as_slice().map_err(drv("waiting for a queued read"))?[0])
     }
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
@@ -376,7 +419,10 @@ impl Backend for Cuda {
         self.fused_matmul_add(y, w, x, tmp)
     }
     fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
-        self.argmax_f32(x, out)
+        self.argmax_f32(x, out, false)
+    }
+    fn argmax_fed(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
+        self.argmax_f32(x, out, true)
     }
     /// On unless `FERROLM_CUDA_TOPK=0` (host sampling from read-back logits, for
     /// comparisons): the device top-k reads back 8·k bytes instead of the vocabulary.
