@@ -63,8 +63,9 @@ pub struct Cuda {
     /// Set while a fed decode step (`Backend::step_fed`) is being queued or captured: its
     /// token and position are on the device already, so `begin` copies nothing.
     pub(crate) feeding: std::sync::atomic::AtomicBool,
-    /// Pinned slots for `Backend::queue_read` / `take_read`.
-    pub(crate) reads: Mutex<Vec<PinnedHostSlice<f32>>>,
+    /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
+    /// records.
+    pub(crate) reads: Mutex<Vec<(PinnedHostSlice<f32>, cudarc::driver::CudaEvent)>>,
 }
 
 /// A kernel argument for `Cuda::launch`: a device address, or a scalar.
@@ -87,6 +88,8 @@ pub struct Staged {
     pub tok_dev: CudaSlice<i32>,
     pub pos_host: PinnedHostSlice<i32>,
     pub pos_dev: CudaSlice<i32>,
+    /// Recorded after each direct upload of the staged values; `stage` waits for it.
+    pub uploaded: cudarc::driver::CudaEvent,
 }
 
 /// Scales or biases on the device, in their source precision.
@@ -453,10 +456,14 @@ impl Cuda {
             let pos_host = unsafe { self.ctx.alloc_pinned::<i32>(1) }.map_err(drv("allocating pinned memory"))?;
             let tok_dev = self.stream.alloc_zeros::<i32>(cap).map_err(drv("allocating token ids"))?;
             let pos_dev = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating the position"))?;
+            let uploaded = self.ctx.new_event(None).map_err(drv("creating an event"))?;
             self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
-            *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev });
+            *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev, uploaded });
         }
         let s = st.as_mut().expect("set above");
+        // The last direct upload (not a graph's) may still be queued: it reads these
+        // buffers when it runs. cudarc's own tracking of that is off (see `new`).
+        s.uploaded.synchronize().map_err(drv("waiting for the last upload"))?;
         let th = s.tok_host.as_mut_slice().map_err(drv("writing token ids"))?;
         for (d, &t) in th.iter_mut().zip(tokens) {
             *d = t as i32;
@@ -491,6 +498,10 @@ impl Cuda {
         let s = st.as_mut().ok_or_else(|| Error::Invalid("CUDA forward without staged tokens".into()))?;
         self.stream.memcpy_htod(&s.tok_host, &mut s.tok_dev).map_err(drv("copying token ids"))?;
         self.stream.memcpy_htod(&s.pos_host, &mut s.pos_dev).map_err(drv("copying the position"))?;
+        // Not inside a capture: the event would then mark a graph node, not this upload.
+        if !self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            s.uploaded.record(&self.stream).map_err(drv("recording the upload"))?;
+        }
         Ok(())
     }
 }

@@ -248,16 +248,25 @@ impl Backend for Cuda {
         };
         let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
         while reads.len() <= slot {
-            // SAFETY: written by the copy below before `take_read` reads it.
-            reads.push(unsafe { self.ctx.alloc_pinned::<f32>(1) }.map_err(drv("allocating pinned memory"))?);
+            // Cached (not write-combined) pinned memory: the host reads it. SAFETY: written
+            // by the copy below before `take_read` reads it.
+            let p =
+                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(1, 0) }.map_err(drv("allocating pinned memory"))?;
+            // A spinning event: the host waits for each step's token, so wake-up latency counts.
+            let e = self.ctx.new_event(None).map_err(drv("creating an event"))?;
+            reads.push((p, e));
         }
-        // Waits for this slot's previous copy (read by now), then records its own event.
-        self.stream.memcpy_dtoh(&v.slice(0..1), &mut reads[slot]).map_err(drv("queueing a read"))
+        // cudarc's own event tracking is off (see `Cuda::new`), so a pinned slice's copy
+        // is not waited for by its accessors: this slot's event marks the copy's completion.
+        let (p, e) = &mut reads[slot];
+        self.stream.memcpy_dtoh(&v.slice(0..1), p).map_err(drv("queueing a read"))?;
+        e.record(&self.stream).map_err(drv("queueing a read"))
     }
     fn take_read(&self, slot: usize) -> Result<f32> {
         let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
-        let r = reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
-        Ok(r.as_slice().map_err(drv("waiting for a queued read"))?[0])
+        let (p, e) = reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
+        e.synchronize().map_err(drv("waiting for a queued read"))?;
+        Ok(p.as_slice().map_err(drv("reading a queued read"))?[0])
     }
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
