@@ -58,6 +58,8 @@ results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, device|$(bench --model 
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic)|$(bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), steps not fed|$(FERROLM_CUDA_FEED=0 bench --model "$m1b")")
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), fused MLP launch|$(FERROLM_FFN_FUSED=1 bench --model "$m1b")")
+results+=("ferrolm, SmolLM2-135M Q4_1, fused MLP launch|$(FERROLM_FFN_FUSED=1 bench --model "$model")")
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, host|$(FERROLM_CUDA_TOPK=0 bench --model "$m1b" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, device|$(bench --model "$m1b" --temperature 0.8 --top-k 40)")
 if [[ -f $gguf1b ]]; then

@@ -402,11 +402,19 @@ __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, con
     row0 = b * NW * R + (threadIdx.x >> 5) * R;
 }
 
+// How a GEMV phase starts once its first weight tile is in flight, and lets the next
+// kernel start. A kernel of its own waits for the previous kernel (PDL).
+struct KernelSync {
+    __device__ __forceinline__ void trigger() const { pdl_trigger(); }
+    __device__ __forceinline__ void wait() const { pdl_wait(); }
+};
+
 // OUT: 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU (bf16 store of silu(mat0)·mat1).
-template <int R, bool NORM, int OUT>
-__device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols) {
+template <int R, bool NORM, int OUT, class Sync = KernelSync>
+__device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
+                                     Sync sync = Sync{}) {
     extern __shared__ uint4 xs[];
-    if (PDL_EARLY) pdl_trigger();
+    if (PDL_EARLY) sync.trigger();
     constexpr int rb = NW * R;  // rows per block step
     constexpr int U = Tile<R, OUT == 3>::U;
     int b0 = (m0.rows + rb - 1) / rb, b1 = (m1.rows + rb - 1) / rb, b2 = (m2.rows + rb - 1) / rb;
@@ -423,7 +431,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     locate<R, OUT>(b, b0, b1, m0, m1, m2, a, row0);
     Tile<R, OUT == 3> next;
     next.load(a, m1, row0, lane, sh);  // weights only: nothing writes them
-    pdl_wait();
+    sync.wait();
     stage_x<NORM>(xs, x, nw, eps, cols);
     float acc[2][R];
 #pragma unroll
@@ -443,7 +451,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         // Or the next kernel may start once every block is on its last tile (its blocks take
         // the places ours free, and load their weights while we finish). Starting it at
         // once measured faster (1B decode 1 351 vs 1 309 tok/s, perf.md).
-        if (!PDL_EARLY && nb >= steps) pdl_trigger();
+        if (!PDL_EARLY && nb >= steps) sync.trigger();
         if (PIPE && nb < steps) next.load(na, m1, nrow0, lane + nit * 32 * U, sh);
         cur.dot(xs, lane + it * 32 * U, sh, acc);
         if (!PIPE && nb < steps) next.load(na, m1, nrow0, lane + nit * 32 * U, sh);
@@ -499,3 +507,69 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
+
+#ifdef FFN
+// The MLP half of a decode layer in one launch (FFN=1 variants, fused.rs's ffn_fused):
+//   phase 1: act = silu(gate·n(x)) · up·n(x)      (as gemv_ns_r<RU>)
+//   phase 2: x += down·act                        (as gemv_ba_r<RD>)
+// Every block takes part in both, so the grid must be resident at once (the host sizes it
+// by occupancy). Between the phases, blocks count themselves in on sync[0] instead of
+// ending the kernel: a block issues its first tile of down's weights before it waits
+// there, so they stream while the last blocks finish phase 1 (two kernels would load them
+// only once the first had ended). The rows' math is the two kernels', so the result is
+// bit-identical. sync[1] counts blocks out; the last resets both for the next launch.
+struct CounterSync {
+    int* arrived;
+    int target;
+    __device__ __forceinline__ void trigger() const {}
+    __device__ __forceinline__ void wait() const {
+        if (threadIdx.x == 0) {
+            int v;
+            do {
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(arrived) : "memory");
+            } while (v < target);
+        }
+        __syncthreads();
+    }
+};
+
+template <int RU, int RD>
+__device__ __forceinline__ void ffn(Mat gate, Mat up, Mat down, float* x, const float* nw, float eps, int hidden,
+                                    bf16_t* act, int ffn_cols, int* sync) {
+    gemv<RU, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden);
+    // A block without gate/up rows returned before waiting for the previous kernel; phase 2
+    // reads and adds into x, which that kernel wrote. (Once passed, this wait is free.)
+    pdl_wait();
+    // Phase 1's act stores (and its reads of x) happen before this block counts itself in.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) atomicAdd(sync, 1);
+    Mat none{down.w, down.s, down.b, x, 0};
+    gemv<RD, false, 2>(down, none, none, act, nullptr, 0.f, ffn_cols, CounterSync{sync, (int)gridDim.x});
+    __syncthreads();
+    // Every block that waited on sync[0] is past it once all have counted out.
+    if (threadIdx.x == 0 && atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
+        sync[0] = 0;
+        sync[1] = 0;
+    }
+}
+
+#define FFN_ARGS                                                                                              \
+    const u32 *wg, const scale_t *sg, const scale_t *bg, const u32 *wu, const scale_t *su, const scale_t *bu, \
+        const u32 *wd, const scale_t *sd, const scale_t *bd, float *x, const float *nw, float eps, int hidden, \
+        bf16_t *act, int ffn_cols, int *sync
+#define FFN_KERNEL(RU, RD)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 2) ffn_r##RU##_##RD(FFN_ARGS) {                   \
+        ffn<RU, RD>(Mat{wg, sg, bg, act, ffn_cols}, Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden}, \
+                    x, nw, eps, hidden, act, ffn_cols, sync);                                               \
+    }
+FFN_KERNEL(1, 1)
+FFN_KERNEL(1, 2)
+FFN_KERNEL(1, 4)
+FFN_KERNEL(2, 1)
+FFN_KERNEL(2, 2)
+FFN_KERNEL(2, 4)
+FFN_KERNEL(4, 1)
+FFN_KERNEL(4, 2)
+FFN_KERNEL(4, 4)
+#endif

@@ -442,6 +442,30 @@ fn fed_greedy_generate_matches_step_by_step() {
     assert_eq!(a, b, "second turn after a stopped fed generation");
 }
 
+/// The fused MLP launch (ffn.rs: gate/up then down in one kernel, the blocks counting
+/// themselves in between) in whole decode steps, captured and replayed, every layer reusing
+/// its counters: the logits of the two-launch path, bit for bit.
+#[test]
+fn fused_mlp_decode_matches_two_launches() {
+    let (_, mg, tok) = smollm2();
+    let ids = tok.encode("The capital of France is", true).unwrap();
+    let run = |fused: bool| {
+        mg.backend.set_ffn_fused(fused);
+        let mut s = ferrolm::generate::Session::new(&mg, 128).unwrap();
+        let (mut l, _) = s.feed(&ids).unwrap();
+        let mut steps = Vec::new();
+        for _ in 0..12 {
+            l = s.step(ferrolm::sample::argmax(&l)).unwrap();
+            steps.push(l.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+        }
+        steps
+    };
+    let (a, b) = (run(false), run(true));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(x == y, "decode step {i}: fused MLP logits differ from two launches");
+    }
+}
+
 /// The fused decode ops (norm→q/k/v in one launch, norm→gate/up→SwiGLU, GEMV + residual
 /// add, norm→head, RoPE + cache write + attention with its merge, argmax) against the CPU
 /// backend's reference compositions, for one token and every weight format family.

@@ -163,6 +163,22 @@ pub trait Backend: Sync {
         self.matmul_many(xn, &[gate, up], &mut [g, u])?;
         self.silu_mul(g, u, out)
     }
+    /// The MLP half of a layer: x += down(silu(gate(n(x))) · up(n(x))), n the RMSNorm with
+    /// `norm`; `act` gets the SwiGLU output, xn, g, u and tmp are scratch. A backend may run
+    /// it as one launch.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &self,
+        x: &mut Self::Act,
+        norm: &Self::Vector,
+        eps: f32,
+        (gate, up, down): (&Self::Mat, &Self::Mat, &Self::Mat),
+        (xn, g, u, tmp): (&mut Self::Act, &mut Self::Act, &mut Self::Act, &mut Self::Act),
+        act: &mut Self::Act,
+    ) -> Result<()> {
+        self.norm_swiglu(x, norm, eps, xn, gate, up, g, u, act)?;
+        self.matmul_add(act, down, x, tmp)
+    }
     /// x += y·wᵀ (x the f32 residual stream); tmp is scratch `[m, out]`.
     fn matmul_add(&self, y: &Self::Act, w: &Self::Mat, x: &mut Self::Act, tmp: &mut Self::Act) -> Result<()> {
         self.matmul(y, w, tmp)?;

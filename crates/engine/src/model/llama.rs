@@ -221,8 +221,7 @@ impl<B: Backend> Llama<B> {
             b.rope_attention(q, k, v, kv, li, pos0, &self.rope, (c.n_heads, c.n_kv_heads), att)?;
             b.matmul_add(att, &l.wo, x, o)?;
             // MLP block (SwiGLU): x += down(silu(gate(norm(x))) · up(norm(x)))
-            b.norm_swiglu(x, &l.mlp_norm, c.rms_eps, xn, &l.w_gate, &l.w_up, gate, up, act)?;
-            b.matmul_add(act, &l.w_down, x, o)?;
+            b.mlp(x, &l.mlp_norm, c.rms_eps, (&l.w_gate, &l.w_up, &l.w_down), (xn, gate, up, o), act)?;
         }
         // Only the rows whose logits are wanted go through the final norm and the head.
         let (rows, first) = match which {

@@ -217,3 +217,70 @@ fn decode_sampling_time() {
         eprintln!("top-{k} over {vocab}: {us:.2} µs per launch");
     }
 }
+
+/// The fused MLP launch (gemv.cu's ffn kernels: gate/up→SwiGLU, then down + add after the
+/// blocks count themselves in) against the two launches it replaces: bit-identical residual
+/// and SwiGLU output (same row math), on repeated launches (its counters reset), for the
+/// 1B and SmolLM2 shapes and other formats; then both timed at the 1B shape.
+#[test]
+fn fused_mlp_matches_two_launches_and_times_it() {
+    use ferrolm::backend::cuda::CudaMat;
+    // A device of its own: the fused path is switched on and off here.
+    let (g, mut r) = (Cuda::new(0).unwrap(), Rng::seeded());
+    let shapes = [
+        (2048, 8192, 4, 64, ScaleDtype::BF16),
+        (576, 1536, 4, 64, ScaleDtype::BF16),
+        (512, 1024, 8, 32, ScaleDtype::F16),
+        (256, 768, 2, 16, ScaleDtype::F32),
+    ];
+    for (d, f, bits, group, dt) in shapes {
+        let name = format!("d{d} f{f} q{bits} g{group} {dt:?}");
+        let mut mat = |rows: usize, cols: usize| {
+            let w = AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, bits, group, dt).unwrap();
+            g.matrix(Weight::Affine(w)).unwrap()
+        };
+        let (wg, wu, wd): (CudaMat, CudaMat, CudaMat) = (mat(f, d), mat(f, d), mat(d, f));
+        let x = r.v(d, 20.0);
+        let ng = g.vector(r.v(d, 1.0)).unwrap();
+        let (mut xn, mut gg, mut ug, mut tmp) =
+            (g.act(1, d).unwrap(), g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act(1, d).unwrap());
+        g.set_ffn_fused(false);
+        let mut xa = g.act_from_f32(1, d, &x).unwrap();
+        let mut aa = g.act_poisoned(1, f, false).unwrap();
+        g.mlp(&mut xa, &ng, 1e-5, (&wg, &wu, &wd), (&mut xn, &mut gg, &mut ug, &mut tmp), &mut aa).unwrap();
+        let (want_x, want_act) = (g.read_rows(&xa, 0).unwrap(), g.read_rows(&aa, 0).unwrap());
+        let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        for run in 0..3 {
+            let mut xb = g.act_from_f32(1, d, &x).unwrap();
+            let mut ab = g.act_poisoned(1, f, false).unwrap();
+            assert!(g.ffn_fused(&mut xb, &ng, 1e-5, (&wg, &wu, &wd), &mut ab).unwrap(), "{name}: fused MLP declined");
+            assert_eq!(bits_of(&g.read_rows(&xb, 0).unwrap()), bits_of(&want_x), "{name} run {run}: residual");
+            assert_eq!(bits_of(&g.read_rows(&ab, 0).unwrap()), bits_of(&want_act), "{name} run {run}: SwiGLU");
+        }
+    }
+    // Timing at the 1B shape, cycling over weight copies as the layers of a step do.
+    let (d, f) = (2048, 8192);
+    let w = |rows: usize, cols: usize, r: &mut Rng| {
+        Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, 4, 64, ScaleDtype::BF16).unwrap())
+    };
+    let (wg, wu, wd) = (w(f, d, &mut r), w(f, d, &mut r), w(d, f, &mut r));
+    let bytes = wg.byte_size() + wu.byte_size() + wd.byte_size();
+    let (cg, cu, cd) = (copies(&g, &wg), copies(&g, &wu), copies(&g, &wd));
+    let ng = g.vector(r.v(d, 1.0)).unwrap();
+    let mut xg = g.act_from_f32(1, d, &r.v(d, 20.0)).unwrap();
+    let (mut xn, mut gg, mut ug, mut tmp, mut act) =
+        (g.act(1, d).unwrap(), g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act(1, d).unwrap(), g.act(1, f).unwrap());
+    for fused in [false, true] {
+        g.set_ffn_fused(fused);
+        let us = graph_time(&g, 48, &mut |i| {
+            let j = i % COPIES;
+            g.mlp(&mut xg, &ng, 1e-5, (&cg[j], &cu[j], &cd[j]), (&mut xn, &mut gg, &mut ug, &mut tmp), &mut act)
+                .unwrap()
+        });
+        report(
+            &format!("1B MLP (norm→gate/up→SwiGLU, down + add), {}", ["two launches", "fused"][fused as usize]),
+            us,
+            bytes,
+        );
+    }
+}

@@ -11,7 +11,7 @@ use super::kernels;
 use crate::backend::{Backend, Rope};
 use crate::config::RopeStyle;
 use crate::{Error, Result};
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig};
 
 /// How the fused GEMV reads its input.
 pub(crate) enum GemvIn<'a> {
@@ -54,14 +54,14 @@ const ARGMAX_BLOCKS: usize = 128;
 
 /// Largest input width whose bf16 copy fits the 48 KB of shared memory a launch gets
 /// without opting in.
-const MAX_COLS: usize = 24 * 1024;
+pub(super) const MAX_COLS: usize = 24 * 1024;
 
 /// A device buffer as a kernel argument.
-fn dev<T>(c: &Cuda, s: &CudaSlice<T>) -> KArg {
+pub(super) fn dev<T>(c: &Cuda, s: &CudaSlice<T>) -> KArg {
     KArg::Ptr(s.device_ptr(&c.stream).0)
 }
 
-fn scales_ptr(c: &Cuda, s: &DevScales) -> u64 {
+pub(super) fn scales_ptr(c: &Cuda, s: &DevScales) -> u64 {
     match s {
         DevScales::Half(v) => v.device_ptr(&c.stream).0,
         DevScales::F32(v) => v.device_ptr(&c.stream).0,
@@ -77,13 +77,13 @@ fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
 
 /// 16-byte weight loads per lane per GEMV tile (LIF in gemv.cu; half of them per matrix
 /// for SwiGLU's two).
-const GEMV_LOADS: usize = 8;
+pub(super) const GEMV_LOADS: usize = 8;
 
 /// Warps per GEMV block (NW in gemv.cu): 8, or 4 or 16 with `FERROLM_GEMV_WARPS` (for
 /// tuning). 8 measured best at the 1B shape (H200, docs/perf.md): each block stages x (from
 /// L2) once, so fewer, larger blocks read less of it; the 128K-row head alone was 7% faster
 /// at 4, less than the layers' gain.
-fn gemv_warps() -> usize {
+pub(super) fn gemv_warps() -> usize {
     static NW: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *NW.get_or_init(|| match std::env::var("FERROLM_GEMV_WARPS").as_deref() {
         Ok("4") => 4,
@@ -97,7 +97,7 @@ fn gemv_warps() -> usize {
 /// 16-byte chunks per row): a 2048-wide 4-bit row is 64 chunks, 2 per lane, so a one-row
 /// tile of 8 would leave 3/4 of its loads empty. `FERROLM_GEMV_R` forces a value (for
 /// tuning).
-fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> usize {
+pub(super) fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> usize {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     let forced = FORCED.get_or_init(|| {
         std::env::var("FERROLM_GEMV_R").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
@@ -117,6 +117,17 @@ fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> usize {
 /// Whether the decode GEMV stages x as int16 blocks and uses DP2A (gemv.cu's XQ; the
 /// default) or multiplies bf16 x in f32; `FERROLM_GEMV_XQ=0` picks the latter (for
 /// comparisons; both stay tested).
+/// How the decode GEMV stages an input of `cols` values in shared memory: (XQ, bytes).
+/// int16 x with DP2A (gemv.cu's XQ) needs whole 32-value x blocks and room for the block
+/// scales and sums beside x; else bf16 x.
+pub(super) fn x_staging(cols: usize) -> (bool, usize) {
+    let xq_bytes = 2 * cols + cols / 32 * 4 + cols / 16 * 4;
+    match cols.is_multiple_of(32) && xq_bytes <= 2 * MAX_COLS && gemv_int16_x() {
+        true => (true, xq_bytes),
+        false => (false, cols * 2),
+    }
+}
+
 fn gemv_int16_x() -> bool {
     static XQ: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *XQ.get_or_init(|| std::env::var("FERROLM_GEMV_XQ").map_or(true, |v| v != "0"))
@@ -176,10 +187,7 @@ impl Cuda {
             (GemvOut::Store, _, false) => "b",
         };
         let name = format!("gemv_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
-        // int16 x with DP2A (gemv.cu's XQ) needs whole 32-value x blocks, and room for the
-        // block scales and sums beside x.
-        let xq_smem = 2 * x.cols + x.cols / 32 * 4 + x.cols / 16 * 4;
-        let xq = x.cols.is_multiple_of(32) && xq_smem <= 2 * MAX_COLS && gemv_int16_x();
+        let (xq, smem) = x_staging(x.cols);
         let nw = gemv_warps();
         let mut defines = defines.clone();
         defines.push(format!("XQ={}", u8::from(xq)));
@@ -212,23 +220,24 @@ impl Cuda {
             GemvIn::Bf16(_) => (xp, 0.0f32),
         };
         args.extend([KArg::Ptr(xp), KArg::Ptr(gains), KArg::F32(eps), KArg::I32(x.cols as i32)]);
-        // Persistent blocks: as many as are resident on the GPU at once (registers decide:
-        // 3-5 per SM), each looping over row blocks with x staged once. More would queue
-        // behind the first wave and finish last. `FERROLM_GEMV_BPS` caps the blocks per SM
-        // (for tuning).
-        static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-        let per_sm_cap = *PER_SM.get_or_init(|| {
-            std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8usize).max(1)
-        });
-        // x in shared memory: bf16, or int16 + a scale per 32 values + a sum per 16 (XQ).
-        let smem = if xq { xq_smem } else { x.cols * 2 };
         let threads = 32 * nw as u32;
-        let resident = f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None).unwrap_or(2).max(1);
-        let blocks = blocks.min(self.sms * per_sm_cap.min(resident as usize));
+        let blocks = blocks.min(self.gemv_grid(&f, threads, smem));
         let c =
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, c, &args, "fused GEMV launch")?;
         Ok(true)
+    }
+
+    /// Persistent GEMV blocks: as many as are resident on the GPU at once (registers decide:
+    /// 2-5 per SM), each looping over row blocks with x staged once. More would queue behind
+    /// the first wave and finish last. `FERROLM_GEMV_BPS` caps the blocks per SM (for tuning).
+    pub(super) fn gemv_grid(&self, f: &CudaFunction, threads: u32, smem: usize) -> usize {
+        static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        let per_sm_cap = *PER_SM.get_or_init(|| {
+            std::env::var("FERROLM_GEMV_BPS").ok().and_then(|v| v.parse().ok()).unwrap_or(8usize).max(1)
+        });
+        let resident = f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None).unwrap_or(2).max(1);
+        self.sms * per_sm_cap.min(resident as usize)
     }
 
     /// q, k, v and layer's K and V caches: the first arguments of rope_kv and attention_decode.

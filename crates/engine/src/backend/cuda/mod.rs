@@ -8,6 +8,7 @@
 #![deny(clippy::shadow_unrelated)]
 
 pub mod device;
+mod ffn;
 mod flash;
 mod fused;
 mod gemm;

@@ -427,6 +427,21 @@ impl Backend for Cuda {
     fn matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
         self.fused_matmul_add(y, w, x, tmp)
     }
+    fn mlp(
+        &self,
+        x: &mut CudaAct,
+        norm: &Self::Vector,
+        eps: f32,
+        (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
+        (xn, g, u, tmp): (&mut CudaAct, &mut CudaAct, &mut CudaAct, &mut CudaAct),
+        act: &mut CudaAct,
+    ) -> Result<()> {
+        if self.ffn_fused_enabled() && x.rows == 1 && self.ffn_fused(x, norm, eps, (gate, up, down), act)? {
+            return Ok(());
+        }
+        self.fused_norm_swiglu(x, norm, eps, xn, (gate, up), (g, u), act)?;
+        self.fused_matmul_add(act, down, x, tmp)
+    }
     fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
         self.argmax_f32(x, out, false)
     }
