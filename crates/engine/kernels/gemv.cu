@@ -504,12 +504,14 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0); }  \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1); }  \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3); }
+#ifndef FFN
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
+#endif
 
 #ifdef FFN
-// The MLP half of a decode layer in one launch (FFN=1 variants, fused.rs's ffn_fused):
+// The MLP half of a decode layer in one launch (FFN=1 variants, ffn.rs):
 //   phase 1: act = silu(gate·n(x)) · up·n(x)      (as gemv_ns_r<RU>)
 //   phase 2: x += down·act                        (as gemv_ba_r<RD>)
 // Every block takes part in both, so the grid must be resident at once (the host sizes it
@@ -534,7 +536,7 @@ struct CounterSync {
 };
 
 template <int RU, int RD>
-__device__ __forceinline__ void ffn(Mat gate, Mat up, Mat down, float* x, const float* nw, float eps, int hidden,
+__device__ __forceinline__ void ffn_phases(Mat gate, Mat up, Mat down, float* x, const float* nw, float eps, int hidden,
                                     bf16_t* act, int ffn_cols, int* sync) {
     gemv<RU, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden);
     // A block without gate/up rows returned before waiting for the previous kernel; phase 2
@@ -554,22 +556,13 @@ __device__ __forceinline__ void ffn(Mat gate, Mat up, Mat down, float* x, const 
     }
 }
 
-#define FFN_ARGS                                                                                              \
-    const u32 *wg, const scale_t *sg, const scale_t *bg, const u32 *wu, const scale_t *su, const scale_t *bu, \
-        const u32 *wd, const scale_t *sd, const scale_t *bd, float *x, const float *nw, float eps, int hidden, \
-        bf16_t *act, int ffn_cols, int *sync
-#define FFN_KERNEL(RU, RD)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(32 * NW, 2) ffn_r##RU##_##RD(FFN_ARGS) {                   \
-        ffn<RU, RD>(Mat{wg, sg, bg, act, ffn_cols}, Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden}, \
-                    x, nw, eps, hidden, act, ffn_cols, sync);                                               \
-    }
-FFN_KERNEL(1, 1)
-FFN_KERNEL(1, 2)
-FFN_KERNEL(1, 4)
-FFN_KERNEL(2, 1)
-FFN_KERNEL(2, 2)
-FFN_KERNEL(2, 4)
-FFN_KERNEL(4, 1)
-FFN_KERNEL(4, 2)
-FFN_KERNEL(4, 4)
+// One kernel per variant: its rows per warp (FFN_RU for gate/up, FFN_RD for down, the
+// two launches' choices) are defines, so a model compiles the one it uses.
+extern "C" __global__ void __launch_bounds__(32 * NW, 2)
+    ffn(const u32* wg, const scale_t* sg, const scale_t* bg, const u32* wu, const scale_t* su, const scale_t* bu,
+        const u32* wd, const scale_t* sd, const scale_t* bd, float* x, const float* nw, float eps, int hidden,
+        bf16_t* act, int ffn_cols, int* sync) {
+    ffn_phases<FFN_RU, FFN_RD>(Mat{wg, sg, bg, act, ffn_cols}, Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden},
+                        x, nw, eps, hidden, act, ffn_cols, sync);
+}
 #endif

@@ -1,5 +1,4 @@
-//! The MLP half of a decode layer as one launch (gemv.cu's `ffn_r<RU>_<RD>`, FFN=1
-//! variants): norm → gate/up → SwiGLU, then down + residual add, with the blocks counting
+//! The MLP half of a decode layer as one launch (gemv.cu's `ffn`, FFN=1 variants): norm → gate/up → SwiGLU, then down + residual add, with the blocks counting
 //! themselves in between the phases instead of a kernel boundary, so down's first weight
 //! tiles stream while the slowest blocks finish gate/up. The first step toward a
 //! persistent decode kernel; off unless `FERROLM_FFN_FUSED=1` (or `set_ffn_fused`) until it
@@ -56,11 +55,11 @@ impl Cuda {
         let nw = gemv_warps();
         let mut defines = defines.clone();
         defines.push(format!("XQ={}", u8::from(xq_in)));
-        defines.push("FFN=1".into());
+        defines.extend(["FFN=1".into(), format!("FFN_RU={ru}"), format!("FFN_RD={rd}")]);
         if nw != 8 {
             defines.push(format!("NW={nw}"));
         }
-        let f = self.function(kernels::file("gemv.cu"), &defines, &format!("ffn_r{ru}_{rd}"))?;
+        let f = self.function(kernels::file("gemv.cu"), &defines, "ffn")?;
         let smem = smem_in.max(smem_act);
         let threads = 32 * nw as u32;
         // Every block must be resident at once (they wait for each other): never more than

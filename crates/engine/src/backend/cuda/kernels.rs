@@ -75,7 +75,7 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     // The fused MLP kernels (FFN=1, ffn.rs; compiled on demand per weight format): one
     // variant, so they compile.
     let mut ffn = affine_defines(4, 64, ScaleDtype::BF16);
-    ffn.extend(["XQ=1".into(), "FFN=1".into()]);
+    ffn.extend(["XQ=1".into(), "FFN=1".into(), "FFN_RU=2".into(), "FFN_RD=1".into()]);
     v.push((file("gemv.cu"), ffn));
     for nw in ["NW=4", "NW=16"] {
         let mut d = affine_defines(4, 64, ScaleDtype::BF16);
