@@ -527,9 +527,13 @@ struct CounterSync {
     __device__ __forceinline__ void wait() const {
         if (threadIdx.x == 0) {
             int v;
-            do {
+            // A wait is microseconds; seconds mean blocks that can never arrive (not all
+            // resident): fail the launch with an error rather than hang the process.
+            for (unsigned spins = 0;; spins++) {
                 asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(arrived) : "memory");
-            } while (v < target);
+                if (v >= target) break;
+                if (spins > (1u << 23)) __trap();
+            }
         }
         __syncthreads();
     }
