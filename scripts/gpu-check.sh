@@ -58,8 +58,11 @@ results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, device|$(bench --model 
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic)|$(bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), steps not fed|$(FERROLM_CUDA_FEED=0 bench --model "$m1b")")
-results+=("ferrolm, 1B shape 4-bit g64 (synthetic), fused MLP launch|$(FERROLM_FFN_FUSED=1 bench --model "$m1b")")
-results+=("ferrolm, SmolLM2-135M Q4_1, fused MLP launch|$(FERROLM_FFN_FUSED=1 bench --model "$model")")
+# The fused layer end (not the default until measured): the MLP as one launch, then o + MLP.
+for fused in 1 2; do
+  results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_FFN_FUSED=$fused|$(FERROLM_FFN_FUSED=$fused bench --model "$m1b")")
+  results+=("ferrolm, SmolLM2-135M Q4_1, FERROLM_FFN_FUSED=$fused|$(FERROLM_FFN_FUSED=$fused bench --model "$model")")
+done
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, host|$(FERROLM_CUDA_TOPK=0 bench --model "$m1b" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, device|$(bench --model "$m1b" --temperature 0.8 --top-k 40)")
 if [[ -f $gguf1b ]]; then

@@ -511,15 +511,18 @@ GEMV_KERNELS(4)
 #endif
 
 #ifdef FFN
-// The MLP half of a decode layer in one launch (FFN=1 variants, ffn.rs):
-//   phase 1: act = silu(gate·n(x)) · up·n(x)      (as gemv_ns_r<RU>)
-//   phase 2: x += down·act                        (as gemv_ba_r<RD>)
-// Every block takes part in both, so the grid must be resident at once (the host sizes it
-// by occupancy). Between the phases, blocks count themselves in on sync[0] instead of
-// ending the kernel: a block issues its first tile of down's weights before it waits
-// there, so they stream while the last blocks finish phase 1 (two kernels would load them
-// only once the first had ended). The rows' math is the two kernels', so the result is
-// bit-identical. sync[1] counts blocks out; the last resets both for the next launch.
+// The end of a decode layer in one launch (FFN=1 variants, ffn.rs):
+//   phase o (FFN_RO > 0): x += o·att                  (as gemv_ba_r<RO>)
+//   phase u:              act = silu(gate·n(x)) · up·n(x)  (as gemv_ns_r<RU>)
+//   phase d:              x += down·act               (as gemv_ba_r<RD>)
+// Every block takes part in every phase, so the grid must be resident at once (the host
+// sizes it by occupancy; all blocks trigger PDL at their start, so no later kernel takes
+// the place of one not yet resident). Between phases the blocks count themselves in on a
+// counter instead of ending the kernel: a block issues its first weight tile of the next
+// phase before it waits there, so those weights stream while the last blocks finish (two
+// kernels would load them only once the first had ended). The rows' math is the separate
+// kernels', so the result is bit-identical. The last counter counts blocks out; the last
+// block resets them all for the next launch.
 struct CounterSync {
     int* arrived;
     int target;
@@ -539,34 +542,50 @@ struct CounterSync {
     }
 };
 
-template <int RU, int RD>
-__device__ __forceinline__ void ffn_phases(Mat gate, Mat up, Mat down, float* x, const float* nw, float eps, int hidden,
-                                    bf16_t* act, int ffn_cols, int* sync) {
-    gemv<RU, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden);
-    // A block without gate/up rows returned before waiting for the previous kernel; phase 2
-    // reads and adds into x, which that kernel wrote. (Once passed, this wait is free.)
-    pdl_wait();
-    // Phase 1's act stores (and its reads of x) happen before this block counts itself in.
+// This block's writes (and reads) of the phase so far happen before it counts itself in.
+__device__ __forceinline__ void count_in(int* counter) {
     __threadfence();
     __syncthreads();
-    if (threadIdx.x == 0) atomicAdd(sync, 1);
-    Mat none{down.w, down.s, down.b, x, 0};
-    gemv<RD, false, 2>(down, none, none, act, nullptr, 0.f, ffn_cols, CounterSync{sync, (int)gridDim.x});
-    __syncthreads();
-    // Every block that waited on sync[0] is past it once all have counted out.
-    if (threadIdx.x == 0 && atomicAdd(sync + 1, 1) == (int)gridDim.x - 1) {
-        sync[0] = 0;
-        sync[1] = 0;
-    }
+    if (threadIdx.x == 0) atomicAdd(counter, 1);
 }
 
-// One kernel per variant: its rows per warp (FFN_RU for gate/up, FFN_RD for down, the
-// two launches' choices) are defines, so a model compiles the one it uses.
+template <int RO, int RU, int RD>
+__device__ __forceinline__ void layer_end(Mat o, const bf16_t* att, int o_cols, Mat gate, Mat up, Mat down, float* x,
+                                          const float* nw, float eps, int hidden, bf16_t* act, int ffn_cols,
+                                          int* sync) {
+    int G = gridDim.x, c = 0;  // counters used
+    if constexpr (RO > 0) {
+        Mat none{o.w, o.s, o.b, x, 0};
+        gemv<RO, false, 2>(o, none, none, att, nullptr, 0.f, o_cols);
+        // A block without rows here returned before waiting for the previous kernel (the
+        // attention, which wrote att and whose predecessors wrote x). Once passed, free.
+        pdl_wait();
+        count_in(sync + c++);
+        gemv<RU, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden, CounterSync{sync, G});
+    } else {
+        gemv<RU, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden);
+        pdl_wait();  // as above, for x
+    }
+    count_in(sync + c);
+    Mat none{down.w, down.s, down.b, x, 0};
+    gemv<RD, false, 2>(down, none, none, act, nullptr, 0.f, ffn_cols, CounterSync{sync + c, G});
+    c++;
+    __syncthreads();
+    // Every block that waited on a counter is past it once all have counted out.
+    if (threadIdx.x == 0 && atomicAdd(sync + c, 1) == G - 1)
+        for (int i = 0; i <= c; i++) sync[i] = 0;
+}
+
+// One kernel per variant: its rows per warp (FFN_RO for o, 0 without that phase; FFN_RU
+// for gate/up; FFN_RD for down: the separate launches' choices) are defines, so a model
+// compiles the one it uses.
 extern "C" __global__ void __launch_bounds__(32 * NW, 2)
-    ffn(const u32* wg, const scale_t* sg, const scale_t* bg, const u32* wu, const scale_t* su, const scale_t* bu,
-        const u32* wd, const scale_t* sd, const scale_t* bd, float* x, const float* nw, float eps, int hidden,
-        bf16_t* act, int ffn_cols, int* sync) {
-    ffn_phases<FFN_RU, FFN_RD>(Mat{wg, sg, bg, act, ffn_cols}, Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden},
-                        x, nw, eps, hidden, act, ffn_cols, sync);
+    ffn(const u32* wo, const scale_t* so, const scale_t* bo, const bf16_t* att, int o_cols, const u32* wg,
+        const scale_t* sg, const scale_t* bg, const u32* wu, const scale_t* su, const scale_t* bu, const u32* wd,
+        const scale_t* sd, const scale_t* bd, float* x, const float* nw, float eps, int hidden, bf16_t* act,
+        int ffn_cols, int* sync) {
+    layer_end<FFN_RO, FFN_RU, FFN_RD>(Mat{wo, so, bo, x, hidden}, att, o_cols, Mat{wg, sg, bg, act, ffn_cols},
+                                      Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden}, x, nw, eps, hidden,
+                                      act, ffn_cols, sync);
 }
 #endif

@@ -442,15 +442,17 @@ fn fed_greedy_generate_matches_step_by_step() {
     assert_eq!(a, b, "second turn after a stopped fed generation");
 }
 
-/// The fused MLP launch (ffn.rs: gate/up then down in one kernel, the blocks counting
-/// themselves in between) in whole decode steps, captured and replayed, every layer reusing
-/// its counters: the logits of the two-launch path, bit for bit.
+/// The fused layer end (ffn.rs: [o + add,] gate/up→SwiGLU and down + add in one kernel,
+/// the blocks counting themselves in between) in whole decode steps, captured and
+/// replayed, every layer reusing its counters: the logits of the separate launches, bit
+/// for bit, with either fusion.
 #[test]
-fn fused_mlp_decode_matches_two_launches() {
+fn fused_layer_end_decode_matches_separate_launches() {
+    use ferrolm::backend::cuda::ffn::LayerEndFusion;
     let (_, mg, tok) = smollm2();
     let ids = tok.encode("The capital of France is", true).unwrap();
-    let run = |fused: bool| {
-        mg.backend.set_ffn_fused(fused);
+    let run = |fusion: LayerEndFusion| {
+        mg.backend.set_layer_end_fusion(fusion);
         let mut s = ferrolm::generate::Session::new(&mg, 128).unwrap();
         let (mut l, _) = s.feed(&ids).unwrap();
         let mut steps = Vec::new();
@@ -460,9 +462,11 @@ fn fused_mlp_decode_matches_two_launches() {
         }
         steps
     };
-    let (a, b) = (run(false), run(true));
-    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
-        assert!(x == y, "decode step {i}: fused MLP logits differ from two launches");
+    let want = run(LayerEndFusion::None);
+    for fusion in [LayerEndFusion::Mlp, LayerEndFusion::OProjMlp] {
+        for (i, (x, y)) in want.iter().zip(&run(fusion)).enumerate() {
+            assert!(x == y, "decode step {i}: logits with {fusion:?} fused differ from separate launches");
+        }
     }
 }
 

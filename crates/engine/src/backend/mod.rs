@@ -163,19 +163,22 @@ pub trait Backend: Sync {
         self.matmul_many(xn, &[gate, up], &mut [g, u])?;
         self.silu_mul(g, u, out)
     }
-    /// The MLP half of a layer: x += down(silu(gate(n(x))) · up(n(x))), n the RMSNorm with
-    /// `norm`; `act` gets the SwiGLU output, xn, g, u and tmp are scratch. A backend may run
-    /// it as one launch.
+    /// The end of a layer: x += att·woᵀ (the attention block's residual), then the MLP
+    /// block x += down(silu(gate(n(x))) · up(n(x))), n the RMSNorm with `norm`; `act` gets
+    /// the SwiGLU output, xn, g, u and tmp are scratch. A backend may run it as fewer
+    /// launches.
     #[allow(clippy::too_many_arguments)]
-    fn mlp(
+    fn o_proj_mlp(
         &self,
+        att: &Self::Act,
+        wo: &Self::Mat,
         x: &mut Self::Act,
-        norm: &Self::Vector,
-        eps: f32,
+        (norm, eps): (&Self::Vector, f32),
         (gate, up, down): (&Self::Mat, &Self::Mat, &Self::Mat),
         (xn, g, u, tmp): (&mut Self::Act, &mut Self::Act, &mut Self::Act, &mut Self::Act),
         act: &mut Self::Act,
     ) -> Result<()> {
+        self.matmul_add(att, wo, x, tmp)?;
         self.norm_swiglu(x, norm, eps, xn, gate, up, g, u, act)?;
         self.matmul_add(act, down, x, tmp)
     }

@@ -219,9 +219,10 @@ impl<B: Backend> Llama<B> {
                 b.add_bias(v, bv)?;
             }
             b.rope_attention(q, k, v, kv, li, pos0, &self.rope, (c.n_heads, c.n_kv_heads), att)?;
-            b.matmul_add(att, &l.wo, x, o)?;
-            // MLP block (SwiGLU): x += down(silu(gate(norm(x))) · up(norm(x)))
-            b.mlp(x, &l.mlp_norm, c.rms_eps, (&l.w_gate, &l.w_up, &l.w_down), (xn, gate, up, o), act)?;
+            // x += o_proj(attention), then the MLP block (SwiGLU):
+            // x += down(silu(gate(norm(x))) · up(norm(x)))
+            let mlp = (&l.w_gate, &l.w_up, &l.w_down);
+            b.o_proj_mlp(att, &l.wo, x, (&l.mlp_norm, c.rms_eps), mlp, (xn, gate, up, o), act)?;
         }
         // Only the rows whose logits are wanted go through the final norm and the head.
         let (rows, first) = match which {

@@ -218,44 +218,54 @@ fn decode_sampling_time() {
     }
 }
 
-/// The fused MLP launch (gemv.cu's ffn kernels: gate/up→SwiGLU, then down + add after the
-/// blocks count themselves in) against the two launches it replaces: bit-identical residual
-/// and SwiGLU output (same row math), on repeated launches (its counters reset), for the
-/// 1B and SmolLM2 shapes and other formats; then both timed at the 1B shape.
+/// The fused layer end (gemv.cu's ffn: [o + add,] gate/up→SwiGLU, then down + add, the
+/// blocks counting themselves in between phases) against the separate launches it
+/// replaces: bit-identical residual and SwiGLU output (same row math), on repeated launches
+/// (its counters reset), with and without the o phase, for the 1B and SmolLM2 shapes and
+/// other formats; then the three ways timed at the 1B shape.
 #[test]
-fn fused_mlp_matches_two_launches_and_times_it() {
+fn fused_layer_end_matches_separate_launches_and_times_it() {
+    use ferrolm::backend::cuda::ffn::LayerEndFusion;
     use ferrolm::backend::cuda::CudaMat;
-    // A device of its own: the fused path is switched on and off here.
+    // A device of its own: the fusion is switched here.
     let (g, mut r) = (Cuda::new(0).unwrap(), Rng::seeded());
     let shapes = [
-        (2048, 8192, 4, 64, ScaleDtype::BF16),
-        (576, 1536, 4, 64, ScaleDtype::BF16),
-        (512, 1024, 8, 32, ScaleDtype::F16),
-        (256, 768, 2, 16, ScaleDtype::F32),
+        (2048, 2048, 8192, 4, 64, ScaleDtype::BF16),
+        (576, 576, 1536, 4, 64, ScaleDtype::BF16),
+        (512, 1024, 1024, 8, 32, ScaleDtype::F16),
+        (256, 512, 768, 2, 16, ScaleDtype::F32),
     ];
-    for (d, f, bits, group, dt) in shapes {
-        let name = format!("d{d} f{f} q{bits} g{group} {dt:?}");
+    for (d, qd, f, bits, group, dt) in shapes {
+        let name = format!("d{d} q{qd} f{f} q{bits} g{group} {dt:?}");
         let mut mat = |rows: usize, cols: usize| {
             let w = AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, bits, group, dt).unwrap();
             g.matrix(Weight::Affine(w)).unwrap()
         };
-        let (wg, wu, wd): (CudaMat, CudaMat, CudaMat) = (mat(f, d), mat(f, d), mat(d, f));
+        let (wo, wg, wu, wd): (CudaMat, CudaMat, CudaMat, CudaMat) = (mat(d, qd), mat(f, d), mat(f, d), mat(d, f));
         let x = r.v(d, 20.0);
+        let att = g.act_from(1, qd, &bf(&r.v(qd, 1.0))).unwrap();
         let ng = g.vector(r.v(d, 1.0)).unwrap();
         let (mut xn, mut gg, mut ug, mut tmp) =
             (g.act(1, d).unwrap(), g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act(1, d).unwrap());
-        g.set_ffn_fused(false);
+        g.set_layer_end_fusion(LayerEndFusion::None);
         let mut xa = g.act_from_f32(1, d, &x).unwrap();
         let mut aa = g.act_poisoned(1, f, false).unwrap();
-        g.mlp(&mut xa, &ng, 1e-5, (&wg, &wu, &wd), (&mut xn, &mut gg, &mut ug, &mut tmp), &mut aa).unwrap();
+        let scratch = (&mut xn, &mut gg, &mut ug, &mut tmp);
+        g.o_proj_mlp(&att, &wo, &mut xa, (&ng, 1e-5), (&wg, &wu, &wd), scratch, &mut aa).unwrap();
         let (want_x, want_act) = (g.read_rows(&xa, 0).unwrap(), g.read_rows(&aa, 0).unwrap());
         let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        for run in 0..3 {
+        for (with_o, run) in [(true, 0), (false, 1), (true, 2), (false, 3)] {
             let mut xb = g.act_from_f32(1, d, &x).unwrap();
             let mut ab = g.act_poisoned(1, f, false).unwrap();
-            assert!(g.ffn_fused(&mut xb, &ng, 1e-5, (&wg, &wu, &wd), &mut ab).unwrap(), "{name}: fused MLP declined");
-            assert_eq!(bits_of(&g.read_rows(&xb, 0).unwrap()), bits_of(&want_x), "{name} run {run}: residual");
-            assert_eq!(bits_of(&g.read_rows(&ab, 0).unwrap()), bits_of(&want_act), "{name} run {run}: SwiGLU");
+            if !with_o {
+                g.matmul_add(&att, &wo, &mut xb, &mut tmp).unwrap();
+            }
+            let o = with_o.then_some((&att, &wo));
+            let fused = g.ffn_fused(&mut xb, o, (&ng, 1e-5), (&wg, &wu, &wd), &mut ab).unwrap();
+            assert!(fused, "{name}: fused layer end declined (o phase: {with_o})");
+            let what = format!("{name} run {run} (o phase: {with_o})");
+            assert_eq!(bits_of(&g.read_rows(&xb, 0).unwrap()), bits_of(&want_x), "{what}: residual");
+            assert_eq!(bits_of(&g.read_rows(&ab, 0).unwrap()), bits_of(&want_act), "{what}: SwiGLU");
         }
     }
     // Timing at the 1B shape, cycling over weight copies as the layers of a step do.
@@ -263,24 +273,21 @@ fn fused_mlp_matches_two_launches_and_times_it() {
     let w = |rows: usize, cols: usize, r: &mut Rng| {
         Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, 4, 64, ScaleDtype::BF16).unwrap())
     };
-    let (wg, wu, wd) = (w(f, d, &mut r), w(f, d, &mut r), w(d, f, &mut r));
-    let bytes = wg.byte_size() + wu.byte_size() + wd.byte_size();
-    let (cg, cu, cd) = (copies(&g, &wg), copies(&g, &wu), copies(&g, &wd));
+    let (wo, wg, wu, wd) = (w(d, d, &mut r), w(f, d, &mut r), w(f, d, &mut r), w(d, f, &mut r));
+    let bytes = wo.byte_size() + wg.byte_size() + wu.byte_size() + wd.byte_size();
+    let (co, cg, cu, cd) = (copies(&g, &wo), copies(&g, &wg), copies(&g, &wu), copies(&g, &wd));
     let ng = g.vector(r.v(d, 1.0)).unwrap();
+    let att = g.act_from(1, d, &bf(&r.v(d, 1.0))).unwrap();
     let mut xg = g.act_from_f32(1, d, &r.v(d, 20.0)).unwrap();
     let (mut xn, mut gg, mut ug, mut tmp, mut act) =
         (g.act(1, d).unwrap(), g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act(1, d).unwrap(), g.act(1, f).unwrap());
-    for fused in [false, true] {
-        g.set_ffn_fused(fused);
+    for fusion in [LayerEndFusion::None, LayerEndFusion::Mlp, LayerEndFusion::OProjMlp] {
+        g.set_layer_end_fusion(fusion);
         let us = graph_time(&g, 48, &mut |i| {
             let j = i % COPIES;
-            g.mlp(&mut xg, &ng, 1e-5, (&cg[j], &cu[j], &cd[j]), (&mut xn, &mut gg, &mut ug, &mut tmp), &mut act)
-                .unwrap()
+            let scratch = (&mut xn, &mut gg, &mut ug, &mut tmp);
+            g.o_proj_mlp(&att, &co[j], &mut xg, (&ng, 1e-5), (&cg[j], &cu[j], &cd[j]), scratch, &mut act).unwrap()
         });
-        report(
-            &format!("1B MLP (norm→gate/up→SwiGLU, down + add), {}", ["two launches", "fused"][fused as usize]),
-            us,
-            bytes,
-        );
+        report(&format!("1B o + add, norm→gate/up→SwiGLU, down + add; fused: {fusion:?}"), us, bytes);
     }
 }

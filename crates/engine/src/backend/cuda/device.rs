@@ -63,9 +63,10 @@ pub struct Cuda {
     /// Set while a fed decode step (`Backend::step_fed`) is being queued or captured: its
     /// token and position are on the device already, so `begin` copies nothing.
     pub(crate) feeding: std::sync::atomic::AtomicBool,
-    /// Whether `Backend::mlp` runs a decode row as one launch (ffn.rs; `FERROLM_FFN_FUSED=1`).
-    pub(crate) ffn_fused: std::sync::atomic::AtomicBool,
-    /// The fused MLP's two block counters (zeroed, reset by each launch's last block).
+    /// What `Backend::o_proj_mlp` runs as one launch for a decode row (ffn.rs's
+    /// LayerEndFusion; `FERROLM_FFN_FUSED=1|2`).
+    pub(crate) ffn_fused: std::sync::atomic::AtomicU8,
+    /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
     /// records.
@@ -210,7 +211,11 @@ impl Cuda {
             graphs: Mutex::new(HashMap::new()),
             capturing: std::sync::atomic::AtomicBool::new(false),
             feeding: std::sync::atomic::AtomicBool::new(false),
-            ffn_fused: std::sync::atomic::AtomicBool::new(std::env::var("FERROLM_FFN_FUSED").is_ok_and(|v| v == "1")),
+            ffn_fused: std::sync::atomic::AtomicU8::new(match std::env::var("FERROLM_FFN_FUSED").as_deref() {
+                Ok("1") => 1,
+                Ok("2") => 2,
+                _ => 0,
+            }),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
         })

@@ -1,8 +1,10 @@
-//! The MLP half of a decode layer as one launch (gemv.cu's `ffn`, FFN=1 variants): norm → gate/up → SwiGLU, then down + residual add, with the blocks counting
-//! themselves in between the phases instead of a kernel boundary, so down's first weight
-//! tiles stream while the slowest blocks finish gate/up. The first step toward a
-//! persistent decode kernel; off unless `FERROLM_FFN_FUSED=1` (or `set_ffn_fused`) until it
-//! has been measured against the two launches it replaces.
+//! The end of a decode layer as one launch (gemv.cu's `ffn`, FFN=1 variants): optionally
+//! the o-projection + residual add, then norm → gate/up → SwiGLU, then down + residual
+//! add, with the blocks counting themselves in between the phases instead of a kernel
+//! boundary, so each phase's first weight tiles stream while the slowest blocks finish the
+//! phase before. The first step toward a persistent decode kernel; off unless
+//! `FERROLM_FFN_FUSED=1` (the MLP) or `=2` (o + the MLP), or `set_layer_end_fusion`,
+//! until it has been measured against the launches it replaces.
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, KArg};
 use super::fused::{dev, gemv_warps, rows_per_warp, scales_ptr, x_staging, GEMV_LOADS};
@@ -11,25 +13,40 @@ use crate::Result;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
 
+/// What `Backend::o_proj_mlp` fuses on CUDA for a decode row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerEndFusion {
+    /// Separate launches: o + add, norm → gate/up → SwiGLU, down + add.
+    None = 0,
+    /// The MLP's two launches as one; o + add on its own.
+    Mlp = 1,
+    /// o + add and the MLP, one launch.
+    OProjMlp = 2,
+}
+
 impl Cuda {
-    /// Whether `Backend::mlp` runs decode rows as one fused launch.
-    pub fn ffn_fused_enabled(&self) -> bool {
-        self.ffn_fused.load(Relaxed)
+    /// What `Backend::o_proj_mlp` runs as one launch.
+    pub fn layer_end_fusion(&self) -> LayerEndFusion {
+        match self.ffn_fused.load(Relaxed) {
+            1 => LayerEndFusion::Mlp,
+            2 => LayerEndFusion::OProjMlp,
+            _ => LayerEndFusion::None,
+        }
     }
 
-    /// Turn the fused MLP launch on or off (tests compare both on one device).
-    pub fn set_ffn_fused(&self, on: bool) {
-        self.ffn_fused.store(on, Relaxed);
+    /// Choose what `Backend::o_proj_mlp` fuses (tests compare them on one device).
+    pub fn set_layer_end_fusion(&self, f: LayerEndFusion) {
+        self.ffn_fused.store(f as u8, Relaxed);
     }
 
-    /// x += down(silu(gate(n(x))) · up(n(x))) for one row, n the RMSNorm with `gains`, as
-    /// one launch; `act` gets the SwiGLU output. Ok(false) when the kernels do not cover
-    /// the case (the caller then runs the two launches).
+    /// For one row, as one launch: x += o·att when `o` is given, then x += down(silu(gate(n(x)))
+    /// · up(n(x))), n the RMSNorm with `gains`; `act` gets the SwiGLU output. Ok(false) when
+    /// the kernels do not cover the case (the caller then runs the separate launches).
     pub fn ffn_fused(
         &self,
         x: &mut CudaAct,
-        gains: &CudaSlice<f32>,
-        eps: f32,
+        o: Option<(&CudaAct, &CudaMat)>,
+        (gains, eps): (&CudaSlice<f32>, f32),
         (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
         act: &mut CudaAct,
     ) -> Result<bool> {
@@ -44,35 +61,63 @@ impl Cuda {
         let shapes_ok = (ffn, hidden) == (ffn_u, hidden_u) && (hidden, ffn) == (hidden_d, ffn_d);
         let bufs_ok = matches!((&x.buf, &act.buf), (ActBuf::F32(_), ActBuf::Bf16(_)))
             && (x.rows, x.cols, act.rows, act.cols) == (1, *hidden, 1, *ffn);
-        let (xq_in, smem_in) = x_staging(*hidden);
+        let (xq, smem_in) = x_staging(*hidden);
         let (xq_act, smem_act) = x_staging(*ffn);
-        // One XQ define serves both phases' staging.
-        if !shapes_ok || !bufs_ok || defines != du || defines != dd || xq_in != xq_act {
+        // One XQ define serves every phase's staging.
+        if !shapes_ok || !bufs_ok || defines != du || defines != dd || xq != xq_act {
             return Ok(false);
         }
-        let ru = rows_per_warp(*ffn, hidden * *bits as usize / 128, GEMV_LOADS / 2);
-        let rd = rows_per_warp(*hidden, ffn * *bits as usize / 128, GEMV_LOADS);
+        let bits = *bits as usize;
         let nw = gemv_warps();
+        // The o phase: (rows per warp, staging bytes, its arguments), or none.
+        let (ro, smem_o, o_args) = match o {
+            None => (0, 0, [KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::I32(0)]),
+            Some((att, wo)) => {
+                let CudaMat::Affine { defines: dw, words, scales, biases, rows, cols, .. } = wo else {
+                    return Ok(false);
+                };
+                let (xq_att, smem_att) = x_staging(*cols);
+                let ActBuf::Bf16(a) = &att.buf else { return Ok(false) };
+                if dw != defines || (*rows, att.rows, att.cols) != (*hidden, 1, *cols) || xq_att != xq {
+                    return Ok(false);
+                }
+                let args = [
+                    dev(self, words),
+                    KArg::Ptr(scales_ptr(self, scales)),
+                    KArg::Ptr(scales_ptr(self, biases)),
+                    dev(self, a),
+                    KArg::I32(*cols as i32),
+                ];
+                (rows_per_warp(*hidden, cols * bits / 128, GEMV_LOADS), smem_att, args)
+            }
+        };
+        // Rows per warp as the separate launches choose them (same rows per warp, same math).
+        let ru = rows_per_warp(*ffn, hidden * bits / 128, GEMV_LOADS / 2);
+        let rd = rows_per_warp(*hidden, ffn * bits / 128, GEMV_LOADS);
         let mut defines = defines.clone();
-        defines.push(format!("XQ={}", u8::from(xq_in)));
-        defines.extend(["FFN=1".into(), format!("FFN_RU={ru}"), format!("FFN_RD={rd}")]);
+        defines.push(format!("XQ={}", u8::from(xq)));
+        defines.extend(["FFN=1".into(), format!("FFN_RO={ro}"), format!("FFN_RU={ru}"), format!("FFN_RD={rd}")]);
         if nw != 8 {
             defines.push(format!("NW={nw}"));
         }
         let f = self.function(kernels::file("gemv.cu"), &defines, "ffn")?;
-        let smem = smem_in.max(smem_act);
+        let smem = smem_in.max(smem_act).max(smem_o);
         let threads = 32 * nw as u32;
         // Every block must be resident at once (they wait for each other): never more than
         // the occupancy allows, which gemv_grid's cap already is.
-        let steps = ffn.div_ceil(nw * ru).max(hidden.div_ceil(nw * rd));
+        let mut steps = ffn.div_ceil(nw * ru).max(hidden.div_ceil(nw * rd));
+        if ro > 0 {
+            steps = steps.max(hidden.div_ceil(nw * ro));
+        }
         let blocks = steps.min(self.gemv_grid(&f, threads, smem));
         let mut sync = self.ffn_sync.lock().unwrap_or_else(|e| e.into_inner());
         if sync.is_none() {
-            *sync = Some(self.stream.alloc_zeros::<i32>(2).map_err(drv("allocating the MLP counters"))?);
+            *sync = Some(self.stream.alloc_zeros::<i32>(3).map_err(drv("allocating the layer-end counters"))?);
         }
         let sync = sync.as_ref().expect("set above");
         let (ActBuf::F32(xv), ActBuf::Bf16(av)) = (&x.buf, &act.buf) else { unreachable!("checked above") };
-        let args = [
+        let mut args = o_args.to_vec();
+        args.extend([
             dev(self, wg),
             KArg::Ptr(scales_ptr(self, sg)),
             KArg::Ptr(scales_ptr(self, bg)),
@@ -89,12 +134,12 @@ impl Cuda {
             dev(self, av),
             KArg::I32(*ffn as i32),
             dev(self, sync),
-        ];
+        ]);
         let c =
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
-        // Matches gemv.cu's FFN_ARGS; the counters are zeroed at allocation and reset by
-        // the kernel's last block.
-        self.launch(&f, c, &args, "fused MLP launch")?;
+        // Matches gemv.cu's ffn; the counters are zeroed at allocation and reset by the
+        // kernel's last block.
+        self.launch(&f, c, &args, "fused layer-end launch")?;
         Ok(true)
     }
 }

@@ -8,7 +8,7 @@
 #![deny(clippy::shadow_unrelated)]
 
 pub mod device;
-mod ffn;
+pub mod ffn;
 mod flash;
 mod fused;
 mod gemm;

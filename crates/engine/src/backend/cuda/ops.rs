@@ -427,20 +427,28 @@ impl Backend for Cuda {
     fn matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
         self.fused_matmul_add(y, w, x, tmp)
     }
-    fn mlp(
+    fn o_proj_mlp(
         &self,
+        att: &CudaAct,
+        wo: &CudaMat,
         x: &mut CudaAct,
-        norm: &Self::Vector,
-        eps: f32,
-        (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
+        (norm, eps): (&Self::Vector, f32),
+        mlp: (&CudaMat, &CudaMat, &CudaMat),
         (xn, g, u, tmp): (&mut CudaAct, &mut CudaAct, &mut CudaAct, &mut CudaAct),
         act: &mut CudaAct,
     ) -> Result<()> {
-        if self.ffn_fused_enabled() && x.rows == 1 && self.ffn_fused(x, norm, eps, (gate, up, down), act)? {
+        use super::ffn::LayerEndFusion;
+        // Each fusion falls back to fewer fused launches where its kernel declines.
+        let fusion = if x.rows == 1 { self.layer_end_fusion() } else { LayerEndFusion::None };
+        if fusion == LayerEndFusion::OProjMlp && self.ffn_fused(x, Some((att, wo)), (norm, eps), mlp, act)? {
             return Ok(());
         }
-        self.fused_norm_swiglu(x, norm, eps, xn, (gate, up), (g, u), act)?;
-        self.fused_matmul_add(act, down, x, tmp)
+        self.fused_matmul_add(att, wo, x, tmp)?;
+        if fusion != LayerEndFusion::None && self.ffn_fused(x, None, (norm, eps), mlp, act)? {
+            return Ok(());
+        }
+        self.fused_norm_swiglu(x, norm, eps, xn, (mlp.0, mlp.1), (g, u), act)?;
+        self.fused_matmul_add(act, mlp.2, x, tmp)
     }
     fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
         self.argmax_f32(x, out, false)
