@@ -97,8 +97,9 @@ __device__ __forceinline__ u32 order_key(float s) {
 // its key T and how many keys equal to T are taken. Logits share their top bits (sign and
 // exponent), so most keys of a pass hit a few bins: each warp adds one count per distinct
 // digit (__match_any_sync) instead of one atomic per key, which serialized the first
-// one-block version (223 µs for 128K values). Keys live in shared memory when they fit
-// (`cap`), else they are re-read each pass. Launched with PDL.
+// one-block version (223 µs for 128K values). A slice's keys live in shared memory when
+// they fit (`cap`), else they are recomputed each pass; the candidates always fit (the
+// host keeps blocks · k ≤ cap: fused.rs's top_k_split). Launched with PDL.
 #define TK_THREADS 512
 
 // The float whose order_key is `key` (exact inverse).
@@ -115,14 +116,13 @@ __device__ __forceinline__ void hist_count(unsigned* hist, u32 digit, bool activ
     if ((int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[digit], (unsigned)__popc(peers));
 }
 
-// Keys of one phase: from shared memory when staged, else computed from the source.
+// Keys of one phase: from shared memory when staged, else computed from the slice.
 struct TkKeys {
-    const u32* smem;   // staged keys, or null
-    const float* x;    // phase 1 source (x · inv_t), when not staged
-    const u32* cand;   // phase 2 source, when not staged
+    const u32* smem;  // staged keys, or null
+    const float* x;   // the slice (keys of x · inv_t), when not staged
     float inv_t;
     __device__ __forceinline__ u32 get(int i) const {
-        return smem ? smem[i] : cand ? __ldcg(cand + i) : order_key(x[i] * inv_t);
+        return smem ? smem[i] : order_key(x[i] * inv_t);
     }
 };
 
@@ -244,7 +244,7 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
         bool staged = len <= cap;
         if (staged) stage_keys(s_keys, len, [&](int j) { return order_key(x[lo + j] * inv_t); });
         __syncthreads();
-        TkKeys keys{staged ? s_keys : nullptr, x + lo, nullptr, inv_t};
+        TkKeys keys{staged ? s_keys : nullptr, x + lo, inv_t};
         u32 T, left;
         radix_select(keys, len, (u32)k, hist, T, left);
         compact(keys, len, (u32)k, T, left, [&](u32 slot, int i, u32 key) {
@@ -258,12 +258,11 @@ extern "C" __global__ void __launch_bounds__(TK_THREADS)
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // Candidates: k per block, the last block's slice possibly fewer.
+    // Candidates: k per block, the last block's slice possibly fewer; c ≤ cap (see above).
     int c = (gridDim.x - 1) * k + min(k, n - (int)(gridDim.x - 1) * per);
-    bool staged = c <= cap;
-    if (staged) stage_keys(s_keys, c, [&](int j) { return __ldcg(cand_key + j); });
+    stage_keys(s_keys, c, [&](int j) { return __ldcg(cand_key + j); });
     __syncthreads();
-    TkKeys keys{staged ? s_keys : nullptr, nullptr, cand_key, inv_t};
+    TkKeys keys{s_keys, nullptr, inv_t};
     u32 T, left;
     radix_select(keys, c, (u32)k, hist, T, left);
     compact(keys, c, (u32)k, T, left, [&](u32 slot, int i, u32 key) {

@@ -7,7 +7,7 @@
 //! until it has been measured against the launches it replaces.
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, KArg};
-use super::fused::{dev, gemv_warps, rows_per_warp, scales_ptr, x_staging, GEMV_LOADS};
+use super::fused::{dev, gemv_defines, gemv_warps, rows_per_warp, scales_ptr, x_staging, GEMV_LOADS};
 use super::kernels;
 use crate::Result;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
@@ -94,12 +94,8 @@ impl Cuda {
         // Rows per warp as the separate launches choose them (same rows per warp, same math).
         let ru = rows_per_warp(*ffn, hidden * bits / 128, GEMV_LOADS / 2);
         let rd = rows_per_warp(*hidden, ffn * bits / 128, GEMV_LOADS);
-        let mut defines = defines.clone();
-        defines.push(format!("XQ={}", u8::from(xq)));
+        let mut defines = gemv_defines(defines, xq);
         defines.extend(["FFN=1".into(), format!("FFN_RO={ro}"), format!("FFN_RU={ru}"), format!("FFN_RD={rd}")]);
-        if nw != 8 {
-            defines.push(format!("NW={nw}"));
-        }
         let f = self.function(kernels::file("gemv.cu"), &defines, "ffn")?;
         let smem = smem_in.max(smem_act).max(smem_o);
         let threads = 32 * nw as u32;

@@ -114,9 +114,6 @@ pub(super) fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> u
     by_rows.max(loads / per_lane).min(4)
 }
 
-/// Whether the decode GEMV stages x as int16 blocks and uses DP2A (gemv.cu's XQ; the
-/// default) or multiplies bf16 x in f32; `FERROLM_GEMV_XQ=0` picks the latter (for
-/// comparisons; both stay tested).
 /// How the decode GEMV stages an input of `cols` values in shared memory: (XQ, bytes).
 /// int16 x with DP2A (gemv.cu's XQ) needs whole 32-value x blocks and room for the block
 /// scales and sums beside x; else bf16 x.
@@ -128,6 +125,20 @@ pub(super) fn x_staging(cols: usize) -> (bool, usize) {
     }
 }
 
+/// gemv.cu's defines for a weight format's (bits, group, scale) `defines`: the x staging
+/// (XQ) and the warps per block where not the default.
+pub(super) fn gemv_defines(defines: &[String], xq: bool) -> Vec<String> {
+    let mut d = defines.to_vec();
+    d.push(format!("XQ={}", u8::from(xq)));
+    if gemv_warps() != 8 {
+        d.push(format!("NW={}", gemv_warps()));
+    }
+    d
+}
+
+/// Whether the decode GEMV stages x as int16 blocks and uses DP2A (gemv.cu's XQ; the
+/// default) or multiplies bf16 x in f32; `FERROLM_GEMV_XQ=0` picks the latter (for
+/// comparisons; both stay tested).
 fn gemv_int16_x() -> bool {
     static XQ: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *XQ.get_or_init(|| std::env::var("FERROLM_GEMV_XQ").map_or(true, |v| v != "0"))
@@ -189,12 +200,7 @@ impl Cuda {
         let name = format!("gemv_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
         let (xq, smem) = x_staging(x.cols);
         let nw = gemv_warps();
-        let mut defines = defines.clone();
-        defines.push(format!("XQ={}", u8::from(xq)));
-        if nw != 8 {
-            defines.push(format!("NW={nw}"));
-        }
-        let f = self.function(kernels::file("gemv.cu"), &defines, &name)?;
+        let f = self.function(kernels::file("gemv.cu"), &gemv_defines(defines, xq), &name)?;
         // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
         // Unused matrix slots repeat the first with 0 rows.
         let mut args: Vec<KArg> = Vec::with_capacity(19);
@@ -418,9 +424,7 @@ impl Cuda {
         // Matches sample.cu's argmax.
         self.launch(&f, c, &args, "argmax launch")
     }
-}
 
-impl Cuda {
     /// The k best of row 0 of f32 `x` × inv_t as (index, value) pairs into out (sample.cu's
     /// top_k; arguments checked by the caller).
     pub(crate) fn top_k_f32(&self, x: &CudaAct, k: usize, inv_t: f32, out: &mut CudaAct) -> Result<()> {
@@ -428,7 +432,7 @@ impl Cuda {
             return Err(Error::Invalid("CUDA top-k reads f32 logits into an f32 output".into()));
         };
         let f = self.function(kernels::file("sample.cu"), &[], "top_k")?;
-        let (n, k) = (x.cols, k.min(x.cols));
+        let n = x.cols;
         let (blocks, per) = top_k_split(n, k);
         let mut scratch = self.top_k_scratch.lock().unwrap_or_else(|e| e.into_inner());
         if scratch.is_none() {
