@@ -33,37 +33,53 @@
 #define QB_MAX 4        // query heads per block
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 #define UNR 4           // positions per lane group whose loads are in flight together
+#define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX)
 
-// RoPE at position pos of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl
-// (G lanes per head): pairs (2j, 2j+1) when interleaved, else (j, j + hd/2), whose partner
-// dim is in lane gl ^ G/2 (a shuffle: every lane of the warp must call this).
-__device__ __forceinline__ void rope8(float (&x)[8], int gl, int G, int hd, int pos, float linear,
-                                      const float* __restrict__ inv_freq, int interleaved) {
-    int half = hd / 2;
-    float other[8];
-#pragma unroll
-    for (int i = 0; i < 8; i++) other[i] = __shfl_xor_sync(0xffffffffu, x[i], G / 2);
-    if (interleaved) {
-#pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-            bf16_t y0, y1;
-            rope_rotate(x[i], x[i + 1], pos, linear, inv_freq[(gl * 8 + i) / 2], y0, y1);
-            x[i] = bf2f(y0);
-            x[i + 1] = bf2f(y1);
-        }
-    } else {
-        bool first = gl * 8 < half;
+// RoPE of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl (G lanes per
+// head): pairs (2j, 2j+1) when interleaved, else (j, j + hd/2), whose partner dim is in
+// lane gl ^ G/2. The angles depend only on the position, so they are computed once per
+// lane (before the kernel waits for q/k) and turn every head the lane holds.
+struct Rope8 {
+    float s[8], c[8];  // interleaved: pair i/2's at even i; else dim i's pair's
+    bool first;        // not interleaved: this lane's dims are the pairs' first halves
+
+    __device__ __forceinline__ void init(int gl, int hd, int pos, float linear, const float* __restrict__ inv_freq,
+                                         int interleaved) {
+        int half = hd / 2;
+        first = gl * 8 < half;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            int d = gl * 8 + i, j = first ? d : d - half;
-            bf16_t y0, y1;
-            rope_rotate(first ? x[i] : other[i], first ? other[i] : x[i], pos, linear, inv_freq[j], y0, y1);
-            x[i] = bf2f(first ? y0 : y1);
+            int d = gl * 8 + i;
+            if (interleaved && i % 2 == 0) rope_angle(pos, linear, inv_freq[d / 2], s[i], c[i]);
+            else if (!interleaved) rope_angle(pos, linear, inv_freq[first ? d : d - half], s[i], c[i]);
         }
     }
-}
 
-extern "C" __global__ void __launch_bounds__(128)
+    // Every lane of the warp must call this (a shuffle).
+    __device__ __forceinline__ void apply(float (&x)[8], int G, int interleaved) const {
+        float other[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) other[i] = __shfl_xor_sync(0xffffffffu, x[i], G / 2);
+        if (interleaved) {
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                bf16_t y0, y1;
+                rope_turn(x[i], x[i + 1], s[i], c[i], y0, y1);
+                x[i] = bf2f(y0);
+                x[i + 1] = bf2f(y1);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                bf16_t y0, y1;
+                rope_turn(first ? x[i] : other[i], first ? other[i] : x[i], s[i], c[i], y0, y1);
+                x[i] = bf2f(first ? y0 : y1);
+            }
+        }
+    }
+};
+
+extern "C" __global__ void __launch_bounds__(128, 3)
     attention_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_new, const bf16_t* __restrict__ v_new,
                      bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const float* __restrict__ inv_freq,
                      float linear, int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
@@ -95,6 +111,8 @@ extern "C" __global__ void __launch_bounds__(128)
     int first = p0 + warp * PW;
     uint4 kr[UNR], vr[UNR];
     if (first < pc) load_kv(first, kr, vr);
+    Rope8 rope;
+    rope.init(gl, hd, pos0, linear, inv_freq, interleaved);
     pdl_wait();
     // The new position's k (rotated below) and v, if it is in this split: loaded with q.
     bool has_new = pos0 >= p0 && pos0 < p1 && warp == 0;
@@ -111,7 +129,7 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int j = 0; j < QB_MAX; j++) {
         if (j < qb) {
             load_bf16x8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
-            rope8(qv[j], gl, G, hd, pos0, linear, inv_freq, interleaved);
+            rope.apply(qv[j], G, interleaved);
         }
 #pragma unroll
         for (int i = 0; i < 8; i++) {
@@ -121,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(128)
         m[j] = -INFINITY;
         l[j] = 0.f;
     }
-    if (has_new) rope8(kn, gl, G, hd, pos0, linear, inv_freq, interleaved);
+    if (has_new) rope.apply(kn, G, interleaved);
     // Score positions p (valid: this lane group's position is real) into the online softmax.
     auto score = [&](const float (&kf)[8], const float (&vf)[8], bool valid) {
 #pragma unroll
@@ -140,15 +158,20 @@ extern "C" __global__ void __launch_bounds__(128)
             }
         }
     };
+    // Each round's K/V loads go out before the previous round is scored (two rounds in
+    // registers), so a split longer than one round pays one DRAM latency, not one per round.
     for (int base0 = first; base0 < pc; base0 += AW * PW * UNR) {  // uniform per warp: shuffles
-        if (base0 != first) load_kv(base0, kr, vr);
+        uint4 kn_r[UNR], vn_r[UNR];
+#pragma unroll
+        for (int u = 0; u < UNR; u++) kn_r[u] = kr[u], vn_r[u] = vr[u];
+        if (base0 + AW * PW * UNR < pc) load_kv(base0 + AW * PW * UNR, kr, vr);
 #pragma unroll
         for (int u = 0; u < UNR; u++) {
             int base = base0 + u * AW * PW;
             if (base >= pc) break;
             float kf[8], vf[8];
-            unpack_bf16x8(kr[u], kf);
-            unpack_bf16x8(vr[u], vf);
+            unpack_bf16x8(kn_r[u], kf);
+            unpack_bf16x8(vn_r[u], vf);
             score(kf, vf, base + grp < pc);
         }
     }
@@ -180,15 +203,17 @@ extern "C" __global__ void __launch_bounds__(128)
     __syncthreads();
     // This split's partial per query head: the lane groups merged in group order, into
     // s_pm/s_pl (max, sum) and s_po (unnormalized output).
+    // (Unrolled: the shared-memory reads of several groups are in flight together.)
     for (int t = threadIdx.x; t < qb * hd; t += blockDim.x) {
         int j = t / hd, d = t % hd;
         float M = -INFINITY;
+#pragma unroll 8
         for (int g = 0; g < groups; g++) M = fmaxf(M, s_m[j * 32 + g]);
         float L = 0.f, o = 0.f;
+#pragma unroll 8
         for (int g = 0; g < groups; g++) {
             float mg = s_m[j * 32 + g];
-            if (mg == -INFINITY) continue;
-            float w = __expf(mg - M);
+            float w = mg == -INFINITY ? 0.f : __expf(mg - M);
             L += s_l[j * 32 + g] * w;
             o += s_acc[j * 1024 + g * hd + d] * w;
         }
@@ -210,15 +235,25 @@ extern "C" __global__ void __launch_bounds__(128)
         if (lead) {
             for (int t = threadIdx.x; t < qb * hd; t += blockDim.x) {
                 int j = t / hd;
+                // Every rank's three values requested at once: one round trip to the other
+                // blocks' shared memory instead of one per read.
+                float mr[CS_MAX], lr[CS_MAX], orr[CS_MAX];
+#pragma unroll
+                for (int r = 0; r < CS_MAX; r++) {
+                    bool on = r < cs;
+                    mr[r] = on ? ld_cluster(s_pm + j, r) : -INFINITY;
+                    lr[r] = on ? ld_cluster(s_pl + j, r) : 0.f;
+                    orr[r] = on ? ld_cluster(s_po + t, r) : 0.f;
+                }
                 float M = -INFINITY;
-                for (int r = 0; r < cs; r++) M = fmaxf(M, ld_cluster(s_pm + j, r));
+#pragma unroll
+                for (int r = 0; r < CS_MAX; r++) M = fmaxf(M, mr[r]);
                 float L = 0.f, o = 0.f;
-                for (int r = 0; r < cs; r++) {
-                    float mr = ld_cluster(s_pm + j, r);
-                    if (mr == -INFINITY) continue;
-                    float w = __expf(mr - M);
-                    L += ld_cluster(s_pl + j, r) * w;
-                    o += ld_cluster(s_po + t, r) * w;
+#pragma unroll
+                for (int r = 0; r < CS_MAX; r++) {
+                    float w = mr[r] == -INFINITY ? 0.f : __expf(mr[r] - M);
+                    L += lr[r] * w;
+                    o += orr[r] * w;
                 }
                 s_acc[t] = o;
                 if (t % hd == 0) {

@@ -62,13 +62,18 @@ __device__ __forceinline__ void rope_pair_index(int j, int half, int interleaved
     i0 = interleaved ? 2 * j : j;
     i1 = interleaved ? 2 * j + 1 : j + half;
 }
-__device__ __forceinline__ void rope_rotate(float x0, float x1, int pos, float linear, float inv_freq, bf16_t& y0,
-                                            bf16_t& y1) {
-    float a = ((float)pos / linear) * inv_freq;
-    float s, c;
-    sincosf(a, &s, &c);
+__device__ __forceinline__ void rope_angle(int pos, float linear, float inv_freq, float& s, float& c) {
+    sincosf(((float)pos / linear) * inv_freq, &s, &c);
+}
+__device__ __forceinline__ void rope_turn(float x0, float x1, float s, float c, bf16_t& y0, bf16_t& y1) {
     y0 = f2bf(x0 * c - x1 * s);
     y1 = f2bf(x0 * s + x1 * c);
+}
+__device__ __forceinline__ void rope_rotate(float x0, float x1, int pos, float linear, float inv_freq, bf16_t& y0,
+                                            bf16_t& y1) {
+    float s, c;
+    rope_angle(pos, linear, inv_freq, s, c);
+    rope_turn(x0, x1, s, c, y0, y1);
 }
 
 // Programmatic dependent launch (Cuda::launch with the PDL attribute, sm_90+): the next

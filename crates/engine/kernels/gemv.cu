@@ -233,27 +233,58 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
     if (NORM) {
         __shared__ float red[32];
         float ss = 0.f;
-        for (int i = threadIdx.x; i < cols / 4; i += blockDim.x) {
-            float4 v = xf[i];
-            ss += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        for (int i0 = threadIdx.x; i0 < cols / 4; i0 += 4 * blockDim.x) {  // 4 loads in flight
+            float4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                int i = i0 + u * blockDim.x;
+                v[u] = i < cols / 4 ? xf[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
         }
         r = rsqrtf(block_sum(ss, red) / cols + eps);
     }
     const float4* wf = reinterpret_cast<const float4*>(nw);
-    for (int i0 = 0; i0 < nparts; i0 += blockDim.x) {  // uniform trip count: put_x shuffles
-        int i = i0 + threadIdx.x;
-        bool on = i < nparts;
-        float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        if (on && NORM) {
-            float4 a = xf[2 * i], b = xf[2 * i + 1], ga = wf[2 * i], gb = wf[2 * i + 1];
-            float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
-                          gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
+    // SB parts per thread are loaded before any is converted: x comes from L2 (the previous
+    // kernel wrote it), and a loop that loaded one part per trip paid one L2 round trip per
+    // part (4 for the 8192-wide input of a 1B model's down projection).
+    constexpr int SB = 4;
+    for (int i0 = 0; i0 < nparts; i0 += SB * blockDim.x) {  // uniform trip count: put_x shuffles
+        float4 raw[SB][2];
 #pragma unroll
-            for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
-        } else if (on) {
-            unpack_bf16x8(reinterpret_cast<const uint4*>(x)[i], v);
+        for (int u = 0; u < SB; u++) {
+            int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i >= nparts) break;
+            if (NORM) {
+                raw[u][0] = xf[2 * i];
+                raw[u][1] = xf[2 * i + 1];
+            } else {
+                uint4 b = reinterpret_cast<const uint4*>(x)[i];
+                raw[u][0] = make_float4(__uint_as_float(b.x), __uint_as_float(b.y), __uint_as_float(b.z),
+                                        __uint_as_float(b.w));
+            }
         }
-        put_x(xs, i, v, on, cols);
+#pragma unroll
+        for (int u = 0; u < SB; u++) {
+            if (i0 + u * blockDim.x >= nparts) break;  // uniform: put_x shuffles
+            int i = i0 + u * blockDim.x + threadIdx.x;
+            bool on = i < nparts;
+            float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (on && NORM) {
+                float4 a = raw[u][0], b = raw[u][1], ga = wf[2 * i], gb = wf[2 * i + 1];
+                float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
+                              gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
+#pragma unroll
+                for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
+            } else if (on) {
+                float4 a = raw[u][0];
+                unpack_bf16x8(make_uint4(__float_as_uint(a.x), __float_as_uint(a.y), __float_as_uint(a.z),
+                                         __float_as_uint(a.w)),
+                              v);
+            }
+            put_x(xs, i, v, on, cols);
+        }
     }
     __syncthreads();
 }
