@@ -33,6 +33,9 @@
 #define QB_MAX 4        // query heads per block
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 #define UNR 4           // positions per lane group whose loads are in flight together
+#ifndef SCORE_BATCH     // score a round's UNR positions together (deep caches; see fused.rs)
+#define SCORE_BATCH 0
+#endif
 #define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX)
 
 // RoPE of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl (G lanes per
@@ -165,6 +168,53 @@ extern "C" __global__ void __launch_bounds__(128, 3)
 #pragma unroll
         for (int u = 0; u < UNR; u++) kn_r[u] = kr[u], vn_r[u] = vr[u];
         if (base0 + AW * PW * UNR < pc) load_kv(base0 + AW * PW * UNR, kr, vr);
+#if SCORE_BATCH
+        // The round's UNR positions scored together (independent dot products and
+        // shuffles), then folded into the online softmax with one rescale.
+        float sc[UNR][QB_MAX];
+        bool ok[UNR];
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            ok[u] = base0 + u * AW * PW + grp < pc;
+            float kf[8];
+            unpack_bf16x8(kn_r[u], kf);
+#pragma unroll
+            for (int j = 0; j < QB_MAX; j++) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) d = fmaf(qv[j][i], kf[i], d);  // qv is 0 for j ≥ qb
+                sc[u][j] = d;
+            }
+        }
+        for (int o = G / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int u = 0; u < UNR; u++)
+#pragma unroll
+                for (int j = 0; j < QB_MAX; j++)
+                    if (j < qb) sc[u][j] += __shfl_xor_sync(0xffffffffu, sc[u][j], o);
+#pragma unroll
+        for (int j = 0; j < QB_MAX; j++) {
+            if (j >= qb) break;
+            float mn = m[j];
+#pragma unroll
+            for (int u = 0; u < UNR; u++) mn = ok[u] ? fmaxf(mn, sc[u][j]) : mn;
+            if (mn == -INFINITY) continue;  // none of the round's positions is this group's
+            float corr = __expf(m[j] - mn);
+            l[j] *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[j][i] *= corr;
+#pragma unroll
+            for (int u = 0; u < UNR; u++) {
+                if (!ok[u]) continue;
+                float e = __expf(sc[u][j] - mn), vf[8];
+                unpack_bf16x8(vn_r[u], vf);
+                l[j] += e;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[j][i] = fmaf(e, vf[i], acc[j][i]);
+            }
+            m[j] = mn;
+        }
+#else
 #pragma unroll
         for (int u = 0; u < UNR; u++) {
             int base = base0 + u * AW * PW;
@@ -174,6 +224,7 @@ extern "C" __global__ void __launch_bounds__(128, 3)
             unpack_bf16x8(vn_r[u], vf);
             score(kf, vf, base + grp < pc);
         }
+#endif
     }
     // The new position, if it is in this split: scored last by warp 0's lane group 0 (its
     // k/v were loaded with q), written to the cache by the kv group's first block.

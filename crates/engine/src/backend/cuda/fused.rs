@@ -318,7 +318,12 @@ impl Cuda {
             true => 1,
             false => (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1),
         };
-        let f = self.function(kernels::file("attention_decode.cu"), &[], "attention_decode")?;
+        // Caches deeper than one cluster covers take several rounds of positions per split:
+        // there, scoring a round's positions together (SCORE_BATCH) measured faster (1B at
+        // 8191 cached 23.6 → 22.2 µs), and slower at 512 cached (6.4 → 7.0 µs; H200, perf.md).
+        let deep = kv.max_seq > ATTN_CLUSTER_MAX * 128;
+        let defines = if deep { vec!["SCORE_BATCH=1".to_string()] } else { vec![] };
+        let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode")?;
         // Positions per split: 64, or more where the blocks would not all be resident at
         // once (a second wave would start only as the first ends; longer splits keep more
         // loads in flight instead) or the merge's shared memory would overflow.
@@ -332,7 +337,7 @@ impl Cuda {
         // Deeper caches keep one wave of single blocks merging through global memory:
         // clusters there (7 of 7 splits per head at 8K) did not all fit one wave and the
         // 1B attention at 8191 cached went 28 → 54 µs (H200, docs/perf.md).
-        let one_cluster = kv.max_seq <= ATTN_CLUSTER_MAX * 128 && splits > 1;
+        let one_cluster = !deep && splits > 1;
         let (cs, splits, chunk) = match self.clusters && attention_clusters() && one_cluster {
             true => {
                 let cs = ATTN_CLUSTER_MAX.min(splits);

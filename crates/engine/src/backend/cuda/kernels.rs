@@ -82,6 +82,8 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
         d.extend(["XQ=1".into(), nw.into()]);
         v.push((file("gemv.cu"), d));
     }
+    // Decode attention's deep-cache form (fused.rs).
+    v.push((file("attention_decode.cu"), vec!["SCORE_BATCH=1".into()]));
     for hd in FLASH_HEAD_DIMS {
         v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }
