@@ -69,6 +69,10 @@ if [[ -f $gguf1b ]]; then
   results+=("ferrolm, 1B shape Q4_0 GGUF (synthetic)|$(bench --model "$gguf1b")")
   results+=("ferrolm, 1B shape Q4_0 GGUF (synthetic), depth 8192|$(bench --model "$gguf1b" --depth 8192)")
 fi
+# Where a 1B decode step's time goes, launch by launch (a traced run: kernels record their
+# start, pdl_wait release and end; tools/profile/trace_table.py folds the layers).
+FERROLM_TRACE=/tmp/ferrolm-trace-1b.bin "$bin/ferrolm" bench --device cuda --model "$m1b" --repeats 1 >>"$log" 2>&1 || status=1
+python3 "$here/tools/profile/trace_table.py" /tmp/ferrolm-trace-1b.bin 2>&1 | tee -a "$log" || status=1
 python3 - "${results[@]}" <<'PY'
 import json, sys
 print("| run | prefill tok/s | decode tok/s | decode weight bandwidth | of copy bandwidth | load / first token |")

@@ -242,7 +242,7 @@ pub fn kernels(a: KernelsArgs) -> Result<()> {
     let arch = match a.arch {
         Some(arch) if arch.starts_with("sm_") && arch[3..].parse::<u32>().is_ok() => arch,
         Some(arch) => bail!("--arch {arch}: expected sm_<major><minor>, e.g. sm_90"),
-        None => Cuda::new(0).context("no --arch given and no usable CUDA device")?.arch,
+        None => Cuda::new(0).context("no --arch given and no usable CUDA device")?.arch.clone(),
     };
     let t = std::time::Instant::now();
     let (compiled, cached) = nvrtc::warm_cache(&arch)?;

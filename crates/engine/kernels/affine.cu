@@ -6,6 +6,7 @@
 // streams 16-byte weight chunks (32 values at 4 bits), converts x 8 values per 16-byte
 // load, and folds the affine form once per group: scale·Σq·x + bias·Σx. f32 accumulation.
 // CPU reference: backend/cpu/matmul.rs.
+#define TRACE_FILE 4
 #include "common.cuh"
 #include "affine.cuh"
 
@@ -96,6 +97,7 @@ extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_
 extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __restrict__ scales,
                                  const scale_t* __restrict__ biases, const int* __restrict__ tokens,
                                  float* __restrict__ out, int cols) {
+    TRACE_KERNEL();
     int r = tokens[blockIdx.x];
     const u32* wr = w + (size_t)r * (cols / (32 / BITS));
     int groups = cols / GROUP;

@@ -27,6 +27,7 @@
 // positions (< pos0) were written by earlier steps, which have finished (every step starts
 // with a non-PDL launch), so the first UNR positions' K/V loads go out before pdl_wait,
 // overlapping the q/k/v GEMV; each lane group keeps UNR positions' loads in flight.
+#define TRACE_FILE 2
 #include "common.cuh"
 
 #define AW 4            // warps per block
@@ -88,6 +89,7 @@ extern "C" __global__ void __launch_bounds__(128, 3)
                      float linear, int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
                      bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd, int qb,
                      const int* __restrict__ pos0p, int chunk, int cs) {
+    TRACE_KERNEL();
     __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
     __shared__ float s_pm[QB_MAX], s_pl[QB_MAX], s_po[QB_MAX * 256];             // qb · hd ≤ 1024
     __shared__ int last;

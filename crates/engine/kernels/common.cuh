@@ -2,6 +2,8 @@
 // (bf16 is carried as its 16 bits; f16 converts through one PTX instruction).
 #pragma once
 
+#include "trace.cuh"
+
 typedef unsigned short bf16_t;
 typedef unsigned short f16_t;
 typedef unsigned int u32;
@@ -90,6 +92,7 @@ __device__ __forceinline__ void pdl_wait() {
 #if __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    TRACE_WAITED();
 }
 
 // Thread-block clusters (Cuda::launch_clustered, sm_90+): the blocks of a cluster run at

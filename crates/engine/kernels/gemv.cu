@@ -35,6 +35,7 @@
 //        y += scale·Σ_blocks xd·Σq·xq + bias·Σx,
 //    with Σx the exact f32 sum of the bf16 x (staged per 16 values). The int16 x is packed
 //    in pairs in the order the masks take weight bytes out of a word.
+#define TRACE_FILE 1
 #include "common.cuh"
 #include "affine.cuh"
 
@@ -527,6 +528,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         const scale_t *b1, void *o1, int n1, const u32 *w2, const scale_t *s2, const scale_t *b2, void *o2,  \
         int n2, const void *x, const float *nw, float eps, int cols
 #define GEMV_CALL(R, NORM, OUT) \
+    TRACE_KERNEL();             \
     gemv<R, NORM, OUT>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1}, Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols)
 #define GEMV_KERNELS(R)                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_bb_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 0); } \
@@ -615,6 +617,7 @@ extern "C" __global__ void __launch_bounds__(32 * NW, 2)
         const scale_t* sg, const scale_t* bg, const u32* wu, const scale_t* su, const scale_t* bu, const u32* wd,
         const scale_t* sd, const scale_t* bd, float* x, const float* nw, float eps, int hidden, bf16_t* act,
         int ffn_cols, int* sync) {
+    TRACE_KERNEL();
     layer_end<FFN_RO, FFN_RU, FFN_RD>(Mat{wo, so, bo, x, hidden}, att, o_cols, Mat{wg, sg, bg, act, ffn_cols},
                                       Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden}, x, nw, eps, hidden,
                                       act, ffn_cols, sync);

@@ -1,5 +1,6 @@
 // Greedy sampling on the device: the index of the largest f32 logit (ties → lowest index,
 // as the CPU sampler), so a decode step copies back one token id, not the vocabulary.
+#define TRACE_FILE 3
 #include "common.cuh"
 
 __device__ __forceinline__ void best_of(float& best, int& bi, float ov, int oi) {
@@ -40,6 +41,7 @@ __device__ __forceinline__ void block_best(float& best, int& bi) {
 extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float* __restrict__ out,
                                   float* __restrict__ part_v, int* __restrict__ part_i, int* __restrict__ done,
                                   int* __restrict__ feed_tok, int* __restrict__ feed_pos) {
+    TRACE_KERNEL();
     __shared__ int last;
     pdl_trigger();
     pdl_wait();
@@ -226,6 +228,7 @@ __device__ void compact(const TkKeys& keys, int n, u32 k, u32 T, u32 left, Emit 
 extern "C" __global__ void __launch_bounds__(TK_THREADS)
     top_k(const float* __restrict__ x, int n, float inv_t, int k, int per, int cap, u32* __restrict__ cand_key,
           int* __restrict__ cand_idx, int* __restrict__ done, float* __restrict__ out) {
+    TRACE_KERNEL();
     extern __shared__ u32 s_keys[];
     __shared__ unsigned hist[256];
     __shared__ int last;

@@ -647,3 +647,70 @@ fn top_k_matches_cpu() {
         t = want;
     }
 }
+
+/// The kernel timeline (FERROLM_TRACE, trace.rs): a traced device records, for a prompt and
+/// greedy decode steps, launches that each start before they end, an embedding per step
+/// and the GEMVs' pdl_wait releases, and writes them when dropped. The greedy tokens are
+/// the untraced device's (tracing changes no result).
+#[test]
+fn kernel_trace_records_decode_steps() {
+    use ferrolm::generate::Session;
+    use std::collections::HashMap;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("trace.bin");
+    let path_mb = ferrolm::hub::default_model().expect("SmolLM2 in the model cache");
+    let ids: Vec<u32>;
+    let mut tokens = Vec::new();
+    {
+        // Read by Cuda::new only; unset again before any other device is made.
+        std::env::set_var("FERROLM_TRACE", &path);
+        let cuda = Cuda::new(0);
+        std::env::remove_var("FERROLM_TRACE");
+        let (mut w, tok) = ferrolm::formats::load_with_tokenizer(&path_mb, false).unwrap();
+        let mg = Llama::load(cuda.unwrap(), &mut w).unwrap();
+        ids = tok.encode("The capital of France is", true).unwrap();
+        let mut s = Session::new(&mg, 128).unwrap();
+        let (l, _) = s.feed(&ids).unwrap();
+        let mut t = ferrolm::sample::argmax(&l);
+        for _ in 0..8 {
+            tokens.push(t);
+            t = s.step_greedy(t).unwrap();
+        }
+    } // the traced device is dropped here and writes the file
+    let (_, mg, _) = smollm2();
+    let mut s = Session::new(&mg, 128).unwrap();
+    let (l, _) = s.feed(&ids).unwrap();
+    let mut want = vec![ferrolm::sample::argmax(&l)];
+    while want.len() < tokens.len() {
+        let t = *want.last().unwrap();
+        want.push(s.step_greedy(t).unwrap());
+    }
+    assert_eq!(tokens, want, "greedy tokens with the trace on differ from those without");
+
+    let data = std::fs::read(&path).expect("the traced device wrote its trace file");
+    let word = |i: usize| u64::from_le_bytes(data[8 * i..8 * i + 8].try_into().unwrap());
+    let n = word(0) as usize;
+    assert_eq!(data.len(), 8 * (1 + 2 * n), "trace file size");
+    // launch (gridid) -> (file, first start, last end, waits)
+    let mut launches: HashMap<u64, (u64, u64, u64, usize)> = HashMap::new();
+    for i in 0..n {
+        let (t, meta) = (word(1 + 2 * i), word(2 + 2 * i));
+        let (grid, file, ev) = (meta >> 36, (meta >> 32) & 0xf, (meta >> 20) & 3);
+        let e = launches.entry(grid).or_insert((0, u64::MAX, 0, 0));
+        match ev {
+            0 => (e.0, e.1) = (file, e.1.min(t)),
+            1 => e.3 += 1,
+            2 => e.2 = e.2.max(t),
+            _ => panic!("record {i}: event {ev}"),
+        }
+    }
+    let embeds = launches.values().filter(|l| l.0 == 4).count();
+    assert!(embeds >= 8, "{embeds} embedding launches for a prompt and 8 decode steps");
+    for (g, (file, start, end, _)) in &launches {
+        assert!(*file >= 1 && *file <= 4, "launch {g}: file id {file}");
+        assert!(start <= end && *end > 0, "launch {g} ends ({end}) before it starts ({start})");
+    }
+    let waited = launches.values().filter(|l| l.0 == 1 && l.3 > 0).count();
+    assert!(waited > 0, "no GEMV launch recorded a pdl_wait release");
+    eprintln!("trace: {n} records, {} launches, {embeds} embeddings", launches.len());
+}

@@ -71,6 +71,8 @@ pub struct Cuda {
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
     /// records.
     pub(crate) reads: Mutex<Vec<(PinnedHostSlice<f32>, cudarc::driver::CudaEvent)>>,
+    /// The kernel timeline asked for by `FERROLM_TRACE` (trace.rs).
+    pub(crate) trace: Option<super::trace::Trace>,
 }
 
 /// A kernel argument for `Cuda::launch`: a device address, or a scalar.
@@ -191,6 +193,7 @@ impl Cuda {
         unsafe { ctx.disable_event_tracking() };
         // A created stream, not the legacy default one: only these can be captured into graphs.
         let stream = ctx.new_stream().map_err(drv("creating a stream"))?;
+        let trace = super::trace::Trace::from_env(&stream)?;
         Ok(Cuda {
             ctx,
             stream,
@@ -218,11 +221,20 @@ impl Cuda {
             }),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
+            trace,
         })
     }
 
     /// Load `func` from `file` compiled with `defines` (NVRTC disk cache, then memory cache).
     pub fn function(&self, file: &KernelFile, defines: &[String], func: &str) -> Result<CudaFunction> {
+        let traced;
+        let defines = match self.trace {
+            Some(_) => {
+                traced = [defines, &[super::trace::Trace::DEFINE.to_string()]].concat();
+                &traced[..]
+            }
+            None => defines,
+        };
         let module_key = format!("{}|{}", file.name, defines.join(","));
         let fn_key = format!("{module_key}|{func}");
         if let Some(f) = self.functions.lock().unwrap_or_else(|e| e.into_inner()).get(&fn_key) {
@@ -238,6 +250,9 @@ impl Cuda {
                     *self.compiled.lock().unwrap_or_else(|e| e.into_inner()) += 1;
                 }
                 let m = self.ctx.load_module(Ptx::from_binary(bin)).map_err(drv(&format!("loading {}", file.name)))?;
+                if let Some(t) = &self.trace {
+                    t.attach(&self.stream, &m, self.capturing.load(std::sync::atomic::Ordering::Relaxed))?;
+                }
                 mods.insert(module_key, m.clone());
                 m
             }
@@ -299,6 +314,9 @@ impl Cuda {
             .collect();
         let mut ptrs: Vec<*mut std::ffi::c_void> =
             slots.iter_mut().map(|s| s as *mut u64 as *mut std::ffi::c_void).collect();
+        if let (Some(t), false) = (&self.trace, self.capturing.load(std::sync::atomic::Ordering::Relaxed)) {
+            t.flush(&self.stream)?;
+        }
         let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
         if self.pdl {
             // SAFETY: plain-old-data union; only the PDL member is set.
@@ -514,5 +532,18 @@ impl Cuda {
             s.uploaded.record(&self.stream).map_err(drv("recording the upload"))?;
         }
         Ok(())
+    }
+}
+
+impl Drop for Cuda {
+    /// Write the kernel timeline, when one was recorded (FERROLM_TRACE).
+    fn drop(&mut self) {
+        if let Some(t) = &self.trace {
+            let r =
+                self.stream.synchronize().map_err(drv("finishing the traced work")).and_then(|()| t.dump(&self.stream));
+            if let Err(e) = r {
+                eprintln!("ferrolm: the kernel trace was not written: {e}");
+            }
+        }
     }
 }

@@ -82,6 +82,13 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
         d.extend(["XQ=1".into(), nw.into()]);
         v.push((file("gemv.cu"), d));
     }
+    // The traced builds of the decode kernels (FERROLM_TRACE, trace.rs): one each, so they
+    // compile.
+    let fmt = affine_defines(4, 64, ScaleDtype::BF16);
+    let gemv = [fmt.clone(), vec!["XQ=1".into()]].concat();
+    for (f, d) in [("gemv.cu", gemv), ("affine.cu", fmt), ("attention_decode.cu", vec![]), ("sample.cu", vec![])] {
+        v.push((file(f), [d, vec!["TRACE=1".into()]].concat()));
+    }
     // Decode attention's deep-cache form (fused.rs).
     v.push((file("attention_decode.cu"), vec!["SCORE_BATCH=1".into()]));
     for hd in FLASH_HEAD_DIMS {

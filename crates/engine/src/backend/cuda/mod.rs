@@ -15,6 +15,7 @@ mod gemm;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
+mod trace;
 
 pub use device::{Cuda, CudaAct, CudaKv, CudaMat};
 

@@ -14,6 +14,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("affine.cuh", include_str!("../../../kernels/affine.cuh")),
     ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
+    ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
 ];
 
 /// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel

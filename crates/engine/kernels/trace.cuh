@@ -1,0 +1,60 @@
+// Decode kernel timeline (FERROLM_TRACE, backend/cuda/trace.rs). With TRACE=1, thread 0
+// of sampled blocks (every 16th by linear block index, and the last) of each kernel that
+// opens with TRACE_KERNEL() records three events: start, pdl_wait returned, end (when
+// thread 0 leaves the kernel). A record is two u64: %globaltimer (ns), then
+//   bits 36..63  %gridid (the launch; low 28 bits)   bits 32..35  TRACE_FILE (the .cu)
+//   bits 22..31  source line of TRACE_KERNEL()      bits 20..21  event (0 start, 1 waited, 2 end)
+//   bits 12..19  %smid                              bits 0..11   linear block index (≤ 4095)
+// trace_buf is set per module by the host; [0] counts records, [1] is the capacity, records
+// follow from [2]. Without TRACE (the default) all of this compiles to nothing.
+#pragma once
+
+#ifndef TRACE
+#define TRACE 0
+#endif
+#ifndef TRACE_FILE
+#define TRACE_FILE 0
+#endif
+
+#if TRACE
+__device__ unsigned long long* trace_buf;
+
+__device__ __forceinline__ bool trace_sampled() {
+    unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+    return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && (blk % 16 == 0 || blk == blocks - 1);
+}
+
+__device__ __forceinline__ void trace_event(unsigned line, unsigned ev) {
+    unsigned long long* b = trace_buf;
+    if (b == nullptr || !trace_sampled()) return;
+    unsigned long long t, grid;
+    unsigned sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned long long i = atomicAdd(b, 1ull);
+    if (i >= b[1]) return;
+    b[2 + 2 * i] = t;
+    b[3 + 2 * i] = (grid & 0xfffffffull) << 36 | (unsigned long long)(TRACE_FILE & 0xf) << 32 |
+                   (unsigned long long)(line & 0x3ff) << 22 | (unsigned long long)(ev & 3) << 20 |
+                   (unsigned long long)(sm & 0xff) << 12 | (blk < 4095 ? blk : 4095);
+}
+
+// Start now, end when the kernel's thread 0 leaves (every return path).
+struct TraceKernel {
+    unsigned line;
+    __device__ explicit TraceKernel(unsigned l) : line(l) { trace_event(line, 0); }
+    __device__ ~TraceKernel() { trace_event(line, 2); }
+};
+#define TRACE_KERNEL() TraceKernel trace_kernel_scope(__LINE__)
+#define TRACE_WAITED() trace_event(0, 1)
+#else
+#define TRACE_KERNEL() \
+    do {               \
+    } while (0)
+#define TRACE_WAITED() \
+    do {               \
+    } while (0)
+#endif
