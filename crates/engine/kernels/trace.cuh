@@ -1,6 +1,6 @@
 // Decode kernel timeline (FERROLM_TRACE, backend/cuda/trace.rs). With TRACE=1, thread 0
 // of sampled blocks (every 16th by linear block index, and the last) of each kernel that
-// opens with TRACE_KERNEL() records three events: start, pdl_wait returned, end (when
+// opens with TRACE_KERNEL() (in a file that defines TRACE_FILE) records three events: start, pdl_wait returned, end (when
 // thread 0 leaves the kernel). A record is two u64: %globaltimer (ns), then
 //   bits 36..63  %gridid (the launch; low 28 bits)   bits 32..35  TRACE_FILE (the .cu)
 //   bits 22..31  source line of TRACE_KERNEL()      bits 20..21  event (0 start, 1 waited, 2 end)
@@ -27,7 +27,8 @@ __device__ __forceinline__ bool trace_sampled() {
 
 __device__ __forceinline__ void trace_event(unsigned line, unsigned ev) {
     unsigned long long* b = trace_buf;
-    if (b == nullptr || !trace_sampled()) return;
+    // Files without TRACE_FILE have no TRACE_KERNEL: their pdl_wait records nothing.
+    if (TRACE_FILE == 0 || b == nullptr || !trace_sampled()) return;
     unsigned long long t, grid;
     unsigned sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
