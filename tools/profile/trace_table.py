@@ -49,20 +49,34 @@ def kernel_name(file_id, line, cache={}):
     return cache[(file_id, line)]
 
 
-def read(path):
+def read(path, gap_ns):
     data = open(path, "rb").read()
     (n,) = struct.unpack_from("<Q", data, 0)
-    launches = defaultdict(lambda: {"start": [], "wait": [], "end": [], "line": None, "file": None, "blocks": set()})
+    by_grid = defaultdict(list)
     for i in range(n):
         t, meta = struct.unpack_from("<QQ", data, 8 + 16 * i)
-        grid, file_id = meta >> 36, (meta >> 32) & 0xF
-        line, ev, blk = (meta >> 22) & 0x3FF, (meta >> 20) & 3, meta & 0xFFF
-        L = launches[grid]
-        L[("start", "wait", "end")[ev] if ev < 3 else "end"].append(t)
-        L["blocks"].add(blk)
-        if ev != 1:
-            L["line"], L["file"] = line, file_id
-    out = [L for L in launches.values() if L["start"] and L["end"]]
+        by_grid[meta >> 36].append((t, meta))
+    # A grid id names one launch; should replays of a graph reuse ids, a pause of gap_ns
+    # between one grid id's events starts another launch (--gap-us: longer than any decode
+    # kernel, shorter than a step).
+    new = lambda: {"start": [], "wait": [], "end": [], "line": None, "file": None, "blocks": set()}
+    out = []
+    for events in by_grid.values():
+        events.sort()
+        L, last = new(), None
+        for t, meta in events:
+            if last is not None and t - last > gap_ns:
+                out.append(L)
+                L = new()
+            last = t
+            file_id, line = (meta >> 32) & 0xF, (meta >> 22) & 0x3FF
+            ev, blk = (meta >> 20) & 3, meta & 0xFFF
+            L[("start", "wait", "end")[ev] if ev < 3 else "end"].append(t)
+            L["blocks"].add(blk)
+            if ev != 1:
+                L["line"], L["file"] = line, file_id
+        out.append(L)
+    out = [L for L in out if L["start"] and L["end"]]
     out.sort(key=lambda L: min(L["start"]))
     return n, out
 
@@ -84,8 +98,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--steps", type=int, default=32, help="last decode steps to average")
+    ap.add_argument("--gap-us", type=float, default=150.0, help="a pause that separates two launches of one grid id")
     a = ap.parse_args()
-    n, launches = read(a.trace)
+    n, launches = read(a.trace, int(a.gap_us * 1000))
     print(f"{n} records, {len(launches)} launches")
     # A decode step opens with the embedding of one token: one block.
     starts = [i for i, L in enumerate(launches) if L["file"] == 4 and L["blocks"] == {0}]
