@@ -252,18 +252,17 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
     // part (4 for the 8192-wide input of a 1B model's down projection).
     constexpr int SB = 4;
     for (int i0 = 0; i0 < nparts; i0 += SB * blockDim.x) {  // uniform trip count: put_x shuffles
-        float4 raw[SB][2];
+        float4 xn[SB][2];  // NORM: 8 f32 of the residual
+        uint4 xb[SB];      // else: 8 bf16
 #pragma unroll
         for (int u = 0; u < SB; u++) {
             int i = i0 + u * blockDim.x + threadIdx.x;
             if (i >= nparts) break;
             if (NORM) {
-                raw[u][0] = xf[2 * i];
-                raw[u][1] = xf[2 * i + 1];
+                xn[u][0] = xf[2 * i];
+                xn[u][1] = xf[2 * i + 1];
             } else {
-                uint4 b = reinterpret_cast<const uint4*>(x)[i];
-                raw[u][0] = make_float4(__uint_as_float(b.x), __uint_as_float(b.y), __uint_as_float(b.z),
-                                        __uint_as_float(b.w));
+                xb[u] = reinterpret_cast<const uint4*>(x)[i];
             }
         }
 #pragma unroll
@@ -273,16 +272,13 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
             bool on = i < nparts;
             float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (on && NORM) {
-                float4 a = raw[u][0], b = raw[u][1], ga = wf[2 * i], gb = wf[2 * i + 1];
+                float4 a = xn[u][0], b = xn[u][1], ga = wf[2 * i], gb = wf[2 * i + 1];
                 float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
                               gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
 #pragma unroll
                 for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
             } else if (on) {
-                float4 a = raw[u][0];
-                unpack_bf16x8(make_uint4(__float_as_uint(a.x), __float_as_uint(a.y), __float_as_uint(a.z),
-                                         __float_as_uint(a.w)),
-                              v);
+                unpack_bf16x8(xb[u], v);
             }
             put_x(xs, i, v, on, cols);
         }

@@ -19,9 +19,12 @@
 #if TRACE
 __device__ unsigned long long* trace_buf;
 
+__device__ __forceinline__ unsigned trace_block() {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+}
+
 __device__ __forceinline__ bool trace_sampled() {
-    unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
+    unsigned blk = trace_block(), blocks = gridDim.x * gridDim.y * gridDim.z;
     return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && (blk % 16 == 0 || blk == blocks - 1);
 }
 
@@ -34,7 +37,7 @@ __device__ __forceinline__ void trace_event(unsigned line, unsigned ev) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    unsigned blk = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    unsigned blk = trace_block();
     unsigned long long i = atomicAdd(b, 1ull);
     if (i >= b[1]) return;
     b[2 + 2 * i] = t;
