@@ -26,6 +26,12 @@ echo "== parity tests" | tee -a "$log"
 # The decode GEMV's other x path (bf16 x, f32 math) must stay correct too.
 FERROLM_GEMV_XQ=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode matmuls_and_embeddings \
   smollm2_cuda_agrees >>"$log" 2>&1 || status=1
+# And both decode GEMV weight feeds (ring-fed by bulk copies, register tiles), whichever
+# is the default.
+for ring in 0 1; do
+  FERROLM_GEMV_RING=$ring "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode smollm2_cuda_agrees \
+    >>"$log" 2>&1 || status=1
+done
 # So must decode attention's split merge through global memory only (no clusters).
 FERROLM_ATTN_CLUSTER=0 "$bin/cuda_parity" --test-threads=1 --nocapture rope_attention smollm2_cuda_agrees \
   >>"$log" 2>&1 || status=1
@@ -57,6 +63,8 @@ results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, host|$(FERROLM_CUDA_TOP
 results+=("ferrolm, SmolLM2-135M Q4_1, sampled top-k 40, device|$(bench --model "$model" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic)|$(bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "$m1b" --depth 8192)")
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_GEMV_RING=0|$(FERROLM_GEMV_RING=0 bench --model "$m1b")")
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_GEMV_RING=1|$(FERROLM_GEMV_RING=1 bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), steps not fed|$(FERROLM_CUDA_FEED=0 bench --model "$m1b")")
 # The fused layer end (not the default until measured): the MLP as one launch, then o + MLP.
 for fused in 1 2; do

@@ -537,6 +537,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
+#include "gemv_ring.cuh"
 #endif
 
 #ifdef FFN

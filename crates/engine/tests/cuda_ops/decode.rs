@@ -62,9 +62,23 @@ fn report(what: &str, us: f64, bytes: usize) {
     eprintln!("{what}: {us:.2} µs per launch, {:.0} GB/s of weights", bytes as f64 / us / 1e3);
 }
 
+/// Both GEMV feeds (register tiles, and the shared-memory ring fed by bulk copies) at the
+/// 1B shapes; the ring's lines say "[ring]".
 #[test]
 fn decode_gemvs_at_1b_shapes_match_cpu_and_time_them() {
+    let g = gpu();
+    let before = g.gemv_ring();
+    for ring in [false, true] {
+        g.set_gemv_ring(ring);
+        gemvs_at_1b_shapes(if ring { " [ring]" } else { "" });
+    }
+    g.set_gemv_ring(before);
+}
+
+fn gemvs_at_1b_shapes(feed: &str) {
     let (g, c, mut r) = (gpu(), Cpu, Rng::seeded());
+    let report = |what: &str, us: f64, bytes: usize| report(&format!("{what}{feed}"), us, bytes);
+    let check = |what: &str, got: &[f32], want: &[f32], tol: f64| check(&format!("{what}{feed}"), got, want, tol);
     let (d, kvd, f, vocab) = (2048, 512, 8192, 128256);
     let x = r.v(d, 20.0);
     let norm = r.v(d, 1.0);

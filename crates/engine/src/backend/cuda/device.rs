@@ -66,6 +66,9 @@ pub struct Cuda {
     /// What `Backend::o_proj_mlp` runs as one launch for a decode row (ffn.rs's
     /// LayerEndFusion; `FERROLM_FFN_FUSED=1|2`).
     pub(crate) ffn_fused: std::sync::atomic::AtomicU8,
+    /// Decode GEMVs fed through a shared-memory ring by bulk copies (gemv_ring.cuh) where
+    /// they fit (`FERROLM_GEMV_RING=0|1`; fused.rs's `gemv_ring_plan`).
+    pub(crate) gemv_ring: std::sync::atomic::AtomicBool,
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
@@ -219,6 +222,9 @@ impl Cuda {
                 Ok("2") => 2,
                 _ => 0,
             }),
+            gemv_ring: std::sync::atomic::AtomicBool::new(
+                std::env::var("FERROLM_GEMV_RING").map_or(super::fused::GEMV_RING_DEFAULT, |v| v != "0"),
+            ),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
             trace,

@@ -7,6 +7,8 @@
 //! through the unfused ops, which are the same math.
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales, KArg};
+pub(super) use super::gemv_ring::GEMV_RING_DEFAULT;
+use super::gemv_ring::{ring_aligned, ring_plan, RingShape};
 use super::kernels;
 use crate::backend::{Backend, Rope};
 use crate::config::RopeStyle;
@@ -197,9 +199,22 @@ impl Cuda {
             (GemvOut::Store, _, true) => "f",
             (GemvOut::Store, _, false) => "b",
         };
-        let name = format!("gemv_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
         let (xq, smem) = x_staging(x.cols);
         let nw = gemv_warps();
+        let ring = self.gemv_ring() && mats.iter().all(|m| ring_aligned(self, m));
+        let CudaMat::Affine { group, scales: scales0, .. } = mats[0] else { unreachable!("checked above") };
+        let shape = RingShape {
+            rows: &mats.iter().map(|m| m.rows()).collect::<Vec<_>>(),
+            cols: x.cols,
+            bits: *bits as usize,
+            group: *group,
+            scale_bytes: if matches!(scales0, DevScales::F32(_)) { 4 } else { 2 },
+            two: mode == GemvOut::Swiglu,
+        };
+        let plan = if ring { ring_plan(&shape, r, nw, xq, self.sms) } else { None };
+        let r = plan.map_or(r, |p| p.r);
+        let kind = if plan.is_some() { "gemvr" } else { "gemv" };
+        let name = format!("{kind}_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
         let f = self.function(kernels::file("gemv.cu"), &gemv_defines(defines, xq), &name)?;
         // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
         // Unused matrix slots repeat the first with 0 rows.
@@ -226,6 +241,10 @@ impl Cuda {
             GemvIn::Bf16(_) => (xp, 0.0f32),
         };
         args.extend([KArg::Ptr(xp), KArg::Ptr(gains), KArg::F32(eps), KArg::I32(x.cols as i32)]);
+        if let Some(plan) = plan {
+            self.launch_gemv_ring(&f, plan, &mut args, nw)?;
+            return Ok(true);
+        }
         let threads = 32 * nw as u32;
         let blocks = blocks.min(self.gemv_grid(&f, threads, smem));
         let c =

@@ -12,6 +12,7 @@ pub mod ffn;
 mod flash;
 mod fused;
 mod gemm;
+mod gemv_ring;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;

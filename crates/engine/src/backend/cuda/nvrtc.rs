@@ -15,6 +15,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("affine.cuh", include_str!("../../../kernels/affine.cuh")),
     ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
     ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
+    ("gemv_ring.cuh", include_str!("../../../kernels/gemv_ring.cuh")),
 ];
 
 /// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel
