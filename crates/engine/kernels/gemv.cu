@@ -222,17 +222,79 @@ __device__ __forceinline__ void put_x(uint4* xs, int i, const float (&v)[8], boo
 #endif
 }
 
+// The RMSNorm gains of the x parts a thread stages, when every thread stages at most GP
+// parts (hidden ≤ 8·GP·threads: 4096 at 256 threads): loaded before the kernel waits for
+// its input (nothing writes them), so staging a normalized x is one L2 round trip (x)
+// instead of two (x for the sum of squares, then the gains).
+#define GP 2
+struct NormGains {
+    float4 g[GP][2];
+    bool held;
+
+    __device__ __forceinline__ void load(const float* __restrict__ nw, int cols, bool norm) {
+        int nparts = cols / 8;
+        held = norm && nparts <= GP * (int)blockDim.x;
+        if (!held) return;
+        const float4* wf = reinterpret_cast<const float4*>(nw);
+#pragma unroll
+        for (int u = 0; u < GP; u++) {
+            int i = u * blockDim.x + threadIdx.x;
+            if (i < nparts) {
+                g[u][0] = wf[2 * i];
+                g[u][1] = wf[2 * i + 1];
+            }
+        }
+    }
+};
+
 // Stage x (cols values) into shared memory. NORM: x is the f32 residual, normalized by
 // rsqrt(mean(x²) + eps) and the gains nw (bf16-rounded, as the unfused rmsnorm kernel
-// writes it); else bf16.
+// writes it); else bf16. `pre`: the gains when loaded ahead (NormGains).
 template <bool NORM>
-__device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* __restrict__ nw, float eps,
-                                        int cols) {
+__device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* __restrict__ nw, float eps, int cols,
+                                        const NormGains& pre) {
     int nparts = cols / 8;
     float r = 1.f;
     const float4* xf = reinterpret_cast<const float4*>(x);
+    __shared__ float red[32];
+    if (NORM && pre.held) {  // each thread's parts of x in registers: one pass over x
+        float4 xv[GP][2];
+        float ss = 0.f;
+#pragma unroll
+        for (int u = 0; u < GP; u++) {
+            int i = u * blockDim.x + threadIdx.x;
+            if (i < nparts) {
+                xv[u][0] = xf[2 * i];
+                xv[u][1] = xf[2 * i + 1];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < GP; u++) {
+            int i = u * blockDim.x + threadIdx.x;
+            if (i >= nparts) break;
+            float4 a = xv[u][0], b = xv[u][1];
+            ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
+        }
+        r = rsqrtf(block_sum(ss, red) / cols + eps);
+#pragma unroll
+        for (int u = 0; u < GP; u++) {
+            if (u * (int)blockDim.x >= nparts) break;  // uniform: put_x shuffles
+            int i = u * blockDim.x + threadIdx.x;
+            bool on = i < nparts;
+            float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+            if (on) {
+                float4 a = xv[u][0], b = xv[u][1], ga = pre.g[u][0], gb = pre.g[u][1];
+                float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
+                              gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
+#pragma unroll
+                for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
+            }
+            put_x(xs, i, v, on, cols);
+        }
+        __syncthreads();
+        return;
+    }
     if (NORM) {
-        __shared__ float red[32];
         float ss = 0.f;
         for (int i0 = threadIdx.x; i0 < cols / 4; i0 += 4 * blockDim.x) {  // 4 loads in flight
             float4 v[4];
@@ -459,8 +521,10 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     locate<R, OUT>(b, b0, b1, m0, m1, m2, a, row0);
     Tile<R, OUT == 3> next;
     next.load(a, m1, row0, lane, sh);  // weights only: nothing writes them
+    NormGains gains;
+    gains.load(nw, cols, NORM);  // nor the norm's gains
     sync.wait();
-    stage_x<NORM>(xs, x, nw, eps, cols);
+    stage_x<NORM>(xs, x, nw, eps, cols, gains);
     float acc[2][R];
 #pragma unroll
     for (int m = 0; m < 2; m++)

@@ -134,8 +134,10 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         for (int j = 0; j < min(stages, mine); j++) issue(j);  // weights only: nothing writes them
     }
+    NormGains gains;
+    gains.load(nw, cols, NORM);
     pdl_wait();
-    stage_x<NORM>(xs, x, nw, eps, cols);  // ends with __syncthreads: the barriers are initialized
+    stage_x<NORM>(xs, x, nw, eps, cols, gains);  // ends with __syncthreads: the barriers are initialized
     if (producer) {
         // step j refills the stage of step j - stages once every consumer warp is done with it
         if (lane == 0)
