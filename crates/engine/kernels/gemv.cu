@@ -524,6 +524,13 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     NormGains gains;
     gains.load(nw, cols, NORM);  // nor the norm's gains
     sync.wait();
+    // OUT 2 adds into the residual: lane r < R reads its row's x now, beside the x staging,
+    // and the next step's while this one computes, so the store at a step's end is not an
+    // L2 round trip (a read-modify-write by lane 0 was). This warp alone writes its rows.
+    auto residual = [&](const Mat& m, int first) {
+        return OUT == 2 && lane < R && first + lane < m.rows ? reinterpret_cast<const float*>(m.o)[first + lane] : 0.f;
+    };
+    float resid = residual(a, row0);
     stage_x<NORM>(xs, x, nw, eps, cols, gains);
     float acc[2][R];
 #pragma unroll
@@ -540,6 +547,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
             if (nb < steps) locate<R, OUT>(nb, b0, b1, m0, m1, m2, na, nrow0);
         }
         Tile<R, OUT == 3> cur = next;
+        float nresid = nit == 0 && nb < steps ? residual(na, nrow0) : resid;
         // Or the next kernel may start once every block is on its last tile (its blocks take
         // the places ours free, and load their weights while we finish). Starting it at
         // once measured faster (1B decode 1 351 vs 1 309 tok/s, perf.md).
@@ -554,14 +562,19 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
                 for (int r = 0; r < R; r++) {
                     acc[m][r] = warp_sum(acc[m][r]);
                 }
-            if (lane == 0) {
+            if (OUT == 2) {  // lane r stores row0 + r (every lane holds every sum)
+                float mine = 0.f;
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    if (lane == r) mine = acc[0][r];
+                if (lane < R && row0 + lane < a.rows) reinterpret_cast<float*>(a.o)[row0 + lane] = resid + mine;
+            } else if (lane == 0) {
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     int row = row0 + r;
                     if (row >= a.rows) break;
                     if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
                     else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
-                    else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] += acc[0][r];
                     else {
                         float g = acc[0][r];
                         reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
@@ -578,6 +591,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         it = nit;
         a = na;
         row0 = nrow0;
+        resid = nresid;
     }
 }
 
