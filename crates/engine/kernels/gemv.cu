@@ -615,7 +615,9 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
+#if RING  // the ring-fed GEMVs (FERROLM_GEMV_RING; off by default): their own variant
 #include "gemv_ring.cuh"
+#endif
 #endif
 
 #ifdef FFN

@@ -215,7 +215,11 @@ impl Cuda {
         let r = plan.map_or(r, |p| p.r);
         let kind = if plan.is_some() { "gemvr" } else { "gemv" };
         let name = format!("{kind}_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
-        let f = self.function(kernels::file("gemv.cu"), &gemv_defines(defines, xq), &name)?;
+        let mut gd = gemv_defines(defines, xq);
+        if plan.is_some() {
+            gd.push("RING=1".into()); // ring-fed kernels are a variant of their own (gemv.cu)
+        }
+        let f = self.function(kernels::file("gemv.cu"), &gd, &name)?;
         // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
         // Unused matrix slots repeat the first with 0 rows.
         let mut args: Vec<KArg> = Vec::with_capacity(19);

@@ -70,13 +70,18 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
             }
         }
     }
-    // The 4- and 16-warp GEMVs (FERROLM_GEMV_WARPS, a tuning knob): one variant each, so
-    // they compile.
     // The fused layer end (FFN=1, ffn.rs; compiled on demand per weight format and rows per
     // warp): one variant, with the o phase, so it compiles.
     let mut ffn = affine_defines(4, 64, ScaleDtype::BF16);
     ffn.extend(["XQ=1", "FFN=1", "FFN_RO=1", "FFN_RU=2", "FFN_RD=1"].map(String::from));
     v.push((file("gemv.cu"), ffn));
+    // The ring-fed GEMVs (RING=1, gemv_ring.cuh; FERROLM_GEMV_RING): one variant, so they
+    // compile.
+    let mut ring = affine_defines(4, 64, ScaleDtype::BF16);
+    ring.extend(["XQ=1", "RING=1"].map(String::from));
+    v.push((file("gemv.cu"), ring));
+    // The 4- and 16-warp GEMVs (FERROLM_GEMV_WARPS, a tuning knob): one variant each, so
+    // they compile.
     for nw in ["NW=4", "NW=16"] {
         let mut d = affine_defines(4, 64, ScaleDtype::BF16);
         d.extend(["XQ=1".into(), nw.into()]);
