@@ -446,6 +446,18 @@ fn fed_greedy_generate_matches_step_by_step() {
 /// the blocks counting themselves in between) in whole decode steps, captured and
 /// replayed, every layer reusing its counters: the logits of the separate launches, bit
 /// for bit, with either fusion.
+/// The logits (as bits) of `n` greedy decode steps after `ids`, through graph-captured steps.
+fn greedy_logit_bits(mg: &Llama<Cuda>, ids: &[u32], n: usize) -> Vec<Vec<u32>> {
+    let mut s = ferrolm::generate::Session::new(mg, 128).unwrap();
+    let (mut l, _) = s.feed(ids).unwrap();
+    let mut steps = Vec::new();
+    for _ in 0..n {
+        l = s.step(ferrolm::sample::argmax(&l)).unwrap();
+        steps.push(l.iter().map(|v| v.to_bits()).collect());
+    }
+    steps
+}
+
 #[test]
 fn fused_layer_end_decode_matches_separate_launches() {
     use ferrolm::backend::cuda::ffn::LayerEndFusion;
@@ -453,14 +465,7 @@ fn fused_layer_end_decode_matches_separate_launches() {
     let ids = tok.encode("The capital of France is", true).unwrap();
     let run = |fusion: LayerEndFusion| {
         mg.backend.set_layer_end_fusion(fusion);
-        let mut s = ferrolm::generate::Session::new(&mg, 128).unwrap();
-        let (mut l, _) = s.feed(&ids).unwrap();
-        let mut steps = Vec::new();
-        for _ in 0..12 {
-            l = s.step(ferrolm::sample::argmax(&l)).unwrap();
-            steps.push(l.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-        }
-        steps
+        greedy_logit_bits(&mg, &ids, 12)
     };
     let want = run(LayerEndFusion::None);
     for fusion in [LayerEndFusion::Mlp, LayerEndFusion::OProjMlp] {
@@ -480,14 +485,7 @@ fn ring_fed_gemvs_match_register_fed() {
     let before = mg.backend.gemv_ring();
     let run = |ring: bool| {
         mg.backend.set_gemv_ring(ring);
-        let mut s = ferrolm::generate::Session::new(&mg, 128).unwrap();
-        let (mut l, _) = s.feed(&ids).unwrap();
-        let mut steps = Vec::new();
-        for _ in 0..12 {
-            l = s.step(ferrolm::sample::argmax(&l)).unwrap();
-            steps.push(l.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
-        }
-        steps
+        greedy_logit_bits(&mg, &ids, 12)
     };
     let (regs, ring) = (run(false), run(true));
     mg.backend.set_gemv_ring(before);
