@@ -116,6 +116,16 @@ pub(super) fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> u
     by_rows.max(loads / per_lane).min(4)
 }
 
+/// Rows per warp for the GEMVs that add into the residual (o, down) when
+/// `FERROLM_GEMV_R_ADD` is 1, 2 or 4 (a tuning knob: o's 64 blocks leave half the SMs idle
+/// at the 1B shape); else `rows_per_warp`'s choice.
+fn add_rows_per_warp() -> Option<usize> {
+    static R: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *R.get_or_init(|| {
+        std::env::var("FERROLM_GEMV_R_ADD").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
+    })
+}
+
 /// How the decode GEMV stages an input of `cols` values in shared memory: (XQ, bytes).
 /// int16 x with DP2A (gemv.cu's XQ) needs whole 32-value x blocks and room for the block
 /// scales and sums beside x; else bf16 x.
@@ -192,7 +202,10 @@ impl Cuda {
             if mode == GemvOut::Swiglu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
         let CudaMat::Affine { bits, .. } = mats[0] else { unreachable!("checked above") };
         let loads = if mode == GemvOut::Swiglu { GEMV_LOADS / 2 } else { GEMV_LOADS };
-        let r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
+        let mut r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
+        if mode == GemvOut::Add {
+            r = add_rows_per_warp().unwrap_or(r);
+        }
         let out_kind = match (mode, norm, f32_out) {
             (GemvOut::Swiglu, _, _) => "s",
             (GemvOut::Add, _, _) => "a",
