@@ -458,6 +458,38 @@ struct Tile {
         }
     }
 
+    // The same tile from a ring stage in shared memory (gemv_ring.cuh): weights `w`
+    // (nrows rows of `chunks` 16-byte chunks per matrix, one matrix after another `mstride`
+    // bytes apart), scales and biases `sb` (per matrix: rows×groups scales, then as many
+    // biases, `sbstride` bytes apart). All of a tile's shared-memory loads go out before
+    // any of its math, as the global loads do. Rows past nrows read row nrows - 1.
+    __device__ __forceinline__ void load_smem(const unsigned char* w, int mstride, const unsigned char* sb,
+                                              int sbstride, int rows_per_step, int row0, int nrows, int c0,
+                                              const Shape& sh) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            int c = c0 + 32 * u;
+            if (c >= sh.chunks) break;
+#pragma unroll
+            for (int m = 0; m < NM; m++) {
+                const uint4* wm = reinterpret_cast<const uint4*>(w + m * mstride);
+                const scale_t* sm = reinterpret_cast<const scale_t*>(sb + m * sbstride);
+                const scale_t* bm = sm + rows_per_step * sh.groups;
+#pragma unroll
+                for (int r = 0; r < R; r++) {
+                    int row = min(row0 + r, nrows - 1);
+                    q[m][u][r] = wm[row * sh.chunks + c];
+#pragma unroll
+                    for (int k = 0; k < NSUB; k++) {
+                        int g = row * sh.groups + (c * VPC + k * SUBG) / GROUP;
+                        s[m][u][r][k] = sm[g];
+                        b[m][u][r][k] = bm[g];
+                    }
+                }
+            }
+        }
+    }
+
     // acc[m][r] += this tile's part of the dot products (lane-partial sums).
     __device__ __forceinline__ void dot(const uint4* xs, int c0, const Shape& sh, float (&acc)[2][R]) const {
 #pragma unroll

@@ -90,6 +90,7 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
     if ((int)blockIdx.x >= steps) return;
     int chunks = cols / VPC, groups = cols / GROUP;
     RingStage st{chunks * 16, groups * (int)sizeof(scale_t), rb, NM};
+    Shape sh{chunks, groups, (size_t)chunks};
     uint4* xs = reinterpret_cast<uint4*>(ring_smem);
     unsigned char* ring = ring_smem + ring_x_bytes(cols);
     int mine = (steps - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // steps of this block
@@ -160,41 +161,35 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
 #pragma unroll
             for (int r = 0; r < R; r++) acc[m][r] = 0.f;
         if (warp * R < n) {
-#pragma unroll 2
-            for (int c = lane; c < chunks; c += 32) {
-                XChunk xc;
-                xc.load(xs, c, chunks);
-#pragma unroll
-                for (int m = 0; m < NM; m++) {
-                    const uint4* w = reinterpret_cast<const uint4*>(s + m * rb * st.rowbytes);
-                    const scale_t* sc = reinterpret_cast<const scale_t*>(s + st.scales_at(m));
-                    const scale_t* bi = sc + rb * groups;
-#pragma unroll
-                    for (int r = 0; r < R; r++) {
-                        int lr = warp * R + r;
-                        if (lr >= n) break;
-                        uint4 q = w[lr * chunks + c];
-                        u32 words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                        for (int k = 0; k < NSUB; k++) {
-                            int g = lr * groups + (c * VPC + k * SUBG) / GROUP;
-                            acc[m][r] = xc.segment(words, k, s2f(sc[g]), s2f(bi[g]), acc[m][r]);
-                        }
-                    }
-                }
+            // OUT 2: lane r < R reads its row's x before the math (not a round trip at the end)
+            float resid = OUT == 2 && lane < R && warp * R + lane < n
+                              ? reinterpret_cast<const float*>(a.o)[first + warp * R + lane]
+                              : 0.f;
+            // Register tiles loaded from the stage, all of a tile's loads before its math
+            // (chunks in gemv()'s order: the same sums, bit for bit).
+            using T = Tile<R, TWO>;
+            for (int c0 = lane; c0 < chunks; c0 += 32 * T::U) {
+                T t;
+                t.load_smem(s, rb * st.rowbytes, s + st.scales_at(0), 2 * rb * st.srow, rb, warp * R, n, c0, sh);
+                t.dot(xs, c0, sh, acc);
             }
 #pragma unroll
             for (int m = 0; m < 2; m++)
 #pragma unroll
                 for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
-            if (lane == 0) {
+            if (OUT == 2) {  // lane r stores row first + warp·R + r (every lane holds every sum)
+                float mine = 0.f;
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    if (lane == r) mine = acc[0][r];
+                if (lane < R && warp * R + lane < n) reinterpret_cast<float*>(a.o)[first + warp * R + lane] = resid + mine;
+            } else if (lane == 0) {
 #pragma unroll
                 for (int r = 0; r < R; r++) {
                     int row = first + warp * R + r;
                     if (warp * R + r >= n) break;
                     if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
                     else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
-                    else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] += acc[0][r];
                     else {
                         float g = acc[0][r];
                         reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
