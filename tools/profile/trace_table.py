@@ -9,6 +9,8 @@ Launches are the records grouped by %gridid, in order of their first start. Deco
 start at the one-block embedding launch; the last --steps of them are aligned launch by
 launch, and a repeating layer pattern (q/k/v, attention, o, gate/up, down, …) is folded so
 each role is one row. Per role, means over steps and layers, in µs:
+  early   share of the sampled blocks that started before the previous launch's end (they
+          were resident beside it, so their loads before pdl_wait overlapped it)
   start   first sampled block's start minus the previous launch's end (negative: it started
           early, under PDL, while the previous kernel ran)
   waited  when the last sampled block's pdl_wait returned, from the previous launch's end
@@ -23,7 +25,7 @@ import struct
 import sys
 from collections import defaultdict
 
-FILES = {1: "gemv.cu", 2: "attention_decode.cu", 3: "sample.cu", 4: "affine.cu"}
+FILES = {1: "gemv.cu", 2: "attention_decode.cu", 3: "sample.cu", 4: "affine.cu", 5: "gemv_ring.cuh"}
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "crates", "engine", "kernels")
 
 
@@ -36,6 +38,11 @@ def kernel_name(file_id, line, cache={}):
             src = open(os.path.join(KERNELS, name)).read().splitlines()
         except OSError:
             src = []
+        # A kernel defined by a macro records the line where the macro is used.
+        m = re.search(r"\b(GEMV_RING_KERNELS|GEMV_KERNELS)\((\d+)\)", src[line - 1]) if 0 < line <= len(src) else None
+        if m:
+            cache[(file_id, line)] = f"{'ring ' if 'RING' in m.group(1) else ''}gemv r{m.group(2)} ({name}:{line})"
+            return cache[(file_id, line)]
         for i in range(min(line, len(src)) - 1, -1, -1):
             if "#define GEMV_CALL" in src[i]:
                 found = "gemv"
@@ -134,6 +141,7 @@ def main():
             base = prev_end if prev_end is not None else prev_end_of_step
             if base is not None:
                 r["start"].append(start - base)
+                r["early"].append(sum(t < base for t in L["start"]) / len(L["start"]))
                 r["path"].append(end - base)
                 if waited is not None:
                     r["waited"].append(waited - base)
@@ -145,15 +153,16 @@ def main():
             totals.append(prev_end - prev_end_of_step)
         prev_end_of_step = prev_end
     mean = lambda v: sum(v) / len(v) / 1000 if v else float("nan")
+    early = lambda v: f"{100 * sum(v) / len(v):.0f}%" if v else "–"
     per_step = len(steps)
     print(f"{per_step} decode steps of {shape} launches" + (f", layer period {period}" if period else ""))
-    print("| role | kernel | sampled blocks | launches/step | start | waited | after | path | path/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| role | kernel | sampled blocks | launches/step | early | start | waited | after | path | path/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for key in order:
         r = rows[key]
         k = len(r["count"]) / per_step
         print(
-            f"| {key[0]} | {key[1]} | {key[2]} | {k:g} | {mean(r['start']):.2f} | {mean(r['waited']):.2f} | "
+            f"| {key[0]} | {key[1]} | {key[2]} | {k:g} | {early(r['early'])} | {mean(r['start']):.2f} | {mean(r['waited']):.2f} | "
             f"{mean(r['after']):.2f} | {mean(r['path']):.2f} | {mean(r['path']) * k:.1f} |"
         )
     if totals:

@@ -20,6 +20,9 @@
 // themselves out of a stage (its `empty` barrier), it refills it with step j + stages. Host conditions (fused.rs, gemv_ring_fits): 16-byte aligned matrices,
 // and each matrix's last, partial step a whole number of 16-byte scale pieces.
 #pragma once
+// Its kernels' timeline records (trace.cuh) name this header, whose line numbers they carry.
+#undef TRACE_FILE
+#define TRACE_FILE 5
 
 #ifndef RING_STAGES_MAX
 #define RING_STAGES_MAX 8
@@ -220,3 +223,5 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
 GEMV_RING_KERNELS(1)
 GEMV_RING_KERNELS(2)
 GEMV_RING_KERNELS(4)
+#undef TRACE_FILE
+#define TRACE_FILE 1  // gemv.cu's again

@@ -28,10 +28,11 @@ __device__ __forceinline__ bool trace_sampled() {
     return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && (blk % 16 == 0 || blk == blocks - 1);
 }
 
-__device__ __forceinline__ void trace_event(unsigned line, unsigned ev) {
+// `file`: TRACE_FILE where the event's macro is expanded (a header may set its own).
+__device__ __forceinline__ void trace_event(unsigned line, unsigned ev, unsigned file) {
     unsigned long long* b = trace_buf;
     // Files without TRACE_FILE have no TRACE_KERNEL: their pdl_wait records nothing.
-    if (TRACE_FILE == 0 || b == nullptr || !trace_sampled()) return;
+    if (file == 0 || b == nullptr || !trace_sampled()) return;
     unsigned long long t, grid;
     unsigned sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -41,19 +42,19 @@ __device__ __forceinline__ void trace_event(unsigned line, unsigned ev) {
     unsigned long long i = atomicAdd(b, 1ull);
     if (i >= b[1]) return;
     b[2 + 2 * i] = t;
-    b[3 + 2 * i] = (grid & 0xfffffffull) << 36 | (unsigned long long)(TRACE_FILE & 0xf) << 32 |
+    b[3 + 2 * i] = (grid & 0xfffffffull) << 36 | (unsigned long long)(file & 0xf) << 32 |
                    (unsigned long long)(line & 0x3ff) << 22 | (unsigned long long)(ev & 3) << 20 |
                    (unsigned long long)(sm & 0xff) << 12 | (blk < 4095 ? blk : 4095);
 }
 
 // Start now, end when the kernel's thread 0 leaves (every return path).
 struct TraceKernel {
-    unsigned line;
-    __device__ explicit TraceKernel(unsigned l) : line(l) { trace_event(line, 0); }
-    __device__ ~TraceKernel() { trace_event(line, 2); }
+    unsigned line, file;
+    __device__ TraceKernel(unsigned l, unsigned f) : line(l), file(f) { trace_event(line, 0, file); }
+    __device__ ~TraceKernel() { trace_event(line, 2, file); }
 };
-#define TRACE_KERNEL() TraceKernel trace_kernel_scope(__LINE__)
-#define TRACE_WAITED() trace_event(0, 1)
+#define TRACE_KERNEL() TraceKernel trace_kernel_scope(__LINE__, TRACE_FILE)
+#define TRACE_WAITED() trace_event(0, 1, TRACE_FILE)
 #else
 #define TRACE_KERNEL() \
     do {               \

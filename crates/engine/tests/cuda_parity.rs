@@ -734,7 +734,7 @@ fn kernel_trace_records_decode_steps() {
     let embeds = (0..n).filter(|&i| (word(2 + 2 * i) >> 32) & 0xf == 4 && (word(2 + 2 * i) >> 20) & 3 == 0).count();
     assert!(embeds >= 9, "{embeds} embedding launches for a prompt and 8 decode steps");
     for (g, (file, start, end, _)) in &launches {
-        assert!(*file >= 1 && *file <= 4, "launch {g}: file id {file}");
+        assert!(*file >= 1 && *file <= 5, "launch {g}: file id {file}");
         assert!(start <= end && *end > 0, "launch {g} ends ({end}) before it starts ({start})");
     }
     let waited = launches.values().filter(|l| l.0 == 1 && l.3 > 0).count();
