@@ -595,11 +595,11 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
                     acc[m][r] = warp_sum(acc[m][r]);
                 }
             if (OUT == 2) {  // lane r stores row0 + r (every lane holds every sum)
-                float mine = 0.f;
+                float own = 0.f;
 #pragma unroll
                 for (int r = 0; r < R; r++)
-                    if (lane == r) mine = acc[0][r];
-                if (lane < R && row0 + lane < a.rows) reinterpret_cast<float*>(a.o)[row0 + lane] = resid + mine;
+                    if (lane == r) own = acc[0][r];
+                if (lane < R && row0 + lane < a.rows) reinterpret_cast<float*>(a.o)[row0 + lane] = resid + own;
             } else if (lane == 0) {
 #pragma unroll
                 for (int r = 0; r < R; r++) {

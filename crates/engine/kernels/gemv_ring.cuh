@@ -181,11 +181,11 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
 #pragma unroll
                 for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
             if (OUT == 2) {  // lane r stores row first + warp·R + r (every lane holds every sum)
-                float mine = 0.f;
+                float own = 0.f;
 #pragma unroll
                 for (int r = 0; r < R; r++)
-                    if (lane == r) mine = acc[0][r];
-                if (lane < R && warp * R + lane < n) reinterpret_cast<float*>(a.o)[first + warp * R + lane] = resid + mine;
+                    if (lane == r) own = acc[0][r];
+                if (lane < R && warp * R + lane < n) reinterpret_cast<float*>(a.o)[first + warp * R + lane] = resid + own;
             } else if (lane == 0) {
 #pragma unroll
                 for (int r = 0; r < R; r++) {
@@ -205,8 +205,9 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
     }
 }
 
-// grid: min(steps, SMs) blocks of 32·(NW + 1) threads (NW consumer warps, one producer); dynamic shared memory ring_x_bytes(cols) +
-// stages · RingStage::bytes(); the arguments of gemv.cu's GEMV_ARGS and the stage count.
+// grid: min(steps, SMs) blocks of 32·(NW + 1) threads (NW consumer warps, one producer);
+// dynamic shared memory ring_x_bytes(cols) + stages · RingStage::bytes(); the arguments of
+// gemv.cu's GEMV_ARGS and the stage count.
 #define GEMV_RING_CALL(R, NORM, OUT) \
     TRACE_KERNEL();                  \
     gemv_ring<R, NORM, OUT>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1}, Mat{w2, s2, b2, o2, n2}, x, nw, eps, \
