@@ -43,12 +43,17 @@ const DECODE_SPLITS_MAX: usize = 1024;
 /// Most blocks of a decode attention cluster (8: the portable cluster size).
 const ATTN_CLUSTER_MAX: usize = 8;
 
-/// Whether decode attention merges its splits in thread-block clusters (sm_90+; the
-/// default) or every split through global memory (`FERROLM_ATTN_CLUSTER=0`, for
-/// comparisons and older GPUs' path).
-fn attention_clusters() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERROLM_ATTN_CLUSTER").map_or(true, |v| v != "0"))
+/// Most blocks per decode attention cluster: ATTN_CLUSTER_MAX by default (sm_90+), or
+/// `FERROLM_ATTN_CLUSTER=N` with N in 2..=8 (fewer, longer splits: a tuning knob), or 0
+/// (`FERROLM_ATTN_CLUSTER=0`: every split merges through global memory, for comparisons
+/// and older GPUs' path).
+fn attention_cluster_max() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| match std::env::var("FERROLM_ATTN_CLUSTER").ok().and_then(|v| v.parse::<usize>().ok()) {
+        Some(0) => 0,
+        Some(n) if (2..=ATTN_CLUSTER_MAX).contains(&n) => n,
+        _ => ATTN_CLUSTER_MAX,
+    })
 }
 
 /// Most blocks the argmax kernel uses (its scratch size).
@@ -374,9 +379,9 @@ impl Cuda {
         // clusters there (7 of 7 splits per head at 8K) did not all fit one wave and the
         // 1B attention at 8191 cached went 28 → 54 µs (H200, docs/perf.md).
         let one_cluster = !deep && splits > 1;
-        let (cs, splits, chunk) = match self.clusters && attention_clusters() && one_cluster {
+        let (cs, splits, chunk) = match self.clusters && attention_cluster_max() > 0 && one_cluster {
             true => {
-                let cs = ATTN_CLUSTER_MAX.min(splits);
+                let cs = attention_cluster_max().min(splits);
                 (cs, cs, kv.max_seq.div_ceil(cs))
             }
             false => (1, splits, chunk),
