@@ -222,28 +222,43 @@ __device__ __forceinline__ void put_x(uint4* xs, int i, const float (&v)[8], boo
 #endif
 }
 
+// Parts u·threads + thread (8 floats each, two float4) of f32 vector p, for u < GP, where
+// they exist (< nparts).
+#define GP 2
+__device__ __forceinline__ void load_parts(const float* p, int nparts, float4 (&d)[GP][2]) {
+    const float4* p4 = reinterpret_cast<const float4*>(p);
+#pragma unroll
+    for (int u = 0; u < GP; u++) {
+        int i = u * blockDim.x + threadIdx.x;
+        if (i < nparts) {
+            d[u][0] = p4[2 * i];
+            d[u][1] = p4[2 * i + 1];
+        }
+    }
+}
+
+// The 8 normalized values of one x part: gain · (x · r), bf16-rounded as the unfused rmsnorm
+// kernel writes them.
+__device__ __forceinline__ void norm_part(float4 a, float4 b, float4 ga, float4 gb, float r, float (&v)[8]) {
+    float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
+                  gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
+#pragma unroll
+    for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
+}
+
+__device__ __forceinline__ float sum_sq(float4 a) { return a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w; }
+
 // The RMSNorm gains of the x parts a thread stages, when every thread stages at most GP
 // parts (hidden ≤ 8·GP·threads: 4096 at 256 threads): loaded before the kernel waits for
 // its input (nothing writes them), so staging a normalized x is one L2 round trip (x)
 // instead of two (x for the sum of squares, then the gains).
-#define GP 2
 struct NormGains {
     float4 g[GP][2];
     bool held;
 
     __device__ __forceinline__ void load(const float* __restrict__ nw, int cols, bool norm) {
-        int nparts = cols / 8;
-        held = norm && nparts <= GP * (int)blockDim.x;
-        if (!held) return;
-        const float4* wf = reinterpret_cast<const float4*>(nw);
-#pragma unroll
-        for (int u = 0; u < GP; u++) {
-            int i = u * blockDim.x + threadIdx.x;
-            if (i < nparts) {
-                g[u][0] = wf[2 * i];
-                g[u][1] = wf[2 * i + 1];
-            }
-        }
+        held = norm && cols / 8 <= GP * (int)blockDim.x;
+        if (held) load_parts(nw, cols / 8, g);
     }
 };
 
@@ -260,19 +275,11 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
     if (NORM && pre.held) {  // each thread's parts of x in registers: one pass over x
         float4 xv[GP][2];
         float ss = 0.f;
+        load_parts(reinterpret_cast<const float*>(x), nparts, xv);
 #pragma unroll
         for (int u = 0; u < GP; u++) {
-            int i = u * blockDim.x + threadIdx.x;
-            if (i < nparts) {
-                xv[u][0] = xf[2 * i];
-                xv[u][1] = xf[2 * i + 1];
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < GP; u++) {
-            int i = u * blockDim.x + threadIdx.x;
-            if (i >= nparts) break;
-            float4 a = xv[u][0], b = xv[u][1];
+            if (u * (int)blockDim.x + (int)threadIdx.x >= nparts) break;
+            float4 a = xv[u][0], b = xv[u][1];  // one sum of eight, in this order (the rounding)
             ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
         }
         r = rsqrtf(block_sum(ss, red) / cols + eps);
@@ -282,13 +289,7 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
             int i = u * blockDim.x + threadIdx.x;
             bool on = i < nparts;
             float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (on) {
-                float4 a = xv[u][0], b = xv[u][1], ga = pre.g[u][0], gb = pre.g[u][1];
-                float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
-                              gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
-#pragma unroll
-                for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
-            }
+            if (on) norm_part(xv[u][0], xv[u][1], pre.g[u][0], pre.g[u][1], r, v);
             put_x(xs, i, v, on, cols);
         }
         __syncthreads();
@@ -304,7 +305,7 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
                 v[u] = i < cols / 4 ? xf[i] : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
-            for (int u = 0; u < 4; u++) ss += v[u].x * v[u].x + v[u].y * v[u].y + v[u].z * v[u].z + v[u].w * v[u].w;
+            for (int u = 0; u < 4; u++) ss += sum_sq(v[u]);
         }
         r = rsqrtf(block_sum(ss, red) / cols + eps);
     }
@@ -334,11 +335,7 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
             bool on = i < nparts;
             float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (on && NORM) {
-                float4 a = xn[u][0], b = xn[u][1], ga = wf[2 * i], gb = wf[2 * i + 1];
-                float t[8] = {ga.x * (a.x * r), ga.y * (a.y * r), ga.z * (a.z * r), ga.w * (a.w * r),
-                              gb.x * (b.x * r), gb.y * (b.y * r), gb.z * (b.z * r), gb.w * (b.w * r)};
-#pragma unroll
-                for (int k = 0; k < 8; k++) v[k] = bf2f(f2bf(t[k]));
+                norm_part(xn[u][0], xn[u][1], wf[2 * i], wf[2 * i + 1], r, v);
             } else if (on) {
                 unpack_bf16x8(xb[u], v);
             }

@@ -6,7 +6,8 @@
 //! by the kernel's launch bounds, ≤ `RING_SMEM` bytes of shared memory each): the next
 //! GEMV's block then starts beside the running one and streams its weights meanwhile.
 
-use super::device::{drv, Cuda, CudaMat, DevScales, KArg};
+use super::device::{drv, Cuda, CudaMat, KArg};
+use super::fused::scales_ptr;
 use crate::Result;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig};
@@ -126,11 +127,7 @@ impl Cuda {
 /// Whether a matrix's device buffers meet the bulk copies' 16-byte alignment.
 pub(super) fn ring_aligned(c: &Cuda, m: &CudaMat) -> bool {
     let CudaMat::Affine { words, scales, biases, .. } = m else { return false };
-    let p = |s: &DevScales| match s {
-        DevScales::Half(v) => v.device_ptr(&c.stream).0,
-        DevScales::F32(v) => v.device_ptr(&c.stream).0,
-    };
-    [words.device_ptr(&c.stream).0, p(scales), p(biases)].iter().all(|a| a % 16 == 0)
+    [words.device_ptr(&c.stream).0, scales_ptr(c, scales), scales_ptr(c, biases)].iter().all(|a| a % 16 == 0)
 }
 
 #[cfg(test)]
