@@ -521,6 +521,36 @@ __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, con
     row0 = b * NW * R + (threadIdx.x >> 5) * R;
 }
 
+// The end of a warp's row step: reduce its lane-partial sums (acc) and store rows row0 …
+// row0 + R - 1 that exist, as OUT says (0 bf16, 1 f32, 2 f32 added to `resid`, the row's
+// x read earlier by lane r, 3 SwiGLU bf16). Shared by gemv() and the ring-fed GEMV.
+template <int R, int OUT>
+__device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[2][R], float resid, int lane) {
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
+    if (OUT == 2) {  // lane r stores row0 + r (every lane holds every sum)
+        float own = 0.f;
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (lane == r) own = acc[0][r];
+        if (lane < R && row0 + lane < a.rows) reinterpret_cast<float*>(a.o)[row0 + lane] = resid + own;
+    } else if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            int row = row0 + r;
+            if (row >= a.rows) break;
+            if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
+            else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
+            else {
+                float g = acc[0][r];
+                reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
+            }
+        }
+    }
+}
+
 // How a GEMV phase starts once its first weight tile is in flight, and lets the next
 // kernel start. A kernel of its own waits for the previous kernel (PDL).
 struct KernelSync {
@@ -585,31 +615,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         cur.dot(xs, lane + it * 32 * U, sh, acc);
         if (!PIPE && nb < steps) next.load(na, m1, nrow0, lane + nit * 32 * U, sh);
         if (nit == 0) {  // step done: reduce and store this warp's rows
-#pragma unroll
-            for (int m = 0; m < 2; m++)
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    acc[m][r] = warp_sum(acc[m][r]);
-                }
-            if (OUT == 2) {  // lane r stores row0 + r (every lane holds every sum)
-                float own = 0.f;
-#pragma unroll
-                for (int r = 0; r < R; r++)
-                    if (lane == r) own = acc[0][r];
-                if (lane < R && row0 + lane < a.rows) reinterpret_cast<float*>(a.o)[row0 + lane] = resid + own;
-            } else if (lane == 0) {
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    int row = row0 + r;
-                    if (row >= a.rows) break;
-                    if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
-                    else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
-                    else {
-                        float g = acc[0][r];
-                        reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
-                    }
-                }
-            }
+            store_rows<R, OUT>(a, row0, acc, resid, lane);
 #pragma unroll
             for (int m = 0; m < 2; m++)
 #pragma unroll

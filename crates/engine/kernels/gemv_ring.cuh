@@ -176,29 +176,8 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
                 t.load_smem(s, rb * st.rowbytes, s + st.scales_at(0), 2 * rb * st.srow, rb, warp * R, n, c0, sh);
                 t.dot(xs, c0, sh, acc);
             }
-#pragma unroll
-            for (int m = 0; m < 2; m++)
-#pragma unroll
-                for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
-            if (OUT == 2) {  // lane r stores row first + warp·R + r (every lane holds every sum)
-                float own = 0.f;
-#pragma unroll
-                for (int r = 0; r < R; r++)
-                    if (lane == r) own = acc[0][r];
-                if (lane < R && warp * R + lane < n) reinterpret_cast<float*>(a.o)[first + warp * R + lane] = resid + own;
-            } else if (lane == 0) {
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    int row = first + warp * R + r;
-                    if (warp * R + r >= n) break;
-                    if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
-                    else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
-                    else {
-                        float g = acc[0][r];
-                        reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
-                    }
-                }
-            }
+            // rows past the step (first + n ≤ a.rows) are past the matrix: not stored
+            store_rows<R, OUT>(a, first + warp * R, acc, resid, lane);
         }
         __syncwarp();  // the warp's reads of the stage are done: it may be refilled
         if (lane == 0) mbar_arrive(&empty[j % stages]);
