@@ -67,7 +67,7 @@ pub struct Cuda {
     /// LayerEndFusion; `FERROLM_FFN_FUSED=1|2`).
     pub(crate) ffn_fused: std::sync::atomic::AtomicU8,
     /// Decode GEMVs fed through a shared-memory ring by bulk copies (gemv_ring.cuh) where
-    /// they fit (`FERROLM_GEMV_RING=0|1`; fused.rs's `gemv_ring_plan`).
+    /// they fit (`FERROLM_GEMV_RING=0|1`; gemv_ring.rs's `ring_plan`).
     pub(crate) gemv_ring: std::sync::atomic::AtomicBool,
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,

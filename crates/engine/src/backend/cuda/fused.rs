@@ -219,17 +219,21 @@ impl Cuda {
         };
         let (xq, smem) = x_staging(x.cols);
         let nw = gemv_warps();
-        let ring = self.gemv_ring() && mats.iter().all(|m| ring_aligned(self, m));
-        let CudaMat::Affine { group, scales: scales0, .. } = mats[0] else { unreachable!("checked above") };
-        let shape = RingShape {
-            rows: &mats.iter().map(|m| m.rows()).collect::<Vec<_>>(),
-            cols: x.cols,
-            bits: *bits as usize,
-            group: *group,
-            scale_bytes: if matches!(scales0, DevScales::F32(_)) { 4 } else { 2 },
-            two: mode == GemvOut::Swiglu,
+        let plan = match self.gemv_ring() && mats.iter().all(|m| ring_aligned(self, m)) {
+            true => {
+                let CudaMat::Affine { group, scales: scales0, .. } = mats[0] else { unreachable!("checked above") };
+                let shape = RingShape {
+                    rows: &mats.iter().map(|m| m.rows()).collect::<Vec<_>>(),
+                    cols: x.cols,
+                    bits: *bits as usize,
+                    group: *group,
+                    scale_bytes: if matches!(scales0, DevScales::F32(_)) { 4 } else { 2 },
+                    two: mode == GemvOut::Swiglu,
+                };
+                ring_plan(&shape, r, nw, xq, self.sms)
+            }
+            false => None,
         };
-        let plan = if ring { ring_plan(&shape, r, nw, xq, self.sms) } else { None };
         let r = plan.map_or(r, |p| p.r);
         let kind = if plan.is_some() { "gemvr" } else { "gemv" };
         let name = format!("{kind}_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
