@@ -66,11 +66,16 @@ impl Trace {
     /// Write the records to the file: little-endian u64s, the count (capped at CAP), then
     /// 2 per record.
     pub(crate) fn dump(&self, stream: &Arc<CudaStream>) -> Result<()> {
-        let all = stream.clone_dtoh(&self.buf).map_err(drv("reading the trace buffer"))?;
-        let n = all[0].min(CAP) as usize;
+        // The count first, then only the records written (the buffer is 256 MB).
+        let count = stream.clone_dtoh(&self.buf.slice(0..1)).map_err(drv("reading the trace buffer"))?;
+        let n = count[0].min(CAP) as usize;
+        let records = match n {
+            0 => Vec::new(),
+            _ => stream.clone_dtoh(&self.buf.slice(2..2 + 2 * n)).map_err(drv("reading the trace buffer"))?,
+        };
         let mut bytes = Vec::with_capacity(8 * (1 + 2 * n));
-        bytes.extend(all[0].min(CAP).to_le_bytes());
-        for v in &all[2..2 + 2 * n] {
+        bytes.extend((n as u64).to_le_bytes());
+        for v in &records {
             bytes.extend(v.to_le_bytes());
         }
         std::fs::write(&self.path, bytes).map_err(|e| crate::Error::io(&self.path, e))?;
