@@ -32,6 +32,8 @@ for ring in 0 1; do
   FERROLM_GEMV_RING=$ring "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode smollm2_cuda_agrees \
     >>"$log" 2>&1 || status=1
 done
+# The whole model through the decode megakernel, against the CPU.
+FERROLM_MEGAKERNEL=1 "$bin/cuda_parity" --test-threads=1 --nocapture smollm2_cuda_agrees >>"$log" 2>&1 || status=1
 # So must decode attention's split merge through global memory only (no clusters).
 FERROLM_ATTN_CLUSTER=0 "$bin/cuda_parity" --test-threads=1 --nocapture rope_attention smollm2_cuda_agrees \
   >>"$log" 2>&1 || status=1
@@ -71,6 +73,10 @@ for fused in 1 2; do
   results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_FFN_FUSED=$fused|$(FERROLM_FFN_FUSED=$fused bench --model "$m1b")")
   results+=("ferrolm, SmolLM2-135M Q4_1, FERROLM_FFN_FUSED=$fused|$(FERROLM_FFN_FUSED=$fused bench --model "$model")")
 done
+# The decode megakernel (every layer in one launch; not the default until measured faster).
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_MEGAKERNEL=1|$(FERROLM_MEGAKERNEL=1 bench --model "$m1b")")
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192, FERROLM_MEGAKERNEL=1|$(FERROLM_MEGAKERNEL=1 bench --model "$m1b" --depth 8192)")
+results+=("ferrolm, SmolLM2-135M Q4_1, FERROLM_MEGAKERNEL=1|$(FERROLM_MEGAKERNEL=1 bench --model "$model")")
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, host|$(FERROLM_CUDA_TOPK=0 bench --model "$m1b" --temperature 0.8 --top-k 40)")
 results+=("ferrolm, 1B shape (synthetic), sampled top-k 40, device|$(bench --model "$m1b" --temperature 0.8 --top-k 40)")
 if [[ -f $gguf1b ]]; then

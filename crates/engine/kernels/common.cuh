@@ -140,15 +140,24 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Block-wide sum for blockDim.x ≤ 1024; every thread gets the result.
+// The threads that stage and reduce together, and their barrier: the whole block, except
+// in the decode megakernel (decode_layers.cuh), whose producer warp never joins them.
+#ifndef BLOCK_THREADS
+#define BLOCK_THREADS ((int)blockDim.x)
+#endif
+#ifndef BLOCK_SYNC
+#define BLOCK_SYNC() __syncthreads()
+#endif
+
+// Sum over BLOCK_THREADS (≤ 1024) threads; every one of them gets the result.
 __device__ __forceinline__ float block_sum(float v, float* smem32) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     v = warp_sum(v);
     if (lane == 0) smem32[warp] = v;
-    __syncthreads();
-    int nw = (blockDim.x + 31) >> 5;
+    BLOCK_SYNC();
+    int nw = (BLOCK_THREADS + 31) >> 5;
     v = lane < nw ? smem32[lane] : 0.f;
     v = warp_sum(v);
-    __syncthreads();
+    BLOCK_SYNC();
     return v;
 }

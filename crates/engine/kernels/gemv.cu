@@ -36,6 +36,14 @@
 //    with Σx the exact f32 sum of the bf16 x (staged per 16 values). The int16 x is packed
 //    in pairs in the order the masks take weight bytes out of a word.
 #define TRACE_FILE 1
+#if MEGA  // the decode megakernel (decode_layers.cuh): its producer warp joins no barrier
+#ifndef NW
+#define NW 8
+#endif
+#define BLOCK_THREADS (NW * 32)
+#define BLOCK_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(NW * 32) : "memory")
+#define ATT_SYNC() asm volatile("bar.sync 2, %0;" ::"n"(AW * 32) : "memory")
+#endif
 #include "common.cuh"
 #include "affine.cuh"
 
@@ -229,7 +237,7 @@ __device__ __forceinline__ void load_parts(const float* p, int nparts, float4 (&
     const float4* p4 = reinterpret_cast<const float4*>(p);
 #pragma unroll
     for (int u = 0; u < GP; u++) {
-        int i = u * blockDim.x + threadIdx.x;
+        int i = u * BLOCK_THREADS + threadIdx.x;
         if (i < nparts) {
             d[u][0] = p4[2 * i];
             d[u][1] = p4[2 * i + 1];
@@ -257,7 +265,7 @@ struct NormGains {
     bool held;
 
     __device__ __forceinline__ void load(const float* __restrict__ nw, int cols, bool norm) {
-        held = norm && cols / 8 <= GP * (int)blockDim.x;
+        held = norm && cols / 8 <= GP * BLOCK_THREADS;
         if (held) load_parts(nw, cols / 8, g);
     }
 };
@@ -278,30 +286,30 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
         load_parts(reinterpret_cast<const float*>(x), nparts, xv);
 #pragma unroll
         for (int u = 0; u < GP; u++) {
-            if (u * (int)blockDim.x + (int)threadIdx.x >= nparts) break;
+            if (u * BLOCK_THREADS + (int)threadIdx.x >= nparts) break;
             float4 a = xv[u][0], b = xv[u][1];  // one sum of eight, in this order (the rounding)
             ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
         }
         r = rsqrtf(block_sum(ss, red) / cols + eps);
 #pragma unroll
         for (int u = 0; u < GP; u++) {
-            if (u * (int)blockDim.x >= nparts) break;  // uniform: put_x shuffles
-            int i = u * blockDim.x + threadIdx.x;
+            if (u * BLOCK_THREADS >= nparts) break;  // uniform: put_x shuffles
+            int i = u * BLOCK_THREADS + threadIdx.x;
             bool on = i < nparts;
             float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (on) norm_part(xv[u][0], xv[u][1], pre.g[u][0], pre.g[u][1], r, v);
             put_x(xs, i, v, on, cols);
         }
-        __syncthreads();
+        BLOCK_SYNC();
         return;
     }
     if (NORM) {
         float ss = 0.f;
-        for (int i0 = threadIdx.x; i0 < cols / 4; i0 += 4 * blockDim.x) {  // 4 loads in flight
+        for (int i0 = threadIdx.x; i0 < cols / 4; i0 += 4 * BLOCK_THREADS) {  // 4 loads in flight
             float4 v[4];
 #pragma unroll
             for (int u = 0; u < 4; u++) {
-                int i = i0 + u * blockDim.x;
+                int i = i0 + u * BLOCK_THREADS;
                 v[u] = i < cols / 4 ? xf[i] : make_float4(0.f, 0.f, 0.f, 0.f);
             }
 #pragma unroll
@@ -314,12 +322,12 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
     // kernel wrote it), and a loop that loaded one part per trip paid one L2 round trip per
     // part (4 for the 8192-wide input of a 1B model's down projection).
     constexpr int SB = 4;
-    for (int i0 = 0; i0 < nparts; i0 += SB * blockDim.x) {  // uniform trip count: put_x shuffles
+    for (int i0 = 0; i0 < nparts; i0 += SB * BLOCK_THREADS) {  // uniform trip count: put_x shuffles
         float4 xn[SB][2];  // NORM: 8 f32 of the residual
         uint4 xb[SB];      // else: 8 bf16
 #pragma unroll
         for (int u = 0; u < SB; u++) {
-            int i = i0 + u * blockDim.x + threadIdx.x;
+            int i = i0 + u * BLOCK_THREADS + threadIdx.x;
             if (i >= nparts) break;
             if (NORM) {
                 xn[u][0] = xf[2 * i];
@@ -330,8 +338,8 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
         }
 #pragma unroll
         for (int u = 0; u < SB; u++) {
-            if (i0 + u * blockDim.x >= nparts) break;  // uniform: put_x shuffles
-            int i = i0 + u * blockDim.x + threadIdx.x;
+            if (i0 + u * BLOCK_THREADS >= nparts) break;  // uniform: put_x shuffles
+            int i = i0 + u * BLOCK_THREADS + threadIdx.x;
             bool on = i < nparts;
             float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
             if (on && NORM) {
@@ -342,7 +350,7 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
             put_x(xs, i, v, on, cols);
         }
     }
-    __syncthreads();
+    BLOCK_SYNC();
 }
 
 // The shape every tile shares: chunks and groups per row, and the row stride in uint4.
@@ -646,7 +654,9 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0); }  \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1); }  \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3); }
-#ifndef FFN
+#if MEGA  // the decode megakernel alone: its own variant
+#include "decode_layers.cuh"
+#elif !defined(FFN)
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)

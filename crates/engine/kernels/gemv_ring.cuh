@@ -200,8 +200,10 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
     GEMV_RING_KERNEL(gemvr_nb, R, true, 0)    \
     GEMV_RING_KERNEL(gemvr_nf, R, true, 1)    \
     GEMV_RING_KERNEL(gemvr_ns, R, true, 3)
+#if !MEGA  // the megakernel takes only the copy helpers
 GEMV_RING_KERNELS(1)
 GEMV_RING_KERNELS(2)
 GEMV_RING_KERNELS(4)
+#endif
 #undef TRACE_FILE
 #define TRACE_FILE 1  // gemv.cu's again

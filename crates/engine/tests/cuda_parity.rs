@@ -475,6 +475,45 @@ fn fused_layer_end_decode_matches_separate_launches() {
     }
 }
 
+/// The decode megakernel (every layer of a step in one launch; decode_layers.cuh) against
+/// the op-by-op layers. Its GEMV rows are the op path's sums bit for bit, but its attention
+/// splits follow the position (the op path's follow the capacity), so the merged outputs
+/// may differ in their last bits: logits agree to bf16 rounding and greedy tokens match.
+/// A ~300-token prompt gives every step several splits and their merge; steps replay a
+/// captured graph. Three runs give bit-identical logits (deterministic).
+#[test]
+fn megakernel_decode_matches_op_path() {
+    let (_, mg, tok) = smollm2();
+    let text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. ".repeat(16);
+    let ids = tok.encode(&text, true).unwrap();
+    assert!(ids.len() > 256, "prompt of {} tokens", ids.len());
+    let before = mg.backend.megakernel();
+    let run = |on: bool| {
+        mg.backend.set_megakernel(on);
+        let mut s = ferrolm::generate::Session::new(&mg, 512).unwrap();
+        let (mut l, _) = s.feed(&ids).unwrap();
+        let mut steps = Vec::new();
+        for _ in 0..8 {
+            l = s.step(ferrolm::sample::argmax(&l)).unwrap();
+            steps.push(l.clone());
+        }
+        steps
+    };
+    let ops = run(false);
+    let launched = mg.backend.megakernel_launches();
+    let mk = [run(true), run(true), run(true)];
+    mg.backend.set_megakernel(before);
+    assert!(mg.backend.megakernel_launches() > launched, "the megakernel never ran (the model was not taken)");
+    for (i, (want, got)) in ops.iter().zip(&mk[0]).enumerate() {
+        check(&format!("megakernel decode step {i} logits"), got, want, 1e-2);
+        assert_eq!(ferrolm::sample::argmax(got), ferrolm::sample::argmax(want), "decode step {i}: greedy token");
+    }
+    for other in &mk[1..] {
+        let bits = |r: &Vec<Vec<f32>>| r.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+        assert!(bits(other) == bits(&mk[0]), "megakernel runs differ: not deterministic");
+    }
+}
+
 /// Ring-fed decode GEMVs (gemv_ring.cuh: weights copied into shared memory in bulk) do a
 /// row's math in the order the register-fed ones do, so decode logits are bit-identical
 /// either way (SmolLM2: q/k/v, o, gate/up, down and the head all take the ring).

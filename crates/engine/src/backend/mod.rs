@@ -17,6 +17,30 @@ pub struct Rope {
     pub linear: f32,
 }
 
+/// One decoder layer's weights, as `Backend::decode_layers` takes them.
+pub struct LayerWeights<'a, B: Backend> {
+    pub attn_norm: &'a B::Vector,
+    pub wq: &'a B::Mat,
+    pub wk: &'a B::Mat,
+    pub wv: &'a B::Mat,
+    pub wo: &'a B::Mat,
+    pub mlp_norm: &'a B::Vector,
+    pub w_gate: &'a B::Mat,
+    pub w_up: &'a B::Mat,
+    pub w_down: &'a B::Mat,
+}
+
+/// A one-token decode step's buffers, as `Backend::decode_layers` takes them: the f32
+/// residual stream (the embedding in, the last layer's output out) and the layer scratch.
+pub struct DecodeBufs<'a, B: Backend> {
+    pub x: &'a mut B::Act,
+    pub q: &'a mut B::Act,
+    pub k: &'a mut B::Act,
+    pub v: &'a mut B::Act,
+    pub att: &'a mut B::Act,
+    pub act: &'a mut B::Act,
+}
+
 /// The ops a forward pass needs. Activations are row-major `[tokens, width]`. Ops return
 /// errors because device launches can fail; the CPU's never do.
 /// Largest k `Backend::top_k` takes (the CUDA kernel's limit is only the output size; this
@@ -206,6 +230,24 @@ pub trait Backend: Sync {
         self.rope(q, n_heads, pos0, rope)?;
         self.rope(k, n_kv, pos0, rope)?;
         self.attention(q, k, v, kv, layer, pos0, out)
+    }
+    /// Every layer of a one-token decode step at the staged position in one go (CUDA's
+    /// decode megakernel, `FERROLM_MEGAKERNEL=1`), with the same math as the op-by-op
+    /// layers (no q/k/v biases). Ok(false) where the backend does not do this for the model
+    /// or the switch is off: the caller then runs the layers op by op.
+    fn decode_layers(
+        &self,
+        _layers: &[LayerWeights<'_, Self>],
+        _kv: &mut Self::Kv,
+        _rope: &Rope,
+        _heads: (usize, usize),
+        _eps: f32,
+        _bufs: DecodeBufs<'_, Self>,
+    ) -> Result<bool>
+    where
+        Self: Sized,
+    {
+        Ok(false)
     }
     /// out[0] = index of the largest value of row 0 of x (ties → lowest index), stored as
     /// f32 (exact for indices below 2²⁴), so greedy decoding reads back 4 bytes.

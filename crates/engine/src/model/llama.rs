@@ -2,7 +2,7 @@
 //! biases). One forward pass, top to bottom. Shapes: m = tokens in this call, d = hidden,
 //! h/kvh = query/kv heads, hd = head dim, f = ffn width, V = vocab.
 
-use crate::backend::{Backend, Rope};
+use crate::backend::{Backend, DecodeBufs, LayerWeights, Rope};
 use crate::config::ModelConfig;
 use crate::formats::{names, ModelSource};
 use crate::quant::Weight;
@@ -19,6 +19,22 @@ pub struct Layer<B: Backend> {
     w_gate: B::Mat,               // [f, d]
     w_up: B::Mat,                 // [f, d]
     w_down: B::Mat,               // [d, f]
+}
+
+impl<B: Backend> Layer<B> {
+    fn weights(&self) -> LayerWeights<'_, B> {
+        LayerWeights {
+            attn_norm: &self.attn_norm,
+            wq: &self.wq,
+            wk: &self.wk,
+            wv: &self.wv,
+            wo: &self.wo,
+            mlp_norm: &self.mlp_norm,
+            w_gate: &self.w_gate,
+            w_up: &self.w_up,
+            w_down: &self.w_down,
+        }
+    }
 }
 
 pub struct Llama<B: Backend> {
@@ -207,7 +223,20 @@ impl<B: Backend> Llama<B> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
         let Work { x, xn, q, k, v, att, o, gate, up, act, last } = w;
         b.embed(&self.embed, tokens, x)?;
-        for (li, l) in self.layers.iter().enumerate() {
+        // A decode row may go through every layer in one launch (the backend says whether).
+        let one_go = m == 1
+            && matches!(which, Logits::Last)
+            && self.layers.iter().all(|l| l.bias.is_none())
+            && b.decode_layers(
+                &self.layers.iter().map(Layer::weights).collect::<Vec<_>>(),
+                kv,
+                &self.rope,
+                (c.n_heads, c.n_kv_heads),
+                c.rms_eps,
+                DecodeBufs { x: &mut *x, q: &mut *q, k: &mut *k, v: &mut *v, att: &mut *att, act: &mut *act },
+            )?;
+        let layers = if one_go { &self.layers[..0] } else { &self.layers[..] };
+        for (li, l) in layers.iter().enumerate() {
             if which == Logits::Hidden(li) {
                 return b.read_rows(x, 0).map(Some);
             }

@@ -28,6 +28,8 @@ pub struct Cuda {
     pub device_name: String,
     /// Streaming multiprocessors (sizes persistent grids).
     pub sms: usize,
+    /// Shared memory one block may opt in to (bytes).
+    pub smem_optin: usize,
     /// Launch the decode kernels with programmatic dependent launch (sm_90+; see `launch`).
     pub pdl: bool,
     /// Thread-block clusters can be launched (sm_90+).
@@ -69,6 +71,12 @@ pub struct Cuda {
     /// Decode GEMVs fed through a shared-memory ring by bulk copies (gemv_ring.cuh) where
     /// they fit (`FERROLM_GEMV_RING=0|1`; gemv_ring.rs's `ring_plan`).
     pub(crate) gemv_ring: std::sync::atomic::AtomicBool,
+    /// Every layer of a decode step in one launch (megakernel.rs; `FERROLM_MEGAKERNEL=1`).
+    pub(crate) megakernel: std::sync::atomic::AtomicBool,
+    /// The megakernel's parameter blocks and scratch, by model, cache and buffers.
+    pub(crate) mega: Mutex<HashMap<u64, super::megakernel::MkState>>,
+    /// Megakernel launches queued or captured (tests check that it ran).
+    pub(crate) mega_launches: std::sync::atomic::AtomicUsize,
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
@@ -190,6 +198,9 @@ impl Cuda {
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("reading the multiprocessor count"))? as usize;
+        let smem_optin = ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .map_err(drv("reading the shared memory per block"))? as usize;
         // One stream: cudarc's cross-stream event tracking is not needed, and its event
         // records would otherwise land inside captured graphs.
         // SAFETY: every operation of this backend runs on the one default stream.
@@ -203,6 +214,7 @@ impl Cuda {
             arch: format!("sm_{major}{minor}"),
             device_name,
             sms,
+            smem_optin,
             // `FERROLM_PDL=0` turns it off (for A/B measurements).
             pdl: major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0"),
             clusters: major >= 9,
@@ -225,6 +237,9 @@ impl Cuda {
             gemv_ring: std::sync::atomic::AtomicBool::new(
                 std::env::var("FERROLM_GEMV_RING").map_or(super::fused::GEMV_RING_DEFAULT, |v| v != "0"),
             ),
+            megakernel: std::sync::atomic::AtomicBool::new(super::megakernel::megakernel_default()),
+            mega: Mutex::new(HashMap::new()),
+            mega_launches: std::sync::atomic::AtomicUsize::new(0),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
             trace,

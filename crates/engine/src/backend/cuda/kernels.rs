@@ -80,6 +80,11 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     let mut ring = affine_defines(4, 64, ScaleDtype::BF16);
     ring.extend(["XQ=1", "RING=1"].map(String::from));
     v.push((file("gemv.cu"), ring));
+    // The decode megakernel (MEGA=1, decode_layers.cuh; FERROLM_MEGAKERNEL): one variant,
+    // so it compiles.
+    let mut mega = affine_defines(4, 64, ScaleDtype::BF16);
+    mega.extend(["XQ=1", "MEGA=1"].map(String::from));
+    v.push((file("gemv.cu"), mega));
     // The 4- and 16-warp GEMVs (FERROLM_GEMV_WARPS, a tuning knob): one variant each, so
     // they compile.
     for nw in ["NW=4", "NW=16"] {

@@ -14,6 +14,7 @@ mod fused;
 mod gemm;
 mod gemv_ring;
 pub mod kernels;
+mod megakernel;
 pub mod nvrtc;
 pub mod ops;
 mod trace;

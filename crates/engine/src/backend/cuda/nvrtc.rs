@@ -16,6 +16,8 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
     ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
     ("gemv_ring.cuh", include_str!("../../../kernels/gemv_ring.cuh")),
+    ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
+    ("decode_layers.cuh", include_str!("../../../kernels/decode_layers.cuh")),
 ];
 
 /// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel

@@ -427,6 +427,17 @@ impl Backend for Cuda {
     fn matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
         self.fused_matmul_add(y, w, x, tmp)
     }
+    fn decode_layers(
+        &self,
+        layers: &[crate::backend::LayerWeights<'_, Self>],
+        kv: &mut CudaKv,
+        rope: &Rope,
+        heads: (usize, usize),
+        eps: f32,
+        bufs: crate::backend::DecodeBufs<'_, Self>,
+    ) -> Result<bool> {
+        self.mk_decode_layers(layers, kv, rope, heads, eps, bufs)
+    }
     fn o_proj_mlp(
         &self,
         att: &CudaAct,

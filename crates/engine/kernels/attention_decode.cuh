@@ -1,0 +1,358 @@
+// Decode attention for one block's work item: QB query heads (block column bx) over the
+// positions of split sp (attention_decode.cu explains the design). Shared by the
+// attention_decode kernel and the decode megakernel (decode_layers.cuh), which run it with
+// AW warps: ATT_SYNC() is their barrier (the whole block in the kernel; the megakernel's
+// first AW warps only, a named barrier, as its other warps go on). `wait()` returns when q
+// and the new k/v may be read (the kernel's pdl_wait); the cached positions' first loads
+// go out before it.
+#pragma once
+#include "common.cuh"
+
+#ifndef ATT_SYNC
+#define ATT_SYNC() __syncthreads()
+#endif
+
+
+#define AW 4            // warps per block
+#define QB_MAX 4        // query heads per block
+#define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
+#define UNR 4           // positions per lane group whose loads are in flight together
+#ifndef SCORE_BATCH     // score a round's UNR positions together (deep caches; see fused.rs)
+#define SCORE_BATCH 0
+#endif
+#define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX)
+
+// RoPE of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl (G lanes per
+// head): pairs (2j, 2j+1) when interleaved, else (j, j + hd/2), whose partner dim is in
+// lane gl ^ G/2. The angles depend only on the position, so they are computed once per
+// lane (before the kernel waits for q/k) and turn every head the lane holds.
+struct Rope8 {
+    float s[8], c[8];  // interleaved: pair i/2's at even i; else dim i's pair's
+    bool first;        // not interleaved: this lane's dims are the pairs' first halves
+
+    __device__ __forceinline__ void init(int gl, int hd, int pos, float linear, const float* __restrict__ inv_freq,
+                                         int interleaved) {
+        int half = hd / 2;
+        first = gl * 8 < half;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int d = gl * 8 + i;
+            if (interleaved && i % 2 == 0) rope_angle(pos, linear, inv_freq[d / 2], s[i], c[i]);
+            else if (!interleaved) rope_angle(pos, linear, inv_freq[first ? d : d - half], s[i], c[i]);
+        }
+    }
+
+    // Every lane of the warp must call this (a shuffle).
+    __device__ __forceinline__ void apply(float (&x)[8], int G, int interleaved) const {
+        float other[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) other[i] = __shfl_xor_sync(0xffffffffu, x[i], G / 2);
+        if (interleaved) {
+#pragma unroll
+            for (int i = 0; i < 8; i += 2) {
+                bf16_t y0, y1;
+                rope_turn(x[i], x[i + 1], s[i], c[i], y0, y1);
+                x[i] = bf2f(y0);
+                x[i + 1] = bf2f(y1);
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                bf16_t y0, y1;
+                rope_turn(first ? x[i] : other[i], first ? other[i] : x[i], s[i], c[i], y0, y1);
+                x[i] = bf2f(first ? y0 : y1);
+            }
+        }
+    }
+};
+
+template <class Wait>
+__device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_new,
+                                       const bf16_t* __restrict__ v_new, bf16_t* __restrict__ kc,
+                                       bf16_t* __restrict__ vc, const float* __restrict__ inv_freq, float linear,
+                                       int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
+                                       bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd,
+                                       int qb, int pos0, int chunk, int cs, int bx, int sp, int splits, Wait wait) {
+    __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
+    __shared__ float s_pm[QB_MAX], s_pl[QB_MAX], s_po[QB_MAX * 256];             // qb · hd ≤ 1024
+    __shared__ int last;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int G = hd / 8, PW = 32 / G;  // lanes per position, positions per warp step
+    int grp = lane / G, gl = lane % G, gid = warp * PW + grp, groups = AW * PW;
+    int h0 = bx * qb;
+    int kvh = h0 / (heads / n_kv), width = n_kv * hd;
+    int p0 = sp * chunk, p1 = min(pos0 + 1, p0 + chunk);
+    int pc = min(p1, pos0);  // cached positions of this split: [p0, pc)
+    const bf16_t* kb = kc + kvh * hd + gl * 8;
+    const bf16_t* vb = vc + kvh * hd + gl * 8;
+    // K/V of cached positions: positions past pc reload position pc - 1, unused.
+    auto load_kv = [&](int base0, uint4 (&kr)[UNR], uint4 (&vr)[UNR]) {
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            long p = min(base0 + u * AW * PW + grp, pc - 1);
+            kr[u] = *reinterpret_cast<const uint4*>(kb + p * width);
+            vr[u] = *reinterpret_cast<const uint4*>(vb + p * width);
+        }
+    };
+    int first = p0 + warp * PW;
+    uint4 kr[UNR], vr[UNR];
+    if (first < pc) load_kv(first, kr, vr);
+    Rope8 rope;
+    rope.init(gl, hd, pos0, linear, inv_freq, interleaved);
+    wait();
+    // The new position's k (rotated below) and v, if it is in this split: loaded with q.
+    bool has_new = pos0 >= p0 && pos0 < p1 && warp == 0;
+    float kn[8], vn[8];
+    uint4 vnr;
+    if (has_new) {
+        load_bf16x8(k_new + kvh * hd + gl * 8, kn);
+        vnr = *reinterpret_cast<const uint4*>(v_new + kvh * hd + gl * 8);
+        unpack_bf16x8(vnr, vn);
+    }
+    float scale = rsqrtf((float)hd);
+    float qv[QB_MAX][8], acc[QB_MAX][8], m[QB_MAX], l[QB_MAX];
+#pragma unroll
+    for (int j = 0; j < QB_MAX; j++) {
+        if (j < qb) {
+            load_bf16x8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
+            rope.apply(qv[j], G, interleaved);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            qv[j][i] = j < qb ? qv[j][i] * scale : 0.f;
+            acc[j][i] = 0.f;
+        }
+        m[j] = -INFINITY;
+        l[j] = 0.f;
+    }
+    if (has_new) rope.apply(kn, G, interleaved);
+    // Score positions p (valid: this lane group's position is real) into the online softmax.
+    auto score = [&](const float (&kf)[8], const float (&vf)[8], bool valid) {
+#pragma unroll
+        for (int j = 0; j < QB_MAX; j++) {
+            if (j >= qb) break;
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < 8; i++) s = fmaf(qv[j][i], kf[i], s);
+            for (int o = G / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+            if (valid) {
+                float mn = fmaxf(m[j], s), corr = __expf(m[j] - mn), e = __expf(s - mn);
+                l[j] = l[j] * corr + e;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[j][i] = acc[j][i] * corr + e * vf[i];
+                m[j] = mn;
+            }
+        }
+    };
+    // Each round's K/V loads go out before the previous round is scored (two rounds in
+    // registers), so a split longer than one round pays one DRAM latency, not one per round.
+    for (int base0 = first; base0 < pc; base0 += AW * PW * UNR) {  // uniform per warp: shuffles
+        uint4 kn_r[UNR], vn_r[UNR];
+#pragma unroll
+        for (int u = 0; u < UNR; u++) kn_r[u] = kr[u], vn_r[u] = vr[u];
+        if (base0 + AW * PW * UNR < pc) load_kv(base0 + AW * PW * UNR, kr, vr);
+#if SCORE_BATCH
+        // The round's UNR positions scored together (independent dot products and
+        // shuffles), then folded into the online softmax with one rescale.
+        float sc[UNR][QB_MAX];
+        bool ok[UNR];
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            ok[u] = base0 + u * AW * PW + grp < pc;
+            float kf[8];
+            unpack_bf16x8(kn_r[u], kf);
+#pragma unroll
+            for (int j = 0; j < QB_MAX; j++) {
+                float d = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) d = fmaf(qv[j][i], kf[i], d);  // qv is 0 for j ≥ qb
+                sc[u][j] = d;
+            }
+        }
+        for (int o = G / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int u = 0; u < UNR; u++)
+#pragma unroll
+                for (int j = 0; j < QB_MAX; j++)
+                    if (j < qb) sc[u][j] += __shfl_xor_sync(0xffffffffu, sc[u][j], o);
+#pragma unroll
+        for (int j = 0; j < QB_MAX; j++) {
+            if (j >= qb) break;
+            float mn = m[j];
+#pragma unroll
+            for (int u = 0; u < UNR; u++) mn = ok[u] ? fmaxf(mn, sc[u][j]) : mn;
+            if (mn == -INFINITY) continue;  // none of the round's positions is this group's
+            float corr = __expf(m[j] - mn);
+            l[j] *= corr;
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[j][i] *= corr;
+#pragma unroll
+            for (int u = 0; u < UNR; u++) {
+                if (!ok[u]) continue;
+                float e = __expf(sc[u][j] - mn), vf[8];
+                unpack_bf16x8(vn_r[u], vf);
+                l[j] += e;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[j][i] = fmaf(e, vf[i], acc[j][i]);
+            }
+            m[j] = mn;
+        }
+#else
+#pragma unroll
+        for (int u = 0; u < UNR; u++) {
+            int base = base0 + u * AW * PW;
+            if (base >= pc) break;
+            float kf[8], vf[8];
+            unpack_bf16x8(kn_r[u], kf);
+            unpack_bf16x8(vn_r[u], vf);
+            score(kf, vf, base + grp < pc);
+        }
+#endif
+    }
+    // The new position, if it is in this split: scored last by warp 0's lane group 0 (its
+    // k/v were loaded with q), written to the cache by the kv group's first block.
+    if (has_new) {
+        score(kn, vn, grp == 0);
+        if (grp == 0 && h0 % (heads / n_kv) == 0) {
+            long o = (long)pos0 * width + kvh * hd + gl * 8;
+            uint4 kw;
+            kw.x = (u32)f2bf(kn[0]) | ((u32)f2bf(kn[1]) << 16);
+            kw.y = (u32)f2bf(kn[2]) | ((u32)f2bf(kn[3]) << 16);
+            kw.z = (u32)f2bf(kn[4]) | ((u32)f2bf(kn[5]) << 16);
+            kw.w = (u32)f2bf(kn[6]) | ((u32)f2bf(kn[7]) << 16);
+            *reinterpret_cast<uint4*>(kc + o) = kw;
+            *reinterpret_cast<uint4*>(vc + o) = vnr;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < QB_MAX; j++) {
+        if (j >= qb) break;
+        if (gl == 0) {
+            s_m[j * 32 + gid] = m[j];
+            s_l[j * 32 + gid] = l[j];
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i++) s_acc[j * 1024 + gid * hd + gl * 8 + i] = acc[j][i];
+    }
+    ATT_SYNC();
+    // This split's partial per query head: the lane groups merged in group order, into
+    // s_pm/s_pl (max, sum) and s_po (unnormalized output).
+    // (Unrolled: the shared-memory reads of several groups are in flight together.)
+    for (int t = threadIdx.x; t < qb * hd; t += AW * 32) {
+        int j = t / hd, d = t % hd;
+        float M = -INFINITY;
+#pragma unroll 8
+        for (int g = 0; g < groups; g++) M = fmaxf(M, s_m[j * 32 + g]);
+        float L = 0.f, o = 0.f;
+#pragma unroll 8
+        for (int g = 0; g < groups; g++) {
+            float mg = s_m[j * 32 + g];
+            float w = mg == -INFINITY ? 0.f : __expf(mg - M);
+            L += s_l[j * 32 + g] * w;
+            o += s_acc[j * 1024 + g * hd + d] * w;
+        }
+        s_po[t] = o;
+        if (d == 0) {
+            s_pm[j] = M;
+            s_pl[j] = L;
+        }
+    }
+    ATT_SYNC();
+    const float *pm = s_pm, *pl = s_pl, *po = s_po;
+    if (cs > 1) {
+        // The cluster's splits merged by its rank 0 in rank order, reading the others'
+        // partials from their shared memory (no global round trip, no fence), into s_m /
+        // s_l / s_acc (free by now). The second barrier keeps every block's shared memory
+        // alive until rank 0 has read it.
+        cluster_sync();
+        bool lead = cluster_rank() == 0;
+        if (lead) {
+            for (int t = threadIdx.x; t < qb * hd; t += AW * 32) {
+                int j = t / hd;
+                // Every rank's three values requested at once: one round trip to the other
+                // blocks' shared memory instead of one per read.
+                float mr[CS_MAX], lr[CS_MAX], orr[CS_MAX];
+#pragma unroll
+                for (int r = 0; r < CS_MAX; r++) {
+                    bool on = r < cs;
+                    mr[r] = on ? ld_cluster(s_pm + j, r) : -INFINITY;
+                    lr[r] = on ? ld_cluster(s_pl + j, r) : 0.f;
+                    orr[r] = on ? ld_cluster(s_po + t, r) : 0.f;
+                }
+                float M = -INFINITY;
+#pragma unroll
+                for (int r = 0; r < CS_MAX; r++) M = fmaxf(M, mr[r]);
+                float L = 0.f, o = 0.f;
+#pragma unroll
+                for (int r = 0; r < CS_MAX; r++) {
+                    float w = mr[r] == -INFINITY ? 0.f : __expf(mr[r] - M);
+                    L += lr[r] * w;
+                    o += orr[r] * w;
+                }
+                s_acc[t] = o;
+                if (t % hd == 0) {
+                    s_m[j] = M;
+                    s_l[j] = L;
+                }
+            }
+        }
+        cluster_sync();
+        if (!lead) return;
+        pm = s_m;
+        pl = s_l;
+        po = s_acc;
+    }
+    // One merge unit (a cluster, or a block when cs = 1) per head covers every position:
+    // its partial is the output.
+    int units = splits / cs, unit = sp / cs;
+    if (units == 1) {
+        for (int t = threadIdx.x; t < qb * hd; t += AW * 32)
+            out[(long)h0 * hd + t] = f2bf(po[t] / pl[t / hd]);
+        return;
+    }
+    for (int t = threadIdx.x; t < qb * hd; t += AW * 32) {
+        int j = t / hd, d = t % hd;
+        long slot = (long)(h0 + j) * units + unit;
+        part_acc[slot * hd + d] = po[t];
+        if (d == 0) {
+            part_ml[2 * slot] = pm[j];
+            part_ml[2 * slot + 1] = pl[j];
+        }
+    }
+    __threadfence();
+    ATT_SYNC();
+    if (threadIdx.x == 0) last = atomicAdd(done + bx, 1) == units - 1;
+    ATT_SYNC();
+    if (!last) return;
+    __threadfence();
+    // Merge the units: warp j takes query head j (qb ≤ 4 warps), so the heads merge in
+    // parallel with warp-level reductions only. Partials come from other blocks: read
+    // through L2 with __ldcg. The unit weights exp(m_u − M) go once into shared memory
+    // (s_acc's space, free by now), then each output dim is a dot product over the units
+    // whose loads are all independent.
+    if (warp < qb) {
+        int j = warp;
+        long base = (long)(h0 + j) * units;
+        float* w = s_acc + j * 1024;
+        float M = -INFINITY;
+        for (int s = lane; s < units; s += 32) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
+        M = warp_max(M);
+        float L = 0.f;
+        for (int s = lane; s < units; s += 32) {
+            float ms = __ldcg(part_ml + 2 * (base + s));
+            float ws = ms == -INFINITY ? 0.f : __expf(ms - M);
+            w[s] = ws;
+            L += ws * __ldcg(part_ml + 2 * (base + s) + 1);
+        }
+        L = warp_sum(L);
+        __syncwarp();
+        for (int d = lane; d < hd; d += 32) {
+            const float* pa = part_acc + base * hd + d;
+            float o = 0.f;
+#pragma unroll 8
+            for (int s = 0; s < units; s++) o = fmaf(__ldcg(pa + (long)s * hd), w[s], o);
+            out[(long)(h0 + j) * hd + d] = f2bf(o / L);
+        }
+    }
+    if (threadIdx.x == 0) done[bx] = 0;
+}
