@@ -102,13 +102,11 @@ __device__ __forceinline__ void mk_step(int b, int rb, bool two, const Mat (&m)[
     first = b * rb;
 }
 
-// This block's phase is done (its rows stored): count it in.
+// This block's phase is done (its rows stored): count it in. The release publishes every
+// thread's writes before the barrier (bar.sync orders them before thread 0's add).
 __device__ __forceinline__ void grid_arrive(int* c) {
     BLOCK_SYNC();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        atomicAdd(c, 1);
-    }
+    if (threadIdx.x == 0) asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(c) : "memory");
 }
 
 // Every block has counted in on c (none: nothing to wait for); then its writes are visible.
@@ -120,7 +118,6 @@ __device__ __forceinline__ void grid_wait(const int* c) {
             if (v >= (int)gridDim.x) break;
             if (spins > (1u << 24)) __trap();  // blocks that can never arrive: fail, not hang
         }
-        __threadfence();
     }
     BLOCK_SYNC();
 }

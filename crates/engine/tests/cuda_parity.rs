@@ -475,43 +475,65 @@ fn fused_layer_end_decode_matches_separate_launches() {
     }
 }
 
+/// Mean KL(p‖q) of the softmaxes of logit rows `p` (reference) and `q`, and how many of
+/// the rows whose reference top-2 margin exceeds 0.05 agree on the argmax (of how many).
+fn kl_and_agreement(p: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, usize, usize) {
+    let lsm = |r: &[f32]| {
+        let mx = r.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let lse = mx + r.iter().map(|&x| (x as f64 - mx).exp()).sum::<f64>().ln();
+        r.iter().map(|&x| x as f64 - lse).collect::<Vec<f64>>()
+    };
+    let (mut kl, mut agree, mut counted) = (0f64, 0, 0);
+    for (rp, rq) in p.iter().zip(q) {
+        let (lp, lq) = (lsm(rp), lsm(rq));
+        kl += lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum::<f64>();
+        let mut sorted = rp.clone();
+        sorted.sort_by(|a, b| b.total_cmp(a));
+        if sorted[0] - sorted[1] > 0.05 {
+            counted += 1;
+            agree += usize::from(ferrolm::sample::argmax(rp) == ferrolm::sample::argmax(rq));
+        }
+    }
+    (kl / p.len() as f64, agree, counted)
+}
+
 /// The decode megakernel (every layer of a step in one launch; decode_layers.cuh) against
-/// the op-by-op layers. Its GEMV rows are the op path's sums bit for bit, but its attention
-/// splits follow the position (the op path's follow the capacity), so the merged outputs
-/// may differ in their last bits: logits agree to bf16 rounding and greedy tokens match.
-/// A ~300-token prompt gives every step several splits and their merge; steps replay a
-/// captured graph. Three runs give bit-identical logits (deterministic).
+/// the CPU reference, beside the op-by-op layers: decode steps fed the same tokens after a
+/// ~300-token prompt (so attention has several splits and their merge), replaying a
+/// captured graph. Its GEMV rows are the op path's sums bit for bit, but its attention
+/// splits follow the position (the op path's follow the capacity), so the two differ in
+/// rounding: each must meet the model parity bar against the CPU (mean KL ≤ 2e-3, argmax
+/// agreement where the reference is confident). Three megakernel runs give bit-identical
+/// logits (deterministic).
 #[test]
-fn megakernel_decode_matches_op_path() {
-    let (_, mg, tok) = smollm2();
+fn megakernel_decode_matches_cpu() {
+    let (mc, mg, tok) = smollm2();
     let text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. ".repeat(16);
     let ids = tok.encode(&text, true).unwrap();
     assert!(ids.len() > 256, "prompt of {} tokens", ids.len());
+    let next = tok.encode(" Then the dog wakes up, barks twice and runs after the fox into the woods.", false).unwrap();
+    fn steps<B: Backend>(m: &Llama<B>, ids: &[u32], next: &[u32]) -> Vec<Vec<f32>> {
+        let mut s = ferrolm::generate::Session::new(m, 512).unwrap();
+        s.feed(ids).unwrap();
+        next.iter().map(|&t| s.step(t).unwrap()).collect()
+    }
+    let want = steps(&mc, &ids, &next);
     let before = mg.backend.megakernel();
-    let run = |on: bool| {
-        mg.backend.set_megakernel(on);
-        let mut s = ferrolm::generate::Session::new(&mg, 512).unwrap();
-        let (mut l, _) = s.feed(&ids).unwrap();
-        let mut steps = Vec::new();
-        for _ in 0..8 {
-            l = s.step(ferrolm::sample::argmax(&l)).unwrap();
-            steps.push(l.clone());
-        }
-        steps
-    };
-    let ops = run(false);
+    mg.backend.set_megakernel(false);
+    let ops = steps(&mg, &ids, &next);
     let launched = mg.backend.megakernel_launches();
-    let mk = [run(true), run(true), run(true)];
+    mg.backend.set_megakernel(true);
+    let mk: Vec<_> = (0..3).map(|_| steps(&mg, &ids, &next)).collect();
     mg.backend.set_megakernel(before);
     assert!(mg.backend.megakernel_launches() > launched, "the megakernel never ran (the model was not taken)");
-    for (i, (want, got)) in ops.iter().zip(&mk[0]).enumerate() {
-        check(&format!("megakernel decode step {i} logits"), got, want, 1e-2);
-        assert_eq!(ferrolm::sample::argmax(got), ferrolm::sample::argmax(want), "decode step {i}: greedy token");
+    for (name, got) in [("op path", &ops), ("megakernel", &mk[0])] {
+        let (kl, agree, counted) = kl_and_agreement(&want, got);
+        eprintln!("SmolLM2 decode, {name} vs CPU over {} steps: mean KL {kl:.2e}, argmax {agree}/{counted}", next.len());
+        assert!(kl <= 2e-3, "{name}: mean KL {kl}");
+        assert!(agree == counted, "{name}: argmax {agree}/{counted}");
     }
-    for other in &mk[1..] {
-        let bits = |r: &Vec<Vec<f32>>| r.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
-        assert!(bits(other) == bits(&mk[0]), "megakernel runs differ: not deterministic");
-    }
+    let bits = |r: &Vec<Vec<f32>>| r.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
+    assert!(mk.iter().all(|r| bits(r) == bits(&mk[0])), "megakernel runs differ: not deterministic");
 }
 
 /// Ring-fed decode GEMVs (gemv_ring.cuh: weights copied into shared memory in bulk) do a

@@ -283,11 +283,19 @@ impl Cuda {
             .map_err(drv("megakernel shared memory"))?;
         let c = LaunchConfig {
             grid_dim: (self.sms as u32, 1, 1),
-            block_dim: (32 * (gemv_warps() as u32 + 1), 1, 1),
+            block_dim: (32 * gemv_warps() as u32, 1, 1),
             shared_mem_bytes: st.plan.smem as u32,
         };
         debug_assert_eq!(st.defines, gd);
-        self.launch(&f, c, &[KArg::Ptr(st.params.device_ptr(&self.stream).0)], "decode megakernel launch")?;
+        let what = format!(
+            "decode megakernel launch ({} threads, {} registers each, {} + {} bytes of shared memory of {})",
+            c.block_dim.0,
+            f.get_attribute(Attr::CU_FUNC_ATTRIBUTE_NUM_REGS).unwrap_or(-1),
+            st.plan.smem,
+            f.get_attribute(Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES).unwrap_or(-1),
+            self.smem_optin
+        );
+        self.launch(&f, c, &[KArg::Ptr(st.params.device_ptr(&self.stream).0)], &what)?;
         self.mega_launches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(true)
     }
