@@ -124,7 +124,7 @@ __device__ __forceinline__ void grid_wait(const int* c) {
 
 // Bulk-copy step n of this block's sequence (the layers' phases in order, each phase's
 // steps b = blockIdx.x, + gridDim.x, …; per layer c[ph] of them) into stage n % stages.
-__device__ __forceinline__ void mk_issue(const MkParams& P, u32 n, const int (&c)[5], unsigned char* ring,
+__device__ __forceinline__ void mk_issue(const MkParams& P, u32 n, const int* c, unsigned char* ring,
                                          unsigned long long* full) {
     if (c[4] == 0 || n / c[4] >= (u32)P.n_layers) return;  // past the last step
     int l = n / c[4], j = n % c[4], ph = 0;
@@ -156,15 +156,16 @@ struct MkRing {
     unsigned char* ring;
     unsigned long long* full;
     int* freed;
-    const int (&c)[5];
+    const int* c;
 };
 
 // A GEMV phase: once `wait` has passed, x (cols values; NORM: the
 // f32 residual, RMS-normalized with gains nw) is staged, then each of this block's steps is
 // taken from the ring as the ring GEMV takes it (gemv_ring.cuh).
 template <int R, bool NORM, int OUT>
-__device__ __noinline__ void mk_gemv(const MkParams& P, const Mat (&m)[3], const void* x, const float* nw, int cols,
-                                        uint4* xs, const MkRing& rg, u32& g, const int* wait) {
+__device__ __noinline__ void mk_gemv(const MkParams& P, Mat m0, Mat m1, Mat m2, const void* x, const float* nw, int cols,
+                                     uint4* xs, MkRing rg, u32& g, const int* wait) {
+    const Mat m[3] = {m0, m1, m2};  // by value: a call's arrays by reference live in local memory
     constexpr bool TWO = OUT == 3;
     constexpr int rb = NW * R;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -217,9 +218,9 @@ __device__ __noinline__ void mk_gemv(const MkParams& P, const Mat (&m)[3], const
 template <bool NORM, int OUT>
 __device__ __forceinline__ void mk_gemv_r(int r, const MkParams& P, const Mat (&m)[3], const void* x, const float* nw,
                                           int cols, uint4* xs, const MkRing& rg, u32& g, const int* wait) {
-    if (r == 4) mk_gemv<4, NORM, OUT>(P, m, x, nw, cols, xs, rg, g, wait);
-    else if (r == 2) mk_gemv<2, NORM, OUT>(P, m, x, nw, cols, xs, rg, g, wait);
-    else mk_gemv<1, NORM, OUT>(P, m, x, nw, cols, xs, rg, g, wait);
+    if (r == 4) mk_gemv<4, NORM, OUT>(P, m[0], m[1], m[2], x, nw, cols, xs, rg, g, wait);
+    else if (r == 2) mk_gemv<2, NORM, OUT>(P, m[0], m[1], m[2], x, nw, cols, xs, rg, g, wait);
+    else mk_gemv<1, NORM, OUT>(P, m[0], m[1], m[2], x, nw, cols, xs, rg, g, wait);
 }
 
 // The attention phase: this block's items (query-head block, split) on warps 0..AW-1.

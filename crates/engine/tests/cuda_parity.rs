@@ -528,7 +528,10 @@ fn megakernel_decode_matches_cpu() {
     assert!(mg.backend.megakernel_launches() > launched, "the megakernel never ran (the model was not taken)");
     for (name, got) in [("op path", &ops), ("megakernel", &mk[0])] {
         let (kl, agree, counted) = kl_and_agreement(&want, got);
-        eprintln!("SmolLM2 decode, {name} vs CPU over {} steps: mean KL {kl:.2e}, argmax {agree}/{counted}", next.len());
+        eprintln!(
+            "SmolLM2 decode, {name} vs CPU over {} steps: mean KL {kl:.2e}, argmax {agree}/{counted}",
+            next.len()
+        );
         assert!(kl <= 2e-3, "{name}: mean KL {kl}");
         assert!(agree == counted, "{name}: argmax {agree}/{counted}");
     }

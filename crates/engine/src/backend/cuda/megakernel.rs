@@ -73,7 +73,7 @@ pub(super) fn mk_plan(
     xq: bool,
     room: usize,
 ) -> Option<MkPlan> {
-    let mut r = [0; 4];
+    let mut rows_per_warp = [0; 4];
     let mut stage_bytes = 0;
     for (i, p) in ph.iter().enumerate() {
         if !(p.cols * bits).is_multiple_of(128) || !p.cols.is_multiple_of(group) {
@@ -82,15 +82,15 @@ pub(super) fn mk_plan(
         let rowbytes = p.cols * bits / 8;
         let srow = scale_bytes * (p.cols / group);
         let nm = if p.two { 2 } else { 1 };
-        let fits = |r: usize| {
-            let rb = warps * r;
+        let fits = |per_warp: usize| {
+            let rb = warps * per_warp;
             let step = (nm * rb * (rowbytes + 2 * srow)).div_ceil(128) * 128;
             // a matrix's last step copies (rows % rb)·srow bytes of scales: whole pieces
             let pieces = p.rows.iter().all(|n| ((n % rb) * srow).is_multiple_of(16));
             (step <= stage_cap() && pieces).then_some(step)
         };
-        let (ri, step) = [4, 2, 1].into_iter().find_map(|r| fits(r).map(|s| (r, s)))?;
-        r[i] = ri;
+        let (ri, step) = [4, 2, 1].into_iter().find_map(|n| fits(n).map(|s| (n, s)))?;
+        rows_per_warp[i] = ri;
         stage_bytes = stage_bytes.max(step);
     }
     let max_cols = ph.iter().map(|p| p.cols).max()?;
@@ -99,7 +99,13 @@ pub(super) fn mk_plan(
         b.div_ceil(128) * 128
     };
     let stages = (room.checked_sub(x_bytes)? / stage_bytes).min(STAGES_MAX);
-    (stages >= 2).then_some(MkPlan { r, stage_bytes, stages, x_bytes, smem: x_bytes + stages * stage_bytes })
+    (stages >= 2).then_some(MkPlan {
+        r: rows_per_warp,
+        stage_bytes,
+        stages,
+        x_bytes,
+        smem: x_bytes + stages * stage_bytes,
+    })
 }
 
 /// The parameter block the kernel reads: MkParams (176 bytes; decode_layers.cuh asserts
@@ -122,6 +128,13 @@ impl Block {
     }
 }
 
+fn act_addr(c: &Cuda, a: &CudaAct) -> u64 {
+    match &a.buf {
+        ActBuf::Bf16(b) => b.device_ptr(&c.stream).0,
+        ActBuf::F32(b) => b.device_ptr(&c.stream).0,
+    }
+}
+
 /// What one model's megakernel holds on the device; kept for the process.
 pub(crate) struct MkState {
     params: CudaSlice<u8>,
@@ -138,11 +151,43 @@ pub(super) fn megakernel_default() -> bool {
     std::env::var("FERROLM_MEGAKERNEL").is_ok_and(|v| v == "1")
 }
 
-fn affine(m: &CudaMat) -> Option<(&CudaSlice<u32>, &DevScales, &DevScales, usize, &[String])> {
+/// An affine matrix's device buffers and format.
+struct AffineParts<'a> {
+    words: &'a CudaSlice<u32>,
+    scales: &'a DevScales,
+    biases: &'a DevScales,
+    rows: usize,
+    defines: &'a [String],
+}
+
+fn affine(m: &CudaMat) -> Option<AffineParts<'_>> {
     match m {
-        CudaMat::Affine { words, scales, biases, rows, defines, .. } => Some((words, scales, biases, *rows, defines)),
+        CudaMat::Affine { words, scales, biases, rows, defines, .. } => {
+            Some(AffineParts { words, scales, biases, rows: *rows, defines })
+        }
         CudaMat::Dense { .. } => None,
     }
+}
+
+/// A layer's matrices in phase order: q, k, v, o, gate, up, down.
+fn mats<'a>(l: &LayerWeights<'a, Cuda>) -> [&'a CudaMat; 7] {
+    [l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down]
+}
+
+/// The model's one weight format for every layer matrix, or None (then the op path runs).
+/// Every matrix must be affine in the first one's format, of its layer-0 shape, and
+/// bulk-copyable (16-byte aligned buffers).
+fn one_format<'a>(c: &Cuda, layers: &[LayerWeights<'a, Cuda>], shape: &[(usize, usize); 7]) -> Option<AffineParts<'a>> {
+    let first = affine(layers.first()?.wq)?;
+    let f32_scales = |s: &DevScales| matches!(s, DevScales::F32(_));
+    let ok = layers.iter().all(|l| {
+        mats(l).iter().zip(shape).all(|(m, &dims)| {
+            affine(m).is_some_and(|p| p.defines == first.defines && f32_scales(p.scales) == f32_scales(first.scales))
+                && (m.rows(), m.cols()) == dims
+                && ring_aligned(c, m)
+        })
+    });
+    ok.then_some(first)
 }
 
 impl Cuda {
@@ -162,7 +207,8 @@ impl Cuda {
     }
 
     /// `Backend::decode_layers`: Ok(false) where the megakernel is off or does not take
-    /// this model (mixed weight formats, dense weights, rows it cannot bulk-copy).
+    /// this model (mixed weight formats, dense weights, rows it cannot bulk-copy; said once
+    /// on stderr, as the op path then runs).
     pub(super) fn mk_decode_layers(
         &self,
         layers: &[LayerWeights<'_, Cuda>],
@@ -172,113 +218,35 @@ impl Cuda {
         eps: f32,
         bufs: DecodeBufs<'_, Cuda>,
     ) -> Result<bool> {
-        if !self.megakernel() || layers.is_empty() || bufs.x.rows != 1 || !self.pdl {
+        if !self.megakernel() || bufs.x.rows != 1 {
             return Ok(false);
         }
         let DecodeBufs { x, q, k, v, att, act } = bufs;
-        let bf16 = |a: &CudaAct| matches!(a.buf, ActBuf::Bf16(_)) && a.rows == 1;
-        if !matches!(x.buf, ActBuf::F32(_)) || ![&*q, &*k, &*v, &*att, &*act].into_iter().all(bf16) {
-            return Ok(false);
-        }
-        let hd = kv.head_dim;
-        let (hidden, ffn) = (x.cols, act.cols);
-        if ![32, 64, 128, 256].contains(&hd) || heads * hd != q.cols || n_kv * hd != kv.width || heads % n_kv != 0 {
-            return Ok(false);
-        }
-        // Every layer matrix one format, ring-copyable (16-byte aligned buffers).
-        let Some((_, s0, _, _, defines)) = affine(layers[0].wq) else { return Ok(false) };
-        fn mats<'a>(l: &LayerWeights<'a, Cuda>) -> [&'a CudaMat; 7] {
-            [l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down]
-        }
-        let ok = layers.iter().flat_map(mats).all(|m| {
-            affine(m).is_some_and(|(_, s, _, _, d)| {
-                d == defines && matches!(s, DevScales::F32(_)) == matches!(s0, DevScales::F32(_))
-            }) && ring_aligned(self, m)
-        });
-        if !ok {
-            return Ok(false);
-        }
-        let l0 = &layers[0];
-        let expect = [(l0.wq, heads * hd, hidden), (l0.wk, kv.width, hidden), (l0.wv, kv.width, hidden)];
-        let expect = [
-            expect.as_slice(),
-            &[(l0.wo, hidden, heads * hd), (l0.w_gate, ffn, hidden), (l0.w_up, ffn, hidden)],
-            &[(l0.w_down, hidden, ffn)],
-        ]
-        .concat();
-        if layers.iter().any(|l| mats(l).iter().zip(&expect).any(|(m, e)| (m.rows(), m.cols()) != (e.1, e.2))) {
-            return Ok(false);
-        }
-        // One x staging for every phase (gemv.cu's XQ is a define of the variant).
-        let xq = x_staging(hidden).0;
-        let CudaMat::Affine { bits, group, .. } = l0.wq else { return Ok(false) };
-        if [ffn, heads * hd].iter().any(|&c| x_staging(c).0 != xq) {
-            return Ok(false);
-        }
-        let mut gd = gemv_defines(defines, xq);
-        gd.push("MEGA=1".into());
-        let f = self.function(kernels::file("gemv.cu"), &gd, "decode_layers")?;
-
-        // The parameter block for these weights, cache and buffers (built un-captured: the
-        // step's first run precedes its capture).
-        let ptr_of = |a: &CudaAct| match &a.buf {
-            ActBuf::Bf16(b) => b.device_ptr(&self.stream).0,
-            ActBuf::F32(b) => b.device_ptr(&self.stream).0,
-        };
-        let mut h = DefaultHasher::new();
-        for l in layers {
-            for m in mats(l) {
-                affine(m).map(|(w, ..)| w.device_ptr(&self.stream).0).hash(&mut h);
-            }
-            l.attn_norm.device_ptr(&self.stream).0.hash(&mut h);
-            l.mlp_norm.device_ptr(&self.stream).0.hash(&mut h);
-        }
-        for a in [&*x, &*q, &*k, &*v, &*att, &*act] {
-            ptr_of(a).hash(&mut h);
-        }
-        kv.k[0].device_ptr(&self.stream).0.hash(&mut h);
-        (
-            rope.inv_freq.as_slice().iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
-            rope.linear.to_bits(),
-            heads,
-            n_kv,
-            eps.to_bits(),
-        )
-            .hash(&mut h);
-        let key = h.finish();
+        let acts = [&*x, &*q, &*k, &*v, &*att, &*act];
+        let key = self.mk_key(layers, kv, rope, (heads, n_kv), eps, &acts);
         let mut states = self.mega.lock().unwrap_or_else(|e| e.into_inner());
-        if !states.contains_key(&key) {
-            if self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
-                return Err(Error::Invalid(
-                    "the decode megakernel's parameters were not set up before the capture".into(),
-                ));
+        let st = match states.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                // Built un-captured: a step's first run precedes its capture.
+                if self.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+                    return Err(Error::Invalid(
+                        "the decode megakernel's parameters were not set up before the capture".into(),
+                    ));
+                }
+                match self.mk_setup(layers, kv, rope, (heads, n_kv), eps, acts)? {
+                    Some(st) => e.insert(st),
+                    None => {
+                        static SAID: std::sync::Once = std::sync::Once::new();
+                        SAID.call_once(|| {
+                            eprintln!("ferrolm: FERROLM_MEGAKERNEL: this model's layers are not one ring-copyable affine format; decoding op by op")
+                        });
+                        return Ok(false);
+                    }
+                }
             }
-            let static_smem = f
-                .get_attribute(Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-                .map_err(drv("megakernel attributes"))? as usize;
-            let room = self.smem_optin.saturating_sub(static_smem);
-            let scale_bytes = if matches!(s0, DevScales::F32(_)) { 4 } else { 2 };
-            let rows_of = |ms: &[&CudaMat]| ms.iter().map(|m| m.rows()).collect::<Vec<_>>();
-            let (qkv, o, gu, dn) = (
-                rows_of(&[l0.wq, l0.wk, l0.wv]),
-                rows_of(&[l0.wo]),
-                rows_of(&[l0.w_gate, l0.w_up]),
-                rows_of(&[l0.w_down]),
-            );
-            let shapes = [
-                PhaseShape { rows: &qkv, cols: hidden, two: false },
-                PhaseShape { rows: &o, cols: heads * hd, two: false },
-                PhaseShape { rows: &gu, cols: hidden, two: true },
-                PhaseShape { rows: &dn, cols: ffn, two: false },
-            ];
-            let Some(plan) = mk_plan(&shapes, (*bits as usize, *group, scale_bytes), gemv_warps(), xq, room) else {
-                return Ok(false);
-            };
-            let st =
-                self.mk_state(layers, kv, rope, (heads, n_kv, hd), eps, [&*x, &*q, &*k, &*v, &*att, &*act], plan, &gd)?;
-            states.insert(key, st);
-        }
-        let st = &states[&key];
+        };
+        let f = self.function(kernels::file("gemv.cu"), &st.defines, "decode_layers")?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, st.plan.smem as i32)
             .map_err(drv("megakernel shared memory"))?;
         let c = LaunchConfig {
@@ -286,7 +254,6 @@ impl Cuda {
             block_dim: (32 * gemv_warps() as u32, 1, 1),
             shared_mem_bytes: st.plan.smem as u32,
         };
-        debug_assert_eq!(st.defines, gd);
         let what = format!(
             "decode megakernel launch ({} threads, {} registers each, {} + {} bytes of shared memory of {})",
             c.block_dim.0,
@@ -300,6 +267,86 @@ impl Cuda {
         Ok(true)
     }
 
+    /// What the parameter block depends on: every buffer address it holds and the scalars.
+    fn mk_key(
+        &self,
+        layers: &[LayerWeights<'_, Cuda>],
+        kv: &CudaKv,
+        rope: &Rope,
+        heads: (usize, usize),
+        eps: f32,
+        bufs: &[&CudaAct; 6],
+    ) -> u64 {
+        let mut h = DefaultHasher::new();
+        for l in layers {
+            for m in mats(l) {
+                affine(m).map(|p| p.words.device_ptr(&self.stream).0).hash(&mut h);
+            }
+            l.attn_norm.device_ptr(&self.stream).0.hash(&mut h);
+            l.mlp_norm.device_ptr(&self.stream).0.hash(&mut h);
+        }
+        for a in bufs {
+            act_addr(self, a).hash(&mut h);
+        }
+        kv.k.first().map(|b| b.device_ptr(&self.stream).0).hash(&mut h);
+        let freqs: Vec<u32> = rope.inv_freq.iter().map(|v| v.to_bits()).collect();
+        (freqs, rope.linear.to_bits(), heads, eps.to_bits()).hash(&mut h);
+        h.finish()
+    }
+
+    /// The megakernel for this model, cache and buffers: None where it does not apply.
+    fn mk_setup(
+        &self,
+        layers: &[LayerWeights<'_, Cuda>],
+        kv: &CudaKv,
+        rope: &Rope,
+        (heads, n_kv): (usize, usize),
+        eps: f32,
+        bufs: [&CudaAct; 6],
+    ) -> Result<Option<MkState>> {
+        let [x, q, .., act] = bufs;
+        let hd = kv.head_dim;
+        let (hidden, ffn) = (x.cols, act.cols);
+        let bf16 = |a: &&CudaAct| matches!(a.buf, ActBuf::Bf16(_)) && a.rows == 1;
+        if !self.pdl
+            || !matches!(x.buf, ActBuf::F32(_))
+            || !bufs[1..].iter().all(bf16)
+            || ![32, 64, 128, 256].contains(&hd)
+            || heads * hd != q.cols
+            || n_kv * hd != kv.width
+            || !heads.is_multiple_of(n_kv)
+        {
+            return Ok(None);
+        }
+        let (qd, kvd) = (heads * hd, kv.width);
+        let shape =
+            [(qd, hidden), (kvd, hidden), (kvd, hidden), (hidden, qd), (ffn, hidden), (ffn, hidden), (hidden, ffn)];
+        let Some(fmt) = one_format(self, layers, &shape) else { return Ok(None) };
+        // One x staging for every phase (gemv.cu's XQ is a define of the variant).
+        let xq = x_staging(hidden).0;
+        let CudaMat::Affine { bits, group, .. } = layers[0].wq else { return Ok(None) };
+        if [ffn, qd].iter().any(|&c| x_staging(c).0 != xq) {
+            return Ok(None);
+        }
+        let mut defines = gemv_defines(fmt.defines, xq);
+        defines.push("MEGA=1".into());
+        let f = self.function(kernels::file("gemv.cu"), &defines, "decode_layers")?;
+        let static_smem =
+            f.get_attribute(Attr::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES).map_err(drv("megakernel attributes"))? as usize;
+        let scale_bytes = if matches!(fmt.scales, DevScales::F32(_)) { 4 } else { 2 };
+        let shapes = [
+            PhaseShape { rows: &[qd, kvd, kvd], cols: hidden, two: false },
+            PhaseShape { rows: &[hidden], cols: qd, two: false },
+            PhaseShape { rows: &[ffn, ffn], cols: hidden, two: true },
+            PhaseShape { rows: &[hidden], cols: ffn, two: false },
+        ];
+        let room = self.smem_optin.saturating_sub(static_smem);
+        let Some(plan) = mk_plan(&shapes, (*bits as usize, *group, scale_bytes), gemv_warps(), xq, room) else {
+            return Ok(None);
+        };
+        self.mk_state(layers, kv, rope, (heads, n_kv, hd), eps, bufs, plan, defines).map(Some)
+    }
+
     /// Allocate the megakernel's scratch and write its parameter block.
     #[allow(clippy::too_many_arguments)]
     fn mk_state(
@@ -311,7 +358,7 @@ impl Cuda {
         eps: f32,
         [x, q, k, v, att, act]: [&CudaAct; 6],
         plan: MkPlan,
-        defines: &[String],
+        defines: Vec<String>,
     ) -> Result<MkState> {
         let alloc_i32 = |n| self.stream.alloc_zeros::<i32>(n).map_err(drv("allocating megakernel scratch"));
         let alloc_f32 = |n| self.stream.alloc_zeros::<f32>(n).map_err(drv("allocating megakernel scratch"));
@@ -331,17 +378,15 @@ impl Cuda {
         };
         let dp = |s: &CudaSlice<i32>| s.device_ptr(&self.stream).0;
         let fp = |s: &CudaSlice<f32>| s.device_ptr(&self.stream).0;
-        let ap = |a: &CudaAct| match &a.buf {
-            ActBuf::Bf16(b) => b.device_ptr(&self.stream).0,
-            ActBuf::F32(b) => b.device_ptr(&self.stream).0,
-        };
+        let ap = |a: &CudaAct| act_addr(self, a);
         // The layers go after the 256-byte MkParams slot; the block's own address is known
         // only once allocated, so it is written in two copies: layers first, then params.
         let mut lb = Block::default();
         for (i, l) in layers.iter().enumerate() {
             for m in [l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down] {
-                let (w, s, b, rows, _) = affine(m).expect("checked by mk_decode_layers");
-                lb.ptr(w.device_ptr(&self.stream).0).ptr(scales_ptr(self, s)).ptr(scales_ptr(self, b)).i32(rows).i32(0);
+                let p = affine(m).expect("checked by one_format");
+                lb.ptr(p.words.device_ptr(&self.stream).0);
+                lb.ptr(scales_ptr(self, p.scales)).ptr(scales_ptr(self, p.biases)).i32(p.rows).i32(0);
             }
             lb.ptr(fp(l.attn_norm)).ptr(fp(l.mlp_norm));
             lb.ptr(kv.k[i].device_ptr(&self.stream).0).ptr(kv.v[i].device_ptr(&self.stream).0);
