@@ -21,6 +21,8 @@ mod decode;
 mod flash;
 #[path = "cuda_ops/gemm.rs"]
 mod gemm;
+#[path = "cuda_ops/sync.rs"]
+mod sync;
 
 fn gpu() -> &'static Cuda {
     static G: OnceLock<Cuda> = OnceLock::new();

@@ -26,6 +26,7 @@ pub const FILES: &[KernelFile] = &[
     kernel!("sample.cu"),
     kernel!("gemm.cu"),
     kernel!("flash_attention.cu"),
+    kernel!("sync_probe.cu"),
 ];
 
 pub fn file(name: &str) -> &'static KernelFile {

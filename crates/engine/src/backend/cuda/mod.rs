@@ -17,6 +17,7 @@ pub mod kernels;
 mod megakernel;
 pub mod nvrtc;
 pub mod ops;
+pub mod probe;
 mod trace;
 
 pub use device::{Cuda, CudaAct, CudaKv, CudaMat};
