@@ -68,8 +68,9 @@ results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_GEMV_RING=0|$(FERROLM_GEMV_RING=0 bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_GEMV_RING=1|$(FERROLM_GEMV_RING=1 bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), steps not fed|$(FERROLM_CUDA_FEED=0 bench --model "$m1b")")
-# The fused layer end (not the default until measured): the MLP as one launch, then o + MLP.
-for fused in 1 2; do
+# The fused layer end (not the default until measured): the MLP as one launch, then o + MLP,
+# then the MLP split along the FFN dimension in clusters (3).
+for fused in 1 2 3; do
   results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_FFN_FUSED=$fused|$(FERROLM_FFN_FUSED=$fused bench --model "$m1b")")
   results+=("ferrolm, SmolLM2-135M Q4_1, FERROLM_FFN_FUSED=$fused|$(FERROLM_FFN_FUSED=$fused bench --model "$model")")
 done

@@ -656,6 +656,8 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3); }
 #if MEGA  // the decode megakernel alone: its own variant
 #include "decode_layers.cuh"
+#elif SPLITK  // the MLP split along the FFN dimension (ffn_splitk.cuh): its own variant
+#include "ffn_splitk.cuh"
 #elif !defined(FFN)
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)

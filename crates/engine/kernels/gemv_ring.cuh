@@ -200,7 +200,7 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
     GEMV_RING_KERNEL(gemvr_nb, R, true, 0)    \
     GEMV_RING_KERNEL(gemvr_nf, R, true, 1)    \
     GEMV_RING_KERNEL(gemvr_ns, R, true, 3)
-#if !MEGA  // the megakernel takes only the copy helpers
+#if RING  // its own variant (the megakernel and the split-K MLP take only the helpers)
 GEMV_RING_KERNELS(1)
 GEMV_RING_KERNELS(2)
 GEMV_RING_KERNELS(4)

@@ -499,17 +499,15 @@ fn kl_and_agreement(p: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, usize, usize) {
     (kl / p.len() as f64, agree, counted)
 }
 
-/// The decode megakernel (every layer of a step in one launch; decode_layers.cuh) against
-/// the CPU reference, beside the op-by-op layers: decode steps fed the same tokens after a
-/// ~300-token prompt (so attention has several splits and their merge), replaying a
-/// captured graph. Its GEMV rows are the op path's sums bit for bit, but its attention
-/// splits follow the position (the op path's follow the capacity), so the two differ in
-/// rounding: each must meet the model parity bar against the CPU (mean KL ≤ 2e-3, argmax
-/// agreement where the reference is confident). Three megakernel runs give bit-identical
-/// logits (deterministic).
-#[test]
-fn megakernel_decode_matches_cpu() {
+/// A decode path that sums in another order than the op path (`on(true)` selects it,
+/// `launches` counts its kernel's launches) against the CPU reference, beside the op path:
+/// SmolLM2 decode steps fed the same tokens after a ~300-token prompt (so attention has
+/// several splits and their merge), replaying a captured graph. Each must meet the model
+/// parity bar against the CPU (mean KL ≤ 2e-3, argmax agreement where the reference is
+/// confident), and three runs of the path give bit-identical logits (deterministic).
+fn other_decode_path_matches_cpu(name: &str, on: &dyn Fn(&Cuda, bool), launches: &dyn Fn(&Cuda) -> usize) {
     let (mc, mg, tok) = smollm2();
+    let g = &mg.backend;
     let text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. ".repeat(16);
     let ids = tok.encode(&text, true).unwrap();
     assert!(ids.len() > 256, "prompt of {} tokens", ids.len());
@@ -520,25 +518,42 @@ fn megakernel_decode_matches_cpu() {
         next.iter().map(|&t| s.step(t).unwrap()).collect()
     }
     let want = steps(&mc, &ids, &next);
-    let before = mg.backend.megakernel();
-    mg.backend.set_megakernel(false);
+    on(g, false);
     let ops = steps(&mg, &ids, &next);
-    let launched = mg.backend.megakernel_launches();
-    mg.backend.set_megakernel(true);
-    let mk: Vec<_> = (0..3).map(|_| steps(&mg, &ids, &next)).collect();
-    mg.backend.set_megakernel(before);
-    assert!(mg.backend.megakernel_launches() > launched, "the megakernel never ran (the model was not taken)");
-    for (name, got) in [("op path", &ops), ("megakernel", &mk[0])] {
+    let launched = launches(g);
+    on(g, true);
+    let other: Vec<_> = (0..3).map(|_| steps(&mg, &ids, &next)).collect();
+    on(g, false);
+    assert!(launches(g) > launched, "{name} never ran (the model was not taken)");
+    for (path, got) in [("op path", &ops), (name, &other[0])] {
         let (kl, agree, counted) = kl_and_agreement(&want, got);
         eprintln!(
-            "SmolLM2 decode, {name} vs CPU over {} steps: mean KL {kl:.2e}, argmax {agree}/{counted}",
+            "SmolLM2 decode, {path} vs CPU over {} steps: mean KL {kl:.2e}, argmax {agree}/{counted}",
             next.len()
         );
-        assert!(kl <= 2e-3, "{name}: mean KL {kl}");
-        assert!(agree == counted, "{name}: argmax {agree}/{counted}");
+        assert!(kl <= 2e-3, "{path}: mean KL {kl}");
+        assert!(agree == counted, "{path}: argmax {agree}/{counted}");
     }
     let bits = |r: &Vec<Vec<f32>>| r.iter().flatten().map(|v| v.to_bits()).collect::<Vec<_>>();
-    assert!(mk.iter().all(|r| bits(r) == bits(&mk[0])), "megakernel runs differ: not deterministic");
+    assert!(other.iter().all(|r| bits(r) == bits(&other[0])), "{name} runs differ: not deterministic");
+}
+
+/// The decode megakernel (every layer of a step in one launch; decode_layers.cuh): its GEMV
+/// rows are the op path's sums bit for bit, but its attention splits follow the position
+/// (the op path's follow the capacity).
+#[test]
+fn megakernel_decode_matches_cpu() {
+    other_decode_path_matches_cpu("megakernel", &|g, on| g.set_megakernel(on), &|g| g.megakernel_launches());
+}
+
+/// The MLP split along the FFN dimension (ffn_splitk.cuh, `FERROLM_FFN_FUSED=3`): its down
+/// projection sums each row's partials per block, cluster and cluster order.
+#[test]
+fn ffn_splitk_decode_matches_cpu() {
+    use ferrolm::backend::cuda::ffn::LayerEndFusion;
+    let set =
+        |g: &Cuda, on: bool| g.set_layer_end_fusion(if on { LayerEndFusion::SplitK } else { LayerEndFusion::None });
+    other_decode_path_matches_cpu("split-K MLP", &set, &|g| g.ffn_splitk_launches());
 }
 
 /// Ring-fed decode GEMVs (gemv_ring.cuh: weights copied into shared memory in bulk) do a

@@ -77,6 +77,11 @@ pub struct Cuda {
     pub(crate) mega: Mutex<HashMap<u64, super::megakernel::MkState>>,
     /// Megakernel launches queued or captured (tests check that it ran).
     pub(crate) mega_launches: std::sync::atomic::AtomicUsize,
+    /// The split-K MLP's cluster partials and per-rank counters, by (clusters, hidden); and
+    /// its launches (tests check that it ran).
+    #[allow(clippy::type_complexity)]
+    pub(crate) splitk_scratch: Mutex<HashMap<(usize, usize), (CudaSlice<f32>, CudaSlice<i32>)>>,
+    pub(crate) splitk_launches: std::sync::atomic::AtomicUsize,
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
@@ -232,6 +237,7 @@ impl Cuda {
             ffn_fused: std::sync::atomic::AtomicU8::new(match std::env::var("FERROLM_FFN_FUSED").as_deref() {
                 Ok("1") => 1,
                 Ok("2") => 2,
+                Ok("3") => 3,
                 _ => 0,
             }),
             gemv_ring: std::sync::atomic::AtomicBool::new(
@@ -240,6 +246,8 @@ impl Cuda {
             megakernel: std::sync::atomic::AtomicBool::new(super::megakernel::megakernel_default()),
             mega: Mutex::new(HashMap::new()),
             mega_launches: std::sync::atomic::AtomicUsize::new(0),
+            splitk_scratch: Mutex::new(HashMap::new()),
+            splitk_launches: std::sync::atomic::AtomicUsize::new(0),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
             trace,
@@ -295,8 +303,9 @@ impl Cuda {
     }
 
     /// `launch` with the blocks grouped into thread-block clusters of `cluster` blocks along
-    /// z (sm_90+, `self.clusters`): a cluster's blocks run at once and read each other's
-    /// shared memory (common.cuh's cluster_sync / ld_cluster). grid z must be a multiple.
+    /// z, or along x when the grid has no z extent (sm_90+, `self.clusters`): a cluster's
+    /// blocks run at once and read each other's shared memory (common.cuh's cluster_sync /
+    /// ld_cluster). That grid dimension must be a multiple.
     pub(crate) fn launch_clustered(
         &self,
         f: &CudaFunction,
@@ -305,10 +314,11 @@ impl Cuda {
         what: &str,
         cluster: u32,
     ) -> Result<()> {
-        if !self.clusters || !c.grid_dim.2.is_multiple_of(cluster) {
+        let along = if c.grid_dim.2 > 1 { c.grid_dim.2 } else { c.grid_dim.0 };
+        if !self.clusters || !along.is_multiple_of(cluster) {
             return Err(Error::Invalid(format!(
-                "{what}: clusters of {cluster} over a grid of {} (device clusters: {})",
-                c.grid_dim.2, self.clusters
+                "{what}: clusters of {cluster} over a grid of {along} (device clusters: {})",
+                self.clusters
             )));
         }
         self.launch_ex(f, c, args, what, Some(cluster))
@@ -346,11 +356,14 @@ impl Cuda {
             a.value.programmaticStreamSerializationAllowed = 1;
             attrs.push(a);
         }
-        if let Some(z) = cluster {
+        if let Some(size) = cluster {
             // SAFETY: plain-old-data union; only the cluster dimension member is set.
             let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
             a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z };
+            a.value.clusterDim = match c.grid_dim.2 > 1 {
+                true => sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: 1, z: size },
+                false => sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: size, y: 1, z: 1 },
+            };
             attrs.push(a);
         }
         let config = sys::CUlaunchConfig {

@@ -4,10 +4,12 @@
 //! boundary, so each phase's first weight tiles stream while the slowest blocks finish the
 //! phase before. The first step toward a persistent decode kernel; off unless
 //! `FERROLM_FFN_FUSED=1` (the MLP) or `=2` (o + the MLP), or `set_layer_end_fusion`,
-//! until it has been measured against the launches it replaces.
+//! until it has been measured against the launches it replaces. `=3` runs the MLP split
+//! along the FFN dimension instead (ffn_splitk.cuh; `Cuda::ffn_splitk`).
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, KArg};
 use super::fused::{dev, gemv_defines, gemv_warps, rows_per_warp, scales_ptr, x_staging, GEMV_LOADS};
+use super::gemv_ring::ring_x_bytes;
 use super::kernels;
 use crate::Result;
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
@@ -22,6 +24,9 @@ pub enum LayerEndFusion {
     Mlp = 1,
     /// o + add and the MLP, one launch.
     OProjMlp = 2,
+    /// The MLP as one launch split along the FFN dimension in thread-block clusters
+    /// (ffn_splitk.cuh): not bit-identical to the others (down sums in another order).
+    SplitK = 3,
 }
 
 impl Cuda {
@@ -30,6 +35,7 @@ impl Cuda {
         match self.ffn_fused.load(Relaxed) {
             1 => LayerEndFusion::Mlp,
             2 => LayerEndFusion::OProjMlp,
+            3 => LayerEndFusion::SplitK,
             _ => LayerEndFusion::None,
         }
     }
@@ -137,5 +143,104 @@ impl Cuda {
         // kernel's last block.
         self.launch(&f, c, &args, "fused layer-end launch")?;
         Ok(true)
+    }
+
+    /// For one row, as one launch: x += down(silu(gate(n(x))) · up(n(x))), split along the
+    /// FFN dimension (ffn_splitk.cuh): each block's gate/up rows, then its columns of down,
+    /// the partials reduced per cluster through DSMEM and across clusters in a fixed order.
+    /// `act` gets the SwiGLU output. Ok(false) where it does not apply (2-bit weights, steps
+    /// not whole 16-byte chunks, no clusters): the caller runs the separate launches.
+    pub fn ffn_splitk(
+        &self,
+        x: &mut CudaAct,
+        (gains, eps): (&CudaSlice<f32>, f32),
+        (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
+        act: &mut CudaAct,
+    ) -> Result<bool> {
+        let (
+            CudaMat::Affine { defines, words: wg, scales: sg, biases: bg, rows: ffn, cols: hidden, bits, .. },
+            CudaMat::Affine { defines: du, words: wu, scales: su, biases: bu, rows: ffn_u, cols: hidden_u, .. },
+            CudaMat::Affine { defines: dd, words: wd, scales: sd, biases: bd, rows: hidden_d, cols: ffn_d, .. },
+        ) = (gate, up, down)
+        else {
+            return Ok(false);
+        };
+        let (ffn, hidden, bits) = (*ffn, *hidden, *bits as usize);
+        let nw = gemv_warps();
+        // gate/up rows per warp (SPLITK_R); a step of nw·R rows must be whole down chunks.
+        const R: usize = 4;
+        let (rb, vpc) = (nw * R, 128 / bits);
+        // Blocks per cluster: 8 (portable), and every rank's slice of the hidden rows equal.
+        const CS: usize = 8;
+        let steps = ffn.div_ceil(rb);
+        let nb = steps.min(self.sms) / CS * CS;
+        let ok = self.clusters
+            && (ffn, hidden) == (*ffn_u, *hidden_u)
+            && (hidden, ffn) == (*hidden_d, *ffn_d)
+            && defines == du
+            && defines == dd
+            && matches!((&x.buf, &act.buf), (ActBuf::F32(_), ActBuf::Bf16(_)))
+            && (x.rows, x.cols, act.rows, act.cols) == (1, hidden, 1, ffn)
+            && bits >= 4
+            && rb.is_multiple_of(vpc)
+            && ffn.is_multiple_of(vpc)
+            && hidden.is_multiple_of(CS)
+            && nb > 0;
+        if !ok {
+            return Ok(false);
+        }
+        let (xq, _) = x_staging(hidden);
+        let mut defines = gemv_defines(defines, xq);
+        defines.extend(["SPLITK=1".into(), format!("SPLITK_R={R}")]);
+        let f = self.function(kernels::file("gemv.cu"), &defines, "ffn_splitk_r")?;
+        // x staging, then the block's partial sums (hidden) and its act values.
+        let smem = ring_x_bytes(hidden, xq) + 4 * (hidden + steps.div_ceil(nb) * rb);
+        f.set_attribute(
+            cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem as i32,
+        )
+        .map_err(drv("split-K MLP shared memory"))?;
+        let mut scratch = self.splitk_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (nb / CS, hidden);
+        if let std::collections::hash_map::Entry::Vacant(e) = scratch.entry(key) {
+            let part = self.stream.alloc_zeros::<f32>(key.0 * hidden).map_err(drv("allocating split-K partials"))?;
+            let done = self.stream.alloc_zeros::<i32>(CS).map_err(drv("allocating split-K counters"))?;
+            e.insert((part, done));
+        }
+        let (part, done) = &scratch[&key];
+        let (ActBuf::F32(xv), ActBuf::Bf16(av)) = (&x.buf, &act.buf) else { unreachable!("checked above") };
+        let args = [
+            dev(self, wg),
+            KArg::Ptr(scales_ptr(self, sg)),
+            KArg::Ptr(scales_ptr(self, bg)),
+            dev(self, wu),
+            KArg::Ptr(scales_ptr(self, su)),
+            KArg::Ptr(scales_ptr(self, bu)),
+            dev(self, wd),
+            KArg::Ptr(scales_ptr(self, sd)),
+            KArg::Ptr(scales_ptr(self, bd)),
+            dev(self, xv),
+            KArg::Ptr(gains.device_ptr(&self.stream).0),
+            KArg::F32(eps),
+            KArg::I32(hidden as i32),
+            KArg::I32(ffn as i32),
+            dev(self, av),
+            dev(self, part),
+            dev(self, done),
+        ];
+        let c = LaunchConfig {
+            grid_dim: (nb as u32, 1, 1),
+            block_dim: (32 * nw as u32, 1, 1),
+            shared_mem_bytes: smem as u32,
+        };
+        // Matches ffn_splitk.cuh's ffn_splitk_r; `done` zeroed at allocation, reset by the kernel.
+        self.launch_clustered(&f, c, &args, "split-K MLP launch", CS as u32)?;
+        self.splitk_launches.fetch_add(1, Relaxed);
+        Ok(true)
+    }
+
+    /// Split-K MLP launches so far (queued or captured).
+    pub fn ffn_splitk_launches(&self) -> usize {
+        self.splitk_launches.load(Relaxed)
     }
 }

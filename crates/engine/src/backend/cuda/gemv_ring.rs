@@ -36,7 +36,7 @@ pub(super) struct RingPlan {
 }
 
 /// Bytes of x staged before the ring (ring_x_bytes in gemv_ring.cuh).
-fn ring_x_bytes(cols: usize, xq: bool) -> usize {
+pub(super) fn ring_x_bytes(cols: usize, xq: bool) -> usize {
     let b = if xq { 2 * cols + cols / 32 * 4 + cols / 16 * 4 } else { 2 * cols };
     b.div_ceil(128) * 128
 }

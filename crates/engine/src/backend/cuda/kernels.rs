@@ -86,6 +86,11 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     let mut mega = affine_defines(4, 64, ScaleDtype::BF16);
     mega.extend(["XQ=1", "MEGA=1"].map(String::from));
     v.push((file("gemv.cu"), mega));
+    // The split-K MLP (SPLITK=1, ffn_splitk.cuh; FERROLM_FFN_FUSED=3): one variant, so it
+    // compiles.
+    let mut splitk = affine_defines(4, 64, ScaleDtype::BF16);
+    splitk.extend(["XQ=1", "SPLITK=1", "SPLITK_R=4"].map(String::from));
+    v.push((file("gemv.cu"), splitk));
     // The 4- and 16-warp GEMVs (FERROLM_GEMV_WARPS, a tuning knob): one variant each, so
     // they compile.
     for nw in ["NW=4", "NW=16"] {

@@ -18,6 +18,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("gemv_ring.cuh", include_str!("../../../kernels/gemv_ring.cuh")),
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("decode_layers.cuh", include_str!("../../../kernels/decode_layers.cuh")),
+    ("ffn_splitk.cuh", include_str!("../../../kernels/ffn_splitk.cuh")),
 ];
 
 /// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel

@@ -455,7 +455,12 @@ impl Backend for Cuda {
             return Ok(());
         }
         self.fused_matmul_add(att, wo, x, tmp)?;
-        if fusion != LayerEndFusion::None && self.ffn_fused(x, None, (norm, eps), mlp, act)? {
+        if fusion == LayerEndFusion::SplitK && self.ffn_splitk(x, (norm, eps), mlp, act)? {
+            return Ok(());
+        }
+        if matches!(fusion, LayerEndFusion::Mlp | LayerEndFusion::OProjMlp)
+            && self.ffn_fused(x, None, (norm, eps), mlp, act)?
+        {
             return Ok(());
         }
         self.fused_norm_swiglu(x, norm, eps, xn, (mlp.0, mlp.1), (g, u), act)?;

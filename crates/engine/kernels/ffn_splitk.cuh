@@ -1,0 +1,135 @@
+// A decode layer's MLP as one launch split along the FFN dimension (SPLITK=1 variant of
+// gemv.cu, SPLITK_R its gate/up rows per warp; backend/cuda/ffn.rs, `FERROLM_FFN_FUSED=3`):
+//     x += down · (silu(gate·n(x)) ⊙ up·n(x))
+// Block j computes its gate/up rows as gemv() deals them (steps j, j + grid, …: the op
+// path's rows and sums, bit for bit, stored to `act`), then multiplies those act values by
+// the same columns of down: a partial sum over its slice of the FFN dimension for every
+// hidden row. The cluster's blocks reduce their partials through distributed shared memory
+// (block r of a cluster sums slice r of the hidden rows over the cluster's blocks, in rank
+// order), and the last cluster to finish a slice adds the clusters' sums into x in cluster
+// order: deterministic. So the down projection needs no second launch and no wait for
+// every gate/up row: each block starts on down as soon as its own act values are done.
+// down's columns are its inputs: each block reads only its slice's columns of every row.
+//
+// grid: NB blocks (a multiple of the cluster size CS along x, NB ≤ SMs), 32·NW threads;
+// dynamic shared memory ring_x_bytes(hidden) for x, then hidden + rows floats (the
+// block's partial sums and its act values). part: [NB / CS][hidden] floats; done: one
+// counter per cluster rank, zeroed (reset by each launch).
+#pragma once
+#include "gemv_ring.cuh"
+
+// One 16-byte chunk of a down row against the VPC act values `a` it meets:
+// scale·Σq·a + bias·Σa per group segment (gemv.cu's bf16-x math: one PRMT and one FFMA per
+// weight, part_dot).
+__device__ __forceinline__ float down_chunk(uint4 q4, const scale_t (&sc)[NSUB], const scale_t (&bi)[NSUB],
+                                            const float* a) {
+    u32 words[4] = {q4.x, q4.y, q4.z, q4.w};
+    float y = 0.f;
+#pragma unroll
+    for (int k = 0; k < NSUB; k++) {
+        float d = 0.f, sa = 0.f;
+#pragma unroll
+        for (int p = k * PPS; p < (k + 1) * PPS; p++) {
+            float xf[8];
+#pragma unroll
+            for (int e = 0; e < 8; e++) {
+                xf[e] = a[8 * p + e];
+                sa += xf[e];
+            }
+            d += part_dot(words, p, xf);
+        }
+        float s = s2f(sc[k]);
+        y += fmaf(s * MAGIC_INV_B, d, (s2f(bi[k]) - s * (MAGIC_A * MAGIC_INV_B)) * sa);
+    }
+    return y;
+}
+
+// Rows a thread takes together in the down pass: their loads go out before any math.
+#define DOWN_ROWS 8
+
+template <int R>
+__device__ __forceinline__ void ffn_splitk(Mat gate, Mat up, Mat down, float* x, const float* nw, float eps,
+                                           int hidden, int ffn, bf16_t* act, float* part, int* done) {
+    extern __shared__ __align__(16) unsigned char fs_smem[];
+    constexpr int rb = NW * R;  // rows per gemv() step
+    int steps = (ffn + rb - 1) / rb, nb = gridDim.x, j = blockIdx.x;
+    // This block's gate/up rows, stored to act (pdl_wait inside).
+    gemv<R, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden);
+    float* partial = reinterpret_cast<float*>(fs_smem + ring_x_bytes(hidden));
+    float* a = partial + hidden;
+    __syncthreads();  // the block's act stores are done (and x staging's shared memory free)
+    // The block's act values, in step order, from global memory (this block wrote them).
+    int mine = 0;
+    for (int s = j; s < steps; s += nb) {
+        int r0 = s * rb, n = min(rb, ffn - r0);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) a[mine + i] = bf2f(act[r0 + i]);
+        mine += n;
+    }
+    __syncthreads();
+    // Partial sums of every hidden row over this block's columns: DOWN_ROWS rows per thread
+    // at a time, each chunk's loads for all of them issued before its math.
+    for (int row0 = threadIdx.x; row0 < hidden; row0 += DOWN_ROWS * blockDim.x) {
+        float y[DOWN_ROWS];
+#pragma unroll
+        for (int u = 0; u < DOWN_ROWS; u++) y[u] = 0.f;
+        int off = 0;
+        for (int s = j; s < steps; s += nb) {
+            int r0 = s * rb, n = min(rb, ffn - r0);
+            for (int c = 0; c < n / VPC; c++) {
+                uint4 q[DOWN_ROWS];
+                scale_t sc[DOWN_ROWS][NSUB], bi[DOWN_ROWS][NSUB];
+#pragma unroll
+                for (int u = 0; u < DOWN_ROWS; u++) {
+                    int row = min(row0 + u * (int)blockDim.x, hidden - 1);  // past the end: computed, not stored
+                    q[u] = ld_weights(reinterpret_cast<const uint4*>(down.w) + (size_t)row * (ffn / VPC) + r0 / VPC + c);
+#pragma unroll
+                    for (int k = 0; k < NSUB; k++) {
+                        size_t g = (size_t)row * (ffn / GROUP) + (r0 + c * VPC + k * SUBG) / GROUP;
+                        sc[u][k] = __ldg(down.s + g);
+                        bi[u][k] = __ldg(down.b + g);
+                    }
+                }
+#pragma unroll
+                for (int u = 0; u < DOWN_ROWS; u++) y[u] += down_chunk(q[u], sc[u], bi[u], a + off + c * VPC);
+            }
+            off += n;
+        }
+#pragma unroll
+        for (int u = 0; u < DOWN_ROWS; u++)
+            if (row0 + u * (int)blockDim.x < hidden) partial[row0 + u * blockDim.x] = y[u];
+    }
+    // The cluster's partials reduced through DSMEM: rank r sums rows [r·sl, (r+1)·sl).
+    cluster_sync();
+    unsigned cs = 1, r = cluster_rank();
+    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(cs));
+    int sl = hidden / cs, c = j / cs, nc = nb / cs;
+    for (int i = threadIdx.x; i < sl; i += blockDim.x) {
+        float s = 0.f;
+        for (unsigned p = 0; p < cs; p++) s += ld_cluster(partial + r * sl + i, p);
+        part[(size_t)c * hidden + r * sl + i] = s;
+    }
+    cluster_sync();  // every block's partials stay until the cluster has read them
+    // The last cluster to finish slice r adds all clusters' sums into x, in cluster order.
+    __shared__ int last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done + r, 1) == nc - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < sl; i += blockDim.x) {
+        float s = 0.f;
+        for (int k = 0; k < nc; k++) s += __ldcg(part + (size_t)k * hidden + r * sl + i);
+        x[r * sl + i] += s;
+    }
+    if (threadIdx.x == 0) done[r] = 0;
+}
+
+extern "C" __global__ void __launch_bounds__(32 * NW, 1)
+    ffn_splitk_r(const u32* wg, const scale_t* sg, const scale_t* bg, const u32* wu, const scale_t* su,
+                 const scale_t* bu, const u32* wd, const scale_t* sd, const scale_t* bd, float* x, const float* nw,
+                 float eps, int hidden, int ffn, bf16_t* act, float* part, int* done) {
+    TRACE_KERNEL();
+    ffn_splitk<SPLITK_R>(Mat{wg, sg, bg, act, ffn}, Mat{wu, su, bu, act, ffn}, Mat{wd, sd, bd, x, hidden}, x, nw, eps,
+                       hidden, ffn, act, part, done);
+}
