@@ -1,8 +1,8 @@
 // A decode layer's MLP as one launch split along the FFN dimension (SPLITK=1 variant of
 // gemv.cu, SPLITK_R its gate/up rows per warp; backend/cuda/ffn.rs, `FERROLM_FFN_FUSED=3`):
 //     x += down · (silu(gate·n(x)) ⊙ up·n(x))
-// Block j computes its gate/up rows as gemv() deals them (steps j, j + grid, …: the op
-// path's rows and sums, bit for bit, stored to `act`), then multiplies those act values by
+// Block j computes a contiguous run of gate/up rows (`per` consecutive gemv() steps: the
+// op path's row sums, bit for bit, stored to `act`), then multiplies those act values by
 // the same columns of down: a partial sum over its slice of the FFN dimension for every
 // hidden row. The cluster's blocks reduce their partials through distributed shared memory
 // (block r of a cluster sums slice r of the hidden rows over the cluster's blocks, in rank
@@ -11,7 +11,8 @@
 // every gate/up row: each block starts on down as soon as its own act values are done.
 // down's columns are its inputs: each block reads only its slice's columns of every row.
 //
-// grid: NB blocks (a multiple of the cluster size CS along x, NB ≤ SMs), 32·NW threads;
+// grid: NB blocks (a multiple of the cluster size CS along x, NB ≤ SMs, dividing the
+// gate/up steps), 32·NW threads;
 // dynamic shared memory ring_x_bytes(hidden) for x, then hidden + rows floats (the
 // block's partial sums and its act values). part: [NB / CS][hidden] floats; done: one
 // counter per cluster rank, zeroed (reset by each launch).
@@ -47,58 +48,58 @@ __device__ __forceinline__ float down_chunk(uint4 q4, const scale_t (&sc)[NSUB],
 // Rows a thread takes together in the down pass: their loads go out before any math.
 #define DOWN_ROWS 8
 
+// gemv()'s step dealing for the split: block j takes `per` consecutive steps, so its
+// gate/up rows, and the columns of down they meet, are one contiguous run.
+struct SliceSteps : KernelSync {
+    int per;
+    __device__ __forceinline__ int first_step() const { return blockIdx.x * per; }
+    __device__ __forceinline__ int next_step(int b) const { return b + 1 < first_step() + per ? b + 1 : 0x7fffffff; }
+};
+
 template <int R>
 __device__ __forceinline__ void ffn_splitk(Mat gate, Mat up, Mat down, float* x, const float* nw, float eps,
                                            int hidden, int ffn, bf16_t* act, float* part, int* done) {
     extern __shared__ __align__(16) unsigned char fs_smem[];
     constexpr int rb = NW * R;  // rows per gemv() step
     int steps = (ffn + rb - 1) / rb, nb = gridDim.x, j = blockIdx.x;
-    // This block's gate/up rows, stored to act (pdl_wait inside).
-    gemv<R, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden);
+    int per = steps / nb, f0 = j * per * rb, fr = min(per * rb, ffn - f0);  // host: steps % nb == 0
+    // This block's gate/up rows [f0, f0 + fr), stored to act (pdl_wait inside).
+    gemv<R, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden, SliceSteps{{}, per});
     float* partial = reinterpret_cast<float*>(fs_smem + ring_x_bytes(hidden));
     float* a = partial + hidden;
     __syncthreads();  // the block's act stores are done (and x staging's shared memory free)
-    // The block's act values, in step order, from global memory (this block wrote them).
-    int mine = 0;
-    for (int s = j; s < steps; s += nb) {
-        int r0 = s * rb, n = min(rb, ffn - r0);
-        for (int i = threadIdx.x; i < n; i += blockDim.x) a[mine + i] = bf2f(act[r0 + i]);
-        mine += n;
-    }
+    for (int i = threadIdx.x; i < fr; i += blockDim.x) a[i] = bf2f(act[f0 + i]);  // this block wrote them
     __syncthreads();
-    // Partial sums of every hidden row over this block's columns: DOWN_ROWS rows per thread
-    // at a time, each chunk's loads for all of them issued before its math.
+    // Partial sums of every hidden row over columns [f0, f0 + fr): DOWN_ROWS rows per thread
+    // at a time, each chunk's loads for all of them issued before its math. The run is a
+    // row's only bytes a block reads: plain loads (gemv's ld_weights asks L2 for 256-byte
+    // lines, 8-16 times a run's bytes at a row stride of kilobytes).
     for (int row0 = threadIdx.x; row0 < hidden; row0 += DOWN_ROWS * blockDim.x) {
         float y[DOWN_ROWS];
 #pragma unroll
         for (int u = 0; u < DOWN_ROWS; u++) y[u] = 0.f;
-        int off = 0;
-        for (int s = j; s < steps; s += nb) {
-            int r0 = s * rb, n = min(rb, ffn - r0);
-            for (int c = 0; c < n / VPC; c++) {
-                uint4 q[DOWN_ROWS];
-                scale_t sc[DOWN_ROWS][NSUB], bi[DOWN_ROWS][NSUB];
+        for (int c = 0; c < fr / VPC; c++) {
+            uint4 q[DOWN_ROWS];
+            scale_t sc[DOWN_ROWS][NSUB], bi[DOWN_ROWS][NSUB];
 #pragma unroll
-                for (int u = 0; u < DOWN_ROWS; u++) {
-                    int row = min(row0 + u * (int)blockDim.x, hidden - 1);  // past the end: computed, not stored
-                    q[u] = ld_weights(reinterpret_cast<const uint4*>(down.w) + (size_t)row * (ffn / VPC) + r0 / VPC + c);
+            for (int u = 0; u < DOWN_ROWS; u++) {
+                int row = min(row0 + u * (int)blockDim.x, hidden - 1);  // past the end: computed, not stored
+                q[u] = __ldg(reinterpret_cast<const uint4*>(down.w) + (size_t)row * (ffn / VPC) + f0 / VPC + c);
 #pragma unroll
-                    for (int k = 0; k < NSUB; k++) {
-                        size_t g = (size_t)row * (ffn / GROUP) + (r0 + c * VPC + k * SUBG) / GROUP;
-                        sc[u][k] = __ldg(down.s + g);
-                        bi[u][k] = __ldg(down.b + g);
-                    }
+                for (int k = 0; k < NSUB; k++) {
+                    size_t g = (size_t)row * (ffn / GROUP) + (f0 + c * VPC + k * SUBG) / GROUP;
+                    sc[u][k] = __ldg(down.s + g);
+                    bi[u][k] = __ldg(down.b + g);
                 }
-#pragma unroll
-                for (int u = 0; u < DOWN_ROWS; u++) y[u] += down_chunk(q[u], sc[u], bi[u], a + off + c * VPC);
             }
-            off += n;
+#pragma unroll
+            for (int u = 0; u < DOWN_ROWS; u++) y[u] += down_chunk(q[u], sc[u], bi[u], a + c * VPC);
         }
 #pragma unroll
         for (int u = 0; u < DOWN_ROWS; u++)
             if (row0 + u * (int)blockDim.x < hidden) partial[row0 + u * blockDim.x] = y[u];
     }
-    // The cluster's partials reduced through DSMEM: rank r sums rows [r·sl, (r+1)·sl).
+// The cluster's partials reduced through DSMEM: rank r sums rows [r·sl, (r+1)·sl).
     cluster_sync();
     unsigned cs = 1, r = cluster_rank();
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(cs));

@@ -560,10 +560,14 @@ __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[
 }
 
 // How a GEMV phase starts once its first weight tile is in flight, and lets the next
-// kernel start. A kernel of its own waits for the previous kernel (PDL).
+// kernel start, and which row steps a block takes. A kernel of its own waits for the
+// previous kernel (PDL); a block takes steps blockIdx.x, + gridDim.x, … (persistent blocks:
+// x is staged once per block).
 struct KernelSync {
     __device__ __forceinline__ void trigger() const { pdl_trigger(); }
     __device__ __forceinline__ void wait() const { pdl_wait(); }
+    __device__ __forceinline__ int first_step() const { return blockIdx.x; }
+    __device__ __forceinline__ int next_step(int b) const { return b + gridDim.x; }
 };
 
 // OUT: 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU (bf16 store of silu(mat0)·mat1).
@@ -576,14 +580,14 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     constexpr int U = Tile<R, OUT == 3>::U;
     int b0 = (m0.rows + rb - 1) / rb, b1 = (m1.rows + rb - 1) / rb, b2 = (m2.rows + rb - 1) / rb;
     int steps = OUT == 3 ? b0 : b0 + b1 + b2;
-    if ((int)blockIdx.x >= steps) return;
+    int b = sync.first_step(), it = 0, row0;
+    if (b >= steps) return;
     Shape sh{cols / VPC, cols / GROUP, (size_t)cols / (32 / BITS) / 4};
     int lane = threadIdx.x & 31;
     int tiles = (sh.chunks + 32 * U - 1) / (32 * U);  // tiles per row step (uniform per warp)
     // Persistent blocks: x is staged once per block (for a 128K-row head, staging it per
     // 16 rows would read as many bytes from L2 as the weights themselves). Each block walks
-    // steps b = blockIdx.x, +gridDim.x, …; each step is `tiles` tiles per warp.
-    int b = blockIdx.x, it = 0, row0;
+    // the steps `sync` deals it; each step is `tiles` tiles per warp.
     Mat a;
     locate<R, OUT>(b, b0, b1, m0, m1, m2, a, row0);
     Tile<R, OUT == 3> next;
@@ -610,7 +614,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         Mat na = a;
         if (nit == tiles) {
             nit = 0;
-            nb = b + gridDim.x;
+            nb = sync.next_step(b);
             if (nb < steps) locate<R, OUT>(nb, b0, b1, m0, m1, m2, na, nrow0);
         }
         Tile<R, OUT == 3> cur = next;
@@ -683,6 +687,8 @@ GEMV_KERNELS(4)
 struct CounterSync {
     int* arrived;
     int target;
+    __device__ __forceinline__ int first_step() const { return blockIdx.x; }
+    __device__ __forceinline__ int next_step(int b) const { return b + gridDim.x; }
     __device__ __forceinline__ void trigger() const {}
     __device__ __forceinline__ void wait() const {
         if (threadIdx.x == 0) {

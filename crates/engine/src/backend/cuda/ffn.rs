@@ -146,7 +146,8 @@ impl Cuda {
     }
 
     /// For one row, as one launch: x += down(silu(gate(n(x))) · up(n(x))), split along the
-    /// FFN dimension (ffn_splitk.cuh): each block's gate/up rows, then its columns of down,
+    /// FFN dimension (ffn_splitk.cuh): each block's run of gate/up rows, then those columns
+    /// of down,
     /// the partials reduced per cluster through DSMEM and across clusters in a fixed order.
     /// `act` gets the SwiGLU output. Ok(false) where it does not apply (2-bit weights, steps
     /// not whole 16-byte chunks, no clusters): the caller runs the separate launches.
@@ -172,8 +173,10 @@ impl Cuda {
         let (rb, vpc) = (nw * R, 128 / bits);
         // Blocks per cluster: 8 (portable), and every rank's slice of the hidden rows equal.
         const CS: usize = 8;
+        // Blocks: the most that are whole clusters, fit the SMs and divide the gate/up steps
+        // (each block takes a contiguous run of them: its slice of the FFN dimension).
         let steps = ffn.div_ceil(rb);
-        let nb = steps.min(self.sms) / CS * CS;
+        let nb = splitk_blocks(steps, self.sms, CS);
         let ok = self.clusters
             && (ffn, hidden) == (*ffn_u, *hidden_u)
             && (hidden, ffn) == (*hidden_d, *ffn_d)
@@ -194,7 +197,7 @@ impl Cuda {
         defines.extend(["SPLITK=1".into(), format!("SPLITK_R={R}")]);
         let f = self.function(kernels::file("gemv.cu"), &defines, "ffn_splitk_r")?;
         // x staging, then the block's partial sums (hidden) and its act values.
-        let smem = ring_x_bytes(hidden, xq) + 4 * (hidden + steps.div_ceil(nb) * rb);
+        let smem = ring_x_bytes(hidden, xq) + 4 * (hidden + steps / nb * rb);
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
@@ -242,5 +245,26 @@ impl Cuda {
     /// Split-K MLP launches so far (queued or captured).
     pub fn ffn_splitk_launches(&self) -> usize {
         self.splitk_launches.load(Relaxed)
+    }
+}
+
+/// The split-K MLP's blocks: the most that are whole clusters of `cs`, fit `sms` and divide
+/// the gate/up `steps` (each block takes a contiguous run of them); 0 when none does.
+fn splitk_blocks(steps: usize, sms: usize, cs: usize) -> usize {
+    (1..=steps.min(sms) / cs).rev().map(|n| n * cs).find(|n| steps.is_multiple_of(*n)).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::splitk_blocks;
+
+    #[test]
+    fn splitk_blocks_for_real_shapes() {
+        // 32-row steps on a 132-SM device: 1B (ffn 8192), SmolLM2 (1536), 8B (14336)
+        assert_eq!(splitk_blocks(256, 132, 8), 128);
+        assert_eq!(splitk_blocks(48, 132, 8), 48);
+        assert_eq!(splitk_blocks(448, 132, 8), 112);
+        // no whole cluster divides 7 steps
+        assert_eq!(splitk_blocks(7, 132, 8), 0);
     }
 }
