@@ -168,7 +168,7 @@ __device__ __noinline__ void mk_gemv(const MkParams& P, Mat m0, Mat m1, Mat m2, 
     const Mat m[3] = {m0, m1, m2};  // by value: a call's arrays by reference live in local memory
     constexpr bool TWO = OUT == 3;
     constexpr int rb = NW * R;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int lane = threadIdx.x & 31;
     NormGains gains;
     gains.load(nw, cols, NORM);  // nothing writes the gains: before the wait
     grid_wait(wait);
@@ -183,25 +183,9 @@ __device__ __noinline__ void mk_gemv(const MkParams& P, Mat m0, Mat m1, Mat m2, 
         mk_step(b, rb, TWO, m, a, first);
         int n = min(rb, a.rows - first), s = g % P.stages;
         const unsigned char* d = rg.ring + s * P.stage_bytes;
-        // OUT 2: lane r < R reads its row's x while the stage lands
-        float resid = OUT == 2 && lane < R && warp * R + lane < n
-                          ? reinterpret_cast<const float*>(a.o)[first + warp * R + lane]
-                          : 0.f;
-        float acc[2][R];
-#pragma unroll
-        for (int k = 0; k < 2; k++)
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[k][r] = 0.f;
+        float resid = stage_resid<R, OUT>(a, first, n);  // while the stage lands
         mbar_wait(&rg.full[s], (g / P.stages) & 1);
-        if (warp * R < n) {
-            using T = Tile<R, TWO>;
-            for (int c0 = lane; c0 < chunks; c0 += 32 * T::U) {
-                T t;
-                t.load_smem(d, rb * st.rowbytes, d + st.scales_at(0), 2 * rb * st.srow, rb, warp * R, n, c0, sh);
-                t.dot(xs, c0, sh, acc);
-            }
-            store_rows<R, OUT>(a, first + warp * R, acc, resid, lane);
-        }
+        stage_rows<R, OUT>(d, st, sh, xs, a, first, n, resid);
         __syncwarp();  // the warp's reads of the stage are done
         if (lane == 0) {
             __threadfence_block();

@@ -77,6 +77,40 @@ struct RingStage {
     __device__ __forceinline__ int bytes() const { return (scales_at(nm) + 127) / 128 * 128; }
 };
 
+// OUT 2: the residual x of this warp's row first + warp·R + lane for lanes r < R (of the n
+// rows of the step in the matrix), read before the stage lands (not a round trip at the
+// end); 0 elsewhere.
+template <int R, int OUT>
+__device__ __forceinline__ float stage_resid(const Mat& a, int first, int n) {
+    int row = (int)(threadIdx.x >> 5) * R + (int)(threadIdx.x & 31);
+    return OUT == 2 && (threadIdx.x & 31) < R && row < n ? reinterpret_cast<const float*>(a.o)[first + row] : 0.f;
+}
+
+// This warp's rows of a landed ring stage `s`: a step of NW·R rows from `first` (n of them
+// in the matrix; rows past them are past the matrix and not stored). Register tiles are
+// loaded from the stage, all of a tile's loads before its math, chunks in gemv()'s order
+// (the same sums, bit for bit), then the rows are stored as OUT says. Shared by the ring
+// GEMV and the decode megakernel.
+template <int R, int OUT>
+__device__ __forceinline__ void stage_rows(const unsigned char* s, const RingStage& st, const Shape& sh,
+                                           const uint4* xs, const Mat& a, int first, int n, float resid) {
+    constexpr int rb = NW * R;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp * R >= n) return;
+    float acc[2][R];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int r = 0; r < R; r++) acc[m][r] = 0.f;
+    using T = Tile<R, OUT == 3>;
+    for (int c0 = lane; c0 < sh.chunks; c0 += 32 * T::U) {
+        T t;
+        t.load_smem(s, rb * st.rowbytes, s + st.scales_at(0), 2 * rb * st.srow, rb, warp * R, n, c0, sh);
+        t.dot(xs, c0, sh, acc);
+    }
+    store_rows<R, OUT>(a, first + warp * R, acc, resid, lane);
+}
+
 // OUT as gemv(): 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU.
 template <int R, bool NORM, int OUT>
 __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
@@ -158,27 +192,7 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
         const unsigned char* s = ring + (j % stages) * st.bytes();
         mbar_wait(&full[j % stages], (u32)((j / stages) & 1));
         int n = min(rb, a.rows - first);
-        float acc[2][R];
-#pragma unroll
-        for (int m = 0; m < 2; m++)
-#pragma unroll
-            for (int r = 0; r < R; r++) acc[m][r] = 0.f;
-        if (warp * R < n) {
-            // OUT 2: lane r < R reads its row's x before the math (not a round trip at the end)
-            float resid = OUT == 2 && lane < R && warp * R + lane < n
-                              ? reinterpret_cast<const float*>(a.o)[first + warp * R + lane]
-                              : 0.f;
-            // Register tiles loaded from the stage, all of a tile's loads before its math
-            // (chunks in gemv()'s order: the same sums, bit for bit).
-            using T = Tile<R, TWO>;
-            for (int c0 = lane; c0 < chunks; c0 += 32 * T::U) {
-                T t;
-                t.load_smem(s, rb * st.rowbytes, s + st.scales_at(0), 2 * rb * st.srow, rb, warp * R, n, c0, sh);
-                t.dot(xs, c0, sh, acc);
-            }
-            // rows past the step (first + n ≤ a.rows) are past the matrix: not stored
-            store_rows<R, OUT>(a, first + warp * R, acc, resid, lane);
-        }
+        stage_rows<R, OUT>(s, st, sh, xs, a, first, n, stage_resid<R, OUT>(a, first, n));
         __syncwarp();  // the warp's reads of the stage are done: it may be refilled
         if (lane == 0) mbar_arrive(&empty[j % stages]);
     }

@@ -29,6 +29,44 @@ pub enum LayerEndFusion {
     SplitK = 3,
 }
 
+/// An MLP's three matrices as its one-launch kernels take them: one weight format, gate
+/// and up [ffn, hidden], down [hidden, ffn], for a row x (f32 [1, hidden]) and act (bf16
+/// [1, ffn]).
+struct MlpParts<'a> {
+    defines: &'a [String],
+    hidden: usize,
+    ffn: usize,
+    bits: usize,
+    /// (words, scales, biases) of gate, up and down: the kernels' first nine arguments.
+    weights: [KArg; 9],
+}
+
+fn mlp_parts<'a>(
+    c: &Cuda,
+    (gate, up, down): (&'a CudaMat, &'a CudaMat, &'a CudaMat),
+    x: &CudaAct,
+    act: &CudaAct,
+) -> Option<MlpParts<'a>> {
+    let (
+        CudaMat::Affine { defines, words: wg, scales: sg, biases: bg, rows: ffn, cols: hidden, bits, .. },
+        CudaMat::Affine { defines: du, words: wu, scales: su, biases: bu, rows: ffn_u, cols: hidden_u, .. },
+        CudaMat::Affine { defines: dd, words: wd, scales: sd, biases: bd, rows: hidden_d, cols: ffn_d, .. },
+    ) = (gate, up, down)
+    else {
+        return None;
+    };
+    let shapes_ok = (ffn, hidden) == (ffn_u, hidden_u) && (hidden, ffn) == (hidden_d, ffn_d);
+    let bufs_ok = matches!((&x.buf, &act.buf), (ActBuf::F32(_), ActBuf::Bf16(_)))
+        && (x.rows, x.cols, act.rows, act.cols) == (1, *hidden, 1, *ffn);
+    if !shapes_ok || !bufs_ok || defines != du || defines != dd {
+        return None;
+    }
+    let w = |words, s, b| [dev(c, words), KArg::Ptr(scales_ptr(c, s)), KArg::Ptr(scales_ptr(c, b))];
+    let [g, u, d] = [w(wg, sg, bg), w(wu, su, bu), w(wd, sd, bd)];
+    let weights = [g[0], g[1], g[2], u[0], u[1], u[2], d[0], d[1], d[2]];
+    Some(MlpParts { defines, hidden: *hidden, ffn: *ffn, bits: *bits as usize, weights })
+}
+
 impl Cuda {
     /// What `Backend::o_proj_mlp` runs as one launch.
     pub fn layer_end_fusion(&self) -> LayerEndFusion {
@@ -56,24 +94,15 @@ impl Cuda {
         (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
         act: &mut CudaAct,
     ) -> Result<bool> {
-        let (
-            CudaMat::Affine { defines, words: wg, scales: sg, biases: bg, rows: ffn, cols: hidden, bits, .. },
-            CudaMat::Affine { defines: du, words: wu, scales: su, biases: bu, rows: ffn_u, cols: hidden_u, .. },
-            CudaMat::Affine { defines: dd, words: wd, scales: sd, biases: bd, rows: hidden_d, cols: ffn_d, .. },
-        ) = (gate, up, down)
-        else {
+        let Some(MlpParts { defines, hidden, ffn, bits, weights }) = mlp_parts(self, (gate, up, down), x, act) else {
             return Ok(false);
         };
-        let shapes_ok = (ffn, hidden) == (ffn_u, hidden_u) && (hidden, ffn) == (hidden_d, ffn_d);
-        let bufs_ok = matches!((&x.buf, &act.buf), (ActBuf::F32(_), ActBuf::Bf16(_)))
-            && (x.rows, x.cols, act.rows, act.cols) == (1, *hidden, 1, *ffn);
-        let (xq, smem_in) = x_staging(*hidden);
-        let (xq_act, smem_act) = x_staging(*ffn);
+        let (xq, smem_in) = x_staging(hidden);
+        let (xq_act, smem_act) = x_staging(ffn);
         // One XQ define serves every phase's staging.
-        if !shapes_ok || !bufs_ok || defines != du || defines != dd || xq != xq_act {
+        if xq != xq_act {
             return Ok(false);
         }
-        let bits = *bits as usize;
         let nw = gemv_warps();
         // The o phase: (rows per warp, staging bytes, its arguments), or none.
         let (ro, smem_o, o_args) = match o {
@@ -84,7 +113,7 @@ impl Cuda {
                 };
                 let (xq_att, smem_att) = x_staging(*cols);
                 let ActBuf::Bf16(a) = &att.buf else { return Ok(false) };
-                if dw != defines || (*rows, att.rows, att.cols) != (*hidden, 1, *cols) || xq_att != xq {
+                if dw != defines || (*rows, att.rows, att.cols) != (hidden, 1, *cols) || xq_att != xq {
                     return Ok(false);
                 }
                 let args = [
@@ -94,12 +123,12 @@ impl Cuda {
                     dev(self, a),
                     KArg::I32(*cols as i32),
                 ];
-                (rows_per_warp(*hidden, cols * bits / 128, GEMV_LOADS), smem_att, args)
+                (rows_per_warp(hidden, cols * bits / 128, GEMV_LOADS), smem_att, args)
             }
         };
         // Rows per warp as the separate launches choose them (same rows per warp, same math).
-        let ru = rows_per_warp(*ffn, hidden * bits / 128, GEMV_LOADS / 2);
-        let rd = rows_per_warp(*hidden, ffn * bits / 128, GEMV_LOADS);
+        let ru = rows_per_warp(ffn, hidden * bits / 128, GEMV_LOADS / 2);
+        let rd = rows_per_warp(hidden, ffn * bits / 128, GEMV_LOADS);
         let mut defines = gemv_defines(defines, xq);
         defines.extend(["FFN=1".into(), format!("FFN_RO={ro}"), format!("FFN_RU={ru}"), format!("FFN_RD={rd}")]);
         let f = self.function(kernels::file("gemv.cu"), &defines, "ffn")?;
@@ -119,22 +148,14 @@ impl Cuda {
         let sync = sync.as_ref().expect("set above");
         let (ActBuf::F32(xv), ActBuf::Bf16(av)) = (&x.buf, &act.buf) else { unreachable!("checked above") };
         let mut args = o_args.to_vec();
+        args.extend(weights);
         args.extend([
-            dev(self, wg),
-            KArg::Ptr(scales_ptr(self, sg)),
-            KArg::Ptr(scales_ptr(self, bg)),
-            dev(self, wu),
-            KArg::Ptr(scales_ptr(self, su)),
-            KArg::Ptr(scales_ptr(self, bu)),
-            dev(self, wd),
-            KArg::Ptr(scales_ptr(self, sd)),
-            KArg::Ptr(scales_ptr(self, bd)),
             dev(self, xv),
             KArg::Ptr(gains.device_ptr(&self.stream).0),
             KArg::F32(eps),
-            KArg::I32(*hidden as i32),
+            KArg::I32(hidden as i32),
             dev(self, av),
-            KArg::I32(*ffn as i32),
+            KArg::I32(ffn as i32),
             dev(self, sync),
         ]);
         let c =
@@ -158,15 +179,9 @@ impl Cuda {
         (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
         act: &mut CudaAct,
     ) -> Result<bool> {
-        let (
-            CudaMat::Affine { defines, words: wg, scales: sg, biases: bg, rows: ffn, cols: hidden, bits, .. },
-            CudaMat::Affine { defines: du, words: wu, scales: su, biases: bu, rows: ffn_u, cols: hidden_u, .. },
-            CudaMat::Affine { defines: dd, words: wd, scales: sd, biases: bd, rows: hidden_d, cols: ffn_d, .. },
-        ) = (gate, up, down)
-        else {
+        let Some(MlpParts { defines, hidden, ffn, bits, weights }) = mlp_parts(self, (gate, up, down), x, act) else {
             return Ok(false);
         };
-        let (ffn, hidden, bits) = (*ffn, *hidden, *bits as usize);
         let nw = gemv_warps();
         // gate/up rows per warp (SPLITK_R); a step of nw·R rows must be whole down chunks.
         const R: usize = 4;
@@ -178,12 +193,6 @@ impl Cuda {
         let steps = ffn.div_ceil(rb);
         let nb = splitk_blocks(steps, self.sms, CS);
         let ok = self.clusters
-            && (ffn, hidden) == (*ffn_u, *hidden_u)
-            && (hidden, ffn) == (*hidden_d, *ffn_d)
-            && defines == du
-            && defines == dd
-            && matches!((&x.buf, &act.buf), (ActBuf::F32(_), ActBuf::Bf16(_)))
-            && (x.rows, x.cols, act.rows, act.cols) == (1, hidden, 1, ffn)
             && bits >= 4
             && rb.is_multiple_of(vpc)
             && ffn.is_multiple_of(vpc)
@@ -212,16 +221,8 @@ impl Cuda {
         }
         let (part, done) = &scratch[&key];
         let (ActBuf::F32(xv), ActBuf::Bf16(av)) = (&x.buf, &act.buf) else { unreachable!("checked above") };
-        let args = [
-            dev(self, wg),
-            KArg::Ptr(scales_ptr(self, sg)),
-            KArg::Ptr(scales_ptr(self, bg)),
-            dev(self, wu),
-            KArg::Ptr(scales_ptr(self, su)),
-            KArg::Ptr(scales_ptr(self, bu)),
-            dev(self, wd),
-            KArg::Ptr(scales_ptr(self, sd)),
-            KArg::Ptr(scales_ptr(self, bd)),
+        let mut args = weights.to_vec();
+        args.extend([
             dev(self, xv),
             KArg::Ptr(gains.device_ptr(&self.stream).0),
             KArg::F32(eps),
@@ -230,7 +231,7 @@ impl Cuda {
             dev(self, av),
             dev(self, part),
             dev(self, done),
-        ];
+        ]);
         let c = LaunchConfig {
             grid_dim: (nb as u32, 1, 1),
             block_dim: (32 * nw as u32, 1, 1),
