@@ -9,7 +9,10 @@
 // order), and the last cluster to finish a slice adds the clusters' sums into x in cluster
 // order: deterministic. So the down projection needs no second launch and no wait for
 // every gate/up row: each block starts on down as soon as its own act values are done.
-// down's columns are its inputs: each block reads only its slice's columns of every row.
+// down's columns are its inputs: each block reads only its slice's columns of every row,
+// one run of bytes per row, and its scales and biases from a transposed copy ([groups]
+// [rows], made once by the host: in down's own [rows][groups] layout every row's one or
+// two scales would each cost a 32-byte sector).
 //
 // grid: NB blocks (a multiple of the cluster size CS along x, NB ≤ SMs, dividing the
 // gate/up steps), 32·NW threads;
@@ -86,8 +89,8 @@ __device__ __forceinline__ void ffn_splitk(Mat gate, Mat up, Mat down, float* x,
                 int row = min(row0 + u * (int)blockDim.x, hidden - 1);  // past the end: computed, not stored
                 q[u] = __ldg(reinterpret_cast<const uint4*>(down.w) + (size_t)row * (ffn / VPC) + f0 / VPC + c);
 #pragma unroll
-                for (int k = 0; k < NSUB; k++) {
-                    size_t g = (size_t)row * (ffn / GROUP) + (f0 + c * VPC + k * SUBG) / GROUP;
+                for (int k = 0; k < NSUB; k++) {  // transposed: [groups][rows], a warp's rows adjacent
+                    size_t g = (size_t)((f0 + c * VPC + k * SUBG) / GROUP) * hidden + row;
                     sc[u][k] = __ldg(down.s + g);
                     bi[u][k] = __ldg(down.b + g);
                 }

@@ -82,6 +82,9 @@ pub struct Cuda {
     #[allow(clippy::type_complexity)]
     pub(crate) splitk_scratch: Mutex<HashMap<(usize, usize), (CudaSlice<f32>, CudaSlice<i32>)>>,
     pub(crate) splitk_launches: std::sync::atomic::AtomicUsize,
+    /// Down projections' scales and biases transposed to [groups][rows] for the split-K
+    /// MLP, by the matrix's weight address; made on first use, kept (graphs point at them).
+    pub(crate) splitk_down_t: Mutex<HashMap<u64, (DevScales, DevScales)>>,
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
@@ -248,6 +251,7 @@ impl Cuda {
             mega_launches: std::sync::atomic::AtomicUsize::new(0),
             splitk_scratch: Mutex::new(HashMap::new()),
             splitk_launches: std::sync::atomic::AtomicUsize::new(0),
+            splitk_down_t: Mutex::new(HashMap::new()),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
             trace,

@@ -7,11 +7,11 @@
 //! until it has been measured against the launches it replaces. `=3` runs the MLP split
 //! along the FFN dimension instead (ffn_splitk.cuh; `Cuda::ffn_splitk`).
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, KArg};
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, DevScales, KArg};
 use super::fused::{dev, gemv_defines, gemv_warps, rows_per_warp, scales_ptr, x_staging, GEMV_LOADS};
 use super::gemv_ring::ring_x_bytes;
 use super::kernels;
-use crate::Result;
+use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
 
@@ -220,6 +220,10 @@ impl Cuda {
             e.insert((part, done));
         }
         let (part, done) = &scratch[&key];
+        let (st, bt) = self.down_transposed(down)?;
+        let mut weights = weights;
+        weights[7] = KArg::Ptr(st);
+        weights[8] = KArg::Ptr(bt);
         let (ActBuf::F32(xv), ActBuf::Bf16(av)) = (&x.buf, &act.buf) else { unreachable!("checked above") };
         let mut args = weights.to_vec();
         args.extend([
@@ -243,10 +247,56 @@ impl Cuda {
         Ok(true)
     }
 
+    /// Device addresses of down's scales and biases transposed to [groups][rows] (made on
+    /// the first call for this matrix, outside any capture: a decode step runs once
+    /// un-captured before its capture).
+    fn down_transposed(&self, down: &CudaMat) -> Result<(u64, u64)> {
+        let CudaMat::Affine { words, scales, biases, rows, cols, group, .. } = down else {
+            return Err(Error::Invalid("split-K MLP: down is not an affine matrix".into()));
+        };
+        let key = words.device_ptr(&self.stream).0;
+        let mut cache = self.splitk_down_t.lock().unwrap_or_else(|e| e.into_inner());
+        if let std::collections::hash_map::Entry::Vacant(e) = cache.entry(key) {
+            if self.capturing.load(Relaxed) {
+                return Err(Error::Invalid(
+                    "split-K MLP: down's transposed scales were not made before the capture".into(),
+                ));
+            }
+            let groups = cols / group;
+            let t = |s: &DevScales| -> Result<DevScales> {
+                let what = "transposing down's scales";
+                Ok(match s {
+                    DevScales::Half(v) => DevScales::Half(self.upload(
+                        &transpose_groups(&self.stream.clone_dtoh(v).map_err(drv(what))?, *rows, groups),
+                        what,
+                    )?),
+                    DevScales::F32(v) => DevScales::F32(self.upload(
+                        &transpose_groups(&self.stream.clone_dtoh(v).map_err(drv(what))?, *rows, groups),
+                        what,
+                    )?),
+                })
+            };
+            e.insert((t(scales)?, t(biases)?));
+        }
+        let (s, b) = &cache[&key];
+        Ok((scales_ptr(self, s), scales_ptr(self, b)))
+    }
+
     /// Split-K MLP launches so far (queued or captured).
     pub fn ffn_splitk_launches(&self) -> usize {
         self.splitk_launches.load(Relaxed)
     }
+}
+
+/// Per-row group values [rows][groups] as [groups][rows].
+fn transpose_groups<T: Copy + Default>(v: &[T], rows: usize, groups: usize) -> Vec<T> {
+    let mut o = vec![T::default(); v.len()];
+    for r in 0..rows {
+        for g in 0..groups {
+            o[g * rows + r] = v[r * groups + g];
+        }
+    }
+    o
 }
 
 /// The split-K MLP's blocks: the most that are whole clusters of `cs`, fit `sms` and divide
@@ -257,7 +307,13 @@ fn splitk_blocks(steps: usize, sms: usize, cs: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::splitk_blocks;
+    use super::{splitk_blocks, transpose_groups};
+
+    #[test]
+    fn group_values_transpose() {
+        // 2 rows × 3 groups
+        assert_eq!(transpose_groups(&[1, 2, 3, 4, 5, 6], 2, 3), vec![1, 4, 2, 5, 3, 6]);
+    }
 
     #[test]
     fn splitk_blocks_for_real_shapes() {
