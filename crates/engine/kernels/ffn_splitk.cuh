@@ -15,10 +15,10 @@
 // two scales would each cost a 32-byte sector).
 //
 // grid: NB blocks (a multiple of the cluster size CS along x, NB ≤ SMs, dividing the
-// gate/up steps), 32·NW threads;
-// dynamic shared memory ring_x_bytes(hidden) for x, then hidden + rows floats (the
-// block's partial sums and its act values). part: [NB / CS][hidden] floats; done: one
-// counter per cluster rank, zeroed (reset by each launch).
+// gate/up steps), 32·NW threads; dynamic shared memory ring_x_bytes(hidden) for x, then
+// hidden + rows floats (the block's partial sums and its act values) rounded up to 16
+// bytes, then hidden · rows · BITS / 8 bytes (its columns of down). part: [NB / CS][hidden]
+// floats; done: one counter per cluster rank, zeroed (reset by each launch).
 #pragma once
 #include "gemv_ring.cuh"
 
@@ -66,17 +66,31 @@ __device__ __forceinline__ void ffn_splitk(Mat gate, Mat up, Mat down, float* x,
     constexpr int rb = NW * R;  // rows per gemv() step
     int steps = (ffn + rb - 1) / rb, nb = gridDim.x, j = blockIdx.x;
     int per = steps / nb, f0 = j * per * rb, fr = min(per * rb, ffn - f0);  // host: steps % nb == 0
-    // This block's gate/up rows [f0, f0 + fr), stored to act (pdl_wait inside).
-    gemv<R, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden, SliceSteps{{}, per});
     float* partial = reinterpret_cast<float*>(fs_smem + ring_x_bytes(hidden));
     float* a = partial + hidden;
+    // The block's columns of down (every hidden row's run [f0, f0 + fr): runb bytes) copied
+    // into shared memory now, before the kernel waits (weights), so they stream during
+    // gate/up and the down pass reads them on chip.
+    int runb = fr * BITS / 8, rowb = ffn * BITS / 8;
+    unsigned char* wsm = fs_smem + ring_x_bytes(hidden) + (4 * (hidden + per * rb) + 15) / 16 * 16;
+    const unsigned char* wsrc = reinterpret_cast<const unsigned char*>(down.w) + (size_t)f0 * BITS / 8;
+    for (int i = threadIdx.x; i < hidden * (runb / 16); i += blockDim.x) {
+        int row = i / (runb / 16), p = i % (runb / 16);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(wsm + row * runb + 16 * p)),
+                     "l"(wsrc + (size_t)row * rowb + 16 * p)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    // This block's gate/up rows [f0, f0 + fr), stored to act (pdl_wait inside).
+    gemv<R, true, 3>(gate, up, Mat{gate.w, gate.s, gate.b, act, 0}, x, nw, eps, hidden, SliceSteps{{}, per});
     __syncthreads();  // the block's act stores are done (and x staging's shared memory free)
     for (int i = threadIdx.x; i < fr; i += blockDim.x) a[i] = bf2f(act[f0 + i]);  // this block wrote them
-    __syncthreads();
+    asm volatile("cp.async.wait_all;" ::: "memory");  // this thread's copies of down landed
+    __syncthreads();                                  // and every thread's
     // Partial sums of every hidden row over columns [f0, f0 + fr): DOWN_ROWS rows per thread
-    // at a time, each chunk's loads for all of them issued before its math. The run is a
-    // row's only bytes a block reads: plain loads (gemv's ld_weights asks L2 for 256-byte
-    // lines, 8-16 times a run's bytes at a row stride of kilobytes).
+    // at a time, each chunk's loads for all of them issued before its math. (The copies are
+    // 16-byte cp.async of each row's run: gemv's ld_weights would ask L2 for 256-byte lines,
+    // 8-16 times a run's bytes at a row stride of kilobytes.)
     for (int row0 = threadIdx.x; row0 < hidden; row0 += DOWN_ROWS * blockDim.x) {
         float y[DOWN_ROWS];
 #pragma unroll
@@ -87,7 +101,7 @@ __device__ __forceinline__ void ffn_splitk(Mat gate, Mat up, Mat down, float* x,
 #pragma unroll
             for (int u = 0; u < DOWN_ROWS; u++) {
                 int row = min(row0 + u * (int)blockDim.x, hidden - 1);  // past the end: computed, not stored
-                q[u] = __ldg(reinterpret_cast<const uint4*>(down.w) + (size_t)row * (ffn / VPC) + f0 / VPC + c);
+                q[u] = *reinterpret_cast<const uint4*>(wsm + row * runb + 16 * c);
 #pragma unroll
                 for (int k = 0; k < NSUB; k++) {  // transposed: [groups][rows], a warp's rows adjacent
                     size_t g = (size_t)((f0 + c * VPC + k * SUBG) / GROUP) * hidden + row;

@@ -205,8 +205,13 @@ impl Cuda {
         let mut defines = gemv_defines(defines, xq);
         defines.extend(["SPLITK=1".into(), format!("SPLITK_R={R}")]);
         let f = self.function(kernels::file("gemv.cu"), &defines, "ffn_splitk_r")?;
-        // x staging, then the block's partial sums (hidden) and its act values.
-        let smem = ring_x_bytes(hidden, xq) + 4 * (hidden + steps / nb * rb);
+        // x staging, then the block's partial sums (hidden) and its act values, then its
+        // columns of down (ffn_splitk.cuh).
+        let rows = steps / nb * rb;
+        let smem = ring_x_bytes(hidden, xq) + (4 * (hidden + rows)).div_ceil(16) * 16 + hidden * rows * bits / 8;
+        if smem + 1024 > self.smem_optin {
+            return Ok(false); // a block's columns of down do not fit (an 8B shape's 256 KB)
+        }
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
