@@ -159,9 +159,9 @@ struct MkRing {
     const int* c;
 };
 
-// A GEMV phase: once `wait` has passed, x (cols values; NORM: the
-// f32 residual, RMS-normalized with gains nw) is staged, then each of this block's steps is
-// taken from the ring as the ring GEMV takes it (gemv_ring.cuh).
+// A GEMV phase: once `wait` has passed, x (cols values; NORM: the f32 residual,
+// RMS-normalized with gains nw) is staged, then each of this block's steps is taken from
+// the ring as the ring GEMV takes it (gemv_ring.cuh's stage_rows).
 template <int R, bool NORM, int OUT>
 __device__ __noinline__ void mk_gemv(const MkParams& P, Mat m0, Mat m1, Mat m2, const void* x, const float* nw, int cols,
                                      uint4* xs, MkRing rg, u32& g, const int* wait) {

@@ -116,7 +116,7 @@ __device__ __forceinline__ void ffn_splitk(Mat gate, Mat up, Mat down, float* x,
         for (int u = 0; u < DOWN_ROWS; u++)
             if (row0 + u * (int)blockDim.x < hidden) partial[row0 + u * blockDim.x] = y[u];
     }
-// The cluster's partials reduced through DSMEM: rank r sums rows [r·sl, (r+1)·sl).
+    // The cluster's partials reduced through DSMEM: rank r sums rows [r·sl, (r+1)·sl).
     cluster_sync();
     unsigned cs = 1, r = cluster_rank();
     asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(cs));
