@@ -1,6 +1,6 @@
 //! The decode megakernel (kernels/decode_layers.cuh, gemv.cu's MEGA=1 variant): every
-//! layer of a one-token decode step in one persistent launch, one block per SM, with a
-//! producer warp streaming the weights of the phases ahead into a shared-memory ring.
+//! layer of a one-token decode step in one persistent launch, one block per SM, the
+//! weights of the phases ahead bulk-copied into a shared-memory ring as its stages free up.
 //! `FERROLM_MEGAKERNEL=1` turns it on (`Cuda::set_megakernel` in tests).
 //!
 //! Here: which models it takes (every layer matrix one affine format, ring-copyable rows,
@@ -38,8 +38,8 @@ fn stage_cap() -> usize {
     })
 }
 
-/// Positions per attention split: the op path's DECODE_CHUNK (the kernel splits by the
-/// position, ~64 each, up to the grid's worth).
+/// Most attention splits per query-head block (the scratch is sized for them; the kernel
+/// splits by the position, ~64 positions each, at most a grid's worth).
 const ATTN_SPLITS_MAX: usize = 1024;
 
 /// One GEMV phase as the plan sees it: the rows of its matrices, their width, and whether
