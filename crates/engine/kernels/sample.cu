@@ -36,11 +36,14 @@ __device__ __forceinline__ void block_best(float& best, int& bi) {
 // writes its (max, index) to part[], and the last block to finish (counted in *done, reset
 // for the next launch) reduces them in block order. Launched with PDL. The index is written as f32 (exact
 // below 2^24) so it comes back through the same f32 path as logits. A fed greedy step
-// (feed_tok not null: Backend::step_fed) also makes it the next step's input token and
-// advances the position, so the next step needs nothing from the host.
+// (feed_tok not null: Backend::step_fed) also makes it the next step's input token,
+// records it in the token history at its step's position (feed_hist[pos % FEED_HIST]:
+// the host reads it from there on a side stream while later steps run, Backend::queue_read)
+// and advances the position, so the next step needs nothing from the host.
+#define FEED_HIST 64  // device.rs's FEED_HIST
 extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float* __restrict__ out,
                                   float* __restrict__ part_v, int* __restrict__ part_i, int* __restrict__ done,
-                                  int* __restrict__ feed_tok, int* __restrict__ feed_pos) {
+                                  int* __restrict__ feed_tok, int* __restrict__ feed_pos, int* __restrict__ feed_hist) {
     TRACE_KERNEL();
     __shared__ int last;
     pdl_trigger();
@@ -69,6 +72,7 @@ extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float
         *done = 0;
         if (feed_tok) {
             *feed_tok = bi;
+            feed_hist[*feed_pos % FEED_HIST] = bi;
             *feed_pos += 1;
         }
     }

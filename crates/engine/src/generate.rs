@@ -141,7 +141,7 @@ impl<'m, B: Backend> Session<'m, B> {
             model.forward_into(&[token.unwrap_or(0)], pos, kv, Logits::Last, Some(&mut *logits))?;
             b.argmax_fed(logits, argmax)
         })?;
-        b.queue_read(argmax, slot)
+        b.queue_read(argmax, pos, slot)
     }
 
     /// Greedy generation with fed steps: while the host reads and hands out token n, the

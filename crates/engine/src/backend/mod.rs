@@ -113,8 +113,10 @@ pub trait Backend: Sync {
     fn argmax_fed(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()> {
         self.argmax(x, out)
     }
-    /// Queue a copy of x[0] (f32) for `take_read(slot)`, behind the work queued so far.
-    fn queue_read(&self, _x: &Self::Act, _slot: usize) -> Result<()> {
+    /// Queue a read, for `take_read(slot)`, of the token the fed step at position `pos`
+    /// chose (x[0] of its argmax output `x`): after the work queued so far, without holding
+    /// back the work queued after it.
+    fn queue_read(&self, _x: &Self::Act, _pos: usize, _slot: usize) -> Result<()> {
         Err(crate::Error::Invalid(format!("the {} backend does not queue reads", self.name())))
     }
     /// The value `queue_read` queued for `slot`, waiting for it.

@@ -88,8 +88,11 @@ pub struct Cuda {
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
-    /// records.
-    pub(crate) reads: Mutex<Vec<(PinnedHostSlice<f32>, cudarc::driver::CudaEvent)>>,
+    /// records and the event that marks its step done on the main stream.
+    #[allow(clippy::type_complexity)]
+    pub(crate) reads: Mutex<Vec<(PinnedHostSlice<i32>, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+    /// Where queued reads copy (waiting for their step, not holding back the steps after).
+    pub(crate) read_stream: std::sync::Arc<cudarc::driver::CudaStream>,
     /// The kernel timeline asked for by `FERROLM_TRACE` (trace.rs).
     pub(crate) trace: Option<super::trace::Trace>,
 }
@@ -101,6 +104,10 @@ pub(crate) enum KArg {
     I32(i32),
     F32(f32),
 }
+
+/// Fed steps' tokens the device keeps (sample.cu's FEED_HIST): the host reads a step's token
+/// while later steps run, at most two steps behind.
+pub(crate) const FEED_HIST: usize = 64;
 
 /// A captured graph, owned behind the backend's mutex.
 pub struct Graph(pub CudaGraph);
@@ -114,6 +121,8 @@ pub struct Staged {
     pub tok_dev: CudaSlice<i32>,
     pub pos_host: PinnedHostSlice<i32>,
     pub pos_dev: CudaSlice<i32>,
+    /// The tokens fed steps chose, at their position modulo FEED_HIST (sample.cu's argmax).
+    pub hist_dev: CudaSlice<i32>,
     /// Recorded after each direct upload of the staged values; `stage` waits for it.
     pub uploaded: cudarc::driver::CudaEvent,
 }
@@ -209,12 +218,15 @@ impl Cuda {
         let smem_optin = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .map_err(drv("reading the shared memory per block"))? as usize;
-        // One stream: cudarc's cross-stream event tracking is not needed, and its event
-        // records would otherwise land inside captured graphs.
-        // SAFETY: every operation of this backend runs on the one default stream.
+        // cudarc's cross-stream event tracking is not needed (the work runs on one stream;
+        // the read stream only copies finished steps' tokens, ordered by explicit events), and
+        // its event records would otherwise land inside captured graphs.
+        // SAFETY: every operation runs on `stream`, except queue_read's copies, which wait for
+        // an event recorded on it.
         unsafe { ctx.disable_event_tracking() };
         // A created stream, not the legacy default one: only these can be captured into graphs.
         let stream = ctx.new_stream().map_err(drv("creating a stream"))?;
+        let read_stream = ctx.new_stream().map_err(drv("creating a stream"))?;
         let trace = super::trace::Trace::from_env(&stream)?;
         Ok(Cuda {
             ctx,
@@ -254,6 +266,7 @@ impl Cuda {
             splitk_down_t: Mutex::new(HashMap::new()),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
+            read_stream,
             trace,
         })
     }
@@ -516,6 +529,9 @@ impl Cuda {
     pub(crate) fn stage(&self, tokens: &[u32], pos0: usize) -> Result<()> {
         let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         if st.as_ref().is_none_or(|s| s.cap < tokens.len()) {
+            // A queued read (a speculative step's, never taken) may still copy from the old
+            // token history on the read stream: let it finish before the history is freed.
+            self.read_stream.synchronize().map_err(drv("waiting for queued reads"))?;
             let cap = tokens.len().next_power_of_two().max(128);
             // SAFETY: written below before any copy reads it.
             let tok_host = unsafe { self.ctx.alloc_pinned::<i32>(cap) }.map_err(drv("allocating pinned memory"))?;
@@ -523,9 +539,10 @@ impl Cuda {
             let pos_host = unsafe { self.ctx.alloc_pinned::<i32>(1) }.map_err(drv("allocating pinned memory"))?;
             let tok_dev = self.stream.alloc_zeros::<i32>(cap).map_err(drv("allocating token ids"))?;
             let pos_dev = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating the position"))?;
+            let hist_dev = self.stream.alloc_zeros::<i32>(FEED_HIST).map_err(drv("allocating the token history"))?;
             let uploaded = self.ctx.new_event(None).map_err(drv("creating an event"))?;
             self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
-            *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev, uploaded });
+            *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev, hist_dev, uploaded });
         }
         let s = st.as_mut().expect("set above");
         // The last direct upload (not a graph's) may still be queued: it reads these

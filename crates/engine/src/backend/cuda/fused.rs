@@ -452,13 +452,13 @@ impl Cuda {
             *scratch = Some((v, i, d));
         }
         let (pv, pi, done) = scratch.as_mut().expect("set above");
-        let (feed_tok, feed_pos) = match feed {
+        let (feed_tok, feed_pos, feed_hist) = match feed {
             true => {
                 let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
                 let s = st.as_ref().ok_or_else(|| Error::Invalid("CUDA fed argmax without a staged step".into()))?;
-                (dev(self, &s.tok_dev), dev(self, &s.pos_dev))
+                (dev(self, &s.tok_dev), dev(self, &s.pos_dev), dev(self, &s.hist_dev))
             }
-            false => (KArg::Ptr(0), KArg::Ptr(0)),
+            false => (KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0)),
         };
         let args = [
             dev(self, xv),
@@ -469,6 +469,7 @@ impl Cuda {
             dev(self, done),
             feed_tok,
             feed_pos,
+            feed_hist,
         ];
         let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // Matches sample.cu's argmax.

@@ -1,7 +1,7 @@
 //! The forward-pass ops on CUDA: each launches one kernel from crates/engine/kernels/ (the
 //! CPU backend is the reference each is tested against).
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales};
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales, FEED_HIST};
 use super::fused::{GemvIn, GemvOut};
 use super::kernels;
 use crate::backend::{Backend, Rope};
@@ -242,31 +242,40 @@ impl Backend for Cuda {
         self.feeding.store(false, Relaxed);
         r
     }
-    fn queue_read(&self, x: &CudaAct, slot: usize) -> Result<()> {
-        let ActBuf::F32(v) = &x.buf else {
-            return Err(Error::Invalid("CUDA queued reads take f32 values".into()));
-        };
+    fn queue_read(&self, _x: &CudaAct, pos: usize, slot: usize) -> Result<()> {
+        // The fed step's argmax also wrote its token to the device history at `pos`, which
+        // the steps after it do not touch for FEED_HIST steps: the copy runs on the read
+        // stream once this step is done, and the main stream goes straight on to the next
+        // step (a copy queued between two steps' graphs delayed the second by its latency).
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let hist =
+            &st.as_ref().ok_or_else(|| Error::Invalid("CUDA queued read without a staged step".into()))?.hist_dev;
         let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
         while reads.len() <= slot {
             // Cached (not write-combined) pinned memory: the host reads it. SAFETY: written
             // by the copy below before `take_read` reads it.
             let p =
-                unsafe { self.ctx.alloc_pinned_with_flags::<f32>(1, 0) }.map_err(drv("allocating pinned memory"))?;
-            // A spinning event: the host waits for each step's token, so wake-up latency counts.
-            let e = self.ctx.new_event(None).map_err(drv("creating an event"))?;
-            reads.push((p, e));
+                unsafe { self.ctx.alloc_pinned_with_flags::<i32>(1, 0) }.map_err(drv("allocating pinned memory"))?;
+            // Spinning events: the host waits for each step's token, so wake-up latency counts.
+            let copied = self.ctx.new_event(None).map_err(drv("creating an event"))?;
+            let done = self.ctx.new_event(None).map_err(drv("creating an event"))?;
+            reads.push((p, copied, done));
         }
-        // cudarc's own event tracking is off (see `Cuda::new`), so a pinned slice's copy
-        // is not waited for by its accessors: this slot's event marks the copy's completion.
-        let (p, e) = &mut reads[slot];
-        self.stream.memcpy_dtoh(&v.slice(0..1), p).map_err(drv("queueing a read"))?;
-        e.record(&self.stream).map_err(drv("queueing a read"))
+        // cudarc's own event tracking is off (see `Cuda::new`): these events order the copy
+        // after the step, and mark its completion for take_read.
+        let (p, copied, done) = &mut reads[slot];
+        let i = pos % FEED_HIST;
+        done.record(&self.stream).map_err(drv("queueing a read"))?;
+        self.read_stream.wait(done).map_err(drv("queueing a read"))?;
+        self.read_stream.memcpy_dtoh(&hist.slice(i..i + 1), p).map_err(drv("queueing a read"))?;
+        copied.record(&self.read_stream).map_err(drv("queueing a read"))
     }
     fn take_read(&self, slot: usize) -> Result<f32> {
         let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
-        let (p, e) = reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
-        e.synchronize().map_err(drv("waiting for a queued read"))?;
-        Ok(p.as_slice().map_err(drv("reading a queued read"))?[0])
+        let (p, copied, _) =
+            reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
+        copied.synchronize().map_err(drv("waiting for a queued read"))?;
+        Ok(p.as_slice().map_err(drv("reading a queued read"))?[0] as f32)
     }
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
