@@ -429,6 +429,44 @@ struct XChunk {
 };
 #endif
 
+// Where a Tile's loads come from. Global memory: matrix a (and bm, SwiGLU's second),
+// rows clamped to the matrix; weights past L1 (ld_weights).
+struct TileFromGlobal {
+    const Mat &a, &bm;
+    const Shape& sh;
+    __device__ __forceinline__ const Mat& mat(int m) const { return m == 0 ? a : bm; }
+    __device__ __forceinline__ int row(int m, int r) const { return min(r, mat(m).rows - 1); }
+    __device__ __forceinline__ uint4 chunk(int m, int row, int c) const {
+        return ld_weights(reinterpret_cast<const uint4*>(mat(m).w) + (size_t)row * sh.stride + c);
+    }
+    __device__ __forceinline__ scale_t scale(int m, int row, int g) const {
+        return __ldg(mat(m).s + (size_t)row * sh.groups + g);
+    }
+    __device__ __forceinline__ scale_t bias(int m, int row, int g) const {
+        return __ldg(mat(m).b + (size_t)row * sh.groups + g);
+    }
+};
+
+// A ring stage in shared memory (gemv_ring.cuh): weights `w` (nrows rows of sh.chunks
+// 16-byte chunks per matrix, one matrix after another `mstride` bytes apart), scales and
+// biases `sb` (per matrix: rows_per_step × groups scales, then as many biases, `sbstride`
+// bytes apart); rows past nrows read row nrows - 1.
+struct TileFromStage {
+    const unsigned char *w, *sb;
+    int mstride, sbstride, rows_per_step, nrows;
+    const Shape& sh;
+    __device__ __forceinline__ int row(int, int r) const { return min(r, nrows - 1); }
+    __device__ __forceinline__ uint4 chunk(int m, int row, int c) const {
+        return reinterpret_cast<const uint4*>(w + m * mstride)[row * sh.chunks + c];
+    }
+    __device__ __forceinline__ scale_t scale(int m, int row, int g) const {
+        return reinterpret_cast<const scale_t*>(sb + m * sbstride)[row * sh.groups + g];
+    }
+    __device__ __forceinline__ scale_t bias(int m, int row, int g) const {
+        return reinterpret_cast<const scale_t*>(sb + m * sbstride)[(rows_per_step + row) * sh.groups + g];
+    }
+};
+
 // One lane's loads for one step of one warp: chunks c0 + 32u (u < U) of rows row0..+R-1
 // of matrix a (and of matrix b for SwiGLU), with the scale and bias of each group segment.
 template <int R, bool TWO>
@@ -438,60 +476,29 @@ struct Tile {
     uint4 q[NM][U][R];
     scale_t s[NM][U][R][NSUB], b[NM][U][R][NSUB];
 
-    // Chunks past the row end are not loaded (and not used); rows past the matrix end
-    // read its last row (computed, never stored).
-    __device__ __forceinline__ void load(const Mat& a, const Mat& bm, int row0, int c0, const Shape& sh) {
+    // Load chunks c0 + 32u (u < U) of rows row0 … row0 + R - 1 of each matrix, with the
+    // scale and bias of each group segment, from `src` (TileFromGlobal, TileFromStage).
+    // Chunks past the row end are not loaded (and not used); src.row clamps rows past the
+    // end to the last (computed, never stored).
+    template <class Src>
+    __device__ __forceinline__ void fill(const Src& src, int row0, int c0, const Shape& sh) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 32 * u;
             if (c >= sh.chunks) break;
 #pragma unroll
-            for (int m = 0; m < NM; m++) {
-                const Mat& mt = m == 0 ? a : bm;
+            for (int m = 0; m < NM; m++)
 #pragma unroll
                 for (int r = 0; r < R; r++) {
-                    int row = min(row0 + r, mt.rows - 1);
-                    q[m][u][r] = ld_weights(reinterpret_cast<const uint4*>(mt.w) + (size_t)row * sh.stride + c);
+                    int row = src.row(m, row0 + r);
+                    q[m][u][r] = src.chunk(m, row, c);
 #pragma unroll
                     for (int k = 0; k < NSUB; k++) {
-                        size_t g = (size_t)row * sh.groups + (c * VPC + k * SUBG) / GROUP;
-                        s[m][u][r][k] = __ldg(mt.s + g);
-                        b[m][u][r][k] = __ldg(mt.b + g);
+                        int g = (c * VPC + k * SUBG) / GROUP;  // the segment's group in its row
+                        s[m][u][r][k] = src.scale(m, row, g);
+                        b[m][u][r][k] = src.bias(m, row, g);
                     }
                 }
-            }
-        }
-    }
-
-    // The same tile from a ring stage in shared memory (gemv_ring.cuh): weights `w`
-    // (nrows rows of `chunks` 16-byte chunks per matrix, one matrix after another `mstride`
-    // bytes apart), scales and biases `sb` (per matrix: rows×groups scales, then as many
-    // biases, `sbstride` bytes apart). All of a tile's shared-memory loads go out before
-    // any of its math, as the global loads do. Rows past nrows read row nrows - 1.
-    __device__ __forceinline__ void load_smem(const unsigned char* w, int mstride, const unsigned char* sb,
-                                              int sbstride, int rows_per_step, int row0, int nrows, int c0,
-                                              const Shape& sh) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            int c = c0 + 32 * u;
-            if (c >= sh.chunks) break;
-#pragma unroll
-            for (int m = 0; m < NM; m++) {
-                const uint4* wm = reinterpret_cast<const uint4*>(w + m * mstride);
-                const scale_t* sm = reinterpret_cast<const scale_t*>(sb + m * sbstride);
-                const scale_t* bm = sm + rows_per_step * sh.groups;
-#pragma unroll
-                for (int r = 0; r < R; r++) {
-                    int row = min(row0 + r, nrows - 1);
-                    q[m][u][r] = wm[row * sh.chunks + c];
-#pragma unroll
-                    for (int k = 0; k < NSUB; k++) {
-                        int g = row * sh.groups + (c * VPC + k * SUBG) / GROUP;
-                        s[m][u][r][k] = sm[g];
-                        b[m][u][r][k] = bm[g];
-                    }
-                }
-            }
         }
     }
 
@@ -591,7 +598,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     Mat a;
     locate<R, OUT>(b, b0, b1, m0, m1, m2, a, row0);
     Tile<R, OUT == 3> next;
-    next.load(a, m1, row0, lane, sh);  // weights only: nothing writes them
+    next.fill(TileFromGlobal{a, m1, sh}, row0, lane, sh);  // weights only: nothing writes them
     NormGains gains;
     gains.load(nw, cols, NORM);  // nor the norm's gains
     sync.wait();
@@ -623,9 +630,9 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         // the places ours free, and load their weights while we finish). Starting it at
         // once measured faster (1B decode 1 351 vs 1 309 tok/s, perf.md).
         if (!PDL_EARLY && nb >= steps) sync.trigger();
-        if (PIPE && nb < steps) next.load(na, m1, nrow0, lane + nit * 32 * U, sh);
+        if (PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, lane + nit * 32 * U, sh);
         cur.dot(xs, lane + it * 32 * U, sh, acc);
-        if (!PIPE && nb < steps) next.load(na, m1, nrow0, lane + nit * 32 * U, sh);
+        if (!PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, lane + nit * 32 * U, sh);
         if (nit == 0) {  // step done: reduce and store this warp's rows
             store_rows<R, OUT>(a, row0, acc, resid, lane);
 #pragma unroll

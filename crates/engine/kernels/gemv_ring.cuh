@@ -103,9 +103,10 @@ __device__ __forceinline__ void stage_rows(const unsigned char* s, const RingSta
 #pragma unroll
         for (int r = 0; r < R; r++) acc[m][r] = 0.f;
     using T = Tile<R, OUT == 3>;
+    TileFromStage src{s, s + st.scales_at(0), rb * st.rowbytes, 2 * rb * st.srow, rb, n, sh};
     for (int c0 = lane; c0 < sh.chunks; c0 += 32 * T::U) {
         T t;
-        t.load_smem(s, rb * st.rowbytes, s + st.scales_at(0), 2 * rb * st.srow, rb, warp * R, n, c0, sh);
+        t.fill(src, warp * R, c0, sh);
         t.dot(xs, c0, sh, acc);
     }
     store_rows<R, OUT>(a, first + warp * R, acc, resid, lane);
