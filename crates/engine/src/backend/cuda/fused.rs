@@ -75,7 +75,7 @@ pub(super) fn scales_ptr(c: &Cuda, s: &DevScales) -> u64 {
     }
 }
 
-fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
+pub(super) fn act_ptr(c: &Cuda, a: &CudaAct) -> u64 {
     match &a.buf {
         ActBuf::Bf16(v) => v.device_ptr(&c.stream).0,
         ActBuf::F32(v) => v.device_ptr(&c.stream).0,

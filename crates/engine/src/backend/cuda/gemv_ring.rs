@@ -41,6 +41,12 @@ pub(super) fn ring_x_bytes(cols: usize, xq: bool) -> usize {
     b.div_ceil(128) * 128
 }
 
+/// Whether every matrix's last, partial step of `rb` rows copies its scales (`srow` bytes a
+/// row) in whole 16-byte pieces, as bulk copies need.
+pub(super) fn whole_scale_pieces(rows: &[usize], rb: usize, srow: usize) -> bool {
+    rows.iter().all(|n| ((n % rb) * srow).is_multiple_of(16))
+}
+
 /// The matrices of one decode GEMV launch, as the ring plan sees them.
 pub(super) struct RingShape<'a> {
     /// Rows of each matrix (SwiGLU: gate and up, equal).
@@ -72,8 +78,7 @@ pub(super) fn ring_plan(m: &RingShape, r0: usize, warps: usize, xq: bool, sms: u
         let rb = warps * r;
         let stage = (nm * rb * (rowbytes + 2 * srow)).div_ceil(128) * 128;
         let steps: usize = if m.two { m.rows[0].div_ceil(rb) } else { m.rows.iter().map(|n| n.div_ceil(rb)).sum() };
-        // a matrix's last step copies (rows % rb)·srow bytes of scales: whole 16-byte pieces
-        let pieces_ok = m.rows.iter().all(|n| ((n % rb) * srow).is_multiple_of(16));
+        let pieces_ok = whole_scale_pieces(m.rows, rb, srow);
         if stage <= RING_STAGE_MAX && pieces_ok && xb + 2 * stage <= RING_SMEM && steps > 0 {
             let grid = steps.min(sms);
             let per_block = steps.div_ceil(grid);

@@ -9,8 +9,8 @@
 //! model, cache and buffers, and kept: captured graphs point at it).
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales, KArg};
-use super::fused::{gemv_defines, gemv_warps, scales_ptr, x_staging};
-use super::gemv_ring::ring_aligned;
+use super::fused::{act_ptr, gemv_defines, gemv_warps, scales_ptr, x_staging};
+use super::gemv_ring::{ring_aligned, ring_x_bytes, whole_scale_pieces};
 use super::kernels;
 use crate::backend::{DecodeBufs, LayerWeights, Rope};
 use crate::config::RopeStyle;
@@ -85,19 +85,14 @@ pub(super) fn mk_plan(
         let fits = |per_warp: usize| {
             let rb = warps * per_warp;
             let step = (nm * rb * (rowbytes + 2 * srow)).div_ceil(128) * 128;
-            // a matrix's last step copies (rows % rb)·srow bytes of scales: whole pieces
-            let pieces = p.rows.iter().all(|n| ((n % rb) * srow).is_multiple_of(16));
-            (step <= stage_cap() && pieces).then_some(step)
+            (step <= stage_cap() && whole_scale_pieces(p.rows, rb, srow)).then_some(step)
         };
         let (ri, step) = [4, 2, 1].into_iter().find_map(|n| fits(n).map(|s| (n, s)))?;
         rows_per_warp[i] = ri;
         stage_bytes = stage_bytes.max(step);
     }
     let max_cols = ph.iter().map(|p| p.cols).max()?;
-    let x_bytes = {
-        let b = if xq { 2 * max_cols + max_cols / 32 * 4 + max_cols / 16 * 4 } else { 2 * max_cols };
-        b.div_ceil(128) * 128
-    };
+    let x_bytes = ring_x_bytes(max_cols, xq);
     let stages = (room.checked_sub(x_bytes)? / stage_bytes).min(STAGES_MAX);
     (stages >= 2).then_some(MkPlan {
         r: rows_per_warp,
@@ -125,13 +120,6 @@ impl Block {
     fn f32(&mut self, v: f32) -> &mut Self {
         self.0.extend_from_slice(&v.to_le_bytes());
         self
-    }
-}
-
-fn act_addr(c: &Cuda, a: &CudaAct) -> u64 {
-    match &a.buf {
-        ActBuf::Bf16(b) => b.device_ptr(&c.stream).0,
-        ActBuf::F32(b) => b.device_ptr(&c.stream).0,
     }
 }
 
@@ -286,7 +274,7 @@ impl Cuda {
             l.mlp_norm.device_ptr(&self.stream).0.hash(&mut h);
         }
         for a in bufs {
-            act_addr(self, a).hash(&mut h);
+            act_ptr(self, a).hash(&mut h);
         }
         kv.k.first().map(|b| b.device_ptr(&self.stream).0).hash(&mut h);
         let freqs: Vec<u32> = rope.inv_freq.iter().map(|v| v.to_bits()).collect();
@@ -378,7 +366,7 @@ impl Cuda {
         };
         let dp = |s: &CudaSlice<i32>| s.device_ptr(&self.stream).0;
         let fp = |s: &CudaSlice<f32>| s.device_ptr(&self.stream).0;
-        let ap = |a: &CudaAct| act_addr(self, a);
+        let ap = |a: &CudaAct| act_ptr(self, a);
         // The layers go after the 256-byte MkParams slot; the block's own address is known
         // only once allocated, so it is written in two copies: layers first, then params.
         let mut lb = Block::default();
@@ -427,14 +415,13 @@ impl Cuda {
 mod tests {
     use super::*;
 
+    /// q/k/v, o, gate/up (the SwiGLU pair) and down phases of `rows` and `cols`.
+    fn phases<'a>(rows: [&'a [usize]; 4], cols: [usize; 4]) -> [PhaseShape<'a>; 4] {
+        [0, 1, 2, 3].map(|i| PhaseShape { rows: rows[i], cols: cols[i], two: i == 2 })
+    }
+
     fn plan_1b(room: usize) -> Option<MkPlan> {
-        let (qkv, o, gu, dn) = ([2048, 512, 512], [2048], [8192, 8192], [2048]);
-        let ph = [
-            PhaseShape { rows: &qkv, cols: 2048, two: false },
-            PhaseShape { rows: &o, cols: 2048, two: false },
-            PhaseShape { rows: &gu, cols: 2048, two: true },
-            PhaseShape { rows: &dn, cols: 8192, two: false },
-        ];
+        let ph = phases([&[2048, 512, 512], &[2048], &[8192, 8192], &[2048]], [2048, 2048, 2048, 8192]);
         mk_plan(&ph, (4, 64, 2), 8, true, room)
     }
 
@@ -455,21 +442,9 @@ mod tests {
     #[test]
     fn megakernel_plan_refuses_what_it_cannot_copy() {
         // a last step of 3 rows × 2 scales × 2 bytes: not whole 16-byte pieces at any R
-        let (a, b) = ([67], [128]);
-        let ph = [
-            PhaseShape { rows: &a, cols: 128, two: false },
-            PhaseShape { rows: &b, cols: 128, two: false },
-            PhaseShape { rows: &b, cols: 128, two: true },
-            PhaseShape { rows: &b, cols: 128, two: false },
-        ];
-        assert_eq!(mk_plan(&ph, (4, 64, 2), 8, true, 200_000), None);
+        let (a, b): (&[usize], &[usize]) = (&[67], &[128]);
+        assert_eq!(mk_plan(&phases([a, b, b, b], [128; 4]), (4, 64, 2), 8, true, 200_000), None);
         // 16-wide rows: 8 bytes of 4-bit weights, not a 16-byte chunk
-        let ph16 = [
-            PhaseShape { rows: &b, cols: 16, two: false },
-            PhaseShape { rows: &b, cols: 16, two: false },
-            PhaseShape { rows: &b, cols: 16, two: true },
-            PhaseShape { rows: &b, cols: 16, two: false },
-        ];
-        assert_eq!(mk_plan(&ph16, (4, 16, 2), 8, true, 200_000), None);
+        assert_eq!(mk_plan(&phases([b; 4], [16; 4]), (4, 16, 2), 8, true, 200_000), None);
     }
 }
