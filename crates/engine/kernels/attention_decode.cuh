@@ -14,9 +14,18 @@
 
 
 #define AW 4            // warps per block
-#define QB_MAX 4        // query heads per block
+#ifndef QB_MAX
+#define QB_MAX 4        // query heads per block, at most (the host compiles one per qb: fused.rs)
+#endif
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 #define UNR 4           // positions per lane group whose loads are in flight together
+// Rounds of K/V loads ahead of the scoring (1: the next round's go out as a round is scored;
+// 2: the first two rounds' go out before the wait, so a split of up to two rounds pays no
+// DRAM latency after its release). 2 where a block takes one query head: with 2 or more the
+// extra 32 registers spill (ptxas, sm_90, under the 3-blocks-per-SM bound).
+#ifndef KV_AHEAD
+#define KV_AHEAD (QB_MAX == 1 ? 2 : 1)
+#endif
 #ifndef SCORE_BATCH     // score a round's UNR positions together (deep caches; see fused.rs)
 #define SCORE_BATCH 0
 #endif
@@ -97,6 +106,10 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     int first = p0 + warp * PW;
     uint4 kr[UNR], vr[UNR];
     if (first < pc) load_kv(first, kr, vr);
+#if KV_AHEAD > 1
+    uint4 kr2[UNR], vr2[UNR];
+    if (first + AW * PW * UNR < pc) load_kv(first + AW * PW * UNR, kr2, vr2);
+#endif
     Rope8 rope;
     rope.init(gl, hd, pos0, linear, inv_freq, interleaved);
     wait();
@@ -144,13 +157,20 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
             }
         }
     };
-    // Each round's K/V loads go out before the previous round is scored (two rounds in
-    // registers), so a split longer than one round pays one DRAM latency, not one per round.
+    // Each round's K/V loads go out KV_AHEAD rounds before it is scored (KV_AHEAD + 1 rounds
+    // in registers), so a split pays at most one DRAM latency after the release, not one per
+    // round (none up to KV_AHEAD rounds: their loads went out before the wait).
     for (int base0 = first; base0 < pc; base0 += AW * PW * UNR) {  // uniform per warp: shuffles
         uint4 kn_r[UNR], vn_r[UNR];
 #pragma unroll
         for (int u = 0; u < UNR; u++) kn_r[u] = kr[u], vn_r[u] = vr[u];
+#if KV_AHEAD > 1
+#pragma unroll
+        for (int u = 0; u < UNR; u++) kr[u] = kr2[u], vr[u] = vr2[u];
+        if (base0 + 2 * AW * PW * UNR < pc) load_kv(base0 + 2 * AW * PW * UNR, kr2, vr2);
+#else
         if (base0 + AW * PW * UNR < pc) load_kv(base0 + AW * PW * UNR, kr, vr);
+#endif
 #if SCORE_BATCH
         // The round's UNR positions scored together (independent dot products and
         // shuffles), then folded into the online softmax with one rescale.

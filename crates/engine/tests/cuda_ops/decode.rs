@@ -150,6 +150,35 @@ fn gemvs_at_1b_shapes(feed: &str) {
     let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &cd[i % COPIES], &mut rg, &mut tmp).unwrap());
     report("1B down 2048×8192 + add", us, bytes(&[&wd.1]));
 
+    // The MLP split along the FFN dimension (one launch, ffn_splitk.cuh): norm → gate/up →
+    // SwiGLU → down + residual add, against the CPU's norm_swiglu then matmul_add. Its grid:
+    // the most blocks in co-resident clusters of 8, 4 or 2 (Cuda::splitk_grid).
+    if feed.is_empty() {
+        let mut rg = g.act_from_f32(1, d, &x).unwrap();
+        let mut act = g.act_poisoned(1, f, false).unwrap();
+        assert!(g.ffn_splitk(&mut rg, (&ng, 1e-5), (&wg.0, &wu.0, &wd.0), &mut act).unwrap(), "split-K MLP ran");
+        let (mut rc, mut tmpc) = (xc.clone(), c.act(1, d).unwrap());
+        c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc).unwrap();
+        c.matmul_add(&sc, &wd.1, &mut rc, &mut tmpc).unwrap();
+        check("1B split-K MLP + residual", &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
+        check("1B split-K MLP act", &g.read_rows(&act, 0).unwrap(), &sc.data, 1e-2);
+        // Each copy's down scales transposed (once per matrix, outside any capture).
+        for j in 0..COPIES {
+            assert!(g.ffn_splitk(&mut rg, (&ng, 1e-5), (&cg[j], &cu[j], &cd[j]), &mut act).unwrap());
+        }
+        let us = graph_time(g, 48, &mut |i| {
+            let j = i % COPIES;
+            assert!(g.ffn_splitk(&mut rg, (&ng, 1e-5), (&cg[j], &cu[j], &cd[j]), &mut act).unwrap());
+        });
+        report("1B split-K MLP (gate/up→SwiGLU→down + add, one launch)", us, bytes(&[&wg.1, &wu.1, &wd.1]));
+        let us = graph_time(g, 48, &mut |i| {
+            let j = i % COPIES;
+            g.norm_swiglu(&rg, &ng, 1e-5, &mut xn, &cg[j], &cu[j], &mut gg, &mut ug, &mut sg).unwrap();
+            g.matmul_add(&sg, &cd[j], &mut rg, &mut tmp).unwrap();
+        });
+        report("1B MLP as two launches (norm→gate/up→SwiGLU, down + add)", us, bytes(&[&wg.1, &wu.1, &wd.1]));
+    }
+
     // A whole layer as the decode step runs it (norm→q/k/v, attention over 512 cached
     // positions with RoPE, o + add, norm→gate/up→SwiGLU, down + add), over 16 layers.
     {

@@ -186,42 +186,36 @@ impl Cuda {
         // gate/up rows per warp (SPLITK_R); a step of nw·R rows must be whole down chunks.
         const R: usize = 4;
         let (rb, vpc) = (nw * R, 128 / bits);
-        // Blocks per cluster: 8 (portable), and every rank's slice of the hidden rows equal.
-        const CS: usize = 8;
-        // Blocks: the most that are whole clusters, fit the SMs and divide the gate/up steps
-        // (each block takes a contiguous run of them: its slice of the FFN dimension).
-        let steps = ffn.div_ceil(rb);
-        let nb = splitk_blocks(steps, self.sms, CS);
-        let ok = self.clusters
-            && bits >= 4
-            && rb.is_multiple_of(vpc)
-            && ffn.is_multiple_of(vpc)
-            && hidden.is_multiple_of(CS)
-            && nb > 0;
+        let ok = self.clusters && bits >= 4 && rb.is_multiple_of(vpc) && ffn.is_multiple_of(vpc);
         if !ok {
             return Ok(false);
         }
+        let steps = ffn.div_ceil(rb);
         let (xq, _) = x_staging(hidden);
         let mut defines = gemv_defines(defines, xq);
         defines.extend(["SPLITK=1".into(), format!("SPLITK_R={R}")]);
         let f = self.function(kernels::file("gemv.cu"), &defines, "ffn_splitk_r")?;
         // x staging, then the block's partial sums (hidden) and its act values, then its
         // columns of down (ffn_splitk.cuh).
-        let rows = steps / nb * rb;
-        let smem = ring_x_bytes(hidden, xq) + (4 * (hidden + rows)).div_ceil(16) * 16 + hidden * rows * bits / 8;
-        if smem + 1024 > self.smem_optin {
-            return Ok(false); // a block's columns of down do not fit (an 8B shape's 256 KB)
-        }
+        let smem_for = |nb: usize| {
+            let rows = steps / nb * rb;
+            ring_x_bytes(hidden, xq) + (4 * (hidden + rows)).div_ceil(16) * 16 + hidden * rows * bits / 8
+        };
+        let Some((nb, cs)) = self.splitk_grid(&f, (steps, hidden, bits), nw, &smem_for)? else {
+            return Ok(false); // no grid of whole, co-resident clusters (or down's columns do not fit)
+        };
+        let smem = smem_for(nb);
         f.set_attribute(
             cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             smem as i32,
         )
         .map_err(drv("split-K MLP shared memory"))?;
         let mut scratch = self.splitk_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let key = (nb / CS, hidden);
+        let key = (nb / cs, hidden);
         if let std::collections::hash_map::Entry::Vacant(e) = scratch.entry(key) {
             let part = self.stream.alloc_zeros::<f32>(key.0 * hidden).map_err(drv("allocating split-K partials"))?;
-            let done = self.stream.alloc_zeros::<i32>(CS).map_err(drv("allocating split-K counters"))?;
+            let done =
+                self.stream.alloc_zeros::<i32>(SPLITK_CLUSTERS[0]).map_err(drv("allocating split-K counters"))?;
             e.insert((part, done));
         }
         let (part, done) = &scratch[&key];
@@ -247,9 +241,56 @@ impl Cuda {
             shared_mem_bytes: smem as u32,
         };
         // Matches ffn_splitk.cuh's ffn_splitk_r; `done` zeroed at allocation, reset by the kernel.
-        self.launch_clustered(&f, c, &args, "split-K MLP launch", CS as u32)?;
+        self.launch_clustered(&f, c, &args, "split-K MLP launch", cs as u32)?;
         self.splitk_launches.fetch_add(1, Relaxed);
         Ok(true)
+    }
+
+    /// The split-K MLP's grid for (gate/up steps, hidden, bits): (blocks, cluster size), the
+    /// most blocks that are whole clusters of 8, 4 or 2 (the larger at a tie), divide the
+    /// steps, split the hidden rows evenly over a cluster's ranks, fit down's columns in
+    /// shared memory (`smem_for(blocks)`), and all run at once: on the H200 15 clusters of 8
+    /// fit, not 16, and the 1B's 16 ran the last as a second wave (33 µs per launch in ncu,
+    /// SMs active 46% of it). Chosen once per shape (the occupancy queries are not free).
+    fn splitk_grid(
+        &self,
+        f: &cudarc::driver::CudaFunction,
+        key: (usize, usize, usize),
+        nw: usize,
+        smem_for: &dyn Fn(usize) -> usize,
+    ) -> Result<Option<(usize, usize)>> {
+        if let Some(g) = self.splitk_grid.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(*g);
+        }
+        let (steps, hidden, _) = key;
+        let mut best: Option<(usize, usize)> = None;
+        for cs in SPLITK_CLUSTERS {
+            if !hidden.is_multiple_of(cs) {
+                continue;
+            }
+            for nb in splitk_block_counts(steps, self.sms, cs) {
+                let smem = smem_for(nb);
+                if smem + 1024 > self.smem_optin || best.is_some_and(|(b, _)| b >= nb) {
+                    continue;
+                }
+                f.set_attribute(
+                    cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )
+                .map_err(drv("split-K MLP shared memory"))?;
+                let c = LaunchConfig {
+                    grid_dim: (nb as u32, 1, 1),
+                    block_dim: (32 * nw as u32, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                if self.max_active_clusters(f, c, cs as u32)? * cs >= nb {
+                    best = Some((nb, cs));
+                    break;
+                }
+            }
+        }
+        self.splitk_grid.lock().unwrap_or_else(|e| e.into_inner()).insert(key, best);
+        Ok(best)
     }
 
     /// Device addresses of down's scales and biases transposed to [groups][rows] (made on
@@ -304,15 +345,18 @@ fn transpose_groups<T: Copy + Default>(v: &[T], rows: usize, groups: usize) -> V
     o
 }
 
-/// The split-K MLP's blocks: the most that are whole clusters of `cs`, fit `sms` and divide
-/// the gate/up `steps` (each block takes a contiguous run of them); 0 when none does.
-fn splitk_blocks(steps: usize, sms: usize, cs: usize) -> usize {
-    (1..=steps.min(sms) / cs).rev().map(|n| n * cs).find(|n| steps.is_multiple_of(*n)).unwrap_or(0)
+/// Cluster sizes the split-K MLP tries, largest first (8 is the portable maximum).
+const SPLITK_CLUSTERS: [usize; 3] = [8, 4, 2];
+
+/// Block counts for the split-K MLP, most first: whole clusters of `cs`, at most `sms`,
+/// dividing the gate/up `steps` (each block takes a contiguous run of them).
+fn splitk_block_counts(steps: usize, sms: usize, cs: usize) -> impl Iterator<Item = usize> {
+    (1..=steps.min(sms) / cs).rev().map(move |n| n * cs).filter(move |n| steps.is_multiple_of(*n))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{splitk_blocks, transpose_groups};
+    use super::{splitk_block_counts, transpose_groups};
 
     #[test]
     fn group_values_transpose() {
@@ -321,12 +365,17 @@ mod tests {
     }
 
     #[test]
-    fn splitk_blocks_for_real_shapes() {
+    fn splitk_block_counts_for_real_shapes() {
+        let first = |steps, cs| splitk_block_counts(steps, 132, cs).next();
         // 32-row steps on a 132-SM device: 1B (ffn 8192), SmolLM2 (1536), 8B (14336)
-        assert_eq!(splitk_blocks(256, 132, 8), 128);
-        assert_eq!(splitk_blocks(48, 132, 8), 48);
-        assert_eq!(splitk_blocks(448, 132, 8), 112);
+        assert_eq!(first(256, 8), Some(128));
+        assert_eq!(first(48, 8), Some(48));
+        assert_eq!(first(448, 8), Some(112));
         // no whole cluster divides 7 steps
-        assert_eq!(splitk_blocks(7, 132, 8), 0);
+        assert_eq!(first(7, 8), None);
+        // the H200 runs 15 clusters of 8 at once: the next count for the 1B is 64 blocks,
+        // so clusters of 4 (128 blocks) win there
+        assert_eq!(splitk_block_counts(256, 120, 8).next(), Some(64));
+        assert_eq!(splitk_block_counts(256, 132, 4).collect::<Vec<_>>()[..3], [128, 64, 32]);
     }
 }

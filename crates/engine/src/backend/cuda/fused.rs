@@ -367,7 +367,10 @@ impl Cuda {
         // there, scoring a round's positions together (SCORE_BATCH) measured faster (1B at
         // 8191 cached 23.6 → 22.2 µs), and slower at 512 cached (6.4 → 7.0 µs; H200, perf.md).
         let deep = kv.max_seq > ATTN_CLUSTER_MAX * 128;
-        let defines = if deep { vec!["SCORE_BATCH=1".to_string()] } else { vec![] };
+        // Registers for exactly qb query heads (QB_MAX): the kernel compiled for 4 spilled at
+        // qb = 1 (168 registers, the 3-blocks-per-SM cap), and the registers saved hold a
+        // second round of K/V loads issued before the wait (attention_decode.cuh, KV_AHEAD).
+        let defines = vec![format!("QB_MAX={qb}"), format!("SCORE_BATCH={}", u8::from(deep))];
         let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode")?;
         // Positions per split: 64, or more where the blocks would not all be resident at
         // once (a second wave would start only as the first ends; longer splits keep more

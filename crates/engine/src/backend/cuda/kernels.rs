@@ -52,7 +52,7 @@ pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String>
 }
 
 /// Files compiled only with per-variant defines.
-const PER_VARIANT: [&str; 4] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu"];
+const PER_VARIANT: [&str; 5] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu"];
 
 /// Every (file, defines) the backend may compile: what CI compiles with NVRTC.
 pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
@@ -102,11 +102,17 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     // compile.
     let fmt = affine_defines(4, 64, ScaleDtype::BF16);
     let gemv = [fmt.clone(), vec!["XQ=1".into()]].concat();
-    for (f, d) in [("gemv.cu", gemv), ("affine.cu", fmt), ("attention_decode.cu", vec![]), ("sample.cu", vec![])] {
+    let attn = vec!["QB_MAX=1".into(), "SCORE_BATCH=0".into()];
+    for (f, d) in [("gemv.cu", gemv), ("affine.cu", fmt), ("attention_decode.cu", attn), ("sample.cu", vec![])] {
         v.push((file(f), [d, vec!["TRACE=1".into()]].concat()));
     }
-    // Decode attention's deep-cache form (fused.rs).
-    v.push((file("attention_decode.cu"), vec!["SCORE_BATCH=1".into()]));
+    // Decode attention per query heads per block (QB_MAX: 1, or a divisor of the GQA group
+    // up to 4), short- and deep-cache forms (fused.rs).
+    for qb in 1..=4 {
+        for batch in ["SCORE_BATCH=0", "SCORE_BATCH=1"] {
+            v.push((file("attention_decode.cu"), vec![format!("QB_MAX={qb}"), batch.into()]));
+        }
+    }
     for hd in FLASH_HEAD_DIMS {
         v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }
