@@ -7,7 +7,7 @@
 //! until it has been measured against the launches it replaces. `=3` runs the MLP split
 //! along the FFN dimension instead (ffn_splitk.cuh; `Cuda::ffn_splitk`).
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, DevScales, KArg};
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, DevScales, KArg, SplitkGrid};
 use super::fused::{dev, gemv_defines, gemv_warps, rows_per_warp, scales_ptr, x_staging, GEMV_LOADS};
 use super::gemv_ring::ring_x_bytes;
 use super::kernels;
@@ -258,12 +258,12 @@ impl Cuda {
         key: (usize, usize, usize),
         nw: usize,
         smem_for: &dyn Fn(usize) -> usize,
-    ) -> Result<Option<(usize, usize)>> {
+    ) -> Result<Option<SplitkGrid>> {
         if let Some(g) = self.splitk_grid.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(*g);
         }
         let (steps, hidden, _) = key;
-        let mut best: Option<(usize, usize)> = None;
+        let mut best: Option<SplitkGrid> = None;
         for cs in SPLITK_CLUSTERS {
             if !hidden.is_multiple_of(cs) {
                 continue;

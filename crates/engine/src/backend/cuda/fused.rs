@@ -370,7 +370,7 @@ impl Cuda {
         // Registers for exactly qb query heads (QB_MAX): the kernel compiled for 4 spilled at
         // qb = 1 (168 registers, the 3-blocks-per-SM cap), and the registers saved hold a
         // second round of K/V loads issued before the wait (attention_decode.cuh, KV_AHEAD).
-        let defines = vec![format!("QB_MAX={qb}"), format!("SCORE_BATCH={}", u8::from(deep))];
+        let defines = kernels::attention_decode_defines(qb, deep);
         let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode")?;
         // Positions per split: 64, or more where the blocks would not all be resident at
         // once (a second wave would start only as the first ends; longer splits keep more

@@ -51,6 +51,13 @@ pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String>
     vec![format!("BITS={bits}"), format!("GROUP={group}"), format!("SCALE_T={s}")]
 }
 
+/// -D defines for attention_decode.cu: registers for `qb` query heads per block (QB_MAX),
+/// and the deep-cache scoring (SCORE_BATCH). fused.rs launches with these, and
+/// `all_variants` precompiles them, so the two must agree.
+pub fn attention_decode_defines(qb: usize, deep: bool) -> Vec<String> {
+    vec![format!("QB_MAX={qb}"), format!("SCORE_BATCH={}", u8::from(deep))]
+}
+
 /// Files compiled only with per-variant defines.
 const PER_VARIANT: [&str; 5] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu"];
 
@@ -102,15 +109,15 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     // compile.
     let fmt = affine_defines(4, 64, ScaleDtype::BF16);
     let gemv = [fmt.clone(), vec!["XQ=1".into()]].concat();
-    let attn = vec!["QB_MAX=1".into(), "SCORE_BATCH=0".into()];
+    let attn = attention_decode_defines(1, false);
     for (f, d) in [("gemv.cu", gemv), ("affine.cu", fmt), ("attention_decode.cu", attn), ("sample.cu", vec![])] {
         v.push((file(f), [d, vec!["TRACE=1".into()]].concat()));
     }
     // Decode attention per query heads per block (QB_MAX: 1, or a divisor of the GQA group
     // up to 4), short- and deep-cache forms (fused.rs).
     for qb in 1..=4 {
-        for batch in ["SCORE_BATCH=0", "SCORE_BATCH=1"] {
-            v.push((file("attention_decode.cu"), vec![format!("QB_MAX={qb}"), batch.into()]));
+        for deep in [false, true] {
+            v.push((file("attention_decode.cu"), attention_decode_defines(qb, deep)));
         }
     }
     for hd in FLASH_HEAD_DIMS {
