@@ -29,7 +29,9 @@
 #ifndef SCORE_BATCH     // score a round's UNR positions together (deep caches; see fused.rs)
 #define SCORE_BATCH 0
 #endif
-#define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX)
+#ifndef CS_MAX
+#define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX; 16 in attention_block.cuh)
+#endif
 
 // RoPE of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl (G lanes per
 // head): pairs (2j, 2j+1) when interleaved, else (j, j + hd/2), whose partner dim is in

@@ -669,6 +669,8 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 #include "decode_layers.cuh"
 #elif SPLITK  // the MLP split along the FFN dimension (ffn_splitk.cuh): its own variant
 #include "ffn_splitk.cuh"
+#elif ATTN_BLOCK  // a decode layer's attention half in one launch (attention_block.cuh)
+#include "attention_block.cuh"
 #elif !defined(FFN)
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)

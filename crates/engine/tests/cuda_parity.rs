@@ -15,6 +15,8 @@ use ferrolm::model::{Llama, Logits};
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 use std::sync::OnceLock;
 
+#[path = "cuda_ops/attn_block.rs"]
+mod attn_block;
 #[path = "cuda_ops/decode.rs"]
 mod decode;
 #[path = "cuda_ops/flash.rs"]
@@ -554,6 +556,15 @@ fn ffn_splitk_decode_matches_cpu() {
     let set =
         |g: &Cuda, on: bool| g.set_layer_end_fusion(if on { LayerEndFusion::SplitK } else { LayerEndFusion::None });
     other_decode_path_matches_cpu("split-K MLP", &set, &|g| g.ffn_splitk_launches());
+}
+
+/// The attention block (one launch for q/k/v, attention and x += o·att; attention_block.cuh,
+/// `FERROLM_ATTN_BLOCK`): its o projection sums each row over the kv groups' partials.
+#[test]
+fn attention_block_decode_matches_cpu() {
+    other_decode_path_matches_cpu("attention block", &|g, on| g.set_attention_block(on), &|g| {
+        g.attention_block_launches()
+    });
 }
 
 /// Ring-fed decode GEMVs (gemv_ring.cuh: weights copied into shared memory in bulk) do a

@@ -233,6 +233,24 @@ pub trait Backend: Sync {
         self.rope(k, n_kv, pos0, rope)?;
         self.attention(q, k, v, kv, layer, pos0, out)
     }
+    /// The attention half of a one-token decode layer in one go (CUDA's attention block,
+    /// `FERROLM_ATTN_BLOCK`): x += wo·attention(rope(q), rope(k), v) with q/k/v =
+    /// (wq, wk, wv)·norm(x) (no biases), the new k/v written to the cache at the staged
+    /// position. q, k, v and att are scratch. Ok(false) where the backend does not do
+    /// this: the caller runs the ops.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_block(
+        &self,
+        _x: &mut Self::Act,
+        _norm: (&Self::Vector, f32),
+        _w: (&Self::Mat, &Self::Mat, &Self::Mat, &Self::Mat),
+        _kv: &mut Self::Kv,
+        _layer: usize,
+        _rope: &Rope,
+        _scratch: (&mut Self::Act, &mut Self::Act, &mut Self::Act, &mut Self::Act),
+    ) -> Result<bool> {
+        Ok(false)
+    }
     /// Every layer of a one-token decode step at the staged position in one go (CUDA's
     /// decode megakernel, `FERROLM_MEGAKERNEL=1`), with the same math as the op-by-op
     /// layers (no q/k/v biases). Ok(false) where the backend does not do this for the model

@@ -241,6 +241,17 @@ impl<B: Backend> Llama<B> {
                 return b.read_rows(x, 0).map(Some);
             }
             // attention block: x += o_proj(attention(rope(q), rope(k), v)), q/k/v = proj(norm(x))
+            let mlp = (&l.w_gate, &l.w_up, &l.w_down);
+            let attn = (&l.wq, &l.wk, &l.wv, &l.wo);
+            let scratch = (&mut *q, &mut *k, &mut *v, &mut *att);
+            if m == 1
+                && l.bias.is_none()
+                && b.attention_block(x, (&l.attn_norm, c.rms_eps), attn, kv, li, &self.rope, scratch)?
+            {
+                b.norm_swiglu(x, &l.mlp_norm, c.rms_eps, xn, mlp.0, mlp.1, gate, up, act)?;
+                b.matmul_add(act, mlp.2, x, o)?;
+                continue;
+            }
             b.norm_matmul_many(x, &l.attn_norm, c.rms_eps, xn, &[&l.wq, &l.wk, &l.wv], &mut [q, k, v])?;
             if let Some([bq, bk, bv]) = &l.bias {
                 b.add_bias(q, bq)?;
@@ -250,7 +261,6 @@ impl<B: Backend> Llama<B> {
             b.rope_attention(q, k, v, kv, li, pos0, &self.rope, (c.n_heads, c.n_kv_heads), att)?;
             // x += o_proj(attention), then the MLP block (SwiGLU):
             // x += down(silu(gate(norm(x))) · up(norm(x)))
-            let mlp = (&l.w_gate, &l.w_up, &l.w_down);
             b.o_proj_mlp(att, &l.wo, x, (&l.mlp_norm, c.rms_eps), mlp, (xn, gate, up, o), act)?;
         }
         // Only the rows whose logits are wanted go through the final norm and the head.

@@ -90,6 +90,14 @@ pub struct Cuda {
     pub(crate) splitk_down_t: Mutex<HashMap<u64, (DevScales, DevScales)>>,
     /// The split-K MLP's (blocks, cluster size) per (steps, hidden, bits); None: no grid.
     pub(crate) splitk_grid: Mutex<HashMap<(usize, usize, usize), Option<SplitkGrid>>>,
+    /// The attention block (attn_block.rs): on or off (`FERROLM_ATTN_BLOCK`), its group
+    /// partials and per-rank counters by (clusters, hidden), its launch plan per weight
+    /// format and shape (None: no co-resident grid), and its launches (tests check that it ran).
+    pub(crate) attn_block: std::sync::atomic::AtomicBool,
+    #[allow(clippy::type_complexity)]
+    pub(crate) attn_block_scratch: Mutex<HashMap<(usize, usize), (CudaSlice<f32>, CudaSlice<i32>)>>,
+    pub(crate) attn_block_plans: Mutex<HashMap<Vec<String>, Option<super::attn_block::Plan>>>,
+    pub(crate) attn_block_launches: std::sync::atomic::AtomicUsize,
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
@@ -270,6 +278,10 @@ impl Cuda {
             splitk_launches: std::sync::atomic::AtomicUsize::new(0),
             splitk_down_t: Mutex::new(HashMap::new()),
             splitk_grid: Mutex::new(HashMap::new()),
+            attn_block: std::sync::atomic::AtomicBool::new(super::attn_block::attention_block_default()),
+            attn_block_scratch: Mutex::new(HashMap::new()),
+            attn_block_plans: Mutex::new(HashMap::new()),
+            attn_block_launches: std::sync::atomic::AtomicUsize::new(0),
             ffn_sync: Mutex::new(None),
             reads: Mutex::new(Vec::new()),
             read_stream,

@@ -366,7 +366,7 @@ impl Cuda {
         // Caches deeper than one cluster covers take several rounds of positions per split:
         // there, scoring a round's positions together (SCORE_BATCH) measured faster (1B at
         // 8191 cached 23.6 → 22.2 µs), and slower at 512 cached (6.4 → 7.0 µs; H200, perf.md).
-        let deep = kv.max_seq > ATTN_CLUSTER_MAX * 128;
+        let deep = kv.max_seq > kernels::ATTN_DEEP_POSITIONS;
         // Registers for exactly qb query heads (QB_MAX): the kernel compiled for 4 spilled at
         // qb = 1 (168 registers, the 3-blocks-per-SM cap), and the registers saved hold a
         // second round of K/V loads issued before the wait (attention_decode.cuh, KV_AHEAD).

@@ -58,6 +58,22 @@ pub fn attention_decode_defines(qb: usize, deep: bool) -> Vec<String> {
     vec![format!("QB_MAX={qb}"), format!("SCORE_BATCH={}", u8::from(deep))]
 }
 
+/// Decode attention over caches of more positions than this scores a round's positions
+/// together (SCORE_BATCH): faster at 8K cached, slower at 512 (fused.rs).
+pub const ATTN_DEEP_POSITIONS: usize = 8 * 128;
+
+/// gemv.cu's defines for the attention block (attention_block.cuh; attn_block.rs) of a
+/// weight format (`format`: bits, group, scale dtype), its x staging (XQ), the GQA group
+/// (`qc` query heads per cluster), the cache depth and the q/k/v rows per warp (`r`):
+/// 4 warps (attend()'s), clusters of up to 16.
+pub fn attention_block_defines(format: &[String], xq: bool, qc: usize, deep: bool, r: usize) -> Vec<String> {
+    let mut d = format.to_vec();
+    d.extend([format!("XQ={}", u8::from(xq)), "NW=4".into(), "ATTN_BLOCK=1".into(), format!("QKV_R={r}")]);
+    d.extend(["CS_MAX=16".into()]);
+    d.extend(attention_decode_defines(qc, deep));
+    d
+}
+
 /// Files compiled only with per-variant defines.
 const PER_VARIANT: [&str; 5] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu"];
 
@@ -98,6 +114,15 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     let mut splitk = affine_defines(4, 64, ScaleDtype::BF16);
     splitk.extend(["XQ=1", "SPLITK=1", "SPLITK_R=4"].map(String::from));
     v.push((file("gemv.cu"), splitk));
+    // The attention block (ATTN_BLOCK=1, attention_block.cuh; FERROLM_ATTN_BLOCK) as the
+    // models we measure run it (query heads per cluster and q/k/v rows per warp: SmolLM2
+    // 1 and 2, Llama 3 2 and 4), short and deep caches.
+    for (qc, r) in [(1, 2), (2, 4)] {
+        for deep in [false, true] {
+            let fmt = affine_defines(4, 64, ScaleDtype::BF16);
+            v.push((file("gemv.cu"), attention_block_defines(&fmt, true, qc, deep, r)));
+        }
+    }
     // The 4- and 16-warp GEMVs (FERROLM_GEMV_WARPS, a tuning knob): one variant each, so
     // they compile.
     for nw in ["NW=4", "NW=16"] {

@@ -7,6 +7,7 @@
 // one (a warp count by a pointer, once) passes every CPU check and fails only on a GPU.
 #![deny(clippy::shadow_unrelated)]
 
+mod attn_block;
 pub mod device;
 pub mod ffn;
 mod flash;

@@ -19,6 +19,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("decode_layers.cuh", include_str!("../../../kernels/decode_layers.cuh")),
     ("ffn_splitk.cuh", include_str!("../../../kernels/ffn_splitk.cuh")),
+    ("attention_block.cuh", include_str!("../../../kernels/attention_block.cuh")),
 ];
 
 /// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel

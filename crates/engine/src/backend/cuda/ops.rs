@@ -436,6 +436,18 @@ impl Backend for Cuda {
     fn matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
         self.fused_matmul_add(y, w, x, tmp)
     }
+    fn attention_block(
+        &self,
+        x: &mut CudaAct,
+        norm: (&Self::Vector, f32),
+        w: (&CudaMat, &CudaMat, &CudaMat, &CudaMat),
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        scratch: (&mut CudaAct, &mut CudaAct, &mut CudaAct, &mut CudaAct),
+    ) -> Result<bool> {
+        self.fused_attention_block(x, norm, w, kv, layer, rope, scratch)
+    }
     fn decode_layers(
         &self,
         layers: &[crate::backend::LayerWeights<'_, Self>],

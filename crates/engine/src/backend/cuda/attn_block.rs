@@ -1,0 +1,232 @@
+//! The attention half of a one-token decode layer as one launch (kernels/attention_block.cuh):
+//! q/k/v from the normalized residual, RoPE, the cache write, attention and x += o·att,
+//! one thread-block cluster per kv group. It replaces three op-path launches (q/k/v GEMV,
+//! attention, o GEMV) and their two boundaries. `FERROLM_ATTN_BLOCK=0|1` or
+//! `set_attention_block` turns it off or on; where it does not apply (dense or mixed
+//! weights, shapes below, no clusters) the op path runs.
+
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, KArg};
+use super::fused::{act_ptr, dev, scales_ptr, x_staging, MAX_COLS};
+use super::kernels;
+use crate::backend::Rope;
+use crate::config::RopeStyle;
+use crate::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use std::sync::atomic::Ordering::Relaxed;
+
+/// Cluster sizes tried, largest first (16 is non-portable; the H200 runs it).
+const CLUSTERS: [usize; 4] = [16, 8, 4, 2];
+
+/// `FERROLM_ATTN_BLOCK_CS=N` (N of CLUSTERS): that cluster size only (a tuning knob).
+fn forced_cluster() -> Option<usize> {
+    static N: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("FERROLM_ATTN_BLOCK_CS").ok().and_then(|v| v.parse().ok()).filter(|n| CLUSTERS.contains(n))
+    })
+}
+
+/// Off unless `FERROLM_ATTN_BLOCK=1`.
+pub(super) fn attention_block_default() -> bool {
+    std::env::var("FERROLM_ATTN_BLOCK").is_ok_and(|v| v == "1")
+}
+
+impl Cuda {
+    /// Whether one-token decode layers run their attention half as one launch where it applies.
+    pub fn attention_block_on(&self) -> bool {
+        self.attn_block.load(Relaxed)
+    }
+
+    /// Choose the attention block or the op path (tests compare both on one device).
+    pub fn set_attention_block(&self, on: bool) {
+        self.attn_block.store(on, Relaxed)
+    }
+
+    /// Attention block launches so far (queued or captured).
+    pub fn attention_block_launches(&self) -> usize {
+        self.attn_block_launches.load(Relaxed)
+    }
+
+    /// `Backend::attention_block` for one row: x += wo·attention(q, k, v) with q/k/v =
+    /// (wq, wk, wv)·norm(x), RoPE and the cache write inside. Ok(false) where it does not
+    /// apply: the caller runs the op path.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn fused_attention_block(
+        &self,
+        x: &mut CudaAct,
+        (gains, eps): (&CudaSlice<f32>, f32),
+        (wq, wk, wv, wo): (&CudaMat, &CudaMat, &CudaMat, &CudaMat),
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        (q, k, v, att): (&mut CudaAct, &mut CudaAct, &mut CudaAct, &mut CudaAct),
+    ) -> Result<bool> {
+        if !self.attention_block_on() || !self.clusters || x.rows != 1 {
+            return Ok(false);
+        }
+        let (
+            CudaMat::Affine { defines, rows: qrows, cols: hidden, bits, group, .. },
+            CudaMat::Affine { defines: dk, rows: krows, cols: kcols, .. },
+            CudaMat::Affine { defines: dv, rows: vrows, cols: vcols, .. },
+            CudaMat::Affine { defines: dout, rows: orows, cols: ocols_all, .. },
+        ) = (wq, wk, wv, wo)
+        else {
+            return Ok(false);
+        };
+        let (hidden, bits, group, hd) = (*hidden, *bits as usize, *group, kv.head_dim);
+        let (heads, n_kv) = (qrows / hd, kv.width / hd);
+        let same_format = defines == dk && defines == dv && defines == dout;
+        let shapes = (*krows, *vrows, *kcols, *vcols, *orows, *ocols_all)
+            == (kv.width, kv.width, hidden, hidden, hidden, *qrows);
+        let bufs = matches!(
+            (&x.buf, &q.buf, &k.buf, &v.buf, &att.buf),
+            (ActBuf::F32(_), ActBuf::Bf16(_), ActBuf::Bf16(_), ActBuf::Bf16(_), ActBuf::Bf16(_))
+        ) && x.cols == hidden
+            && (q.cols, k.cols, v.cols, att.cols) == (*qrows, kv.width, kv.width, *qrows);
+        if !same_format || !shapes || !bufs || n_kv == 0 || !heads.is_multiple_of(n_kv) || hidden > MAX_COLS {
+            return Ok(false);
+        }
+        let deep = kv.max_seq > kernels::ATTN_DEEP_POSITIONS;
+        let (xq, smem_x) = x_staging(hidden);
+        let shape = BlockShape { heads, n_kv, hd, hidden, bits, group, xq, deep };
+        let Some(plan) = self.attention_block_plan(defines, &shape, smem_x)? else {
+            return Ok(false);
+        };
+        let Plan { cs, hs, .. } = plan;
+        let f = self.function(kernels::file("gemv.cu"), &plan.defines, "attention_block")?;
+        let mut scratch = self.attn_block_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let key = (n_kv * hs, hidden);
+        if let std::collections::hash_map::Entry::Vacant(e) = scratch.entry(key) {
+            let part =
+                self.stream.alloc_zeros::<f32>(key.0 * hidden).map_err(drv("allocating attention block partials"))?;
+            let done =
+                self.stream.alloc_zeros::<i32>(CLUSTERS[0]).map_err(drv("allocating attention block counters"))?;
+            e.insert((part, done));
+        }
+        let (part, done) = &scratch[&key];
+        let freqs = self.rope_freqs_for(rope)?;
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let p0 = &st.as_ref().ok_or_else(|| Error::Invalid("CUDA attention without a staged position".into()))?.pos_dev;
+        let mut args: Vec<KArg> = Vec::with_capacity(36);
+        for m in [wq, wk, wv, wo] {
+            let CudaMat::Affine { words, scales, biases, .. } = m else { unreachable!("checked above") };
+            args.extend([dev(self, words), KArg::Ptr(scales_ptr(self, scales)), KArg::Ptr(scales_ptr(self, biases))]);
+        }
+        args.extend([
+            KArg::Ptr(act_ptr(self, x)),
+            KArg::Ptr(gains.device_ptr(&self.stream).0),
+            KArg::F32(eps),
+            KArg::I32(hidden as i32),
+            KArg::Ptr(act_ptr(self, q)),
+            KArg::Ptr(act_ptr(self, k)),
+            KArg::Ptr(act_ptr(self, v)),
+            KArg::Ptr(act_ptr(self, att)),
+            dev(self, &kv.k[layer]),
+            dev(self, &kv.v[layer]),
+            KArg::Ptr(freqs),
+            KArg::F32(rope.linear),
+            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            dev(self, part),
+            dev(self, done),
+            KArg::I32(heads as i32),
+            KArg::I32(n_kv as i32),
+            KArg::I32(hd as i32),
+            dev(self, p0),
+            KArg::I32(kv.max_seq.div_ceil(cs) as i32),
+            KArg::I32(cs as i32),
+            KArg::I32(hs as i32),
+        ]);
+        let c = LaunchConfig {
+            grid_dim: ((n_kv * hs * cs) as u32, 1, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: plan.smem as u32,
+        };
+        // Matches attention_block.cuh's attention_block; `done` zeroed at allocation and
+        // reset by the kernel; pos0 + 1 ≤ max_seq is checked by the model.
+        self.launch_clustered(&f, c, &args, "attention block launch", cs as u32)?;
+        self.attn_block_launches.fetch_add(1, Relaxed);
+        Ok(true)
+    }
+
+    /// How the attention block runs a shape: the largest cluster size (of CLUSTERS) that
+    /// splits the hidden rows evenly, with the most clusters per kv group (hs, dividing the
+    /// GQA group, at most ~2 blocks per SM, at most 4 query heads per cluster), such that
+    /// every cluster runs at once (one waiting for a second wave would stall the step: the
+    /// H200 holds 15 clusters of 8 one-per-SM blocks, not 16); None where no plan fits.
+    /// Chosen once per shape (the occupancy queries are not free).
+    fn attention_block_plan(&self, format: &[String], s: &BlockShape, smem_x: usize) -> Result<Option<Plan>> {
+        let mut key = format.to_vec();
+        key.push(format!("{s:?}"));
+        if let Some(p) = self.attn_block_plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(p.clone());
+        }
+        let qb = s.heads / s.n_kv;
+        let mut found = None;
+        'search: for cs in CLUSTERS.into_iter().filter(|cs| s.hidden.is_multiple_of(*cs)) {
+            if forced_cluster().is_some_and(|f| f != cs) {
+                continue;
+            }
+            for hs in (1..=qb).rev().filter(|h| qb.is_multiple_of(*h) && s.n_kv * h * cs <= 2 * self.sms) {
+                // attend(): a head of 64, 128 or 256 dims over 8-dim lane parts, registers
+                // for up to 4 query heads; the o phase: the heads' columns whole groups and
+                // 16-byte chunks (at most 32 per row), staged like any GEMV input.
+                let qc = qb / hs;
+                let ocols = qc * s.hd;
+                let (xq_o, smem_o) = x_staging(ocols);
+                let fits = [64, 128, 256].contains(&s.hd)
+                    && qc <= 4
+                    && ocols.is_multiple_of(s.group)
+                    && (ocols * s.bits).is_multiple_of(128)
+                    && ocols * s.bits / 128 <= 32
+                    && xq_o == s.xq
+                    && s.bits >= 2;
+                if !fits {
+                    continue;
+                }
+                // q/k/v rows per warp: a rank's rows over its 4 warps, in one step or few.
+                let per_warp = (qc * s.hd + 2 * s.hd).div_ceil(cs * 4);
+                let r = [4, 2, 1].into_iter().find(|r| *r <= per_warp).unwrap_or(1);
+                let defines = kernels::attention_block_defines(format, s.xq, qc, s.deep, r);
+                let f = self.function(kernels::file("gemv.cu"), &defines, "attention_block")?;
+                f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                    .map_err(drv("attention block cluster size"))?;
+                let smem = smem_x.max(smem_o);
+                let c = LaunchConfig {
+                    grid_dim: ((s.n_kv * hs * cs) as u32, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: smem as u32,
+                };
+                // A size the device refuses is not an error here: try the next.
+                if self.max_active_clusters(&f, c, cs as u32).unwrap_or(0) >= s.n_kv * hs {
+                    found = Some(Plan { cs, hs, smem, defines });
+                    break 'search;
+                }
+            }
+        }
+        self.attn_block_plans.lock().unwrap_or_else(|e| e.into_inner()).insert(key, found.clone());
+        Ok(found)
+    }
+}
+
+/// What decides an attention block plan besides the weight format.
+#[derive(Debug)]
+struct BlockShape {
+    heads: usize,
+    n_kv: usize,
+    hd: usize,
+    hidden: usize,
+    bits: usize,
+    group: usize,
+    xq: bool,
+    deep: bool,
+}
+
+/// An attention block launch's shape: clusters of `cs` blocks, `hs` clusters per kv group,
+/// `smem` bytes of dynamic shared memory, the kernel's defines.
+#[derive(Clone)]
+pub(crate) struct Plan {
+    cs: usize,
+    hs: usize,
+    smem: usize,
+    defines: Vec<String>,
+}
