@@ -121,6 +121,19 @@ pub(super) fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> u
     by_rows.max(loads / per_lane).min(4)
 }
 
+/// Rows per warp `r` for a GEMV that adds into the residual (o, down), halved while its
+/// blocks (`rows` / (`nw`·r)) would number under a quarter of the SMs: SmolLM2's o and down
+/// (576 rows) at 2 instead of 4 measured 2 097 against 1 981 tok/s, while the 1B's (2048
+/// rows, 64 blocks at 4 for o, down at 1) are fastest as they are (2 050 against 1 998 with
+/// both at 2; H200, docs/perf.md, session 9).
+pub(super) fn spread_rows(rows: usize, r: usize, nw: usize, sms: usize) -> usize {
+    let mut r = r;
+    while r > 1 && rows.div_ceil(nw * r) < sms / 4 {
+        r /= 2;
+    }
+    r
+}
+
 /// Rows per warp for the GEMVs that add into the residual (o, down) when
 /// `FERROLM_GEMV_R_ADD` is 1, 2 or 4 (a tuning knob: o's 64 blocks leave half the SMs idle
 /// at the 1B shape); else `rows_per_warp`'s choice.
@@ -209,7 +222,7 @@ impl Cuda {
         let loads = if mode == GemvOut::Swiglu { GEMV_LOADS / 2 } else { GEMV_LOADS };
         let mut r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
         if mode == GemvOut::Add {
-            r = add_rows_per_warp().unwrap_or(r);
+            r = add_rows_per_warp().unwrap_or_else(|| spread_rows(launched_rows, r, gemv_warps(), self.sms));
         }
         let out_kind = match (mode, norm, f32_out) {
             (GemvOut::Swiglu, _, _) => "s",
@@ -607,6 +620,15 @@ impl Cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn add_gemvs_spread_small_row_counts() {
+        // SmolLM2's o and down (576 rows) go from 4 rows per warp to 2; the 1B's stay.
+        assert_eq!(spread_rows(576, 4, 8, 132), 2);
+        assert_eq!(spread_rows(2048, 4, 8, 132), 4);
+        assert_eq!(spread_rows(2048, 1, 8, 132), 1);
+        assert_eq!(spread_rows(64, 4, 8, 132), 1);
+    }
 
     /// top_k_split's promises to sample.cu's top_k: every value in a slice, at most
     /// TOP_K_CAP candidates, and slices longer than k unless one block takes everything
