@@ -34,15 +34,12 @@
 #error "the attention block runs gemv() and attend() with the same 4 warps"
 #endif
 
-// gemv()'s steps dealt over a cluster's ranks. The q/k/v phase waits for the previous
-// kernel (PDL) once its first weight tile is in flight; the o phase has nothing to wait for.
+// gemv()'s steps dealt over a cluster's ranks, for the q/k/v phase: it waits for the
+// previous kernel (PDL) once its first weight tile is in flight.
 struct RankSteps {
     int rank, size;
-    bool pdl;
     __device__ __forceinline__ void trigger() const {}
-    __device__ __forceinline__ void wait() const {
-        if (pdl) pdl_wait();
-    }
+    __device__ __forceinline__ void wait() const { pdl_wait(); }
     __device__ __forceinline__ int first_step() const { return rank; }
     __device__ __forceinline__ int next_step(int b) const { return b + size; }
 };
@@ -77,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(128, 3)
     Mat mk = row_slice(wk, sk, bk, g * hd, hd, hidden, k + g * hd);
     Mat mv = row_slice(wv, sv, bv, g * hd, hd, hidden, v + g * hd);
     // Phase 1: the group's q/k/v rows, from the normalized x.
-    gemv<QKV_R, true, 0>(mq, mk, mv, x, nw, eps, hidden, RankSteps{rank, cs, true});
+    gemv<QKV_R, true, 0>(mq, mk, mv, x, nw, eps, hidden, RankSteps{rank, cs});
     pdl_wait();  // ranks without q/k/v steps returned from gemv() before waiting
     cluster_sync();
     // Phase 2: attention, split `rank` of the positions; rank 0 writes the group's output.

@@ -558,15 +558,6 @@ fn ffn_splitk_decode_matches_cpu() {
     other_decode_path_matches_cpu("split-K MLP", &set, &|g| g.ffn_splitk_launches());
 }
 
-/// The attention block (one launch for q/k/v, attention and x += o·att; attention_block.cuh,
-/// `FERROLM_ATTN_BLOCK`): its o projection sums each row over the kv groups' partials.
-#[test]
-fn attention_block_decode_matches_cpu() {
-    other_decode_path_matches_cpu("attention block", &|g, on| g.set_attention_block(on), &|g| {
-        g.attention_block_launches()
-    });
-}
-
 /// Ring-fed decode GEMVs (gemv_ring.cuh: weights copied into shared memory in bulk) do a
 /// row's math in the order the register-fed ones do, so decode logits are bit-identical
 /// either way (SmolLM2: q/k/v, o, gate/up, down and the head all take the ring).

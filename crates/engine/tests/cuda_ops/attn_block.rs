@@ -3,7 +3,7 @@
 //! composition of the same ops, at the SmolLM2 and Llama-3.2-1B attention shapes, over
 //! decode steps after a prefill, on a short and a deep cache.
 
-use super::{attn_cfg, bf, check, cpu, gpu, Rng};
+use super::{attn_cfg, bf, check, cpu, gpu, other_decode_path_matches_cpu, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::{Backend, Rope};
 use ferrolm::config::RopeStyle;
@@ -86,4 +86,14 @@ fn attention_block_matches_cpu() {
     }
     g.set_attention_block(before);
     assert!(g.attention_block_launches() >= launched + 9, "every step took the attention block");
+}
+
+/// SmolLM2 decode steps through the attention block against the CPU (and beside the op
+/// path): its o projection sums each row over the clusters' partials, so it is not the op
+/// path bit for bit, but must meet the model parity bar and be deterministic.
+#[test]
+fn attention_block_decode_matches_cpu() {
+    other_decode_path_matches_cpu("attention block", &|g, on| g.set_attention_block(on), &|g| {
+        g.attention_block_launches()
+    });
 }

@@ -134,6 +134,18 @@ pub(super) fn spread_rows(rows: usize, r: usize, nw: usize, sms: usize) -> usize
     r
 }
 
+/// Which decode GEMVs `spread_rows` applies to: `FERROLM_GEMV_SPREAD=0` none, `1` the add
+/// GEMVs (the default), `2` every one (a tuning knob; at SmolLM2 it also moves q/k/v's
+/// 960 rows from 4 rows per warp to 2).
+fn gemv_spread() -> u8 {
+    static S: std::sync::OnceLock<u8> = std::sync::OnceLock::new();
+    *S.get_or_init(|| match std::env::var("FERROLM_GEMV_SPREAD").as_deref() {
+        Ok("0") => 0,
+        Ok("2") => 2,
+        _ => 1,
+    })
+}
+
 /// Rows per warp for the GEMVs that add into the residual (o, down) when
 /// `FERROLM_GEMV_R_ADD` is 1, 2 or 4 (a tuning knob: o's 64 blocks leave half the SMs idle
 /// at the 1B shape); else `rows_per_warp`'s choice.
@@ -221,8 +233,16 @@ impl Cuda {
         let CudaMat::Affine { bits, .. } = mats[0] else { unreachable!("checked above") };
         let loads = if mode == GemvOut::Swiglu { GEMV_LOADS / 2 } else { GEMV_LOADS };
         let mut r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
+        let spread = match gemv_spread() {
+            2 => true,
+            1 => mode == GemvOut::Add,
+            _ => false,
+        };
+        if spread {
+            r = spread_rows(launched_rows, r, gemv_warps(), self.sms);
+        }
         if mode == GemvOut::Add {
-            r = add_rows_per_warp().unwrap_or_else(|| spread_rows(launched_rows, r, gemv_warps(), self.sms));
+            r = add_rows_per_warp().unwrap_or(r);
         }
         let out_kind = match (mode, norm, f32_out) {
             (GemvOut::Swiglu, _, _) => "s",
