@@ -81,13 +81,13 @@ extern "C" __global__ void __launch_bounds__(128, 3)
     attend(q, k, v, kc, vc, inv_freq, linear, interleaved, nullptr, nullptr, att, nullptr, heads, n_kv, hd, qc,
            *pos0p, chunk, cs, h0 / qc, rank, cs, [] {});
     cluster_sync();
-    // Phase 3: this rank's o rows times the group's columns, into part[g].
+    // Phase 3: this rank's o rows times the cluster's heads' columns, into part[c].
     {
         const uint4* wo4 = reinterpret_cast<const uint4*>(wo);
         int ochunks = ocols / VPC, stride = heads * hd / VPC;
         int oc0 = h0 * hd / VPC, og0 = h0 * hd / GROUP;
         // Lanes per row: the chunks of the group's columns, rounded up to a power of two.
-        int lpr = ochunks <= 8 ? 8 : ochunks <= 16 ? 16 : 32, rpw = 32 / lpr;
+        int lpr = ochunks <= 4 ? 4 : ochunks <= 8 ? 8 : ochunks <= 16 ? 16 : 32, rpw = 32 / lpr;
         int sub = lane / lpr, ci = lane % lpr;  // the row of the warp's round, the chunk
         Shape sh{ochunks, ocols / GROUP, 0};
         constexpr int OU = 4;  // rows per lane whose loads are in flight together
@@ -131,7 +131,9 @@ extern "C" __global__ void __launch_bounds__(128, 3)
 #pragma unroll
             for (int u = 0; u < OU; u++) {
                 float s = acc[u];
-                for (int o = lpr / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1)  // unrolled: lpr is uniform, not constant
+                    if (o < lpr) s += __shfl_xor_sync(0xffffffffu, s, o);
                 int r = rbase + u * 4 * rpw;
                 if (ci == 0 && r < per) part[(size_t)c * hidden + r0 + r] = s;
             }
