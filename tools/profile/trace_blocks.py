@@ -4,7 +4,7 @@ crates/engine/kernels/trace.cuh): for the launches of `--file` (a TRACE_FILE num
 `--pick`th from the end, each sampled block's events (start, every pdl_wait/phase mark,
 end) in µs from the launch's first start, and the previous launch's end on that scale.
 
-    python3 tools/profile/trace_blocks.py /tmp/t.bin --file 7 --pick 5"""
+    python3 tools/profile/trace_blocks.py /tmp/t.bin --file 7 --pick 5 [--min-events N]"""
 import argparse
 import struct
 from collections import defaultdict
@@ -13,6 +13,7 @@ ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 ap.add_argument("trace")
 ap.add_argument("--file", type=int, required=True)
 ap.add_argument("--pick", type=int, default=5)
+ap.add_argument("--min-events", type=int, default=0, help="only blocks with at least this many events")
 a = ap.parse_args()
 data = open(a.trace, "rb").read()
 n = struct.unpack_from("<Q", data, 0)[0]
@@ -43,4 +44,6 @@ for t, m in sorted(L):
     blocks[m & 0xFFF].append(("S", "w", "E", "?")[(m >> 20) & 3] + f"{(t - t0) / 1e3:.2f}")
     sms[m & 0xFFF] = (m >> 12) & 0xFF
 for b in sorted(blocks):
+    if len(blocks[b]) < a.min_events:
+        continue
     print(f"block {b:4d} sm {sms[b]:3d}:", " ".join(blocks[b]))

@@ -347,33 +347,94 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     ATT_SYNC();
     if (!last) return;
     __threadfence();
-    // Merge the units: warp j takes query head j (qb ≤ 4 warps), so the heads merge in
-    // parallel with warp-level reductions only. Partials come from other blocks: read
-    // through L2 with __ldcg. The unit weights exp(m_u − M) go once into shared memory
-    // (s_acc's space, free by now), then each output dim is a dot product over the units
-    // whose loads are all independent.
-    if (warp < qb) {
-        int j = warp;
+    // Merge the units with the whole block: a deep cache has ~50-130 units per head, and a
+    // warp per head walking them (a chain of dependent L2 round trips per 8 units) took 14 µs
+    // of SmolLM2's 24 at 7 424 cached (H200, docs/perf.md, session 9). Partials come from
+    // other blocks: read through L2 with __ldcg. First each head's max M over its units
+    // (block reductions through s_m), then the unit weights exp(m_u − M) into shared memory
+    // (s_acc's space, free by now) with the sum L, then each output float4 as a dot product
+    // over the units, split over R threads whose loads (16 at a time) are independent, and
+    // the R partial sums added in order through s_red. Deterministic.
+    constexpr int T = AW * 32;
+    __shared__ float4 s_red[T];
+    const int tid = threadIdx.x;
+    float mx[QB_MAX];
+#pragma unroll
+    for (int j = 0; j < QB_MAX; j++) {
+        mx[j] = -INFINITY;
+        if (j >= qb) continue;
         long base = (long)(h0 + j) * units;
-        float* w = s_acc + j * 1024;
+        for (int s = tid; s < units; s += T) mx[j] = fmaxf(mx[j], __ldcg(part_ml + 2 * (base + s)));
+        mx[j] = warp_max(mx[j]);
+        if (lane == 0) s_m[j * 32 + warp] = mx[j];
+    }
+    ATT_SYNC();
+    float lsum[QB_MAX];
+#pragma unroll
+    for (int j = 0; j < QB_MAX; j++) {
+        lsum[j] = 0.f;
+        if (j >= qb) continue;
         float M = -INFINITY;
-        for (int s = lane; s < units; s += 32) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
-        M = warp_max(M);
-        float L = 0.f;
-        for (int s = lane; s < units; s += 32) {
+        for (int wi = 0; wi < AW; wi++) M = fmaxf(M, s_m[j * 32 + wi]);
+        long base = (long)(h0 + j) * units;
+        for (int s = tid; s < units; s += T) {
             float ms = __ldcg(part_ml + 2 * (base + s));
             float ws = ms == -INFINITY ? 0.f : __expf(ms - M);
-            w[s] = ws;
-            L += ws * __ldcg(part_ml + 2 * (base + s) + 1);
+            s_acc[j * units + s] = ws;
+            lsum[j] = fmaf(ws, __ldcg(part_ml + 2 * (base + s) + 1), lsum[j]);
         }
-        L = warp_sum(L);
-        __syncwarp();
-        for (int d = lane; d < hd; d += 32) {
-            const float* pa = part_acc + base * hd + d;
-            float o = 0.f;
-#pragma unroll 8
-            for (int s = 0; s < units; s++) o = fmaf(__ldcg(pa + (long)s * hd), w[s], o);
-            out[(long)(h0 + j) * hd + d] = f2bf(o / L);
+        lsum[j] = warp_sum(lsum[j]);
+    }
+    ATT_SYNC();  // the weights complete before any thread's dot products read them
+#pragma unroll
+    for (int j = 0; j < QB_MAX; j++)
+        if (j < qb && lane == 0) s_l[j * 32 + warp] = lsum[j];
+    int hd4 = hd / 4, ng = qb * hd4, R = max(1, T / ng);  // float4 outputs, threads per output
+    for (int g0 = 0; g0 < ng; g0 += T) {  // one pass unless qb · hd > 4 · T
+        int g = g0 + tid % ng, r = tid / ng;
+        bool on = g < ng && r < R;
+        int j = on ? g / hd4 : 0, d4 = g % hd4;
+        const float4* pa = reinterpret_cast<const float4*>(part_acc + (long)(h0 + j) * units * hd) + d4;
+        const float* w = s_acc + j * units;
+        float4 o = {0.f, 0.f, 0.f, 0.f};
+        // Units r, r + R, …: 16 loads issued together per round, the last round's past
+        // `units` predicated off (a plain unrolled loop left its remainder as a chain of
+        // dependent loads: 9 of the 1B's 25 at 8K cached).
+        constexpr int LU = 16;
+        for (int s0 = r; on && s0 < units; s0 += LU * R) {
+            float4 a[LU];
+            float ws[LU];
+#pragma unroll
+            for (int u = 0; u < LU; u++) {
+                int s = s0 + u * R;
+                bool ok = s < units;
+                a[u] = ok ? __ldcg(pa + (long)s * hd4) : float4{0.f, 0.f, 0.f, 0.f};
+                ws[u] = ok ? w[s] : 0.f;
+            }
+#pragma unroll
+            for (int u = 0; u < LU; u++) {
+                o.x = fmaf(ws[u], a[u].x, o.x);
+                o.y = fmaf(ws[u], a[u].y, o.y);
+                o.z = fmaf(ws[u], a[u].z, o.z);
+                o.w = fmaf(ws[u], a[u].w, o.w);
+            }
+        }
+        ATT_SYNC();  // s_red free (the previous pass's reads), s_l written
+        if (on) s_red[r * ng + (g - g0)] = o;
+        ATT_SYNC();
+        if (tid < min(ng - g0, T)) {
+            int gg = g0 + tid, jj = gg / hd4;
+            float4 sum = s_red[tid];
+            for (int rr = 1; rr < R; rr++) {
+                float4 a = s_red[rr * ng + tid];
+                sum.x += a.x, sum.y += a.y, sum.z += a.z, sum.w += a.w;
+            }
+            float L = 0.f;
+            for (int wi = 0; wi < AW; wi++) L += s_l[jj * 32 + wi];
+            uint2 packed;
+            packed.x = (u32)f2bf(sum.x / L) | ((u32)f2bf(sum.y / L) << 16);
+            packed.y = (u32)f2bf(sum.z / L) | ((u32)f2bf(sum.w / L) << 16);
+            *reinterpret_cast<uint2*>(out + (long)(h0 + jj) * hd + 4 * (gg % hd4)) = packed;
         }
     }
     if (threadIdx.x == 0) done[bx] = 0;
