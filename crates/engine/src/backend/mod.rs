@@ -205,6 +205,19 @@ pub trait Backend: Sync {
         act: &mut Self::Act,
     ) -> Result<()> {
         self.matmul_add(att, wo, x, tmp)?;
+        self.mlp(x, (norm, eps), (gate, up, down), (xn, g, u, tmp), act)
+    }
+    /// The MLP block alone: x += down(silu(gate(n(x))) · up(n(x))); `act` gets the SwiGLU
+    /// output, xn, g, u and tmp are scratch. A backend may run it as fewer launches.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &self,
+        x: &mut Self::Act,
+        (norm, eps): (&Self::Vector, f32),
+        (gate, up, down): (&Self::Mat, &Self::Mat, &Self::Mat),
+        (xn, g, u, tmp): (&mut Self::Act, &mut Self::Act, &mut Self::Act, &mut Self::Act),
+        act: &mut Self::Act,
+    ) -> Result<()> {
         self.norm_swiglu(x, norm, eps, xn, gate, up, g, u, act)?;
         self.matmul_add(act, down, x, tmp)
     }

@@ -248,8 +248,7 @@ impl<B: Backend> Llama<B> {
                 && l.bias.is_none()
                 && b.attention_block(x, (&l.attn_norm, c.rms_eps), attn, kv, li, &self.rope, scratch)?
             {
-                b.norm_swiglu(x, &l.mlp_norm, c.rms_eps, xn, mlp.0, mlp.1, gate, up, act)?;
-                b.matmul_add(act, mlp.2, x, o)?;
+                b.mlp(x, (&l.mlp_norm, c.rms_eps), mlp, (xn, gate, up, o), act)?;
                 continue;
             }
             b.norm_matmul_many(x, &l.attn_norm, c.rms_eps, xn, &[&l.wq, &l.wk, &l.wv], &mut [q, k, v])?;

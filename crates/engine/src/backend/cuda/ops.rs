@@ -476,6 +476,19 @@ impl Backend for Cuda {
             return Ok(());
         }
         self.fused_matmul_add(att, wo, x, tmp)?;
+        self.mlp(x, (norm, eps), mlp, (xn, g, u, tmp), act)
+    }
+    fn mlp(
+        &self,
+        x: &mut CudaAct,
+        (norm, eps): (&Self::Vector, f32),
+        mlp: (&CudaMat, &CudaMat, &CudaMat),
+        (xn, g, u, tmp): (&mut CudaAct, &mut CudaAct, &mut CudaAct, &mut CudaAct),
+        act: &mut CudaAct,
+    ) -> Result<()> {
+        use super::ffn::LayerEndFusion;
+        // Each fusion falls back to the separate launches where its kernel declines.
+        let fusion = if x.rows == 1 { self.layer_end_fusion() } else { LayerEndFusion::None };
         if fusion == LayerEndFusion::SplitK && self.ffn_splitk(x, (norm, eps), mlp, act)? {
             return Ok(());
         }
