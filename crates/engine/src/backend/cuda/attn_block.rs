@@ -1,9 +1,11 @@
 //! The attention half of a one-token decode layer as one launch (kernels/attention_block.cuh):
-//! q/k/v from the normalized residual, RoPE, the cache write, attention and x += o·att,
-//! one thread-block cluster per kv group. It replaces three op-path launches (q/k/v GEMV,
-//! attention, o GEMV) and their two boundaries. `FERROLM_ATTN_BLOCK=0|1` or
-//! `set_attention_block` turns it off or on; where it does not apply (dense or mixed
-//! weights, shapes below, no clusters) the op path runs.
+//! q/k/v from the normalized residual, RoPE, the cache write, attention and x += o·att, in
+//! thread-block clusters that each take some of a kv group's query heads. It replaces three
+//! op-path launches (q/k/v GEMV, attention, o GEMV) and their two boundaries, and measured
+//! slower than them (1B 1 567 vs 2 033 tok/s, H200, docs/perf.md session 9), so it is off:
+//! `FERROLM_ATTN_BLOCK=1` or `set_attention_block` turns it on; where it does not apply
+//! (dense or mixed weights, the shapes `attention_block_plan` checks, no clusters) the op
+//! path runs.
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, KArg};
 use super::fused::{act_ptr, dev, scales_ptr, x_staging, MAX_COLS};
