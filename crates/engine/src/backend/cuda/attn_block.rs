@@ -162,52 +162,72 @@ impl Cuda {
         if let Some(p) = self.attn_block_plans.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return Ok(p.clone());
         }
-        let qb = s.heads / s.n_kv;
         let mut found = None;
-        'search: for cs in CLUSTERS.into_iter().filter(|cs| s.hidden.is_multiple_of(*cs)) {
-            if forced_cluster().is_some_and(|f| f != cs) {
-                continue;
-            }
-            for hs in (1..=qb).rev().filter(|h| qb.is_multiple_of(*h) && s.n_kv * h * cs <= 2 * self.sms) {
-                // attend(): a head of 64, 128 or 256 dims over 8-dim lane parts, registers
-                // for up to 4 query heads; the o phase: the heads' columns whole groups and
-                // 16-byte chunks (at most 32 per row), staged like any GEMV input.
-                let qc = qb / hs;
-                let ocols = qc * s.hd;
-                let (xq_o, smem_o) = x_staging(ocols);
-                let fits = [64, 128, 256].contains(&s.hd)
-                    && qc <= 4
-                    && ocols.is_multiple_of(s.group)
-                    && (ocols * s.bits).is_multiple_of(128)
-                    && ocols * s.bits / 128 <= 32
-                    && xq_o == s.xq
-                    && s.bits >= 2;
-                if !fits {
-                    continue;
-                }
-                // q/k/v rows per warp: a rank's rows over its 4 warps, in one step or few.
-                let per_warp = (qc * s.hd + 2 * s.hd).div_ceil(cs * 4);
-                let r = [4, 2, 1].into_iter().find(|r| *r <= per_warp).unwrap_or(1);
-                let defines = kernels::attention_block_defines(format, s.xq, qc, s.deep, r);
-                let f = self.function(kernels::file("gemv.cu"), &defines, "attention_block")?;
-                f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                    .map_err(drv("attention block cluster size"))?;
-                let smem = smem_x.max(smem_o);
-                let c = LaunchConfig {
-                    grid_dim: ((s.n_kv * hs * cs) as u32, 1, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: smem as u32,
-                };
-                // A size the device refuses is not an error here: try the next.
-                if self.max_active_clusters(&f, c, cs as u32).unwrap_or(0) >= s.n_kv * hs {
-                    found = Some(Plan { cs, hs, smem, defines });
-                    break 'search;
-                }
+        for c in candidates(s, self.sms, forced_cluster()) {
+            let defines = kernels::attention_block_defines(format, s.xq, c.qc, s.deep, c.r);
+            let f = self.function(kernels::file("gemv.cu"), &defines, "attention_block")?;
+            f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                .map_err(drv("attention block cluster size"))?;
+            let smem = smem_x.max(c.smem_o);
+            let lc = LaunchConfig {
+                grid_dim: ((s.n_kv * c.hs * c.cs) as u32, 1, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            // A size the device refuses is not an error here: try the next.
+            if self.max_active_clusters(&f, lc, c.cs as u32).unwrap_or(0) >= s.n_kv * c.hs {
+                found = Some(Plan { cs: c.cs, hs: c.hs, smem, defines });
+                break;
             }
         }
         self.attn_block_plans.lock().unwrap_or_else(|e| e.into_inner()).insert(key, found.clone());
         Ok(found)
     }
+}
+
+/// A launch shape the kernel can run, before the device says whether its clusters fit:
+/// clusters of `cs` blocks, `hs` per kv group with `qc` query heads each, `r` q/k/v rows
+/// per warp, `smem_o` bytes to stage the heads' o columns.
+#[derive(Debug, PartialEq)]
+struct Candidate {
+    cs: usize,
+    hs: usize,
+    qc: usize,
+    r: usize,
+    smem_o: usize,
+}
+
+/// The shapes to try, best first: the largest cluster size (of CLUSTERS, or only `forced`)
+/// that splits the hidden rows evenly, then the most clusters per kv group (dividing the
+/// GQA group, at most ~2 blocks per SM), where attend() and the o phase fit: a head of 64,
+/// 128 or 256 dims over 8-dim lane parts, registers for up to 4 query heads; the heads' o
+/// columns whole groups and 16-byte chunks (at most 32 per row), staged like the q/k/v
+/// input (the same XQ choice).
+fn candidates(s: &BlockShape, sms: usize, forced: Option<usize>) -> Vec<Candidate> {
+    let qb = s.heads / s.n_kv;
+    let mut out = Vec::new();
+    if ![64, 128, 256].contains(&s.hd) || s.bits < 2 {
+        return out;
+    }
+    for cs in CLUSTERS.into_iter().filter(|cs| s.hidden.is_multiple_of(*cs) && forced.is_none_or(|f| f == *cs)) {
+        for hs in (1..=qb).rev().filter(|h| qb.is_multiple_of(*h) && s.n_kv * h * cs <= 2 * sms) {
+            let qc = qb / hs;
+            let ocols = qc * s.hd;
+            let (xq_o, smem_o) = x_staging(ocols);
+            let fits = qc <= 4
+                && ocols.is_multiple_of(s.group)
+                && (ocols * s.bits).is_multiple_of(128)
+                && ocols * s.bits / 128 <= 32
+                && xq_o == s.xq;
+            if fits {
+                // q/k/v rows per warp: a rank's rows over its 4 warps, in one step or few.
+                let per_warp = (qc * s.hd + 2 * s.hd).div_ceil(cs * 4);
+                let r = [4, 2, 1].into_iter().find(|r| *r <= per_warp).unwrap_or(1);
+                out.push(Candidate { cs, hs, qc, r, smem_o });
+            }
+        }
+    }
+    out
 }
 
 /// What decides an attention block plan besides the weight format.
@@ -231,4 +251,34 @@ pub(crate) struct Plan {
     hs: usize,
     smem: usize,
     defines: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(heads: usize, n_kv: usize, hidden: usize, bits: usize, group: usize) -> BlockShape {
+        BlockShape { heads, n_kv, hd: 64, hidden, bits, group, xq: true, deep: false }
+    }
+
+    #[test]
+    fn candidates_for_real_shapes() {
+        let first =
+            |s: &BlockShape, forced| candidates(s, 132, forced).into_iter().next().map(|c| (c.cs, c.hs, c.qc, c.r));
+        // Llama-3.2-1B (32/8 heads, 4-bit g64): two clusters of 16 per kv group, 2 heads
+        // each, q/k/v in one step of 4 rows per warp; 8 KV heads × 4 × 16 would be 512 blocks.
+        assert_eq!(first(&shape(32, 8, 2048, 4, 64), None), Some((16, 2, 2, 4)));
+        // SmolLM2 (9/3 heads, Q4_1 as group 32): a cluster per query head.
+        assert_eq!(first(&shape(9, 3, 576, 4, 32), None), Some((16, 3, 1, 2)));
+        // A forced cluster size is the only one tried.
+        assert!(candidates(&shape(32, 8, 2048, 4, 64), 132, Some(8)).iter().all(|c| c.cs == 8));
+        // Query heads per cluster never exceed attend()'s registers (4), and o's columns
+        // stay whole groups: 128-wide groups need 2 heads of 64 per cluster.
+        for c in candidates(&shape(32, 8, 2048, 4, 128), 132, None) {
+            assert!(c.qc <= 4 && (c.qc * 64) % 128 == 0, "{c:?}");
+        }
+        // Head dims attend() does not take, and 1-bit weights: nothing.
+        assert!(candidates(&BlockShape { hd: 96, ..shape(32, 8, 3072, 4, 64) }, 132, None).is_empty());
+        assert!(candidates(&shape(32, 8, 2048, 1, 64), 132, None).is_empty());
+    }
 }
