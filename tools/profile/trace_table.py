@@ -66,7 +66,7 @@ def read(path, gap_ns):
     # A grid id names one launch; should replays of a graph reuse ids, a pause of gap_ns
     # between one grid id's events starts another launch (--gap-us: longer than any decode
     # kernel, shorter than a step).
-    new = lambda: {"start": [], "wait": [], "end": [], "line": None, "file": None, "blocks": set()}
+    new = lambda: {"start": [], "wait": [], "end": [], "line": None, "file": None, "blocks": set(), "events": []}
     out = []
     for events in by_grid.values():
         events.sort()
@@ -80,6 +80,7 @@ def read(path, gap_ns):
             ev, blk = (meta >> 20) & 3, meta & 0xFFF
             L[("start", "wait", "end")[ev] if ev < 3 else "end"].append(t)
             L["blocks"].add(blk)
+            L["events"].append((t, meta))
             if ev != 1:
                 L["line"], L["file"] = line, file_id
         out.append(L)
