@@ -78,6 +78,16 @@ impl Cuda {
         }
     }
 
+    /// What a layer end over `x` fuses: `layer_end_fusion` for one decode row, else nothing
+    /// (the fused kernels take one row).
+    pub(crate) fn layer_end_fusion_for(&self, x: &CudaAct) -> LayerEndFusion {
+        if x.rows == 1 {
+            self.layer_end_fusion()
+        } else {
+            LayerEndFusion::None
+        }
+    }
+
     /// Choose what `Backend::o_proj_mlp` fuses (tests compare them on one device).
     pub fn set_layer_end_fusion(&self, f: LayerEndFusion) {
         self.ffn_fused.store(f as u8, Relaxed);

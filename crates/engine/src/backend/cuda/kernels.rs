@@ -69,7 +69,7 @@ pub const ATTN_DEEP_POSITIONS: usize = 8 * 128;
 pub fn attention_block_defines(format: &[String], xq: bool, qc: usize, deep: bool, r: usize) -> Vec<String> {
     let mut d = format.to_vec();
     d.extend([format!("XQ={}", u8::from(xq)), "NW=4".into(), "ATTN_BLOCK=1".into(), format!("QKV_R={r}")]);
-    d.extend(["CS_MAX=16".into()]);
+    d.push("CS_MAX=16".into());
     d.extend(attention_decode_defines(qc, deep));
     d
 }

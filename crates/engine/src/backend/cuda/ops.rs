@@ -471,7 +471,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         use super::ffn::LayerEndFusion;
         // Each fusion falls back to fewer fused launches where its kernel declines.
-        let fusion = if x.rows == 1 { self.layer_end_fusion() } else { LayerEndFusion::None };
+        let fusion = self.layer_end_fusion_for(x);
         if fusion == LayerEndFusion::OProjMlp && self.ffn_fused(x, Some((att, wo)), (norm, eps), mlp, act)? {
             return Ok(());
         }
@@ -488,7 +488,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         use super::ffn::LayerEndFusion;
         // Each fusion falls back to the separate launches where its kernel declines.
-        let fusion = if x.rows == 1 { self.layer_end_fusion() } else { LayerEndFusion::None };
+        let fusion = self.layer_end_fusion_for(x);
         if fusion == LayerEndFusion::SplitK && self.ffn_splitk(x, (norm, eps), mlp, act)? {
             return Ok(());
         }
