@@ -358,33 +358,48 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     constexpr int T = AW * 32;
     __shared__ float4 s_red[T];
     const int tid = threadIdx.x;
+    // Units outer, heads inner: every head's loads of a pass go out together (heads outer
+    // made the 1B's 4 heads 4 rounds of L2 loads and reductions, one after another).
     float mx[QB_MAX];
 #pragma unroll
+    for (int j = 0; j < QB_MAX; j++) mx[j] = -INFINITY;
+    for (int s = tid; s < units; s += T)
+#pragma unroll
+        for (int j = 0; j < QB_MAX; j++)
+            if (j < qb) mx[j] = fmaxf(mx[j], __ldcg(part_ml + 2 * ((long)(h0 + j) * units + s)));
+#pragma unroll
     for (int j = 0; j < QB_MAX; j++) {
-        mx[j] = -INFINITY;
         if (j >= qb) continue;
-        long base = (long)(h0 + j) * units;
-        for (int s = tid; s < units; s += T) mx[j] = fmaxf(mx[j], __ldcg(part_ml + 2 * (base + s)));
         mx[j] = warp_max(mx[j]);
         if (lane == 0) s_m[j * 32 + warp] = mx[j];
     }
     ATT_SYNC();
-    float lsum[QB_MAX];
+    float M[QB_MAX], lsum[QB_MAX];
 #pragma unroll
     for (int j = 0; j < QB_MAX; j++) {
+        M[j] = -INFINITY;
         lsum[j] = 0.f;
-        if (j >= qb) continue;
-        float M = -INFINITY;
-        for (int wi = 0; wi < AW; wi++) M = fmaxf(M, s_m[j * 32 + wi]);
-        long base = (long)(h0 + j) * units;
-        for (int s = tid; s < units; s += T) {
-            float ms = __ldcg(part_ml + 2 * (base + s));
-            float ws = ms == -INFINITY ? 0.f : __expf(ms - M);
-            s_acc[j * units + s] = ws;
-            lsum[j] = fmaf(ws, __ldcg(part_ml + 2 * (base + s) + 1), lsum[j]);
-        }
-        lsum[j] = warp_sum(lsum[j]);
+        for (int wi = 0; wi < AW && j < qb; wi++) M[j] = fmaxf(M[j], s_m[j * 32 + wi]);
     }
+    for (int s = tid; s < units; s += T) {
+        float ms[QB_MAX], ls[QB_MAX];
+#pragma unroll
+        for (int j = 0; j < QB_MAX; j++) {
+            long slot = (long)(h0 + j) * units + s;
+            ms[j] = j < qb ? __ldcg(part_ml + 2 * slot) : -INFINITY;
+            ls[j] = j < qb ? __ldcg(part_ml + 2 * slot + 1) : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < QB_MAX; j++) {
+            if (j >= qb) continue;
+            float ws = ms[j] == -INFINITY ? 0.f : __expf(ms[j] - M[j]);
+            s_acc[j * units + s] = ws;
+            lsum[j] = fmaf(ws, ls[j], lsum[j]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < QB_MAX; j++)
+        if (j < qb) lsum[j] = warp_sum(lsum[j]);
     ATT_SYNC();  // the weights complete before any thread's dot products read them
 #pragma unroll
     for (int j = 0; j < QB_MAX; j++)
