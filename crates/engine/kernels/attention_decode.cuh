@@ -32,6 +32,13 @@
 #ifndef CS_MAX
 #define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX; 16 in attention_block.cuh)
 #endif
+// The direct cluster merge (below, in attend): one query head per block, at most 8 blocks per
+// cluster (a warp's lanes hold the cluster's AW · CS_MAX ≤ 32 partials), head dims of 32,
+// 64 or 128.
+#ifndef ATT_DIRECT
+#define ATT_DIRECT (QB_MAX == 1 && CS_MAX * AW <= 32)
+#endif
+#define ATT_DIRECT_HD 128
 
 // RoPE of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl (G lanes per
 // head): pairs (2j, 2j+1) when interleaved, else (j, j + hd/2), whose partner dim is in
@@ -94,6 +101,12 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     int kvh = h0 / (heads / n_kv), width = n_kv * hd;
     int p0 = sp * chunk, p1 = min(pos0 + 1, p0 + chunk);
     int pc = min(p1, pos0);  // cached positions of this split: [p0, pc)
+#if ATT_DIRECT
+    // The direct merge writes into rank 0's shared memory, which needs rank 0 started: this
+    // arrive, with the wait just before the writes, guarantees it (long satisfied by then).
+    const bool direct = cs > 1 && hd <= ATT_DIRECT_HD && (hd & (hd - 1)) == 0;  // lane groups: powers of two
+    if (direct) cluster_arrive_relaxed();
+#endif
     const bf16_t* kb = kc + kvh * hd + gl * 8;
     const bf16_t* vb = vc + kvh * hd + gl * 8;
     // K/V of cached positions: positions past pc reload position pc - 1, unused.
@@ -246,6 +259,65 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
             *reinterpret_cast<uint4*>(vc + o) = vnr;
         }
     }
+    const float *pm = s_pm, *pl = s_pl, *po = s_po;
+#if ATT_DIRECT
+    if (direct) {
+        // The split's lane groups merge by shuffles within each warp (xor over the group
+        // index: every group ends with its warp's partial); lane group 0 of each warp stores
+        // it into rank 0's shared memory, slot [rank][warp]; after one cluster barrier rank 0
+        // merges the cs · AW partials in slot order. Against the two-level merge (lane groups
+        // through shared memory into a block partial, two block barriers, then rank 0 reading
+        // the blocks' partials between two cluster barriers) this drops two block barriers,
+        // a remote read round trip and a cluster barrier from the path (1B decode at 512
+        // cached: attention ~5.0 µs after its release; docs/perf.md, session 10).
+        __shared__ __align__(16) float s_dacc[CS_MAX * AW * ATT_DIRECT_HD];
+        __shared__ __align__(16) float s_dml[CS_MAX * AW * 4];
+        float mw = m[0], lw = l[0], aw[8];
+#pragma unroll
+        for (int i = 0; i < 8; i++) aw[i] = acc[0][i];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            if (o < G) break;  // lanes of one group: the same position set
+            float m2 = __shfl_xor_sync(0xffffffffu, mw, o), l2 = __shfl_xor_sync(0xffffffffu, lw, o);
+            float mx = fmaxf(mw, m2);
+            float w1 = mw == -INFINITY ? 0.f : __expf(mw - mx), w2 = m2 == -INFINITY ? 0.f : __expf(m2 - mx);
+            lw = lw * w1 + l2 * w2;
+#pragma unroll
+            for (int i = 0; i < 8; i++) aw[i] = aw[i] * w1 + __shfl_xor_sync(0xffffffffu, aw[i], o) * w2;
+            mw = mx;
+        }
+        unsigned rank = cluster_rank();
+        int slot = rank * AW + warp;
+        cluster_wait();  // rank 0 has started (the arrive at the top)
+        if (grp == 0) {
+            st_cluster4(s_dacc + slot * hd + gl * 8, 0, aw[0], aw[1], aw[2], aw[3]);
+            st_cluster4(s_dacc + slot * hd + gl * 8 + 4, 0, aw[4], aw[5], aw[6], aw[7]);
+            if (gl == 0) st_cluster4(s_dml + slot * 4, 0, mw, lw, 0.f, 0.f);
+        }
+        cluster_sync();  // the stores released to rank 0
+        if (rank != 0) return;
+        // Every warp computes the partials' weights itself (lane p: partial p), so no block
+        // barrier: M, then w_p = exp(m_p − M) and L = Σ w_p l_p; each output dim is Σ w_p acc_p.
+        int np = cs * AW;
+        float mp = lane < np ? s_dml[lane * 4] : -INFINITY, lp = lane < np ? s_dml[lane * 4 + 1] : 0.f;
+        float mx = warp_max(mp);
+        float wp = mp == -INFINITY ? 0.f : __expf(mp - mx);
+        float lsum = warp_sum(wp * lp);
+        int units = splits / cs;
+        for (int d = threadIdx.x; d < hd; d += AW * 32) {  // warp-uniform: hd is a multiple of 32
+            float o = 0.f;
+            for (int p = 0; p < np; p++) o = fmaf(__shfl_sync(0xffffffffu, wp, p), s_dacc[p * hd + d], o);
+            if (units == 1) out[(long)h0 * hd + d] = f2bf(o / lsum);
+            else s_po[d] = o;
+        }
+        if (units == 1) return;
+        if (threadIdx.x == 0) {
+            s_pm[0] = mx;
+            s_pl[0] = lsum;
+        }
+        ATT_SYNC();
+    } else {
+#endif
 #pragma unroll
     for (int j = 0; j < QB_MAX; j++) {
         if (j >= qb) break;
@@ -280,7 +352,6 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         }
     }
     ATT_SYNC();
-    const float *pm = s_pm, *pl = s_pl, *po = s_po;
     if (cs > 1) {
         // The cluster's splits merged by its rank 0 in rank order, reading the others'
         // partials from their shared memory (no global round trip, no fence), into s_m /
@@ -324,6 +395,9 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         pl = s_l;
         po = s_acc;
     }
+#if ATT_DIRECT
+    }
+#endif
     // One merge unit (a cluster, or a block when cs = 1) per head covers every position:
     // its partial is the output.
     int units = splits / cs, unit = sp / cs;

@@ -116,6 +116,34 @@ __device__ __forceinline__ void cluster_sync() {
     __trap();
 #endif
 }
+// A cluster barrier in two halves: arrive (relaxed: orders nothing) early, wait later. One
+// use: a block may write another's shared memory only once that block has started, which
+// an arrive at the kernel's start and a wait before the first remote write guarantee.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+__device__ __forceinline__ void cluster_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("barrier.cluster.wait.aligned;" ::: "memory");
+#else
+    __trap();
+#endif
+}
+// Store 4 floats at the same shared-memory offset as p in the cluster's block `rank`.
+__device__ __forceinline__ void st_cluster4(float* p, int rank, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+    unsigned s = (unsigned)__cvta_generic_to_shared(p), remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(s), "r"(rank));
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
+#else
+    __trap();
+#endif
+}
 __device__ __forceinline__ float ld_cluster(const float* p, int rank) {
     float v = 0.f;
 #if __CUDA_ARCH__ >= 900

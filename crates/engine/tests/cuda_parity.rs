@@ -659,19 +659,26 @@ fn fused_decode_ops_match_cpu() {
 fn rope_attention_matches_cpu() {
     let (g, c) = (gpu(), Cpu);
     let mut r = Rng::seeded();
-    for (heads, n_kv, hd, style) in
-        [(9, 3, 64, RopeStyle::Half), (32, 8, 64, RopeStyle::Interleaved), (16, 2, 128, RopeStyle::Half)]
-    {
+    let (short, tail): (&[usize], &[usize]) = (&[300, 1, 1, 200, 1, 1], &[1; 12]);
+    // Caches over 1 024 positions split into single blocks merged through global memory by
+    // the last one (deep: many splits); shorter ones into one cluster per head, merged in
+    // rank 0's shared memory (directly for head dims up to 128; 256 the two-level way),
+    // including splits with no position yet (the decode-only tail from position 0).
+    let cases = [
+        (9, 3, 64, RopeStyle::Half, 8192, &[300, 1, 1, 5700, 1, 1][..]),
+        (32, 8, 64, RopeStyle::Interleaved, 1100, short),
+        (16, 2, 128, RopeStyle::Half, 1100, short),
+        (32, 8, 64, RopeStyle::Half, 640, short),
+        (16, 2, 128, RopeStyle::Interleaved, 1024, short),
+        (8, 8, 32, RopeStyle::Half, 512, tail),
+        (4, 2, 256, RopeStyle::Half, 512, tail),
+    ];
+    for (heads, n_kv, hd, style, cache, steps) in cases {
         let cfg = attn_cfg(heads, n_kv, hd, 2, style);
         let rope = Rope { inv_freq: cfg.rope_inv_freq(), style, linear: 1.0 };
-        // a short context (18 decode splits), and for the first shape a deep one (many
-        // splits merged by the last block)
-        let deep = heads == 9;
-        let cache = if deep { 8192 } else { 1100 };
         let mut kvg = g.kv_cache(&cfg, cache).unwrap();
         let mut kvc = c.kv_cache(&cfg, cache).unwrap();
         let mut pos = 0;
-        let steps: &[usize] = if deep { &[300, 1, 1, 5700, 1, 1] } else { &[300, 1, 1, 200, 1, 1] };
         for &m in steps {
             let q = bf(&r.v(m * heads * hd, 1.0));
             let k = bf(&r.v(m * n_kv * hd, 1.0));
@@ -686,7 +693,7 @@ fn rope_attention_matches_cpu() {
             c.rope_attention(&mut qc, &mut kc, &cpu(m, n_kv * hd, v), &mut kvc, 1, pos, &rope, (heads, n_kv), &mut oc)
                 .unwrap();
             check(
-                &format!("rope_attention {heads}/{n_kv}x{hd} {style:?} m{m} pos{pos}"),
+                &format!("rope_attention {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos}"),
                 &g.read_rows(&og, 0).unwrap(),
                 &oc.data,
                 1e-2,
