@@ -37,6 +37,9 @@ FERROLM_MEGAKERNEL=1 "$bin/cuda_parity" --test-threads=1 --nocapture smollm2_cud
 # So must decode attention's split merge through global memory only (no clusters).
 FERROLM_ATTN_CLUSTER=0 "$bin/cuda_parity" --test-threads=1 --nocapture rope_attention smollm2_cuda_agrees \
   >>"$log" 2>&1 || status=1
+# And decode attention with several query heads of a GQA group per block (not the default).
+FERROLM_ATTN_QB=4 "$bin/cuda_parity" --test-threads=1 --nocapture rope_attention smollm2_cuda_agrees \
+  >>"$log" 2>&1 || status=1
 # Top-k sampling with the device top-k (the default) must give the host sampler's text
 # (FERROLM_CUDA_TOPK=0: read back the logits, select on the host) for the same seed.
 gen() { "$bin/ferrolm" generate --device cuda --model "$model" --prompt "Once upon a time" --temperature 0.8 \

@@ -56,6 +56,13 @@ fn attention_cluster_max() -> usize {
     })
 }
 
+/// Most query heads of a GQA group per decode attention block: 1, or 2..=4 with
+/// `FERROLM_ATTN_QB` (see `attention_decode`).
+fn attention_qb_max() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("FERROLM_ATTN_QB").ok().and_then(|v| v.parse().ok()).unwrap_or(1).clamp(1, 4))
+}
+
 /// Most blocks the argmax kernel uses (its scratch size).
 const ARGMAX_BLOCKS: usize = 128;
 
@@ -388,14 +395,15 @@ impl Cuda {
     ) -> Result<()> {
         let heads = q.cols / kv.head_dim;
         let n_kv = kv.width / kv.head_dim;
-        // Query heads per block: one while heads × splits blocks leave SMs idle (a short
-        // cache: parallelism wins); else the largest divisor of the GQA group up to 4, so
-        // K/V rows are read once per group (a deep cache: bandwidth wins).
+        // Query heads per block: one, at every depth (the op kernel is compiled for it:
+        // QB_MAX). Up to 4 of a GQA group per block read each K/V row once for all of them,
+        // but give each lane 4× the scoring chain on a quarter of the blocks: one head per
+        // block measured faster at 2K, 8K and 16K cached (1B 1 485 → 1 691, 1 267 → 1 424,
+        // 1 032 → 1 144 tok/s; SmolLM2 at 7 424 1 083 → 1 318; H200, docs/perf.md, session
+        // 10): the group's blocks read the same rows at about the same time, from L2.
+        // `FERROLM_ATTN_QB` (2..=4) allows more (for comparisons; tested by gpu-check).
         let group = heads / n_kv;
-        let qb = match heads * kv.max_seq.div_ceil(DECODE_CHUNK) < 4 * self.sms {
-            true => 1,
-            false => (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1),
-        };
+        let qb = (1..=attention_qb_max()).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
         // Caches deeper than one cluster covers take several rounds of positions per split:
         // there, scoring a round's positions together (SCORE_BATCH) measured faster (1B at
         // 8191 cached 23.6 → 22.2 µs), and slower at 512 cached (6.4 → 7.0 µs; H200, perf.md).
