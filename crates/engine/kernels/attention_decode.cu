@@ -5,17 +5,20 @@
 //
 // grid (heads / QB, 1, splits), block 128, clusters of cs blocks along z (cs = 1: none).
 // A block takes QB query heads of one kv group (GQA: they share K/V, so each K/V row is
-// loaded once for all of them) and the positions [s·chunk, (s+1)·chunk) ∩ [0, pos0] of
-// split s. Positions are spread over lanes, not walked one by one: a group of hd/8 lanes
-// takes one position (each lane 8 dims, one 16-byte load of K and of V), so a warp scores
-// 32·8/hd positions at once and every iteration's loads are independent. Each lane group
-// keeps an online softmax per query head; groups merge in a fixed order through shared
-// memory into the split's partial (max, sum, unnormalized output). A cluster's rank 0
-// merges its cs splits in rank order, reading them from the other blocks' shared memory.
-// If one cluster (with cs = 1, one block) covers a head's positions, that is the output;
-// else each cluster's (block's) partial goes to global memory and the last to finish
-// (counted in done[blockIdx.x], reset for the next step) merges them in order, one warp
-// per query head. Deterministic.
+// loaded once for all of them; the host launches QB = 1 unless FERROLM_ATTN_QB says more,
+// fused.rs) and the positions [s·chunk, (s+1)·chunk) ∩ [0, pos0] of split s. Positions are
+// spread over lanes, not walked one by one: a group of hd/8 lanes takes one position (each
+// lane 8 dims, one 16-byte load of K and of V), so a warp scores 32·8/hd positions at once
+// and every iteration's loads are independent. Each lane group keeps an online softmax per
+// query head. In a cluster with one head per block (head dims 32-128), the lane groups of a
+// warp merge by shuffles and every warp stores its partial into rank 0's shared memory,
+// which merges the cluster's partials in slot order (attend's direct merge); otherwise the
+// groups merge in a fixed order through shared memory into the split's partial (max, sum,
+// unnormalized output), and a cluster's rank 0 merges its cs splits in rank order, reading
+// them from the other blocks' shared memory. If one cluster (with cs = 1, one block) covers
+// a head's positions, that is the output; else each cluster's (block's) partial goes to
+// global memory and the last to finish (counted in done[blockIdx.x], reset for the next
+// step) merges them in order with the whole block. Deterministic.
 //
 // The new position pos0 is not read from the cache: its k and v come from the q/k/v GEMV
 // (raw), k is rotated here, and it is scored last in its split by lane group 0. The first
