@@ -40,6 +40,10 @@
 #endif
 #define ATT_DIRECT_HD 128
 
+// The weight exp(m − M) of a softmax partial with max m under the overall max M: 0 for a
+// partial that saw no position (m = −∞), whatever M is.
+__device__ __forceinline__ float partial_weight(float m, float M) { return m == -INFINITY ? 0.f : __expf(m - M); }
+
 // RoPE of the 8 dims [8·gl, 8·gl + 8) of a head held by lane-group lane gl (G lanes per
 // head): pairs (2j, 2j+1) when interleaved, else (j, j + hd/2), whose partner dim is in
 // lane gl ^ G/2. The angles depend only on the position, so they are computed once per
@@ -280,7 +284,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
             if (o < G) break;  // lanes of one group: the same position set
             float m2 = __shfl_xor_sync(0xffffffffu, mw, o), l2 = __shfl_xor_sync(0xffffffffu, lw, o);
             float mx = fmaxf(mw, m2);
-            float w1 = mw == -INFINITY ? 0.f : __expf(mw - mx), w2 = m2 == -INFINITY ? 0.f : __expf(m2 - mx);
+            float w1 = partial_weight(mw, mx), w2 = partial_weight(m2, mx);
             lw = lw * w1 + l2 * w2;
 #pragma unroll
             for (int i = 0; i < 8; i++) aw[i] = aw[i] * w1 + __shfl_xor_sync(0xffffffffu, aw[i], o) * w2;
@@ -301,7 +305,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         int np = cs * AW;
         float mp = lane < np ? s_dml[lane * 4] : -INFINITY, lp = lane < np ? s_dml[lane * 4 + 1] : 0.f;
         float mx = warp_max(mp);
-        float wp = mp == -INFINITY ? 0.f : __expf(mp - mx);
+        float wp = partial_weight(mp, mx);
         float lsum = warp_sum(wp * lp);
         int units = splits / cs;
         for (int d = threadIdx.x; d < hd; d += AW * 32) {  // warp-uniform: hd is a multiple of 32
@@ -341,7 +345,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
 #pragma unroll 8
         for (int g = 0; g < groups; g++) {
             float mg = s_m[j * 32 + g];
-            float w = mg == -INFINITY ? 0.f : __expf(mg - M);
+            float w = partial_weight(mg, M);
             L += s_l[j * 32 + g] * w;
             o += s_acc[j * 1024 + g * hd + d] * w;
         }
@@ -378,7 +382,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
                 float L = 0.f, o = 0.f;
 #pragma unroll
                 for (int r = 0; r < CS_MAX; r++) {
-                    float w = mr[r] == -INFINITY ? 0.f : __expf(mr[r] - M);
+                    float w = partial_weight(mr[r], M);
                     L += lr[r] * w;
                     o += orr[r] * w;
                 }
@@ -466,7 +470,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
 #pragma unroll
         for (int j = 0; j < QB_MAX; j++) {
             if (j >= qb) continue;
-            float ws = ms[j] == -INFINITY ? 0.f : __expf(ms[j] - M[j]);
+            float ws = partial_weight(ms[j], M[j]);
             s_acc[j * units + s] = ws;
             lsum[j] = fmaf(ws, ls[j], lsum[j]);
         }

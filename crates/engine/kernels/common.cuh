@@ -116,6 +116,17 @@ __device__ __forceinline__ void cluster_sync() {
     __trap();
 #endif
 }
+// The cluster shared-memory address of p's offset in the cluster's block `rank` (sm_90+).
+__device__ __forceinline__ unsigned cluster_addr(const void* p, int rank) {
+    unsigned remote = 0;
+#if __CUDA_ARCH__ >= 900
+    unsigned a = (unsigned)__cvta_generic_to_shared(p);
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+#else
+    __trap();
+#endif
+    return remote;
+}
 // A cluster barrier in two halves: arrive (relaxed: orders nothing) early, wait later. One
 // use: a block may write another's shared memory only once that block has started, which
 // an arrive at the kernel's start and a wait before the first remote write guarantee.
@@ -136,9 +147,8 @@ __device__ __forceinline__ void cluster_wait() {
 // Store 4 floats at the same shared-memory offset as p in the cluster's block `rank`.
 __device__ __forceinline__ void st_cluster4(float* p, int rank, float a, float b, float c, float d) {
 #if __CUDA_ARCH__ >= 900
-    unsigned s = (unsigned)__cvta_generic_to_shared(p), remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(s), "r"(rank));
-    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(remote), "f"(a), "f"(b), "f"(c), "f"(d)
+    asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(cluster_addr(p, rank)), "f"(a), "f"(b),
+                 "f"(c), "f"(d)
                  : "memory");
 #else
     __trap();
@@ -147,9 +157,7 @@ __device__ __forceinline__ void st_cluster4(float* p, int rank, float a, float b
 __device__ __forceinline__ float ld_cluster(const float* p, int rank) {
     float v = 0.f;
 #if __CUDA_ARCH__ >= 900
-    unsigned a = (unsigned)__cvta_generic_to_shared(p), remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
+    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_addr(p, rank)) : "memory");
 #else
     __trap();
 #endif
