@@ -111,23 +111,27 @@ __device__ __forceinline__ int dp2a_hi(u32 x, u32 q, int acc) {
 __device__ __forceinline__ u32 pair16(u32 a, u32 b) { return (a & 0xffffu) | b << 16; }
 
 // Σ q·xq over weight word w (32/BITS values, value j at bits [BITS·j, BITS·j + BITS)) and
-// its XW u32 of packed int16 x.
-__device__ __forceinline__ int word_dot(u32 w, const u32* x, int acc) {
+// its XW u32 of packed int16 x, added into (lo, hi); word_sum(lo, hi) is the exact total.
+// 4-bit: hi takes the odd values' nibbles in place (w & 0xF0F0F0F0, i.e. 16·q, which the
+// unsigned bytes of DP2A hold), so there is no shift per word, and hi, a multiple of 16
+// (|hi| ≤ 16·240·32767 < 2³¹ per 32-value x block), is shifted once per x block. The two
+// accumulators also halve the dependent DP2A chain. Other widths use lo alone.
+__device__ __forceinline__ void word_dot(u32 w, const u32* x, int& lo, int& hi) {
 #if BITS == 8  // bytes = values 0..3; x: (0,1) (2,3)
-    return dp2a_hi(x[1], w, dp2a_lo(x[0], w, acc));
+    lo = dp2a_hi(x[1], w, dp2a_lo(x[0], w, lo));
 #elif BITS == 4  // lo bytes = values 0,2,4,6, hi bytes = 1,3,5,7; x: (0,2) (4,6) (1,3) (5,7)
-    u32 lo = w & 0x0F0F0F0Fu, hi = (w >> 4) & 0x0F0F0F0Fu;
-    acc = dp2a_hi(x[1], lo, dp2a_lo(x[0], lo, acc));
-    return dp2a_hi(x[3], hi, dp2a_lo(x[2], hi, acc));
+    u32 l = w & 0x0F0F0F0Fu, h = w & 0xF0F0F0F0u;
+    lo = dp2a_hi(x[1], l, dp2a_lo(x[0], l, lo));
+    hi = dp2a_hi(x[3], h, dp2a_lo(x[2], h, hi));
 #else  // byte b of (w >> 2k) & 0x03030303 = value 4b + k; x: (k, 4+k) (8+k, 12+k) for k = 0..3
 #pragma unroll
     for (int k = 0; k < 4; k++) {
         u32 b = (w >> (2 * k)) & 0x03030303u;
-        acc = dp2a_hi(x[2 * k + 1], b, dp2a_lo(x[2 * k], b, acc));
+        lo = dp2a_hi(x[2 * k + 1], b, dp2a_lo(x[2 * k], b, lo));
     }
-    return acc;
 #endif
 }
+__device__ __forceinline__ int word_sum(int lo, int hi) { return BITS == 4 ? lo + (hi >> 4) : lo; }
 
 // Σ v·x over the 8 values of x part p of a chunk (words = the chunk's 4 weight words).
 __device__ __forceinline__ float part_dot(const u32 (&words)[4], int p, const float (&xf)[8]) {
@@ -197,7 +201,12 @@ __device__ __forceinline__ void put_x(uint4* xs, int i, const float (&v)[8], boo
     float inv = am > 0.f ? 32767.f / am : 0.f;
     u32 q[8];
 #pragma unroll
-    for (int k = 0; k < 8; k++) q[k] = (u32)__float2int_rn(v[k] * inv);  // |q| ≤ 32767; pair16 masks
+    // round(v·inv) to the nearest integer (ties to even, as __float2int_rn) by adding 1.5·2²³:
+    // the sum's low mantissa bits are the integer's two's complement (|v·inv| ≤ 32767 <
+    // 2²²), and pair16 keeps their low 16 bits. Two full-rate FP32 instructions instead of
+    // a quarter-rate F2I; the _rn intrinsics keep them from fusing into one FMA (a
+    // different rounding). Bit-identical to the F2I.
+    for (int k = 0; k < 8; k++) q[k] = __float_as_uint(__fadd_rn(__fmul_rn(v[k], inv), 12582912.f));
     float* xd = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(xs) + 2 * cols);
     if (i % 4 == 0) xd[i / 4] = am / 32767.f;
     if (i % 2 == 0) xd[cols / 32 + i / 2] = sum;  // xs16
@@ -389,14 +398,14 @@ struct XChunk {
 
     __device__ __forceinline__ float segment(const u32 (&words)[4], int k, float sc, float bi, float acc) const {
         float ds = 0.f;
-        int is = 0;
+        int lo = 0, hi = 0;
 #pragma unroll
         for (int i = k * WPS; i < (k + 1) * WPS; i++) {
-            is = word_dot(words[i], xw + i * XW, is);
+            word_dot(words[i], xw + i * XW, lo, hi);
             // the last word of an x block (or of the segment): scale it
             if ((i + 1) * NXB / 4 != i * NXB / 4 || i + 1 == (k + 1) * WPS) {
-                ds = fmaf(d[i * NXB / 4], (float)is, ds);
-                is = 0;
+                ds = fmaf(d[i * NXB / 4], (float)word_sum(lo, hi), ds);
+                lo = hi = 0;
             }
         }
         return fmaf(sc, ds, fmaf(bi, sx[k], acc));

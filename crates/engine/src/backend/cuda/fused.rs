@@ -112,11 +112,7 @@ pub(super) fn gemv_warps() -> usize {
 /// tile of 8 would leave 3/4 of its loads empty. `FERROLM_GEMV_R` forces a value (for
 /// tuning).
 pub(super) fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> usize {
-    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let forced = FORCED.get_or_init(|| {
-        std::env::var("FERROLM_GEMV_R").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
-    });
-    if let Some(r) = *forced {
+    if let Some(r) = forced_rows_per_warp() {
         return r;
     }
     let by_rows = match total_rows {
@@ -126,6 +122,14 @@ pub(super) fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> u
     };
     let per_lane = chunks.div_ceil(32).clamp(1, loads);
     by_rows.max(loads / per_lane).min(4)
+}
+
+/// `FERROLM_GEMV_R` (1, 2 or 4): rows per warp for every decode GEMV, for tuning.
+fn forced_rows_per_warp() -> Option<usize> {
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    *FORCED.get_or_init(|| {
+        std::env::var("FERROLM_GEMV_R").ok().and_then(|v| v.parse().ok()).filter(|r| [1, 2, 4].contains(r))
+    })
 }
 
 /// Rows per warp `r` for a GEMV that adds into the residual (o, down), halved while its
@@ -240,6 +244,13 @@ impl Cuda {
         let CudaMat::Affine { bits, .. } = mats[0] else { unreachable!("checked above") };
         let loads = if mode == GemvOut::Swiglu { GEMV_LOADS / 2 } else { GEMV_LOADS };
         let mut r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
+        if mode == GemvOut::Swiglu && forced_rows_per_warp().is_none() {
+            // Gate/up at 4 rows per warp: ptxas gives gemv_ns_r4 128 registers against 154
+            // for r2 (sm_90, 4-bit g64), so two blocks fit per SM instead of one. H200, same
+            // call: 1B (synthetic) 2 154 / 2 159 tok/s against 2 091 / 2 108 at r2; SmolLM2's
+            // gate/up (576 wide) was at 4 already (docs/perf.md, session 11).
+            r = 4;
+        }
         let spread = match gemv_spread() {
             2 => true,
             1 => mode == GemvOut::Add,
