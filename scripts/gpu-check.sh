@@ -26,6 +26,9 @@ echo "== parity tests" | tee -a "$log"
 # The decode GEMV's other x path (bf16 x, f32 math) must stay correct too.
 FERROLM_GEMV_XQ=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode matmuls_and_embeddings \
   smollm2_cuda_agrees >>"$log" 2>&1 || status=1
+# And without the K-sliced down GEMV (two warps per row's chunks at 8192-wide rows).
+FERROLM_GEMV_KS=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode \
+  >>"$log" 2>&1 || status=1
 # And both decode GEMV weight feeds (ring-fed by bulk copies, register tiles), whichever
 # is the default.
 for ring in 0 1; do

@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(128, 3)
         // Lanes per row: the chunks of the group's columns, rounded up to a power of two.
         int lpr = ochunks <= 4 ? 4 : ochunks <= 8 ? 8 : ochunks <= 16 ? 16 : 32, rpw = 32 / lpr;
         int sub = lane / lpr, ci = lane % lpr;  // the row of the warp's round, the chunk
-        Shape sh{ochunks, ocols / GROUP, 0};
+        Shape sh{ochunks, ocols / GROUP, 0, ochunks};
         constexpr int OU = 4;  // rows per lane whose loads are in flight together
         uint4 wq4[OU];
         scale_t ws[OU][NSUB], wb[OU][NSUB];

@@ -175,7 +175,7 @@ __device__ __noinline__ void mk_gemv(const MkParams& P, Mat m0, Mat m1, Mat m2, 
     stage_x<NORM>(xs, x, nw, P.eps, cols, gains);
     int chunks = cols / VPC, groups = cols / GROUP;
     RingStage st{chunks * 16, groups * (int)sizeof(scale_t), rb, TWO ? 2 : 1};
-    Shape sh{chunks, groups, (size_t)chunks};
+    Shape sh{chunks, groups, (size_t)chunks, chunks};
     int steps = mk_steps(m, rb, TWO);
     for (int b = blockIdx.x; b < steps; b += gridDim.x, g++) {
         Mat a;

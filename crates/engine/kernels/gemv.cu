@@ -362,10 +362,12 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
     BLOCK_SYNC();
 }
 
-// The shape every tile shares: chunks and groups per row, and the row stride in uint4.
+// The shape every tile shares: chunks and groups per row, the row stride in uint4, and
+// the chunk a warp's tiles stop at (`end`: chunks, or the end of its K slice).
 struct Shape {
     int chunks, groups;
     size_t stride;
+    int end;
 };
 
 // x of one weight chunk (c), read from shared memory once and used for the R rows (and
@@ -478,10 +480,10 @@ struct TileFromStage {
 
 // One lane's loads for one step of one warp: chunks c0 + 32u (u < U) of rows row0..+R-1
 // of matrix a (and of matrix b for SwiGLU), with the scale and bias of each group segment.
-template <int R, bool TWO>
+template <int R, bool TWO, int L = LIF>
 struct Tile {
     static constexpr int NM = TWO ? 2 : 1;
-    static constexpr int U = LIF / NM / R > 0 ? LIF / NM / R : 1;
+    static constexpr int U = L / NM / R > 0 ? L / NM / R : 1;
     uint4 q[NM][U][R];
     scale_t s[NM][U][R][NSUB], b[NM][U][R][NSUB];
 
@@ -494,7 +496,7 @@ struct Tile {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 32 * u;
-            if (c >= sh.chunks) break;
+            if (c >= sh.end) break;
 #pragma unroll
             for (int m = 0; m < NM; m++)
 #pragma unroll
@@ -516,7 +518,7 @@ struct Tile {
 #pragma unroll
         for (int u = 0; u < U; u++) {
             int c = c0 + 32 * u;
-            if (c >= sh.chunks) break;
+            if (c >= sh.end) break;
             XChunk x;
             x.load(xs, c, sh.chunks);
 #pragma unroll
@@ -534,7 +536,7 @@ struct Tile {
 
 // Which matrix block step `b` falls in (blocks are dealt to m0, m1, m2 in order), and the
 // first row of this warp's R rows there.
-template <int R, int OUT>
+template <int R, int OUT, int KS = 1>
 __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, const Mat& m1, const Mat& m2, Mat& a,
                                        int& row0) {
     a = m0;
@@ -542,7 +544,7 @@ __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, con
         if (b >= b0 + b1) { a = m2; b -= b0 + b1; }
         else if (b >= b0) { a = m1; b -= b0; }
     }
-    row0 = b * NW * R + (threadIdx.x >> 5) * R;
+    row0 = b * (NW / KS) * R + (threadIdx.x >> 5) / KS * R;
 }
 
 // The end of a warp's row step: reduce its lane-partial sums (acc) and store rows row0 …
@@ -575,6 +577,29 @@ __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[
     }
 }
 
+// K slices (gemv's KS): warps ks = 1 … KS-1 of a row group leave their lane partials in
+// shared memory; after one block barrier warp ks = 0 adds them lane by lane in slice
+// order (deterministic) and goes on to the row's warp sum and store. Two buffers taking
+// turns by step, so the next step's writes cannot meet this step's reads (a warp writes
+// step s + 2 only after the barrier of step s + 1, which the readers of step s reach
+// after reading).
+template <int R, int KS>
+__device__ __forceinline__ void ks_merge(float (&acc)[2][R], int ks, int lane, int buf) {
+    __shared__ float part[2][NW][R][32];
+    int warp = threadIdx.x >> 5;
+    if (ks > 0) {
+#pragma unroll
+        for (int r = 0; r < R; r++) part[buf][warp][r][lane] = acc[0][r];
+    }
+    BLOCK_SYNC();
+    if (ks == 0) {
+#pragma unroll
+        for (int j = 1; j < KS; j++)
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[0][r] += part[buf][warp + j][r][lane];
+    }
+}
+
 // How a GEMV phase starts once its first weight tile is in flight, and lets the next
 // kernel start, and which row steps a block takes. A kernel of its own waits for the
 // previous kernel (PDL); a block takes steps blockIdx.x, + gridDim.x, … (persistent blocks:
@@ -587,27 +612,36 @@ struct KernelSync {
 };
 
 // OUT: 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU (bf16 store of silu(mat0)·mat1).
-template <int R, bool NORM, int OUT, class Sync = KernelSync>
+// KS > 1 (not SwiGLU): the KS warps of a row group split each row's chunks into KS
+// slices (host: chunks % (32·KS) == 0), so a block step is NW/KS·R rows. For a wide input
+// (down: 8192) at R = 2, KS = 2 a block still takes 8 rows, but each x chunk read from
+// shared memory serves 2 rows: at R = 1 the int16 x reads were 4× the weight bytes, and
+// the shared-memory bandwidth, not the weights, bounded down's math. The slices' lane
+// partials meet in shared memory (ks_merge) before the row's warp sum.
+template <int R, bool NORM, int OUT, class Sync = KernelSync, int KS = 1>
 __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
                                      Sync sync = Sync{}) {
     extern __shared__ uint4 xs[];
     if (PDL_EARLY) sync.trigger();
-    constexpr int rb = NW * R;  // rows per block step
-    constexpr int U = Tile<R, OUT == 3>::U;
+    static_assert(KS == 1 || (OUT != 3 && NW % KS == 0), "K slices: one matrix per row, whole row groups");
+    constexpr int rb = NW / KS * R;  // rows per block step
+    using T = Tile<R, OUT == 3, LIF / KS>;  // K slices: a slice's tile, LIF / KS loads
+    constexpr int U = T::U;
     int b0 = (m0.rows + rb - 1) / rb, b1 = (m1.rows + rb - 1) / rb, b2 = (m2.rows + rb - 1) / rb;
     int steps = OUT == 3 ? b0 : b0 + b1 + b2;
     int b = sync.first_step(), it = 0, row0;
     if (b >= steps) return;
-    Shape sh{cols / VPC, cols / GROUP, (size_t)cols / (32 / BITS) / 4};
-    int lane = threadIdx.x & 31;
-    int tiles = (sh.chunks + 32 * U - 1) / (32 * U);  // tiles per row step (uniform per warp)
+    int lane = threadIdx.x & 31, ks = KS > 1 ? (threadIdx.x >> 5) % KS : 0;
+    int kc = cols / VPC / KS, cb = ks * kc;  // this warp's K slice: chunks cb … cb + kc - 1
+    Shape sh{cols / VPC, cols / GROUP, (size_t)cols / (32 / BITS) / 4, cb + kc};
+    int tiles = (kc + 32 * U - 1) / (32 * U);  // tiles per row step (uniform per warp)
     // Persistent blocks: x is staged once per block (for a 128K-row head, staging it per
     // 16 rows would read as many bytes from L2 as the weights themselves). Each block walks
     // the steps `sync` deals it; each step is `tiles` tiles per warp.
     Mat a;
-    locate<R, OUT>(b, b0, b1, m0, m1, m2, a, row0);
-    Tile<R, OUT == 3> next;
-    next.fill(TileFromGlobal{a, m1, sh}, row0, lane, sh);  // weights only: nothing writes them
+    locate<R, OUT, KS>(b, b0, b1, m0, m1, m2, a, row0);
+    T next;
+    next.fill(TileFromGlobal{a, m1, sh}, row0, cb + lane, sh);  // weights only: nothing writes them
     NormGains gains;
     gains.load(nw, cols, NORM);  // nor the norm's gains
     sync.wait();
@@ -615,7 +649,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     // and the next step's while this one computes, so the store at a step's end is not an
     // L2 round trip (a read-modify-write by lane 0 was). This warp alone writes its rows.
     auto residual = [&](const Mat& m, int first) {
-        return OUT == 2 && lane < R && first + lane < m.rows ? reinterpret_cast<const float*>(m.o)[first + lane] : 0.f;
+        return OUT == 2 && ks == 0 && lane < R && first + lane < m.rows ? reinterpret_cast<const float*>(m.o)[first + lane] : 0.f;
     };
     float resid = residual(a, row0);
     stage_x<NORM>(xs, x, nw, eps, cols, gains);
@@ -624,6 +658,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[m][r] = 0.f;
+    int parity = 0;  // ks_merge's buffer
     while (true) {
         // The tile after this one (the next step's first when this is a step's last).
         int nit = it + 1, nb = b, nrow0 = row0;
@@ -631,19 +666,20 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         if (nit == tiles) {
             nit = 0;
             nb = sync.next_step(b);
-            if (nb < steps) locate<R, OUT>(nb, b0, b1, m0, m1, m2, na, nrow0);
+            if (nb < steps) locate<R, OUT, KS>(nb, b0, b1, m0, m1, m2, na, nrow0);
         }
-        Tile<R, OUT == 3> cur = next;
+        T cur = next;
         float nresid = nit == 0 && nb < steps ? residual(na, nrow0) : resid;
         // Or the next kernel may start once every block is on its last tile (its blocks take
         // the places ours free, and load their weights while we finish). Starting it at
         // once measured faster (1B decode 1 351 vs 1 309 tok/s, perf.md).
         if (!PDL_EARLY && nb >= steps) sync.trigger();
-        if (PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, lane + nit * 32 * U, sh);
-        cur.dot(xs, lane + it * 32 * U, sh, acc);
-        if (!PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, lane + nit * 32 * U, sh);
+        if (PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, cb + lane + nit * 32 * U, sh);
+        cur.dot(xs, cb + lane + it * 32 * U, sh, acc);
+        if (!PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, cb + lane + nit * 32 * U, sh);
         if (nit == 0) {  // step done: reduce and store this warp's rows
-            store_rows<R, OUT>(a, row0, acc, resid, lane);
+            if (KS > 1) ks_merge<R, KS>(acc, ks, lane, parity ^= 1);
+            if (ks == 0) store_rows<R, OUT>(a, row0, acc, resid, lane);
 #pragma unroll
             for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -664,16 +700,24 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     const u32 *w0, const scale_t *s0, const scale_t *b0, void *o0, int n0, const u32 *w1, const scale_t *s1, \
         const scale_t *b1, void *o1, int n1, const u32 *w2, const scale_t *s2, const scale_t *b2, void *o2,  \
         int n2, const void *x, const float *nw, float eps, int cols
-#define GEMV_CALL(R, NORM, OUT) \
-    TRACE_KERNEL();             \
-    gemv<R, NORM, OUT>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1}, Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols)
+#define GEMV_CALL(R, NORM, OUT, KS)                                                                              \
+    TRACE_KERNEL();                                                                                                 \
+    gemv<R, NORM, OUT, KernelSync, KS>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1}, Mat{w2, s2, b2, o2, n2}, x, \
+                                       nw, eps, cols)
 #define GEMV_KERNELS(R)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_bb_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 0); } \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_bf_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 1); } \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ba_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 2); } \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0); }  \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1); }  \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3); }
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_bb_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 0, 1); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_bf_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 1, 1); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ba_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 2, 1); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0, 1); }  \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1, 1); }  \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3, 1); }
+// Down (adds, wide input) at R = 2 over two K slices: fused.rs picks it where each row has
+// a multiple of 64 chunks. Two K-sliced variants that spread q/k/v (nb, R = 4) and o (ba,
+// R = 4) over twice the blocks measured 1B 2 112 and 2 148 tok/s against 2 136 without
+// (H200, session 11): not built. ≤ 128 registers (111 at NW = 8: its tile is LIF/2 loads, a
+// slice's chunks), so two 8-warp blocks fit per SM.
+#define GEMV_KS_KERNELS \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW) gemv_ba_r2k2(GEMV_ARGS) { GEMV_CALL(2, false, 2, 2); }
 #if MEGA  // the decode megakernel alone: its own variant
 #include "decode_layers.cuh"
 #elif SPLITK  // the MLP split along the FFN dimension (ffn_splitk.cuh): its own variant
@@ -684,6 +728,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
+GEMV_KS_KERNELS
 #if RING  // the ring-fed GEMVs (FERROLM_GEMV_RING; off by default): their own variant
 #include "gemv_ring.cuh"
 #endif
@@ -730,14 +775,14 @@ __device__ __forceinline__ void count_in(int* counter) {
     if (threadIdx.x == 0) atomicAdd(counter, 1);
 }
 
-template <int RO, int RU, int RD>
+template <int RO, int RU, int RD, int KO, int KD>
 __device__ __forceinline__ void layer_end(Mat o, const bf16_t* att, int o_cols, Mat gate, Mat up, Mat down, float* x,
                                           const float* nw, float eps, int hidden, bf16_t* act, int ffn_cols,
                                           int* sync) {
     int G = gridDim.x, c = 0;  // counters used
     if constexpr (RO > 0) {
         Mat none{o.w, o.s, o.b, x, 0};
-        gemv<RO, false, 2>(o, none, none, att, nullptr, 0.f, o_cols);
+        gemv<RO, false, 2, KernelSync, KO>(o, none, none, att, nullptr, 0.f, o_cols);
         // A block without rows here returned before waiting for the previous kernel (the
         // attention, which wrote att and whose predecessors wrote x). Once passed, free.
         pdl_wait();
@@ -749,7 +794,7 @@ __device__ __forceinline__ void layer_end(Mat o, const bf16_t* att, int o_cols, 
     }
     count_in(sync + c);
     Mat none{down.w, down.s, down.b, x, 0};
-    gemv<RD, false, 2>(down, none, none, act, nullptr, 0.f, ffn_cols, CounterSync{sync + c, G});
+    gemv<RD, false, 2, CounterSync, KD>(down, none, none, act, nullptr, 0.f, ffn_cols, CounterSync{sync + c, G});
     c++;
     __syncthreads();
     // Every block that waited on a counter is past it once all have counted out.
@@ -758,16 +803,16 @@ __device__ __forceinline__ void layer_end(Mat o, const bf16_t* att, int o_cols, 
 }
 
 // One kernel per variant: its rows per warp (FFN_RO for o, 0 without that phase; FFN_RU
-// for gate/up; FFN_RD for down: the separate launches' choices) are defines, so a model
-// compiles the one it uses.
+// for gate/up; FFN_RD for down) and K slices (FFN_KO, FFN_KD), the separate launches'
+// choices, are defines, so a model compiles the one it uses.
 extern "C" __global__ void __launch_bounds__(32 * NW, 2)
     ffn(const u32* wo, const scale_t* so, const scale_t* bo, const bf16_t* att, int o_cols, const u32* wg,
         const scale_t* sg, const scale_t* bg, const u32* wu, const scale_t* su, const scale_t* bu, const u32* wd,
         const scale_t* sd, const scale_t* bd, float* x, const float* nw, float eps, int hidden, bf16_t* act,
         int ffn_cols, int* sync) {
     TRACE_KERNEL();
-    layer_end<FFN_RO, FFN_RU, FFN_RD>(Mat{wo, so, bo, x, hidden}, att, o_cols, Mat{wg, sg, bg, act, ffn_cols},
-                                      Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden}, x, nw, eps, hidden,
-                                      act, ffn_cols, sync);
+    layer_end<FFN_RO, FFN_RU, FFN_RD, FFN_KO, FFN_KD>(Mat{wo, so, bo, x, hidden}, att, o_cols, Mat{wg, sg, bg, act, ffn_cols},
+                                              Mat{wu, su, bu, act, ffn_cols}, Mat{wd, sd, bd, x, hidden}, x, nw, eps,
+                                              hidden, act, ffn_cols, sync);
 }
 #endif

@@ -128,7 +128,7 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
     if ((int)blockIdx.x >= steps) return;
     int chunks = cols / VPC, groups = cols / GROUP;
     RingStage st{chunks * 16, groups * (int)sizeof(scale_t), rb, NM};
-    Shape sh{chunks, groups, (size_t)chunks};
+    Shape sh{chunks, groups, (size_t)chunks, chunks};
     uint4* xs = reinterpret_cast<uint4*>(ring_smem);
     unsigned char* ring = ring_smem + ring_x_bytes(cols);
     int mine = (steps - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x;  // steps of this block

@@ -8,7 +8,7 @@
 //! along the FFN dimension instead (ffn_splitk.cuh; `Cuda::ffn_splitk`).
 
 use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, DevScales, KArg, SplitkGrid};
-use super::fused::{dev, gemv_defines, gemv_warps, rows_per_warp, scales_ptr, x_staging, GEMV_LOADS};
+use super::fused::{dev, gemv_defines, gemv_warps, k_slices, scales_ptr, x_staging, GemvOut};
 use super::gemv_ring::ring_x_bytes;
 use super::kernels;
 use crate::{Error, Result};
@@ -116,7 +116,7 @@ impl Cuda {
         let nw = gemv_warps();
         // The o phase: (rows per warp, staging bytes, its arguments), or none.
         let (ro, smem_o, o_args) = match o {
-            None => (0, 0, [KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::I32(0)]),
+            None => ((0, 1), 0, [KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::I32(0)]),
             Some((att, wo)) => {
                 let CudaMat::Affine { defines: dw, words, scales, biases, rows, cols, .. } = wo else {
                     return Ok(false);
@@ -133,22 +133,36 @@ impl Cuda {
                     dev(self, a),
                     KArg::I32(*cols as i32),
                 ];
-                (rows_per_warp(hidden, cols * bits / 128, GEMV_LOADS), smem_att, args)
+                let chunks = cols * bits / 128;
+                (
+                    k_slices(GemvOut::Add, self.gemv_rows_per_warp(GemvOut::Add, hidden, chunks), chunks, nw),
+                    smem_att,
+                    args,
+                )
             }
         };
-        // Rows per warp as the separate launches choose them (same rows per warp, same math).
-        let ru = rows_per_warp(ffn, hidden * bits / 128, GEMV_LOADS / 2);
-        let rd = rows_per_warp(hidden, ffn * bits / 128, GEMV_LOADS);
-        let mut defines = gemv_defines(defines, xq);
-        defines.extend(["FFN=1".into(), format!("FFN_RO={ro}"), format!("FFN_RU={ru}"), format!("FFN_RD={rd}")]);
+        // Rows per warp and K slices as the separate launches choose them (the same sums, bit
+        // for bit).
+        let ru = self.gemv_rows_per_warp(GemvOut::Swiglu, ffn, hidden * bits / 128);
+        let dchunks = ffn * bits / 128;
+        let (rd, kd) = k_slices(GemvOut::Add, self.gemv_rows_per_warp(GemvOut::Add, hidden, dchunks), dchunks, nw);
+        let ((ro, ko), mut defines) = (ro, gemv_defines(defines, xq));
+        defines.extend([
+            "FFN=1".into(),
+            format!("FFN_RO={ro}"),
+            format!("FFN_RU={ru}"),
+            format!("FFN_RD={rd}"),
+            format!("FFN_KO={ko}"),
+            format!("FFN_KD={kd}"),
+        ]);
         let f = self.function(kernels::file("gemv.cu"), &defines, "ffn")?;
         let smem = smem_in.max(smem_act).max(smem_o);
         let threads = 32 * nw as u32;
         // Every block must be resident at once (they wait for each other): never more than
         // the occupancy allows, which gemv_grid's cap already is.
-        let mut steps = ffn.div_ceil(nw * ru).max(hidden.div_ceil(nw * rd));
+        let mut steps = ffn.div_ceil(nw * ru).max(hidden.div_ceil(nw / kd * rd));
         if ro > 0 {
-            steps = steps.max(hidden.div_ceil(nw * ro));
+            steps = steps.max(hidden.div_ceil(nw / ko * ro));
         }
         let blocks = steps.min(self.gemv_grid(&f, threads, smem));
         let mut sync = self.ffn_sync.lock().unwrap_or_else(|e| e.into_inner());

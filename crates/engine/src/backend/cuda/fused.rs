@@ -124,6 +124,33 @@ pub(super) fn rows_per_warp(total_rows: usize, chunks: usize, loads: usize) -> u
     by_rows.max(loads / per_lane).min(4)
 }
 
+/// Rows per warp for gate/up (SwiGLU): 4, unless `FERROLM_GEMV_R` forces one. ptxas gives
+/// gemv_ns_r4 128 registers against 154 for r2 (sm_90, 4-bit g64), so two blocks fit per
+/// SM instead of one. H200, same call: 1B (synthetic) 2 154 / 2 159 tok/s against 2 091 /
+/// 2 108 at r2; SmolLM2's gate/up (576 wide) was at 4 already (docs/perf.md, session 11).
+fn swiglu_rows_per_warp() -> usize {
+    forced_rows_per_warp().unwrap_or(4)
+}
+
+/// Rows per warp and K slices (gemv.cu's KS) for a decode GEMV: down (adds, 1 row per warp
+/// by `rows_per_warp`, rows of a multiple of 64 chunks: 2048 wide and up at 4-bit) goes to
+/// 2 rows per warp over two slices, the same rows per block with each x chunk read from
+/// shared memory for 2 rows. H200, same call, 1B (synthetic): 2 194 / 2 203 tok/s against
+/// 2 138 / 2 134 without (docs/perf.md, session 11); SmolLM2's 1536-wide down stays as it
+/// was. `FERROLM_GEMV_KS=0` turns it off (for A/B runs and the GPU tests' second pass).
+pub(super) fn k_slices(mode: GemvOut, r: usize, chunks: usize, nw: usize) -> (usize, usize) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("FERROLM_GEMV_KS").map_or(true, |v| v != "0"));
+    match (mode, r) {
+        (GemvOut::Add, 1)
+            if on && chunks.is_multiple_of(64) && nw.is_multiple_of(2) && forced_rows_per_warp().is_none() =>
+        {
+            (2, 2)
+        }
+        _ => (r, 1),
+    }
+}
+
 /// `FERROLM_GEMV_R` (1, 2 or 4): rows per warp for every decode GEMV, for tuning.
 fn forced_rows_per_warp() -> Option<usize> {
     static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
@@ -242,26 +269,8 @@ impl Cuda {
         let launched_rows: usize =
             if mode == GemvOut::Swiglu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
         let CudaMat::Affine { bits, .. } = mats[0] else { unreachable!("checked above") };
-        let loads = if mode == GemvOut::Swiglu { GEMV_LOADS / 2 } else { GEMV_LOADS };
-        let mut r = rows_per_warp(launched_rows, x.cols * *bits as usize / 128, loads);
-        if mode == GemvOut::Swiglu && forced_rows_per_warp().is_none() {
-            // Gate/up at 4 rows per warp: ptxas gives gemv_ns_r4 128 registers against 154
-            // for r2 (sm_90, 4-bit g64), so two blocks fit per SM instead of one. H200, same
-            // call: 1B (synthetic) 2 154 / 2 159 tok/s against 2 091 / 2 108 at r2; SmolLM2's
-            // gate/up (576 wide) was at 4 already (docs/perf.md, session 11).
-            r = 4;
-        }
-        let spread = match gemv_spread() {
-            2 => true,
-            1 => mode == GemvOut::Add,
-            _ => false,
-        };
-        if spread {
-            r = spread_rows(launched_rows, r, gemv_warps(), self.sms);
-        }
-        if mode == GemvOut::Add {
-            r = add_rows_per_warp().unwrap_or(r);
-        }
+        let chunks = x.cols * *bits as usize / 128;
+        let r = self.gemv_rows_per_warp(mode, launched_rows, chunks);
         let out_kind = match (mode, norm, f32_out) {
             (GemvOut::Swiglu, _, _) => "s",
             (GemvOut::Add, _, _) => "a",
@@ -285,9 +294,13 @@ impl Cuda {
             }
             false => None,
         };
-        let r = plan.map_or(r, |p| p.r);
+        let (r, ks) = match plan {
+            Some(p) => (p.r, 1),
+            None => k_slices(mode, r, chunks, nw),
+        };
         let kind = if plan.is_some() { "gemvr" } else { "gemv" };
-        let name = format!("{kind}_{}{out_kind}_r{r}", if norm { "n" } else { "b" });
+        let slices = if ks > 1 { format!("k{ks}") } else { String::new() };
+        let name = format!("{kind}_{}{out_kind}_r{r}{slices}", if norm { "n" } else { "b" });
         let mut gd = gemv_defines(defines, xq);
         if plan.is_some() {
             gd.push("RING=1".into()); // ring-fed kernels are a variant of their own (gemv.cu)
@@ -309,7 +322,7 @@ impl Cuda {
                 KArg::I32(n as i32),
             ]);
             if mode != GemvOut::Swiglu || i == 0 {
-                blocks += n.div_ceil(nw * r);
+                blocks += n.div_ceil(nw / ks * r);
             }
         }
         let xp = act_ptr(self, x);
@@ -328,6 +341,28 @@ impl Cuda {
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, c, &args, "fused GEMV launch")?;
         Ok(true)
+    }
+
+    /// Rows per warp of the decode GEMV with `rows` output rows (SwiGLU: per matrix) of
+    /// `chunks` 16-byte chunks each, before `k_slices`: what `gemv_fused` launches, and the
+    /// fused layer end (ffn.rs) must match.
+    pub(super) fn gemv_rows_per_warp(&self, mode: GemvOut, rows: usize, chunks: usize) -> usize {
+        let mut r = match mode {
+            GemvOut::Swiglu => swiglu_rows_per_warp(),
+            _ => rows_per_warp(rows, chunks, GEMV_LOADS),
+        };
+        let spread = match gemv_spread() {
+            2 => true,
+            1 => mode == GemvOut::Add,
+            _ => false,
+        };
+        if spread {
+            r = spread_rows(rows, r, gemv_warps(), self.sms);
+        }
+        if mode == GemvOut::Add {
+            r = add_rows_per_warp().unwrap_or(r);
+        }
+        r
     }
 
     /// Persistent GEMV blocks: as many as are resident on the GPU at once (registers decide:

@@ -95,9 +95,10 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
         }
     }
     // The fused layer end (FFN=1, ffn.rs; compiled on demand per weight format and rows per
-    // warp): one variant, with the o phase, so it compiles.
+    // warp): one variant, with the o phase, the 1B shape's (down over two K slices), so it
+    // compiles.
     let mut ffn = affine_defines(4, 64, ScaleDtype::BF16);
-    ffn.extend(["XQ=1", "FFN=1", "FFN_RO=1", "FFN_RU=2", "FFN_RD=1"].map(String::from));
+    ffn.extend(["XQ=1", "FFN=1", "FFN_RO=4", "FFN_RU=4", "FFN_RD=2", "FFN_KO=1", "FFN_KD=2"].map(String::from));
     v.push((file("gemv.cu"), ffn));
     // The ring-fed GEMVs (RING=1, gemv_ring.cuh; FERROLM_GEMV_RING): one variant, so they
     // compile.
