@@ -650,25 +650,19 @@ fn fused_decode_ops_case(r: &mut Rng, dims: (usize, usize, usize, usize), bits: 
     let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
     c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc).unwrap();
     check(&format!("norm→swiglu {name}"), &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
-    // GEMV + residual add: compare the added part (the residual itself is exact)
-    let y = bf(&r.v(f, 1.0));
-    let mut rg = g.act_from_f32(1, d, &x).unwrap();
-    let mut tmp = g.act(1, d).unwrap();
-    g.matmul_add(&g.act_from(1, f, &y).unwrap(), &wd.0, &mut rg, &mut tmp).unwrap();
-    let mut rc = xc.clone();
-    let mut tmpc = c.act(1, d).unwrap();
-    c.matmul_add(&cpu(1, f, y), &wd.1, &mut rc, &mut tmpc).unwrap();
+    // GEMV + residual add (down: d × f, o: d × qd): compare the added part (the residual
+    // itself is exact)
     let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
-    check(&format!("matmul_add {name}"), &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
-    // o: a d × qd matrix adding into the residual
-    let y = bf(&r.v(qd, 1.0));
-    let mut rg = g.act_from_f32(1, d, &x).unwrap();
-    let mut tmp = g.act(1, d).unwrap();
-    g.matmul_add(&g.act_from(1, qd, &y).unwrap(), &wo.0, &mut rg, &mut tmp).unwrap();
-    let mut rc = xc.clone();
-    let mut tmpc = c.act(1, d).unwrap();
-    c.matmul_add(&cpu(1, qd, y), &wo.1, &mut rc, &mut tmpc).unwrap();
-    check(&format!("matmul_add o {name}"), &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
+    for (what, n, w) in [("down", f, &wd), ("o", qd, &wo)] {
+        let y = bf(&r.v(n, 1.0));
+        let mut rg = g.act_from_f32(1, d, &x).unwrap();
+        let mut tmp = g.act(1, d).unwrap();
+        g.matmul_add(&g.act_from(1, n, &y).unwrap(), &w.0, &mut rg, &mut tmp).unwrap();
+        let mut rc = xc.clone();
+        let mut tmpc = c.act(1, d).unwrap();
+        c.matmul_add(&cpu(1, n, y), &w.1, &mut rc, &mut tmpc).unwrap();
+        check(&format!("matmul_add {what} {name}"), &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
+    }
 }
 
 /// RoPE + cache write + attention (one launch each on CUDA for a single token) against the
