@@ -25,7 +25,7 @@ import struct
 import sys
 from collections import defaultdict
 
-FILES = {1: "gemv.cu", 2: "attention_decode.cu", 3: "sample.cu", 4: "affine.cu", 5: "gemv_ring.cuh", 6: "decode_layers.cuh", 7: "attention_block.cuh"}
+FILES = {1: "gemv.cu", 2: "attention_decode.cu", 3: "sample.cu", 4: "affine.cu", 5: "gemv_ring.cuh", 6: "decode_layers.cuh", 7: "attention_block.cuh", 8: "ffn_layer_end.cuh"}
 KERNELS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "crates", "engine", "kernels")
 
 

@@ -19,6 +19,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("decode_layers.cuh", include_str!("../../../kernels/decode_layers.cuh")),
     ("ffn_splitk.cuh", include_str!("../../../kernels/ffn_splitk.cuh")),
+    ("ffn_layer_end.cuh", include_str!("../../../kernels/ffn_layer_end.cuh")),
     ("attention_block.cuh", include_str!("../../../kernels/attention_block.cuh")),
 ];
 
