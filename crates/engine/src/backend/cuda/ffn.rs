@@ -114,8 +114,8 @@ impl Cuda {
             return Ok(false);
         }
         let nw = gemv_warps();
-        // The o phase: (rows per warp, staging bytes, its arguments), or none.
-        let (ro, smem_o, o_args) = match o {
+        // The o phase: (rows per warp and K slices, staging bytes, its arguments), or none.
+        let ((ro, ko), smem_o, o_args) = match o {
             None => ((0, 1), 0, [KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0), KArg::I32(0)]),
             Some((att, wo)) => {
                 let CudaMat::Affine { defines: dw, words, scales, biases, rows, cols, .. } = wo else {
@@ -146,7 +146,7 @@ impl Cuda {
         let ru = self.gemv_rows_per_warp(GemvOut::Swiglu, ffn, hidden * bits / 128);
         let dchunks = ffn * bits / 128;
         let (rd, kd) = k_slices(GemvOut::Add, self.gemv_rows_per_warp(GemvOut::Add, hidden, dchunks), dchunks, nw);
-        let ((ro, ko), mut defines) = (ro, gemv_defines(defines, xq));
+        let mut defines = gemv_defines(defines, xq);
         defines.extend([
             "FFN=1".into(),
             format!("FFN_RO={ro}"),

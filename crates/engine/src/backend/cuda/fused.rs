@@ -132,10 +132,10 @@ fn swiglu_rows_per_warp() -> usize {
     forced_rows_per_warp().unwrap_or(4)
 }
 
-/// Rows per warp and K slices (gemv.cu's KS) for a decode GEMV: down (adds, 1 row per warp
-/// by `rows_per_warp`, rows of a multiple of 64 chunks: 2048 wide and up at 4-bit) goes to
-/// 2 rows per warp over two slices, the same rows per block with each x chunk read from
-/// shared memory for 2 rows. H200, same call, 1B (synthetic): 2 194 / 2 203 tok/s against
+/// Rows per warp and K slices (gemv.cu's KS) for a decode GEMV: one that adds into the
+/// residual at 1 row per warp (the 1B shape's down; rows of a multiple of 64 chunks, 2048
+/// wide and up at 4-bit) goes to 2 rows per warp over two slices, the same rows per block
+/// with each x chunk read from shared memory for 2 rows. H200, same call, 1B (synthetic): 2 194 / 2 203 tok/s against
 /// 2 138 / 2 134 without (docs/perf.md, session 11); SmolLM2's 1536-wide down stays as it
 /// was. `FERROLM_GEMV_KS=0` turns it off (for A/B runs and the GPU tests' second pass).
 pub(super) fn k_slices(mode: GemvOut, r: usize, chunks: usize, nw: usize) -> (usize, usize) {
