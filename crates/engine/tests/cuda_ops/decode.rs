@@ -334,3 +334,92 @@ fn fused_layer_end_matches_separate_launches_and_times_it() {
         report(&format!("1B o + add, norm→gate/up→SwiGLU, down + add; fused: {fusion:?}"), us, bytes);
     }
 }
+
+/// The fused decode ops (norm→q/k/v in one launch, norm→gate/up→SwiGLU, GEMV + residual
+/// add, norm→head, RoPE + cache write + attention with its merge, argmax) against the CPU
+/// backend's reference compositions, for one token and every weight format family (always
+/// checked: `super::check`, which FERROLM_TIMING_ONLY does not skip).
+#[test]
+fn fused_decode_ops_match_cpu() {
+    let mut r = Rng::seeded();
+    let formats = [
+        (4, 32, ScaleDtype::F16),
+        (4, 128, ScaleDtype::F32),
+        (8, 32, ScaleDtype::F16),
+        (8, 64, ScaleDtype::BF16),
+        (2, 16, ScaleDtype::BF16),
+        (2, 64, ScaleDtype::F16),
+    ];
+    for (bits, group, dt) in formats {
+        fused_decode_ops_case(&mut r, (512, 512, 128, 1024), bits, group, dt);
+    }
+    // The 1B shape's rows (2048 wide, 8192 for down), where down splits its chunks over
+    // two warps (gemv.cu's K slices; FERROLM_GEMV_KS=0 turns them off).
+    fused_decode_ops_case(&mut r, (2048, 2048, 512, 8192), 4, 64, ScaleDtype::BF16);
+    let g = gpu();
+    // argmax, ties to the lowest index
+    for n in [7, 1000, 49152, 128256] {
+        let mut v = r.v(n, 10.0);
+        v[n / 3] = 50.0;
+        v[n / 2] = 50.0;
+        let mut og = g.act_poisoned(1, 1, true).unwrap();
+        g.argmax(&g.act_from_f32(1, n, &v).unwrap(), &mut og).unwrap();
+        let got = g.read_rows(&og, 0).unwrap()[0];
+        assert_eq!(got as u32, ferrolm::sample::argmax(&v), "argmax over {n}");
+    }
+}
+
+/// One format's fused decode GEMVs (norm → q/k/v, norm → head, norm → SwiGLU, o and down
+/// adding into the residual) against the CPU, at dims (hidden, q rows, kv rows, ffn).
+fn fused_decode_ops_case(r: &mut Rng, dims: (usize, usize, usize, usize), bits: u32, group: usize, dt: ScaleDtype) {
+    let (g, c) = (gpu(), Cpu);
+    let (d, qd, kvd, f) = dims;
+    let name = format!("q{bits} g{group} {dt:?} {d}x{f}");
+    let mut mat = |rows: usize, cols: usize| {
+        let w = Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, bits, group, dt).unwrap());
+        (g.matrix(w.clone()).unwrap(), w)
+    };
+    let (wq, wk, wv, wg, wu, wd, wo) =
+        (mat(qd, d), mat(kvd, d), mat(kvd, d), mat(f, d), mat(f, d), mat(d, f), mat(d, qd));
+    let x = r.v(d, 20.0); // the f32 residual stream
+    let norm = r.v(d, 1.0);
+    let (xg, xc) = (g.act_from_f32(1, d, &x).unwrap(), cpu(1, d, x.clone()));
+    let ng = g.vector(norm.clone()).unwrap();
+    // norm → q/k/v
+    let mut outs_g: Vec<_> = [qd, kvd, kvd].iter().map(|&n| g.act_poisoned(1, n, false).unwrap()).collect();
+    let mut outs_c: Vec<_> = [qd, kvd, kvd].iter().map(|&n| c.act(1, n).unwrap()).collect();
+    let [og0, og1, og2] = &mut outs_g[..] else { unreachable!() };
+    let mut xn = g.act(1, d).unwrap();
+    g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wq.0, &wk.0, &wv.0], &mut [og0, og1, og2]).unwrap();
+    let [oc0, oc1, oc2] = &mut outs_c[..] else { unreachable!() };
+    let mut xnc = c.act(1, d).unwrap();
+    c.norm_matmul_many(&xc, &norm, 1e-5, &mut xnc, &[&wq.1, &wk.1, &wv.1], &mut [oc0, oc1, oc2]).unwrap();
+    for (i, (a, b)) in outs_g.iter().zip(&outs_c).enumerate() {
+        super::check(&format!("norm→qkv[{i}] {name}"), &g.read_rows(a, 0).unwrap(), &b.data, 1e-2);
+    }
+    // norm → head (f32 out)
+    let mut hg = g.act_poisoned(1, f, true).unwrap();
+    g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wg.0], &mut [&mut hg]).unwrap();
+    let mut hc = c.act(1, f).unwrap();
+    c.norm_matmul_many(&xc, &norm, 1e-5, &mut xnc, &[&wg.1], &mut [&mut hc]).unwrap();
+    super::check(&format!("norm→head f32 {name}"), &g.read_rows(&hg, 0).unwrap(), &hc.data, 1e-2);
+    // norm → gate/up → SwiGLU
+    let (mut gg, mut ug, mut sg) = (g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act_poisoned(1, f, false).unwrap());
+    g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &wg.0, &wu.0, &mut gg, &mut ug, &mut sg).unwrap();
+    let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
+    c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc).unwrap();
+    super::check(&format!("norm→swiglu {name}"), &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+    // GEMV + residual add (down: d × f, o: d × qd): compare the added part (the residual
+    // itself is exact)
+    let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
+    for (what, n, w) in [("down", f, &wd), ("o", qd, &wo)] {
+        let y = bf(&r.v(n, 1.0));
+        let mut rg = g.act_from_f32(1, d, &x).unwrap();
+        let mut tmp = g.act(1, d).unwrap();
+        g.matmul_add(&g.act_from(1, n, &y).unwrap(), &w.0, &mut rg, &mut tmp).unwrap();
+        let mut rc = xc.clone();
+        let mut tmpc = c.act(1, d).unwrap();
+        c.matmul_add(&cpu(1, n, y), &w.1, &mut rc, &mut tmpc).unwrap();
+        super::check(&format!("matmul_add {what} {name}"), &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
+    }
+}
