@@ -362,6 +362,10 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
     BLOCK_SYNC();
 }
 
+#if XQ
+#include "x_staged.cuh"
+#endif
+
 // The shape every tile shares: chunks and groups per row, the row stride in uint4, and
 // the chunk a warp's tiles stop at (`end`: chunks, or the end of its K slice).
 struct Shape {
@@ -549,9 +553,11 @@ __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, con
 
 // The end of a warp's row step: reduce its lane-partial sums (acc) and store rows row0 …
 // row0 + R - 1 that exist, as OUT says (0 bf16, 1 f32, 2 f32 added to `resid`, the row's
-// x read earlier by lane r, 3 SwiGLU bf16). Shared by gemv() and the ring-fed GEMV.
+// x read earlier by lane r, 3 SwiGLU bf16; `vals`, where given: each row's stored value
+// as f32 too, for stage_step). Shared by gemv() and the ring-fed GEMV.
 template <int R, int OUT>
-__device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[2][R], float resid, int lane) {
+__device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[2][R], float resid, int lane,
+                                           float* vals = nullptr) {
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -571,7 +577,9 @@ __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[
             else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
             else {
                 float g = acc[0][r];
-                reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
+                bf16_t h = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
+                reinterpret_cast<bf16_t*>(a.o)[row] = h;
+                if (vals) vals[r] = bf2f(h);
             }
         }
     }
@@ -618,9 +626,14 @@ struct KernelSync {
 // shared memory serves 2 rows: at R = 1 the int16 x reads were 4× the weight bytes, and
 // the shared-memory bandwidth, not the weights, bounded down's math. The slices' lane
 // partials meet in shared memory (ks_merge) before the row's warp sum.
-template <int R, bool NORM, int OUT, class Sync = KernelSync, int KS = 1>
+// OUT_K 4 is SwiGLU (OUT 3) that also writes its output as the next GEMV's staged x into
+// m2.o (x_staged.cuh); PRE: x is such an image, copied in rather than staged.
+template <int R, bool NORM, int OUT_K, class Sync = KernelSync, int KS = 1, bool PRE = false>
 __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
                                      Sync sync = Sync{}) {
+    constexpr int OUT = OUT_K == 4 ? 3 : OUT_K;
+    constexpr bool STAGE = OUT_K == 4;
+    static_assert(!(STAGE || PRE) || XQ, "staged x is the int16 (XQ) layout");
     extern __shared__ uint4 xs[];
     if (PDL_EARLY) sync.trigger();
     static_assert(KS == 1 || (OUT != 3 && NW % KS == 0), "K slices: one matrix per row, whole row groups");
@@ -652,7 +665,12 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         return OUT == 2 && ks == 0 && lane < R && first + lane < m.rows ? reinterpret_cast<const float*>(m.o)[first + lane] : 0.f;
     };
     float resid = residual(a, row0);
-    stage_x<NORM>(xs, x, nw, eps, cols, gains);
+#if XQ
+    if constexpr (PRE) copy_staged(xs, x, cols);
+    else
+#endif
+        stage_x<NORM>(xs, x, nw, eps, cols, gains);
+    __shared__ float stage_vals[STAGE ? 2 : 1][STAGE ? NW * R : 1];  // stage_step's, by step parity
     float acc[2][R];
 #pragma unroll
     for (int m = 0; m < 2; m++)
@@ -679,7 +697,12 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         if (!PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, cb + lane + nit * 32 * U, sh);
         if (nit == 0) {  // step done: reduce and store this warp's rows
             if (KS > 1) ks_merge<R, KS>(acc, ks, lane, parity ^= 1);
-            if (ks == 0) store_rows<R, OUT>(a, row0, acc, resid, lane);
+            if (STAGE) parity ^= 1;
+            float* vals = STAGE ? stage_vals[parity] + (threadIdx.x >> 5) * R : nullptr;
+            if (ks == 0) store_rows<R, OUT>(a, row0, acc, resid, lane, vals);
+#if XQ
+            if constexpr (STAGE) stage_step<R>(stage_vals[parity], row0 - (threadIdx.x >> 5) * R, static_cast<uint4*>(m2.o), m0.rows);
+#endif
 #pragma unroll
             for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -718,6 +741,22 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 // slice's chunks), so two 8-warp blocks fit per SM.
 #define GEMV_KS_KERNELS \
     extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW) gemv_ba_r2k2(GEMV_ARGS) { GEMV_CALL(2, false, 2, 2); }
+// Staged x (x_staged.cuh): SwiGLU writing the down GEMV's image (nz, at gate/up's R = 4;
+// m2.o is the image), and down + add reading it (qa) at the rows per warp and K slices
+// fused.rs gives down.
+#define GEMV_PRE_CALL(R, KS)                                                                                   \
+    TRACE_KERNEL();                                                                                           \
+    gemv<R, false, 2, KernelSync, KS, true>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1},                 \
+                                            Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols)
+// gemv_nz_r4 at ≤ 128 registers, so two 8-warp blocks fit per SM as gemv_ns_r4's do (the
+// staging took it to 143 registers uncapped); 2-bit weights would spill there: no cap.
+#define NZ_MIN_BLOCKS (BITS == 2 ? 1 : 16 / NW)
+#define GEMV_STAGED_KERNELS                                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * NW, NZ_MIN_BLOCKS) gemv_nz_r4(GEMV_ARGS) { GEMV_CALL(4, true, 4, 1); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r1(GEMV_ARGS) { GEMV_PRE_CALL(1, 1); }             \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r2(GEMV_ARGS) { GEMV_PRE_CALL(2, 1); }             \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r4(GEMV_ARGS) { GEMV_PRE_CALL(4, 1); }             \
+    extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW) gemv_qa_r2k2(GEMV_ARGS) { GEMV_PRE_CALL(2, 2); }
 #if MEGA  // the decode megakernel alone: its own variant
 #include "decode_layers.cuh"
 #elif SPLITK  // the MLP split along the FFN dimension (ffn_splitk.cuh): its own variant
@@ -729,6 +768,9 @@ GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
 GEMV_KS_KERNELS
+#if XQ && NW >= 8  // a SwiGLU block step (NW·4 rows) must be whole 32-value x blocks
+GEMV_STAGED_KERNELS
+#endif
 #if RING  // the ring-fed GEMVs (FERROLM_GEMV_RING; off by default): their own variant
 #include "gemv_ring.cuh"
 #endif

@@ -423,3 +423,58 @@ fn fused_decode_ops_case(r: &mut Rng, dims: (usize, usize, usize, usize), bits: 
         super::check(&format!("matmul_add {what} {name}"), &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
     }
 }
+
+/// The decode MLP with down's x staged by the SwiGLU launch (staged.rs, x_staged.cuh) is
+/// bit-identical to the separate launches (residual and SwiGLU output), and matches the
+/// CPU's MLP, at the 1B and SmolLM2 widths and in other weight formats.
+#[test]
+fn mlp_staged_x_is_bit_identical() {
+    // A device of its own: staging is switched here.
+    let (g, c, mut r) = (Cuda::new(0).unwrap(), Cpu, Rng::seeded());
+    let shapes = [
+        (2048, 8192, 4, 64, ScaleDtype::BF16),
+        (576, 1536, 4, 64, ScaleDtype::BF16),
+        (512, 1024, 8, 32, ScaleDtype::F16),
+        (256, 768, 2, 16, ScaleDtype::F32),
+    ];
+    let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (d, f, bits, group, dt) in shapes {
+        let name = format!("d{d} f{f} q{bits} g{group} {dt:?}");
+        let mut mat = |rows: usize, cols: usize| {
+            let w =
+                Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, bits, group, dt).unwrap());
+            (g.matrix(w.clone()).unwrap(), w)
+        };
+        let (wg, wu, wd) = (mat(f, d), mat(f, d), mat(d, f));
+        let (x, norm) = (r.v(d, 20.0), r.v(d, 1.0));
+        let ng = g.vector(norm.clone()).unwrap();
+        let run = |staged: bool| {
+            g.set_staged_x(staged);
+            let before = g.staged_x_launches();
+            let mut xg = g.act_from_f32(1, d, &x).unwrap();
+            let mut act = g.act_poisoned(1, f, false).unwrap();
+            let (mut xn, mut gg, mut ug, mut tmp) =
+                (g.act(1, d).unwrap(), g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act(1, d).unwrap());
+            let scratch = (&mut xn, &mut gg, &mut ug, &mut tmp);
+            g.mlp(&mut xg, (&ng, 1e-5), (&wg.0, &wu.0, &wd.0), scratch, &mut act).unwrap();
+            assert_eq!(g.staged_x_launches() - before, usize::from(staged), "{name}: staged path taken ({staged})");
+            (g.read_rows(&xg, 0).unwrap(), g.read_rows(&act, 0).unwrap())
+        };
+        let (want_x, want_act) = run(false);
+        let (got_x, got_act) = run(true);
+        assert_eq!(bits_of(&got_x), bits_of(&want_x), "{name}: residual");
+        assert_eq!(bits_of(&got_act), bits_of(&want_act), "{name}: SwiGLU");
+        // And the CPU's MLP (the added part; the residual itself is exact).
+        let mut xc = cpu(1, d, x.clone());
+        let (mut xn, mut gc, mut uc, mut tmp, mut ac) = (
+            c.act(1, d).unwrap(),
+            c.act(1, f).unwrap(),
+            c.act(1, f).unwrap(),
+            c.act(1, d).unwrap(),
+            c.act(1, f).unwrap(),
+        );
+        c.mlp(&mut xc, (&norm, 1e-5), (&wg.1, &wu.1, &wd.1), (&mut xn, &mut gc, &mut uc, &mut tmp), &mut ac).unwrap();
+        let delta = |v: &[f32]| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
+        super::check(&format!("staged MLP {name}"), &delta(&got_x), &delta(&xc.data), 1e-2);
+    }
+}

@@ -100,6 +100,12 @@ pub struct Cuda {
     pub(crate) attn_block_launches: std::sync::atomic::AtomicUsize,
     /// The fused layer end's block counters (zeroed, reset by each launch's last block).
     pub(crate) ffn_sync: Mutex<Option<CudaSlice<i32>>>,
+    /// Whether the decode MLP's SwiGLU GEMV stages down's x (staged.rs;
+    /// `FERROLM_GEMV_STAGED=0` turns it off), and the staged images by width (kept: captured
+    /// graphs point at them).
+    pub(crate) staged_x_on: std::sync::atomic::AtomicBool,
+    pub(crate) staged_x: Mutex<HashMap<usize, Arc<super::fused::StagedX>>>,
+    pub(crate) staged_x_launches: std::sync::atomic::AtomicUsize,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
     /// records and the event that marks its step done on the main stream.
     #[allow(clippy::type_complexity)]
@@ -283,6 +289,9 @@ impl Cuda {
             attn_block_plans: Mutex::new(HashMap::new()),
             attn_block_launches: std::sync::atomic::AtomicUsize::new(0),
             ffn_sync: Mutex::new(None),
+            staged_x_on: std::sync::atomic::AtomicBool::new(super::staged::staged_x_default()),
+            staged_x: Mutex::new(HashMap::new()),
+            staged_x_launches: std::sync::atomic::AtomicUsize::new(0),
             reads: Mutex::new(Vec::new()),
             read_stream,
             trace,

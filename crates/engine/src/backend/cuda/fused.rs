@@ -21,6 +21,16 @@ pub(crate) enum GemvIn<'a> {
     Bf16(&'a CudaAct),
     /// The f32 residual stream, RMS-normalized with these gains and eps on load.
     Norm(&'a CudaAct, &'a CudaSlice<f32>, f32),
+    /// `cols` values already staged by their producer (`StagedX`, x_staged.cuh).
+    Staged(&'a StagedX),
+}
+
+/// An input vector of `cols` values as the SwiGLU GEMV writes it for the down GEMV (int16
+/// x, block scales and sums: the decode GEMV's shared-memory image, x_staged.cuh), one per
+/// width; kept for the process (captured graphs point at it).
+pub(crate) struct StagedX {
+    pub(crate) buf: CudaSlice<u8>,
+    pub(crate) cols: usize,
 }
 
 /// What the fused GEMV does with its dot products.
@@ -205,6 +215,12 @@ pub(super) fn x_staging(cols: usize) -> (bool, usize) {
     }
 }
 
+/// Whether `cols` inputs can be staged by their producer (x_staged.cuh): int16 x (XQ), in
+/// whole 16-byte pieces (cols % 128 == 0).
+pub(super) fn staged_x_fits(cols: usize) -> bool {
+    cols.is_multiple_of(128) && x_staging(cols).0
+}
+
 /// gemv.cu's defines for a weight format's (bits, group, scale) `defines`: the x staging
 /// (XQ) and the warps per block where not the default.
 pub(super) fn gemv_defines(defines: &[String], xq: bool) -> Vec<String> {
@@ -234,13 +250,31 @@ impl Cuda {
         outs: &mut [&mut CudaAct],
         mode: GemvOut,
     ) -> Result<bool> {
-        let x = match input {
-            GemvIn::Bf16(x) | GemvIn::Norm(x, ..) => x,
+        self.gemv_launch(input, mats, outs, mode, None)
+    }
+
+    /// `gemv_fused`, where a SwiGLU launch may also write its output into `stage_into`, as
+    /// the next GEMV's staged x (gemv.cu's OUT 4; the caller checked the shapes and formats).
+    pub(crate) fn gemv_launch(
+        &self,
+        input: GemvIn,
+        mats: &[&CudaMat],
+        outs: &mut [&mut CudaAct],
+        mode: GemvOut,
+        stage_into: Option<&StagedX>,
+    ) -> Result<bool> {
+        // The input's (width, address), whether it is normalized on load or arrives staged.
+        let (cols_in, xp, in_ok) = match input {
+            GemvIn::Bf16(x) => (x.cols, act_ptr(self, x), x.rows == 1 && matches!(x.buf, ActBuf::Bf16(_))),
+            GemvIn::Norm(x, ..) => (x.cols, act_ptr(self, x), x.rows == 1 && matches!(x.buf, ActBuf::F32(_))),
+            GemvIn::Staged(s) => (s.cols, s.buf.device_ptr(&self.stream).0, staged_x_fits(s.cols)),
         };
-        let norm = matches!(input, GemvIn::Norm(..));
-        let in_ok = matches!((&x.buf, norm), (ActBuf::Bf16(_), false) | (ActBuf::F32(_), true));
-        if x.rows != 1 || !in_ok || x.cols > MAX_COLS || mats.is_empty() || mats.len() > 3 || mats.len() != outs.len() {
+        let staged_in = matches!(input, GemvIn::Staged(_));
+        if !in_ok || cols_in > MAX_COLS || mats.is_empty() || mats.len() > 3 || mats.len() != outs.len() {
             return Ok(false);
+        }
+        if (staged_in || stage_into.is_some()) && self.gemv_ring() {
+            return Ok(false); // the ring-fed kernels stage x themselves
         }
         let Some(CudaMat::Affine { defines, .. }) = mats.first().copied() else { return Ok(false) };
         for (m, o) in mats.iter().zip(outs.iter()) {
@@ -249,7 +283,7 @@ impl Cuda {
                 (mode, &o.buf),
                 (GemvOut::Add, ActBuf::F32(_)) | (GemvOut::Store, _) | (GemvOut::Swiglu, ActBuf::Bf16(_))
             );
-            if d != defines || *cols != x.cols || o.rows != 1 || !out_ok {
+            if d != defines || *cols != cols_in || o.rows != 1 || !out_ok {
                 return Ok(false);
             }
             if mode != GemvOut::Swiglu && o.cols != *rows {
@@ -269,22 +303,32 @@ impl Cuda {
         let launched_rows: usize =
             if mode == GemvOut::Swiglu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
         let CudaMat::Affine { bits, .. } = mats[0] else { unreachable!("checked above") };
-        let chunks = x.cols * *bits as usize / 128;
+        let chunks = cols_in * *bits as usize / 128;
         let r = self.gemv_rows_per_warp(mode, launched_rows, chunks);
-        let out_kind = match (mode, norm, f32_out) {
-            (GemvOut::Swiglu, _, _) => "s",
-            (GemvOut::Add, _, _) => "a",
-            (GemvOut::Store, _, true) => "f",
-            (GemvOut::Store, _, false) => "b",
+        // A staging SwiGLU is compiled at 4 rows per warp (gemv.cu's gemv_nz_r4), its block
+        // steps whole 32-value x blocks of an image as wide as its rows.
+        if let Some(img) = stage_into {
+            let nw = gemv_warps();
+            let fits = mode == GemvOut::Swiglu && r == 4 && (nw * r).is_multiple_of(32);
+            if !fits || img.cols != launched_rows || !launched_rows.is_multiple_of(nw * r) {
+                return Ok(false);
+            }
+        }
+        let out_kind = match (mode, f32_out) {
+            (GemvOut::Swiglu, _) if stage_into.is_some() => "z",
+            (GemvOut::Swiglu, _) => "s",
+            (GemvOut::Add, _) => "a",
+            (GemvOut::Store, true) => "f",
+            (GemvOut::Store, false) => "b",
         };
-        let (xq, smem) = x_staging(x.cols);
+        let (xq, smem) = x_staging(cols_in);
         let nw = gemv_warps();
         let plan = match self.gemv_ring() && mats.iter().all(|m| ring_aligned(self, m)) {
             true => {
                 let CudaMat::Affine { group, scales: scales0, .. } = mats[0] else { unreachable!("checked above") };
                 let shape = RingShape {
                     rows: &mats.iter().map(|m| m.rows()).collect::<Vec<_>>(),
-                    cols: x.cols,
+                    cols: cols_in,
                     bits: *bits as usize,
                     group: *group,
                     scale_bytes: if matches!(scales0, DevScales::F32(_)) { 4 } else { 2 },
@@ -300,14 +344,20 @@ impl Cuda {
         };
         let kind = if plan.is_some() { "gemvr" } else { "gemv" };
         let slices = if ks > 1 { format!("k{ks}") } else { String::new() };
-        let name = format!("{kind}_{}{out_kind}_r{r}{slices}", if norm { "n" } else { "b" });
+        let in_kind = match input {
+            GemvIn::Norm(..) => "n",
+            GemvIn::Bf16(_) => "b",
+            GemvIn::Staged(_) => "q",
+        };
+        let name = format!("{kind}_{in_kind}{out_kind}_r{r}{slices}");
         let mut gd = gemv_defines(defines, xq);
         if plan.is_some() {
             gd.push("RING=1".into()); // ring-fed kernels are a variant of their own (gemv.cu)
         }
         let f = self.function(kernels::file("gemv.cu"), &gd, &name)?;
         // Kernel arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols.
-        // Unused matrix slots repeat the first with 0 rows.
+        // Unused matrix slots repeat the first with 0 rows; a staging SwiGLU (OUT 4) takes
+        // its image as slot 2's output.
         let mut args: Vec<KArg> = Vec::with_capacity(19);
         let mut blocks = 0;
         for i in 0..3 {
@@ -318,19 +368,21 @@ impl Cuda {
                 dev(self, words),
                 KArg::Ptr(scales_ptr(self, scales)),
                 KArg::Ptr(scales_ptr(self, biases)),
-                KArg::Ptr(act_ptr(self, o)),
+                match (i, stage_into) {
+                    (2, Some(img)) => KArg::Ptr(img.buf.device_ptr(&self.stream).0),
+                    _ => KArg::Ptr(act_ptr(self, o)),
+                },
                 KArg::I32(n as i32),
             ]);
             if mode != GemvOut::Swiglu || i == 0 {
                 blocks += n.div_ceil(nw / ks * r);
             }
         }
-        let xp = act_ptr(self, x);
         let (gains, eps) = match input {
             GemvIn::Norm(_, w, eps) => (w.device_ptr(&self.stream).0, eps),
-            GemvIn::Bf16(_) => (xp, 0.0f32),
+            GemvIn::Bf16(_) | GemvIn::Staged(_) => (xp, 0.0f32),
         };
-        args.extend([KArg::Ptr(xp), KArg::Ptr(gains), KArg::F32(eps), KArg::I32(x.cols as i32)]);
+        args.extend([KArg::Ptr(xp), KArg::Ptr(gains), KArg::F32(eps), KArg::I32(cols_in as i32)]);
         if let Some(plan) = plan {
             self.launch_gemv_ring(&f, plan, &mut args, nw)?;
             return Ok(true);

@@ -19,6 +19,7 @@ mod megakernel;
 pub mod nvrtc;
 pub mod ops;
 pub mod probe;
+mod staged;
 mod trace;
 
 pub use device::{Cuda, CudaAct, CudaKv, CudaMat};

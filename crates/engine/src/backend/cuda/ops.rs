@@ -497,6 +497,10 @@ impl Backend for Cuda {
         {
             return Ok(());
         }
+        // Down's x staged by the SwiGLU launch (staged.rs), where the kernels cover it.
+        if self.mlp_staged(x, (norm, eps), mlp, (&mut *u, &mut *tmp), act)? {
+            return Ok(());
+        }
         self.fused_norm_swiglu(x, norm, eps, xn, (mlp.0, mlp.1), (g, u), act)?;
         self.fused_matmul_add(act, mlp.2, x, tmp)
     }
