@@ -46,6 +46,7 @@
 #endif
 #include "common.cuh"
 #include "affine.cuh"
+#include "argmax.cuh"
 
 #define VPC (128 / BITS)              // values per 16-byte weight chunk
 #define NP (VPC / 8)                  // 16-byte x parts (8 bf16) per chunk
@@ -627,12 +628,16 @@ struct KernelSync {
 // the shared-memory bandwidth, not the weights, bounded down's math. The slices' lane
 // partials meet in shared memory (ks_merge) before the row's warp sum.
 // OUT_K 4 is SwiGLU (OUT 3) that also writes its output as the next GEMV's staged x into
-// m2.o (x_staged.cuh); PRE: x is such an image, copied in rather than staged.
+// m2.o (x_staged.cuh); PRE: x is such an image, copied in rather than staged. OUT_K 5 is
+// the f32 store (OUT 1) of the head, whose argmax goes to `am` (argmax.cuh): each lane
+// keeps its warp's best row as the rows are stored, and the blocks' bests meet as
+// argmax_finish says, instead of a separate argmax launch reading the logits back.
 template <int R, bool NORM, int OUT_K, class Sync = KernelSync, int KS = 1, bool PRE = false>
 __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
-                                     Sync sync = Sync{}) {
-    constexpr int OUT = OUT_K == 4 ? 3 : OUT_K;
-    constexpr bool STAGE = OUT_K == 4;
+                                     Sync sync = Sync{}, ArgmaxSink am = {}) {
+    constexpr int OUT = OUT_K == 4 ? 3 : OUT_K == 5 ? 1 : OUT_K;
+    constexpr bool STAGE = OUT_K == 4, ARGMAX = OUT_K == 5;
+    static_assert(!ARGMAX || KS == 1, "the argmax rows are whole rows");
     static_assert(!(STAGE || PRE) || XQ, "staged x is the int16 (XQ) layout");
     extern __shared__ uint4 xs[];
     if (PDL_EARLY) sync.trigger();
@@ -643,7 +648,15 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     int b0 = (m0.rows + rb - 1) / rb, b1 = (m1.rows + rb - 1) / rb, b2 = (m2.rows + rb - 1) / rb;
     int steps = OUT == 3 ? b0 : b0 + b1 + b2;
     int b = sync.first_step(), it = 0, row0;
-    if (b >= steps) return;
+    float best = -INFINITY;  // ARGMAX: the best row this lane has seen
+    int best_i = 0x7fffffff;
+    if (b >= steps) {
+        if constexpr (ARGMAX) {  // every block's partial counts
+            sync.wait();
+            argmax_finish(best, best_i, am);
+        }
+        return;
+    }
     int lane = threadIdx.x & 31, ks = KS > 1 ? (threadIdx.x >> 5) % KS : 0;
     int kc = cols / VPC / KS, cb = ks * kc;  // this warp's K slice: chunks cb … cb + kc - 1
     Shape sh{cols / VPC, cols / GROUP, (size_t)cols / (32 / BITS) / 4, cb + kc};
@@ -700,6 +713,11 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
             if (STAGE) parity ^= 1;
             float* vals = STAGE ? stage_vals[parity] + (threadIdx.x >> 5) * R : nullptr;
             if (ks == 0) store_rows<R, OUT>(a, row0, acc, resid, lane, vals);
+            if constexpr (ARGMAX) {  // store_rows left every row's sum in every lane
+#pragma unroll
+                for (int r = 0; r < R; r++)
+                    if (row0 + r < a.rows) best_of(best, best_i, acc[0][r], row0 + r);
+            }
 #if XQ
             if constexpr (STAGE) stage_step<R>(stage_vals[parity], row0 - (threadIdx.x >> 5) * R, static_cast<uint4*>(m2.o), m0.rows);
 #endif
@@ -715,6 +733,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         row0 = nrow0;
         resid = nresid;
     }
+    if constexpr (ARGMAX) argmax_finish(best, best_i, am);
 }
 
 // grid: up to Σ ceil(rows_i / (NW·R)) blocks of 32·NW threads (fewer: each loops); dynamic
@@ -751,6 +770,17 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 // gemv_nz_r4 at ≤ 128 registers, so two 8-warp blocks fit per SM as gemv_ns_r4's do (the
 // staging took it to 143 registers uncapped); 2-bit weights would spill there: no cap.
 #define NZ_MIN_BLOCKS (BITS == 2 ? 1 : 16 / NW)
+// The head with its argmax (fused.rs's head_argmax: f32 logits stored, and the argmax
+// sink's seven pointers after the GEMV's arguments), at the head's 4 rows per warp.
+#define GEMV_ARGMAX_KERNELS                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nm_r4(                                             \
+        GEMV_ARGS, float* am_out, float* am_pv, int* am_pi, int* am_done, int* feed_tok, int* feed_pos,          \
+        int* feed_hist) {                                                                                          \
+        TRACE_KERNEL();                                                                                            \
+        gemv<4, true, 5, KernelSync, 1>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1}, Mat{w2, s2, b2, o2, n2}, \
+                                        x, nw, eps, cols, KernelSync{},                                           \
+                                        ArgmaxSink{am_out, am_pv, am_pi, am_done, feed_tok, feed_pos, feed_hist}); \
+    }
 #define GEMV_STAGED_KERNELS                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW, NZ_MIN_BLOCKS) gemv_nz_r4(GEMV_ARGS) { GEMV_CALL(4, true, 4, 1); } \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r1(GEMV_ARGS) { GEMV_PRE_CALL(1, 1); }             \
@@ -768,6 +798,7 @@ GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
 GEMV_KS_KERNELS
+GEMV_ARGMAX_KERNELS
 #if XQ && NW >= 8  // a SwiGLU block step (NW·4 rows) must be whole 32-value x blocks
 GEMV_STAGED_KERNELS
 #endif

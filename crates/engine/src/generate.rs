@@ -138,8 +138,7 @@ impl<'m, B: Backend> Session<'m, B> {
         // The token value matters only to the host staging of a given token (a fed step's
         // embedding reads the device's copy); its count sets the step's shape.
         b.step_fed(key, token, pos, &mut || {
-            model.forward_into(&[token.unwrap_or(0)], pos, kv, Logits::Last, Some(&mut *logits))?;
-            b.argmax_fed(logits, argmax)
+            model.forward_argmax(&[token.unwrap_or(0)], pos, kv, &mut *logits, &mut *argmax, true)
         })?;
         b.queue_read(argmax, pos, slot)
     }
@@ -211,12 +210,17 @@ impl<'m, B: Backend> Session<'m, B> {
         let mut top_k = self.top_k.as_mut();
         // Each ending is its own capture (the last launch differs).
         b.step(key, &[token], pos, &mut || {
-            model.forward_into(&[token], pos, kv, Logits::Last, Some(&mut *logits))?;
+            let logits_only = |logits: &mut B::Act, kv: &mut B::Kv| {
+                model.forward_into(&[token], pos, kv, Logits::Last, Some(logits)).map(|_| ())
+            };
             match (end, top_k.as_deref_mut()) {
-                (StepEnd::Logits, _) => Ok(()),
-                (StepEnd::Argmax, _) => b.argmax(logits, argmax),
+                (StepEnd::Logits, _) => logits_only(logits, kv),
+                (StepEnd::Argmax, _) => model.forward_argmax(&[token], pos, kv, &mut *logits, &mut *argmax, false),
                 (StepEnd::Fed, _) => Err(Error::Invalid("fed steps are queued by queue_fed".into())),
-                (StepEnd::TopK, Some((k, inv_t, out))) => b.top_k(logits, *k, f32::from_bits(*inv_t), out),
+                (StepEnd::TopK, Some((k, inv_t, out))) => {
+                    logits_only(logits, kv)?;
+                    b.top_k(logits, *k, f32::from_bits(*inv_t), out)
+                }
                 (StepEnd::TopK, None) => Err(Error::Invalid("top-k step without its output buffer".into())),
             }
         })?;

@@ -282,6 +282,26 @@ pub trait Backend: Sync {
     {
         Ok(false)
     }
+    /// The head of a greedy decode step: logits = head·n(x) for one row (n the RMSNorm with
+    /// `norm`, xn scratch), then their argmax into out[0] (`argmax`, or `argmax_fed` when
+    /// `feed`). A backend may find the argmax while it stores the logits.
+    #[allow(clippy::too_many_arguments)]
+    fn norm_head_argmax(
+        &self,
+        x: &Self::Act,
+        (norm, eps): (&Self::Vector, f32),
+        xn: &mut Self::Act,
+        head: &Self::Mat,
+        logits: &mut Self::Act,
+        out: &mut Self::Act,
+        feed: bool,
+    ) -> Result<()> {
+        self.norm_matmul_many(x, norm, eps, xn, &[head], &mut [logits])?;
+        match feed {
+            true => self.argmax_fed(logits, out),
+            false => self.argmax(logits, out),
+        }
+    }
     /// out[0] = index of the largest value of row 0 of x (ties → lowest index), stored as
     /// f32 (exact for indices below 2²⁴), so greedy decoding reads back 4 bytes.
     fn argmax(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()>;

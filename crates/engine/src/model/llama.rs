@@ -178,6 +178,33 @@ impl<B: Backend> Llama<B> {
         which: Logits,
         logits: Option<&mut B::Act>,
     ) -> Result<Option<Vec<f32>>> {
+        self.forward_impl(tokens, pos0, kv, which, logits, None)
+    }
+
+    /// `forward_into` for a greedy step: the last position's logits into `logits` and their
+    /// argmax into `out` (`Backend::norm_head_argmax`, which may find it as the head stores
+    /// the logits; fed to the next step on the device when `feed`).
+    pub fn forward_argmax(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut B::Kv,
+        logits: &mut B::Act,
+        out: &mut B::Act,
+        feed: bool,
+    ) -> Result<()> {
+        self.forward_impl(tokens, pos0, kv, Logits::Last, Some(logits), Some((out, feed))).map(|_| ())
+    }
+
+    fn forward_impl(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut B::Kv,
+        which: Logits,
+        logits: Option<&mut B::Act>,
+        argmax: Option<(&mut B::Act, bool)>,
+    ) -> Result<Option<Vec<f32>>> {
         let b = &self.backend;
         let c = &self.cfg;
         let m = tokens.len();
@@ -204,20 +231,23 @@ impl<B: Backend> Llama<B> {
             Some(w) => w,
             None => Work::new(b, c, m)?,
         };
-        let r = self.layers_into(tokens, pos0, kv, which, logits, &mut w);
+        let r = self.layers_into(tokens, pos0, kv, which, (logits, argmax), &mut w);
         if m == 1 {
             self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).push(w);
         }
         r
     }
 
+    /// The layers, then the final norm and the head into `logits` (and their argmax, when
+    /// asked: (out, fed)).
+    #[allow(clippy::type_complexity)]
     fn layers_into(
         &self,
         tokens: &[u32],
         pos0: usize,
         kv: &mut B::Kv,
         which: Logits,
-        logits: Option<&mut B::Act>,
+        (logits, argmax): (Option<&mut B::Act>, Option<(&mut B::Act, bool)>),
         w: &mut Work<B>,
     ) -> Result<Option<Vec<f32>>> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
@@ -281,7 +311,14 @@ impl<B: Backend> Llama<B> {
             *last = Some(b.act(rows, c.hidden)?);
         }
         let last = last.as_mut().expect("set above");
-        b.norm_matmul_many(x, &self.norm, c.rms_eps, last, &[head], &mut [logits])?; // [rows, V]
+        match argmax {
+            // [1, V], and its argmax [1]
+            Some((out, feed)) if rows == 1 => {
+                b.norm_head_argmax(x, (&self.norm, c.rms_eps), last, head, logits, out, feed)?
+            }
+            Some(_) => return Err(Error::Invalid("forward: an argmax of several rows".into())),
+            None => b.norm_matmul_many(x, &self.norm, c.rms_eps, last, &[head], &mut [logits])?, // [rows, V]
+        }
         Ok(None)
     }
 }

@@ -106,6 +106,13 @@ pub struct Cuda {
     pub(crate) staged_x_on: std::sync::atomic::AtomicBool,
     pub(crate) staged_x: Mutex<HashMap<usize, Arc<super::fused::StagedX>>>,
     pub(crate) staged_x_launches: std::sync::atomic::AtomicUsize,
+    /// Whether a greedy step's head GEMV finds the argmax itself (head.rs;
+    /// `FERROLM_HEAD_ARGMAX=0` turns it off), its partials (value, index per block) and
+    /// done counter, and its launches (tests check that it ran).
+    pub(crate) head_argmax_on: std::sync::atomic::AtomicBool,
+    #[allow(clippy::type_complexity)]
+    pub(crate) head_argmax_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<i32>, CudaSlice<i32>)>>,
+    pub(crate) head_argmax_launches: std::sync::atomic::AtomicUsize,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
     /// records and the event that marks its step done on the main stream.
     #[allow(clippy::type_complexity)]
@@ -292,6 +299,9 @@ impl Cuda {
             staged_x_on: std::sync::atomic::AtomicBool::new(super::staged::staged_x_default()),
             staged_x: Mutex::new(HashMap::new()),
             staged_x_launches: std::sync::atomic::AtomicUsize::new(0),
+            head_argmax_on: std::sync::atomic::AtomicBool::new(super::head::head_argmax_default()),
+            head_argmax_scratch: Mutex::new(None),
+            head_argmax_launches: std::sync::atomic::AtomicUsize::new(0),
             reads: Mutex::new(Vec::new()),
             read_stream,
             trace,

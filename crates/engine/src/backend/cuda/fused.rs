@@ -25,6 +25,22 @@ pub(crate) enum GemvIn<'a> {
     Staged(&'a StagedX),
 }
 
+/// What a decode GEMV launch does beyond its mode (gemv.cu's OUT 4 and 5).
+#[derive(Clone, Copy)]
+pub(crate) enum GemvExtra<'a> {
+    None,
+    /// SwiGLU that also writes its output as the next GEMV's staged x (staged.rs).
+    StageInto(&'a StagedX),
+    /// A one-matrix f32 store (the head) that also finds the argmax of what it stores:
+    /// argmax.cuh's sink (out, partials, done counter, then a fed step's token, position
+    /// and history, or nulls), for at most `ARGMAX_FUSED_BLOCKS` blocks.
+    Argmax([KArg; 7]),
+}
+
+/// Most blocks of a head GEMV fused with its argmax (its partials' scratch size): as many
+/// as `gemv_grid` gives, 8 per SM at most.
+pub(super) const ARGMAX_FUSED_BLOCKS_PER_SM: usize = 8;
+
 /// An input vector of `cols` values as the SwiGLU GEMV writes it for the down GEMV (int16
 /// x, block scales and sums: the decode GEMV's shared-memory image, x_staged.cuh), one per
 /// width; kept for the process (captured graphs point at it).
@@ -250,19 +266,25 @@ impl Cuda {
         outs: &mut [&mut CudaAct],
         mode: GemvOut,
     ) -> Result<bool> {
-        self.gemv_launch(input, mats, outs, mode, None)
+        self.gemv_launch(input, mats, outs, mode, GemvExtra::None)
     }
 
-    /// `gemv_fused`, where a SwiGLU launch may also write its output into `stage_into`, as
-    /// the next GEMV's staged x (gemv.cu's OUT 4; the caller checked the shapes and formats).
+    /// `gemv_fused` with what `extra` adds: a SwiGLU launch that also stages the next
+    /// GEMV's x (gemv.cu's OUT 4; the caller checked the formats), or a head that also
+    /// finds its argmax (OUT 5). Ok(false) where the kernels do not cover it.
     pub(crate) fn gemv_launch(
         &self,
         input: GemvIn,
         mats: &[&CudaMat],
         outs: &mut [&mut CudaAct],
         mode: GemvOut,
-        stage_into: Option<&StagedX>,
+        extra: GemvExtra,
     ) -> Result<bool> {
+        let stage_into = match extra {
+            GemvExtra::StageInto(img) => Some(img),
+            _ => None,
+        };
+        let argmax = matches!(extra, GemvExtra::Argmax(_));
         // The input's (width, address), whether it is normalized on load or arrives staged.
         let (cols_in, xp, in_ok) = match input {
             GemvIn::Bf16(x) => (x.cols, act_ptr(self, x), x.rows == 1 && matches!(x.buf, ActBuf::Bf16(_))),
@@ -273,8 +295,8 @@ impl Cuda {
         if !in_ok || cols_in > MAX_COLS || mats.is_empty() || mats.len() > 3 || mats.len() != outs.len() {
             return Ok(false);
         }
-        if (staged_in || stage_into.is_some()) && self.gemv_ring() {
-            return Ok(false); // the ring-fed kernels stage x themselves
+        if (staged_in || !matches!(extra, GemvExtra::None)) && self.gemv_ring() {
+            return Ok(false); // the ring-fed kernels are plain GEMVs
         }
         let Some(CudaMat::Affine { defines, .. }) = mats.first().copied() else { return Ok(false) };
         for (m, o) in mats.iter().zip(outs.iter()) {
@@ -314,7 +336,12 @@ impl Cuda {
                 return Ok(false);
             }
         }
+        // The fused argmax is compiled for a head: one matrix, f32 logits, 4 rows per warp.
+        if argmax && (mode != GemvOut::Store || !f32_out || mats.len() != 1 || r != 4) {
+            return Ok(false);
+        }
         let out_kind = match (mode, f32_out) {
+            (GemvOut::Store, true) if argmax => "m",
             (GemvOut::Swiglu, _) if stage_into.is_some() => "z",
             (GemvOut::Swiglu, _) => "s",
             (GemvOut::Add, _) => "a",
@@ -383,12 +410,18 @@ impl Cuda {
             GemvIn::Bf16(_) | GemvIn::Staged(_) => (xp, 0.0f32),
         };
         args.extend([KArg::Ptr(xp), KArg::Ptr(gains), KArg::F32(eps), KArg::I32(cols_in as i32)]);
+        if let GemvExtra::Argmax(sink) = extra {
+            args.extend(sink);
+        }
         if let Some(plan) = plan {
             self.launch_gemv_ring(&f, plan, &mut args, nw)?;
             return Ok(true);
         }
         let threads = 32 * nw as u32;
         let blocks = blocks.min(self.gemv_grid(&f, threads, smem));
+        if argmax && blocks > ARGMAX_FUSED_BLOCKS_PER_SM * self.sms {
+            return Err(Error::Invalid(format!("CUDA head argmax: {blocks} blocks for its partials' scratch")));
+        }
         let c =
             LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
         self.launch(&f, c, &args, "fused GEMV launch")?;

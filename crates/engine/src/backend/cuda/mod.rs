@@ -14,6 +14,7 @@ mod flash;
 mod fused;
 mod gemm;
 mod gemv_ring;
+mod head;
 pub mod kernels;
 mod megakernel;
 pub mod nvrtc;

@@ -22,6 +22,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("ffn_layer_end.cuh", include_str!("../../../kernels/ffn_layer_end.cuh")),
     ("attention_block.cuh", include_str!("../../../kernels/attention_block.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
+    ("argmax.cuh", include_str!("../../../kernels/argmax.cuh")),
 ];
 
 /// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel

@@ -504,6 +504,23 @@ impl Backend for Cuda {
         self.fused_norm_swiglu(x, norm, eps, xn, (mlp.0, mlp.1), (g, u), act)?;
         self.fused_matmul_add(act, mlp.2, x, tmp)
     }
+    fn norm_head_argmax(
+        &self,
+        x: &CudaAct,
+        (norm, eps): (&Self::Vector, f32),
+        xn: &mut CudaAct,
+        head: &CudaMat,
+        logits: &mut CudaAct,
+        out: &mut CudaAct,
+        feed: bool,
+    ) -> Result<()> {
+        // The argmax found by the head launch itself (head.rs), where its kernel covers it.
+        if self.head_argmax(x, norm, eps, head, logits, out, feed)? {
+            return Ok(());
+        }
+        self.fused_norm_matmul_many(x, norm, eps, xn, &[head], &mut [logits])?;
+        self.argmax_f32(logits, out, feed)
+    }
     fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
         self.argmax_f32(x, out, false)
     }

@@ -7,7 +7,7 @@
 //! `Cuda::set_staged_x(false)` turns it off (tests compare the two on one device).
 
 use super::device::{drv, Cuda, CudaAct, CudaMat};
-use super::fused::{staged_x_fits, GemvIn, GemvOut, StagedX};
+use super::fused::{gemv_warps, staged_x_fits, GemvExtra, GemvIn, GemvOut, StagedX};
 use crate::Result;
 use cudarc::driver::CudaSlice;
 use std::sync::atomic::Ordering::Relaxed;
@@ -79,13 +79,22 @@ impl Cuda {
         if !self.staged_x() || x.rows != 1 || !same_format || !staged_x_fits(ffn) || down.cols() != ffn {
             return Ok(false);
         }
+        // Only where down's own staging is heavy: each of its threads would quantize at
+        // least two 8-value parts. H200, same call: the 1B's 8192-wide down 2 269 / 2 249
+        // tok/s staged against 2 202 / 2 202; SmolLM2's 1536-wide one (under one part per
+        // thread) 2 061 / 2 060 against 2 225 / 2 204, where gate/up's staging epilogue
+        // (a block barrier, warp 0 quantizing the step) costs more than down saves
+        // (docs/perf.md, session 12).
+        if ffn < 16 * 32 * gemv_warps() {
+            return Ok(false);
+        }
         let img = self.staged_image(ffn)?;
         let staged = self.gemv_launch(
             GemvIn::Norm(x, norm, eps),
             &[gate, up],
             &mut [&mut *act, &mut *u],
             GemvOut::Swiglu,
-            Some(&img),
+            GemvExtra::StageInto(&img),
         )?;
         if !staged {
             return Ok(false);
