@@ -563,26 +563,21 @@ __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[
     for (int m = 0; m < 2; m++)
 #pragma unroll
         for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
-    if (OUT == 2) {  // lane r stores row0 + r (every lane holds every sum)
-        float own = 0.f;
+    // Lane r stores row0 + r (every lane holds every sum): R rows in one store instruction
+    // instead of R after one another.
+    float own = 0.f, own1 = 0.f;
 #pragma unroll
-        for (int r = 0; r < R; r++)
-            if (lane == r) own = acc[0][r];
-        if (lane < R && row0 + lane < a.rows) reinterpret_cast<float*>(a.o)[row0 + lane] = resid + own;
-    } else if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < R; r++) {
-            int row = row0 + r;
-            if (row >= a.rows) break;
-            if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(acc[0][r]);
-            else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = acc[0][r];
-            else {
-                float g = acc[0][r];
-                bf16_t h = f2bf(g / (1.f + __expf(-g)) * acc[1][r]);
-                reinterpret_cast<bf16_t*>(a.o)[row] = h;
-                if (vals) vals[r] = bf2f(h);
-            }
-        }
+    for (int r = 0; r < R; r++)
+        if (lane == r) own = acc[0][r], own1 = acc[1][r];
+    int row = row0 + lane;
+    if (lane >= R || row >= a.rows) return;
+    if (OUT == 0) reinterpret_cast<bf16_t*>(a.o)[row] = f2bf(own);
+    else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = own;
+    else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] = resid + own;
+    else {
+        bf16_t h = f2bf(own / (1.f + __expf(-own)) * own1);
+        reinterpret_cast<bf16_t*>(a.o)[row] = h;
+        if (vals) vals[lane] = bf2f(h);
     }
 }
 
