@@ -29,6 +29,9 @@ FERROLM_GEMV_XQ=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode m
 # And without the K-sliced down GEMV (two warps per row's chunks at 8192-wide rows).
 FERROLM_GEMV_KS=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode \
   >>"$log" 2>&1 || status=1
+# And without down's x staged by the SwiGLU launch, and without the head's fused argmax.
+FERROLM_GEMV_STAGED=0 FERROLM_HEAD_ARGMAX=0 "$bin/cuda_parity" --test-threads=1 --nocapture fused_decode fused_layer_end \
+  smollm2_cuda_agrees fed_greedy >>"$log" 2>&1 || status=1
 # And both decode GEMV weight feeds (ring-fed by bulk copies, register tiles), whichever
 # is the default.
 for ring in 0 1; do

@@ -43,6 +43,11 @@ def kernel_name(file_id, line, cache={}):
         if m:
             cache[(file_id, line)] = f"{'ring ' if 'RING' in m.group(1) else ''}gemv r{m.group(2)} ({name}:{line})"
             return cache[(file_id, line)]
+        # Other kernel families expanded on one line (GEMV_KS_KERNELS, GEMV_STAGED_KERNELS, …).
+        m = re.match(r"\s*(GEMV_\w+_KERNELS)\s*$", src[line - 1]) if 0 < line <= len(src) else None
+        if m:
+            cache[(file_id, line)] = f"{m.group(1).lower()} ({name}:{line})"
+            return cache[(file_id, line)]
         for i in range(min(line, len(src)) - 1, -1, -1):
             if "#define GEMV_CALL" in src[i]:
                 found = "gemv"

@@ -755,16 +755,6 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 // slice's chunks), so two 8-warp blocks fit per SM.
 #define GEMV_KS_KERNELS \
     extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW) gemv_ba_r2k2(GEMV_ARGS) { GEMV_CALL(2, false, 2, 2); }
-// Staged x (x_staged.cuh): SwiGLU writing the down GEMV's image (nz, at gate/up's R = 4;
-// m2.o is the image), and down + add reading it (qa) at the rows per warp and K slices
-// fused.rs gives down.
-#define GEMV_PRE_CALL(R, KS)                                                                                   \
-    TRACE_KERNEL();                                                                                           \
-    gemv<R, false, 2, KernelSync, KS, true>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1},                 \
-                                            Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols)
-// gemv_nz_r4 at ≤ 128 registers, so two 8-warp blocks fit per SM as gemv_ns_r4's do (the
-// staging took it to 143 registers uncapped); 2-bit weights would spill there: no cap.
-#define NZ_MIN_BLOCKS (BITS == 2 ? 1 : 16 / NW)
 // The head with its argmax (fused.rs's head_argmax: f32 logits stored, and the argmax
 // sink's seven pointers after the GEMV's arguments), at the head's 4 rows per warp.
 #define GEMV_ARGMAX_KERNELS                                                                                        \
@@ -776,12 +766,6 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
                                         x, nw, eps, cols, KernelSync{},                                           \
                                         ArgmaxSink{am_out, am_pv, am_pi, am_done, feed_tok, feed_pos, feed_hist}); \
     }
-#define GEMV_STAGED_KERNELS                                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * NW, NZ_MIN_BLOCKS) gemv_nz_r4(GEMV_ARGS) { GEMV_CALL(4, true, 4, 1); } \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r1(GEMV_ARGS) { GEMV_PRE_CALL(1, 1); }             \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r2(GEMV_ARGS) { GEMV_PRE_CALL(2, 1); }             \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r4(GEMV_ARGS) { GEMV_PRE_CALL(4, 1); }             \
-    extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW) gemv_qa_r2k2(GEMV_ARGS) { GEMV_PRE_CALL(2, 2); }
 #if MEGA  // the decode megakernel alone: its own variant
 #include "decode_layers.cuh"
 #elif SPLITK  // the MLP split along the FFN dimension (ffn_splitk.cuh): its own variant

@@ -104,7 +104,7 @@ pub struct Cuda {
     /// `FERROLM_GEMV_STAGED=0` turns it off), and the staged images by width (kept: captured
     /// graphs point at them).
     pub(crate) staged_x_on: std::sync::atomic::AtomicBool,
-    pub(crate) staged_x: Mutex<HashMap<usize, Arc<super::fused::StagedX>>>,
+    pub(crate) staged_x: Mutex<HashMap<usize, Arc<super::staged::StagedX>>>,
     pub(crate) staged_x_launches: std::sync::atomic::AtomicUsize,
     /// Whether a greedy step's head GEMV finds the argmax itself (head.rs;
     /// `FERROLM_HEAD_ARGMAX=0` turns it off), its partials (value, index per block) and

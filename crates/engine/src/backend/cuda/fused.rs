@@ -10,6 +10,7 @@ use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales, KArg
 pub(super) use super::gemv_ring::GEMV_RING_DEFAULT;
 use super::gemv_ring::{ring_aligned, ring_plan, RingShape};
 use super::kernels;
+use super::staged::{staged_x_fits, StagedX};
 use crate::backend::{Backend, Rope};
 use crate::config::RopeStyle;
 use crate::{Error, Result};
@@ -40,14 +41,6 @@ pub(crate) enum GemvExtra<'a> {
 /// Most blocks of a head GEMV fused with its argmax (its partials' scratch size): as many
 /// as `gemv_grid` gives, 8 per SM at most.
 pub(super) const ARGMAX_FUSED_BLOCKS_PER_SM: usize = 8;
-
-/// An input vector of `cols` values as the SwiGLU GEMV writes it for the down GEMV (int16
-/// x, block scales and sums: the decode GEMV's shared-memory image, x_staged.cuh), one per
-/// width; kept for the process (captured graphs point at it).
-pub(crate) struct StagedX {
-    pub(crate) buf: CudaSlice<u8>,
-    pub(crate) cols: usize,
-}
 
 /// What the fused GEMV does with its dot products.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -229,12 +222,6 @@ pub(super) fn x_staging(cols: usize) -> (bool, usize) {
         true => (true, xq_bytes),
         false => (false, cols * 2),
     }
-}
-
-/// Whether `cols` inputs can be staged by their producer (x_staged.cuh): int16 x (XQ), in
-/// whole 16-byte pieces (cols % 128 == 0).
-pub(super) fn staged_x_fits(cols: usize) -> bool {
-    cols.is_multiple_of(128) && x_staging(cols).0
 }
 
 /// gemv.cu's defines for a weight format's (bits, group, scale) `defines`: the x staging

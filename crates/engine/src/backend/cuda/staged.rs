@@ -7,11 +7,25 @@
 //! `Cuda::set_staged_x(false)` turns it off (tests compare the two on one device).
 
 use super::device::{drv, Cuda, CudaAct, CudaMat};
-use super::fused::{gemv_warps, staged_x_fits, GemvExtra, GemvIn, GemvOut, StagedX};
+use super::fused::{gemv_warps, x_staging, GemvExtra, GemvIn, GemvOut};
 use crate::Result;
 use cudarc::driver::CudaSlice;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
+
+/// An input vector of `cols` values as the SwiGLU GEMV writes it for the down GEMV (int16
+/// x, block scales and sums: the decode GEMV's shared-memory image, x_staged.cuh), one per
+/// width; kept for the process (captured graphs point at it).
+pub(crate) struct StagedX {
+    pub(crate) buf: CudaSlice<u8>,
+    pub(crate) cols: usize,
+}
+
+/// Whether `cols` inputs can be staged by their producer (x_staged.cuh): int16 x (XQ), in
+/// whole 16-byte pieces (cols % 128 == 0).
+pub(super) fn staged_x_fits(cols: usize) -> bool {
+    cols.is_multiple_of(128) && x_staging(cols).0
+}
 
 /// On unless `FERROLM_GEMV_STAGED=0` (for A/B runs and the GPU tests' second pass).
 pub(super) fn staged_x_default() -> bool {
