@@ -98,6 +98,9 @@ extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __res
                                  const scale_t* __restrict__ biases, const int* __restrict__ tokens,
                                  float* __restrict__ out, int cols) {
     TRACE_KERNEL();
+    // A decode step's first kernel: the first layer's q/k/v GEMV (launched with PDL) may
+    // start now and load its weights while the row is gathered; it waits for our writes.
+    pdl_trigger();
     int r = tokens[blockIdx.x];
     const u32* wr = w + (size_t)r * (cols / (32 / BITS));
     int groups = cols / GROUP;

@@ -131,6 +131,14 @@ pub(crate) enum KArg {
     F32(f32),
 }
 
+thread_local! {
+    /// Set while this thread runs a decode step as a dry pass before its capture
+    /// (`Cuda::before_capture`): launches through `launch` are skipped, everything else
+    /// (allocations, kernel loads, uploads) happens. Per thread: another thread's launches
+    /// on the same device meanwhile are its own.
+    static DRY_PASS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// Fed steps' tokens the device keeps (sample.cu's FEED_HIST): the host reads a step's token
 /// while later steps run, at most two steps behind.
 pub(crate) const FEED_HIST: usize = 64;
@@ -402,6 +410,9 @@ impl Cuda {
         if let (Some(t), false) = (&self.trace, self.capturing.load(std::sync::atomic::Ordering::Relaxed)) {
             t.flush(&self.stream)?;
         }
+        if DRY_PASS.get() {
+            return Ok(()); // a dry pass (before_capture): everything but the launch
+        }
         let mut attrs = self.launch_attrs(&c, cluster);
         let config = self.launch_config(&c, &mut attrs);
         self.ctx.bind_to_thread().map_err(drv(what))?;
@@ -623,6 +634,30 @@ impl Cuda {
         }
         s.pos_host.as_mut_slice().map_err(drv("writing the position"))?[0] = pos0 as i32;
         Ok(())
+    }
+
+    /// What a decode step `f` needs before its capture: every buffer it allocates on first
+    /// use and every kernel it loads (an allocation captured into a graph and not freed
+    /// there would forbid its relaunch; a kernel load cannot be captured). A dry pass does
+    /// that without running the step's kernels through `launch` (the few launched otherwise
+    /// run, as the full run did: the capture redoes the same work, same token, position and
+    /// cache slot), so the first step's graph starts without the GPU first running the step
+    /// uncaptured. `FERROLM_CUDA_WARMUP=1` runs it fully instead (for A/B runs).
+    pub(crate) fn before_capture(&self, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        static FULL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        if *FULL.get_or_init(|| std::env::var("FERROLM_CUDA_WARMUP").is_ok_and(|v| v == "1")) {
+            return f();
+        }
+        // Reset however f ends (a panic unwinding through it too).
+        struct Dry;
+        impl Drop for Dry {
+            fn drop(&mut self) {
+                DRY_PASS.set(false);
+            }
+        }
+        DRY_PASS.set(true);
+        let _dry = Dry;
+        f()
     }
 
     /// Capture `f`'s launches as the graph for `key`, keep it and launch it once.

@@ -197,12 +197,9 @@ impl Backend for Cuda {
         if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return g.0.launch().map_err(drv("replaying the decode graph"));
         }
-        // Run the step once un-captured first: buffers created on first use (decode work,
-        // attention scratch, RoPE tables) are then allocated outside the graph. An
-        // allocation captured into a graph and not freed there would forbid its relaunch.
-        // The captured launches then redo the same work (same token, position and cache
-        // slot), so the extra run changes nothing.
-        f()?;
+        // Buffers created on first use (decode work, attention scratch, RoPE tables) and
+        // kernels are made outside the graph: a dry pass of the step first.
+        self.before_capture(f)?;
         self.capture_and_launch(key, f)
     }
     fn forget(&self, key: u64) {
@@ -235,9 +232,12 @@ impl Backend for Cuda {
                 .0
                 .launch()
                 .map_err(drv("replaying the fed decode graph")),
-            // As in `step`, one un-captured run first; its argmax advanced the device's
-            // token and position, so this step's go back before the capture runs.
-            false => f().and_then(|()| self.upload_staged()).and_then(|()| self.capture_and_launch(key, f)),
+            // As in `step`, a pass before the capture; should its argmax have run and advanced
+            // the device's token and position, this step's go back before the capture runs.
+            false => self
+                .before_capture(f)
+                .and_then(|()| self.upload_staged())
+                .and_then(|()| self.capture_and_launch(key, f)),
         };
         self.feeding.store(false, Relaxed);
         r
