@@ -34,7 +34,7 @@ pub(crate) enum GemvExtra<'a> {
     StageInto(&'a StagedX),
     /// A one-matrix f32 store (the head) that also finds the argmax of what it stores:
     /// argmax.cuh's sink (out, partials, done counter, then a fed step's token, position
-    /// and history, or nulls), for at most `ARGMAX_FUSED_BLOCKS` blocks.
+    /// and history, or nulls), for at most `ARGMAX_FUSED_BLOCKS_PER_SM` blocks per SM.
     Argmax([KArg; 7]),
 }
 
