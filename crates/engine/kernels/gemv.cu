@@ -755,7 +755,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 // slice's chunks), so two 8-warp blocks fit per SM.
 #define GEMV_KS_KERNELS \
     extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW) gemv_ba_r2k2(GEMV_ARGS) { GEMV_CALL(2, false, 2, 2); }
-// The head with its argmax (fused.rs's head_argmax: f32 logits stored, and the argmax
+// The head with its argmax (head.rs's head_argmax: f32 logits stored, and the argmax
 // sink's seven pointers after the GEMV's arguments), at the head's 4 rows per warp.
 #define GEMV_ARGMAX_KERNELS                                                                                        \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nm_r4(                                             \
