@@ -614,14 +614,7 @@ impl Cuda {
             *scratch = Some((v, i, d));
         }
         let (pv, pi, done) = scratch.as_mut().expect("set above");
-        let (feed_tok, feed_pos, feed_hist) = match feed {
-            true => {
-                let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-                let s = st.as_ref().ok_or_else(|| Error::Invalid("CUDA fed argmax without a staged step".into()))?;
-                (dev(self, &s.tok_dev), dev(self, &s.pos_dev), dev(self, &s.hist_dev))
-            }
-            false => (KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0)),
-        };
+        let [feed_tok, feed_pos, feed_hist] = self.feed_args(feed)?;
         let args = [
             dev(self, xv),
             KArg::I32(n),
@@ -636,6 +629,18 @@ impl Cuda {
         let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // Matches sample.cu's argmax.
         self.launch(&f, c, &args, "argmax launch")
+    }
+
+    /// A greedy step's argmax sink's last three arguments (argmax.cuh's ArgmaxSink): with
+    /// `feed`, the staged token, position and token history the next fed step reads; else
+    /// nulls.
+    pub(super) fn feed_args(&self, feed: bool) -> Result<[KArg; 3]> {
+        if !feed {
+            return Ok([KArg::Ptr(0); 3]);
+        }
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_ref().ok_or_else(|| Error::Invalid("CUDA fed argmax without a staged step".into()))?;
+        Ok([dev(self, &s.tok_dev), dev(self, &s.pos_dev), dev(self, &s.hist_dev)])
     }
 
     /// The k best of row 0 of f32 `x` × inv_t as (index, value) pairs into out (sample.cu's

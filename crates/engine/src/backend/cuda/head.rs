@@ -6,7 +6,7 @@
 //! the token is the same. `FERROLM_HEAD_ARGMAX=0` or `Cuda::set_head_argmax(false)` turns
 //! it off.
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat, KArg};
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat};
 use super::fused::{dev, GemvExtra, GemvIn, GemvOut, ARGMAX_FUSED_BLOCKS_PER_SM};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
@@ -63,15 +63,8 @@ impl Cuda {
             *scratch = Some((v, i, d));
         }
         let (pv, pi, done) = scratch.as_ref().expect("set above");
-        let feed_args = match feed {
-            true => {
-                let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-                let s = st.as_ref().ok_or_else(|| Error::Invalid("CUDA fed argmax without a staged step".into()))?;
-                [dev(self, &s.tok_dev), dev(self, &s.pos_dev), dev(self, &s.hist_dev)]
-            }
-            false => [KArg::Ptr(0); 3],
-        };
-        let sink = [out_ptr, dev(self, pv), dev(self, pi), dev(self, done), feed_args[0], feed_args[1], feed_args[2]];
+        let [tok, pos, hist] = self.feed_args(feed)?;
+        let sink = [out_ptr, dev(self, pv), dev(self, pi), dev(self, done), tok, pos, hist];
         drop(scratch); // the scratch lives as long as the backend; gemv_launch takes no lock on it
         let fused = self.gemv_launch(
             GemvIn::Norm(x, norm, eps),

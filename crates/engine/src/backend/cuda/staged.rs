@@ -32,11 +32,6 @@ pub(super) fn staged_x_default() -> bool {
     std::env::var("FERROLM_GEMV_STAGED").map_or(true, |v| v != "0")
 }
 
-/// Bytes of a staged image of `cols` inputs (x_staged.cuh's staged_bytes).
-fn staged_bytes(cols: usize) -> usize {
-    2 * cols + cols / 8 + cols / 4
-}
-
 impl Cuda {
     /// Whether the decode MLP stages down's x in its SwiGLU GEMV.
     pub fn staged_x(&self) -> bool {
@@ -61,7 +56,9 @@ impl Cuda {
             return Ok(s.clone());
         }
         let buf: CudaSlice<u8> =
-            self.stream.alloc_zeros(staged_bytes(cols)).map_err(drv("allocating a staged x image"))?;
+            // The image is the GEMV's XQ shared-memory layout: as many bytes as x_staging's
+            // (x_staged.cuh's staged_bytes).
+            self.stream.alloc_zeros(x_staging(cols).1).map_err(drv("allocating a staged x image"))?;
         let s = Arc::new(StagedX { buf, cols });
         m.insert(cols, s.clone());
         Ok(s)
