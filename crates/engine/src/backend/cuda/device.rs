@@ -47,7 +47,8 @@ pub struct Cuda {
     /// RoPE inverse frequencies, uploaded once per distinct table and never freed (captured
     /// graphs point at them).
     pub(crate) rope_freqs: Mutex<Vec<(Vec<f32>, CudaSlice<f32>)>>,
-    /// Argmax partials (value, index per block) and its done counter.
+    /// Argmax partials (value, index per block) and its done counter: sample.cu's argmax's
+    /// and the head's fused one's (fused.rs's argmax_sink_args).
     #[allow(clippy::type_complexity)]
     pub(crate) argmax_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<i32>, CudaSlice<i32>)>>,
     /// Top-k candidates (key, index; `TOP_K_CAP` of each) and its done counter.
@@ -107,11 +108,9 @@ pub struct Cuda {
     pub(crate) staged_x: Mutex<HashMap<usize, Arc<super::staged::StagedX>>>,
     pub(crate) staged_x_launches: std::sync::atomic::AtomicUsize,
     /// Whether a greedy step's head GEMV finds the argmax itself (head.rs;
-    /// `FERROLM_HEAD_ARGMAX=0` turns it off), its partials (value, index per block) and
-    /// done counter, and its launches (tests check that it ran).
+    /// `FERROLM_HEAD_ARGMAX=0` turns it off; its partials are `argmax_scratch`), and its
+    /// launches (tests check that it ran).
     pub(crate) head_argmax_on: std::sync::atomic::AtomicBool,
-    #[allow(clippy::type_complexity)]
-    pub(crate) head_argmax_scratch: Mutex<Option<(CudaSlice<f32>, CudaSlice<i32>, CudaSlice<i32>)>>,
     pub(crate) head_argmax_launches: std::sync::atomic::AtomicUsize,
     /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
     /// records and the event that marks its step done on the main stream.
@@ -308,7 +307,6 @@ impl Cuda {
             staged_x: Mutex::new(HashMap::new()),
             staged_x_launches: std::sync::atomic::AtomicUsize::new(0),
             head_argmax_on: std::sync::atomic::AtomicBool::new(super::head::head_argmax_default()),
-            head_argmax_scratch: Mutex::new(None),
             head_argmax_launches: std::sync::atomic::AtomicUsize::new(0),
             reads: Mutex::new(Vec::new()),
             read_stream,

@@ -40,7 +40,7 @@ pub(crate) enum GemvExtra<'a> {
 
 /// Most blocks of a head GEMV fused with its argmax (its partials' scratch size): as many
 /// as `gemv_grid` gives, 8 per SM at most.
-pub(super) const ARGMAX_FUSED_BLOCKS_PER_SM: usize = 8;
+const ARGMAX_FUSED_BLOCKS_PER_SM: usize = 8;
 
 /// What the fused GEMV does with its dot products.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -606,41 +606,35 @@ impl Cuda {
         let n = x.cols as i32;
         // ~2K values per block: enough blocks to stream a 128K vocabulary in parallel.
         let blocks = x.cols.div_ceil(2048).clamp(1, ARGMAX_BLOCKS);
-        let mut scratch = self.argmax_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if scratch.is_none() {
-            let v = self.stream.alloc_zeros::<f32>(ARGMAX_BLOCKS).map_err(drv("allocating argmax scratch"))?;
-            let i = self.stream.alloc_zeros::<i32>(ARGMAX_BLOCKS).map_err(drv("allocating argmax scratch"))?;
-            let d = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating argmax scratch"))?;
-            *scratch = Some((v, i, d));
-        }
-        let (pv, pi, done) = scratch.as_mut().expect("set above");
-        let [feed_tok, feed_pos, feed_hist] = self.feed_args(feed)?;
-        let args = [
-            dev(self, xv),
-            KArg::I32(n),
-            dev(self, ov),
-            dev(self, pv),
-            dev(self, pi),
-            dev(self, done),
-            feed_tok,
-            feed_pos,
-            feed_hist,
-        ];
+        let [pv, pi, done, feed_tok, feed_pos, feed_hist] = self.argmax_sink_args(feed)?;
+        let args = [dev(self, xv), KArg::I32(n), dev(self, ov), pv, pi, done, feed_tok, feed_pos, feed_hist];
         let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         // Matches sample.cu's argmax.
         self.launch(&f, c, &args, "argmax launch")
     }
 
-    /// A greedy step's argmax sink's last three arguments (argmax.cuh's ArgmaxSink): with
-    /// `feed`, the staged token, position and token history the next fed step reads; else
-    /// nulls.
-    pub(super) fn feed_args(&self, feed: bool) -> Result<[KArg; 3]> {
+    /// A greedy step's argmax sink after its output (argmax.cuh's ArgmaxSink): the blocks'
+    /// partials and done counter, one scratch for sample.cu's argmax and the head's fused
+    /// one (sized for either's grid; launches on one stream, each last block resets the
+    /// counter), made on first use; then with `feed` the staged token, position and token
+    /// history the next fed step reads, else nulls.
+    pub(super) fn argmax_sink_args(&self, feed: bool) -> Result<[KArg; 6]> {
+        let mut scratch = self.argmax_scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if scratch.is_none() {
+            let n = ARGMAX_BLOCKS.max(ARGMAX_FUSED_BLOCKS_PER_SM * self.sms);
+            let v = self.stream.alloc_zeros::<f32>(n).map_err(drv("allocating argmax scratch"))?;
+            let i = self.stream.alloc_zeros::<i32>(n).map_err(drv("allocating argmax scratch"))?;
+            let d = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating argmax scratch"))?;
+            *scratch = Some((v, i, d));
+        }
+        let (pv, pi, done) = scratch.as_ref().expect("set above");
+        let parts = [dev(self, pv), dev(self, pi), dev(self, done)];
         if !feed {
-            return Ok([KArg::Ptr(0); 3]);
+            return Ok([parts[0], parts[1], parts[2], KArg::Ptr(0), KArg::Ptr(0), KArg::Ptr(0)]);
         }
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let s = st.as_ref().ok_or_else(|| Error::Invalid("CUDA fed argmax without a staged step".into()))?;
-        Ok([dev(self, &s.tok_dev), dev(self, &s.pos_dev), dev(self, &s.hist_dev)])
+        Ok([parts[0], parts[1], parts[2], dev(self, &s.tok_dev), dev(self, &s.pos_dev), dev(self, &s.hist_dev)])
     }
 
     /// The k best of row 0 of f32 `x` × inv_t as (index, value) pairs into out (sample.cu's

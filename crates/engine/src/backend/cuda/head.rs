@@ -6,8 +6,8 @@
 //! the token is the same. `FERROLM_HEAD_ARGMAX=0` or `Cuda::set_head_argmax(false)` turns
 //! it off.
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat};
-use super::fused::{dev, GemvExtra, GemvIn, GemvOut, ARGMAX_FUSED_BLOCKS_PER_SM};
+use super::device::{ActBuf, Cuda, CudaAct, CudaMat};
+use super::fused::{dev, GemvExtra, GemvIn, GemvOut};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
 use std::sync::atomic::Ordering::Relaxed;
@@ -53,19 +53,8 @@ impl Cuda {
         let ActBuf::F32(ov) = &out.buf else {
             return Err(Error::Invalid("CUDA argmax writes an f32 output".into()));
         };
-        let out_ptr = dev(self, ov);
-        let mut scratch = self.head_argmax_scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if scratch.is_none() {
-            let n = ARGMAX_FUSED_BLOCKS_PER_SM * self.sms;
-            let v = self.stream.alloc_zeros::<f32>(n).map_err(drv("allocating head argmax scratch"))?;
-            let i = self.stream.alloc_zeros::<i32>(n).map_err(drv("allocating head argmax scratch"))?;
-            let d = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating head argmax scratch"))?;
-            *scratch = Some((v, i, d));
-        }
-        let (pv, pi, done) = scratch.as_ref().expect("set above");
-        let [tok, pos, hist] = self.feed_args(feed)?;
-        let sink = [out_ptr, dev(self, pv), dev(self, pi), dev(self, done), tok, pos, hist];
-        drop(scratch); // the scratch lives as long as the backend; gemv_launch takes no lock on it
+        let [pv, pi, done, tok, pos, hist] = self.argmax_sink_args(feed)?;
+        let sink = [dev(self, ov), pv, pi, done, tok, pos, hist];
         let fused = self.gemv_launch(
             GemvIn::Norm(x, norm, eps),
             &[head],

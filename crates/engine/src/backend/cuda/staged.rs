@@ -48,16 +48,16 @@ impl Cuda {
         self.staged_x_launches.load(Relaxed)
     }
 
-    /// The staged image for `cols` inputs, made on first use (outside any capture: a decode
-    /// step runs once uncaptured first) and kept.
+    /// The staged image for `cols` inputs, made on first use (outside any capture: in the
+    /// pass a decode step gets before its capture, `Cuda::before_capture`) and kept.
     fn staged_image(&self, cols: usize) -> Result<Arc<StagedX>> {
         let mut m = self.staged_x.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(s) = m.get(&cols) {
             return Ok(s.clone());
         }
+        // The image is the GEMV's XQ shared-memory layout: x_staging's bytes (x_staged.cuh's
+        // staged_bytes).
         let buf: CudaSlice<u8> =
-            // The image is the GEMV's XQ shared-memory layout: as many bytes as x_staging's
-            // (x_staged.cuh's staged_bytes).
             self.stream.alloc_zeros(x_staging(cols).1).map_err(drv("allocating a staged x image"))?;
         let s = Arc::new(StagedX { buf, cols });
         m.insert(cols, s.clone());
