@@ -6,7 +6,7 @@
 // grid (heads / QB, 1, splits), block 128, clusters of cs blocks along z (cs = 1: none).
 // A block takes QB query heads of one kv group (GQA: they share K/V, so each K/V row is
 // loaded once for all of them; the host launches QB = 1 unless FERROLM_ATTN_QB says more,
-// fused.rs) and the positions [s·chunk, (s+1)·chunk) ∩ [0, pos0] of split s. Positions are
+// attn_decode.rs) and the positions [s·chunk, (s+1)·chunk) ∩ [0, pos0] of split s. Positions are
 // spread over lanes, not walked one by one: a group of hd/8 lanes takes one position (each
 // lane 8 dims, one 16-byte load of K and of V), so a warp scores 32·8/hd positions at once
 // and every iteration's loads are independent. Each lane group keeps an online softmax per

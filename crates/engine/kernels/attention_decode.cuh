@@ -15,7 +15,7 @@
 
 #define AW 4            // warps per block
 #ifndef QB_MAX
-#define QB_MAX 4        // query heads per block, at most (the host compiles one per qb: fused.rs)
+#define QB_MAX 4        // query heads per block, at most (the host compiles one per qb: attn_decode.rs)
 #endif
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 #define UNR 4           // positions per lane group whose loads are in flight together
@@ -26,7 +26,7 @@
 #ifndef KV_AHEAD
 #define KV_AHEAD (QB_MAX == 1 ? 2 : 1)
 #endif
-#ifndef SCORE_BATCH     // score a round's UNR positions together (deep caches; see fused.rs)
+#ifndef SCORE_BATCH     // score a round's UNR positions together (deep caches; see attn_decode.rs)
 #define SCORE_BATCH 0
 #endif
 #ifndef CS_MAX

@@ -52,14 +52,14 @@ pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String>
 }
 
 /// -D defines for attention_decode.cu: registers for `qb` query heads per block (QB_MAX),
-/// and the deep-cache scoring (SCORE_BATCH). fused.rs launches with these, and
+/// and the deep-cache scoring (SCORE_BATCH). attn_decode.rs launches with these, and
 /// `all_variants` precompiles them, so the two must agree.
 pub fn attention_decode_defines(qb: usize, deep: bool) -> Vec<String> {
     vec![format!("QB_MAX={qb}"), format!("SCORE_BATCH={}", u8::from(deep))]
 }
 
 /// Decode attention over caches of more positions than this scores a round's positions
-/// together (SCORE_BATCH): faster at 8K cached, slower at 512 (fused.rs).
+/// together (SCORE_BATCH): faster at 8K cached, slower at 512 (attn_decode.rs).
 pub const ATTN_DEEP_POSITIONS: usize = 8 * 128;
 
 /// gemv.cu's defines for the attention block (attention_block.cuh; attn_block.rs) of a
@@ -140,7 +140,7 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
         v.push((file(f), [d, vec!["TRACE=1".into()]].concat()));
     }
     // Decode attention per query heads per block (QB_MAX: 1, or a divisor of the GQA group
-    // up to 4), short- and deep-cache forms (fused.rs).
+    // up to 4), short- and deep-cache forms (attn_decode.rs).
     for qb in 1..=4 {
         for deep in [false, true] {
             v.push((file("attention_decode.cu"), attention_decode_defines(qb, deep)));

@@ -8,6 +8,7 @@
 #![deny(clippy::shadow_unrelated)]
 
 mod attn_block;
+mod attn_decode;
 pub mod device;
 pub mod ffn;
 mod flash;

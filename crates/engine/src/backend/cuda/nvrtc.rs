@@ -23,6 +23,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("attention_block.cuh", include_str!("../../../kernels/attention_block.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
     ("argmax.cuh", include_str!("../../../kernels/argmax.cuh")),
+    ("x_stage.cuh", include_str!("../../../kernels/x_stage.cuh")),
 ];
 
 /// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel
