@@ -378,14 +378,15 @@ __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, con
 // The end of a warp's row step: reduce its lane-partial sums (acc) and store rows row0 …
 // row0 + R - 1 that exist, as OUT says (0 bf16, 1 f32, 2 f32 added to `resid`, the row's
 // x read earlier by lane r, 3 SwiGLU bf16; `vals`, where given: each row's stored value
-// as f32 too, for stage_step). Shared by gemv() and the ring-fed GEMV.
+// as f32 too, for stage_step; `scale`: what every sum is multiplied by first, the RMSNorm
+// factor stage_x deferred). Shared by gemv() and the ring-fed GEMV.
 template <int R, int OUT>
 __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[2][R], float resid, int lane,
-                                           float* vals = nullptr) {
+                                           float* vals = nullptr, float scale = 1.f) {
 #pragma unroll
     for (int m = 0; m < 2; m++)
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]);
+        for (int r = 0; r < R; r++) acc[m][r] = warp_sum(acc[m][r]) * scale;
     // Lane r stores row0 + r (every lane holds every sum): R rows in one store instruction
     // instead of R after one another.
     float own = 0.f, own1 = 0.f;
@@ -496,11 +497,14 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
         return OUT == 2 && ks == 0 && lane < R && first + lane < m.rows ? reinterpret_cast<const float*>(m.o)[first + lane] : 0.f;
     };
     float resid = residual(a, row0);
+    // NORM: the norm's factor 1/rms is applied to the row sums (store_rows), not to x as it
+    // is staged, so quantizing x does not wait for the block's sum of squares.
+    float oscale = 1.f;
 #if XQ
     if constexpr (PRE) copy_staged(xs, x, cols);
     else
 #endif
-        stage_x<NORM>(xs, x, nw, eps, cols, gains);
+        oscale = stage_x<NORM, true>(xs, x, nw, eps, cols, gains);
     __shared__ float stage_vals[STAGE ? 2 : 1][STAGE ? NW * R : 1];  // stage_step's, by step parity
     float acc[2][R];
 #pragma unroll
@@ -530,7 +534,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
             if (KS > 1) ks_merge<R, KS>(acc, ks, lane, parity ^= 1);
             if (STAGE) parity ^= 1;
             float* vals = STAGE ? stage_vals[parity] + (threadIdx.x >> 5) * R : nullptr;
-            if (ks == 0) store_rows<R, OUT>(a, row0, acc, resid, lane, vals);
+            if (ks == 0) store_rows<R, OUT>(a, row0, acc, resid, lane, vals, oscale);
             if constexpr (ARGMAX) {  // store_rows left every row's sum in every lane
 #pragma unroll
                 for (int r = 0; r < R; r++)

@@ -99,11 +99,16 @@ struct NormGains {
 };
 
 // Stage x (cols values) into shared memory. NORM: x is the f32 residual, normalized by
-// rsqrt(mean(x²) + eps) and the gains nw (bf16-rounded, as the unfused rmsnorm kernel
-// writes it); else bf16. `pre`: the gains when loaded ahead (NormGains).
-template <bool NORM>
-__device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* __restrict__ nw, float eps, int cols,
-                                        const NormGains& pre) {
+// r = rsqrt(mean(x²) + eps) and the gains nw (bf16-rounded, as the unfused rmsnorm kernel
+// writes it); else bf16. `pre`: the gains when loaded ahead (NormGains). Returns the factor
+// the caller's dot products take: 1, or with DEFER (and the gains held) r itself, as the
+// staged x is then the bf16-rounded g·x: its quantizing starts without waiting for the
+// block's sum of squares, whose warp partials meet in the staging's one barrier instead of
+// block_sum's two (the dot products are linear in x; the rounding differs from the CPU
+// path's bf16 of g·x·r by a bf16 rounding, well inside the parity bar).
+template <bool NORM, bool DEFER = false>
+__device__ __forceinline__ float stage_x(uint4* xs, const void* x, const float* __restrict__ nw, float eps, int cols,
+                                         const NormGains& pre) {
     int nparts = cols / 8;
     float r = 1.f;
     const float4* xf = reinterpret_cast<const float4*>(x);
@@ -118,18 +123,27 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
             float4 a = xv[u][0], b = xv[u][1];  // one sum of eight, in this order (the rounding)
             ss += a.x * a.x + a.y * a.y + a.z * a.z + a.w * a.w + b.x * b.x + b.y * b.y + b.z * b.z + b.w * b.w;
         }
-        r = rsqrtf(block_sum(ss, red) / cols + eps);
+        if (DEFER) {
+            ss = warp_sum(ss);
+            if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+        } else {
+            r = rsqrtf(block_sum(ss, red) / cols + eps);
+        }
 #pragma unroll
         for (int u = 0; u < GP; u++) {
             if (u * BLOCK_THREADS >= nparts) break;  // uniform: put_x shuffles
             int i = u * BLOCK_THREADS + threadIdx.x;
             bool on = i < nparts;
             float v[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            if (on) norm_part(xv[u][0], xv[u][1], pre.g[u][0], pre.g[u][1], r, v);
+            if (on) norm_part(xv[u][0], xv[u][1], pre.g[u][0], pre.g[u][1], DEFER ? 1.f : r, v);
             put_x(xs, i, v, on, cols);
         }
         BLOCK_SYNC();
-        return;
+        if (!DEFER) return 1.f;
+        float t = 0.f;  // the warps' partials in warp order: the same sum in every thread
+#pragma unroll
+        for (int w = 0; w < BLOCK_THREADS / 32; w++) t += red[w];
+        return rsqrtf(t / cols + eps);
     }
     if (NORM) {
         float ss = 0.f;
@@ -179,4 +193,5 @@ __device__ __forceinline__ void stage_x(uint4* xs, const void* x, const float* _
         }
     }
     BLOCK_SYNC();
+    return 1.f;
 }
