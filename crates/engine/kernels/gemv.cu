@@ -1,6 +1,7 @@
 // Decode GEMV (one token) for affine weights, fused with what surrounds it in a layer, so a
 // decode step is a handful of launches per layer instead of a dozen:
-//   input   b: bf16 x                    n: the f32 residual stream, RMS-normalized on load
+//   input   b: bf16 x                    n: the f32 residual stream, RMS-normalized (g·x
+//                                           staged, 1/rms applied to the row sums)
 //   output  b: bf16 store   f: f32 store   a: f32 add into the residual   s: SwiGLU of two
 //           matrices (gate = mat 0, up = mat 1), bf16 store
 // Up to three matrices share one launch (q/k/v): blocks are dealt out to them in order.
