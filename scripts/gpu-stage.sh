@@ -8,6 +8,14 @@
 #   call 2, carry [gpu-bin/m2]:
 #     cat /root/fh/smol.part1 gpu-bin/m2/smol.part2 > /root/fh/models/SmolLM2-135M-Instruct.Q4_1.gguf
 #     FERROLM_HOME=/root/fh bash scripts/gpu-check.sh /root/gb
+# With KERNEL_CACHE=1 also gpu-bin/m2/kernels.tar.xz (~7 MB): every kernel variant compiled
+# here for sm_90 with NVRTC (`ferrolm kernels --arch sm_90 --prune`, no GPU needed; kept in
+# gpu-bin/khome, so a later staging compiles only what changed: ~13 min on 2 cores from
+# empty). In call 2, `tar -xJf gpu-bin/m2/kernels.tar.xz -C /root/fh` before anything else
+# then spares the GPU machine the ~75 s its own `ferrolm kernels` takes after each cold
+# start (gpu-check's then finds everything cached). The CUBINs come from the PyPI NVRTC of
+# the CUDA 13.0 line, the GPU machine's own; not yet tried there (session 13): should one
+# fail to load, drop the archive and let the machine compile.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --profile gpu -p ferrolm-cli
@@ -20,4 +28,9 @@ model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gg
 [[ -f $model ]] || target/gpu/ferrolm inspect >/dev/null
 head -c 41943040 "$model" > gpu-bin/m1/smol.part1
 tail -c +41943041 "$model" > gpu-bin/m2/smol.part2
+if [[ ${KERNEL_CACHE:-0} == 1 ]]; then
+  nvrtc=$(python3 -c 'import glob,os,site; print(next(os.path.dirname(l) for d in site.getsitepackages() for l in glob.glob(os.path.join(d,"nvidia","*","lib","libnvrtc.so.*"))))')
+  FERROLM_HOME=gpu-bin/khome LD_LIBRARY_PATH="$nvrtc" target/gpu/ferrolm kernels --arch sm_90 --prune
+  tar -C gpu-bin/khome -cf - kernels | xz -T0 -6 > gpu-bin/m2/kernels.tar.xz
+fi
 ls -la gpu-bin gpu-bin/m1 gpu-bin/m2

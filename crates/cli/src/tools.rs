@@ -233,6 +233,10 @@ pub struct KernelsArgs {
     /// only the NVRTC library, not a GPU, when given.
     #[arg(long)]
     arch: Option<String>,
+    /// Then remove that architecture's cached kernels that no current variant uses (left by
+    /// older kernel sources).
+    #[arg(long)]
+    prune: bool,
 }
 
 /// Compile every CUDA kernel variant into the cache ($FERROLM_HOME/kernels) on all cores, so
@@ -251,5 +255,8 @@ pub fn kernels(a: KernelsArgs) -> Result<()> {
         t.elapsed().as_secs_f64(),
         nvrtc::cache_dir().display()
     );
+    if a.prune {
+        eprintln!("{arch}: {} stale cached kernels removed", nvrtc::prune_cache(&arch)?);
+    }
     Ok(())
 }

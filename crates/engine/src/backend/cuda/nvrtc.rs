@@ -180,6 +180,37 @@ pub fn warm_cache(arch: &str) -> Result<(usize, usize)> {
     Ok((variants.len() - hits, hits))
 }
 
+/// Remove the cached CUBINs for `arch` that no current kernel variant uses (left by older
+/// kernel sources or options), so the cache holds what `warm_cache` makes and no more.
+/// Returns how many files went.
+pub fn prune_cache(arch: &str) -> Result<usize> {
+    prune_cache_in(&cache_dir(), arch)
+}
+
+fn prune_cache_in(dir: &std::path::Path, arch: &str) -> Result<usize> {
+    let keep: std::collections::HashSet<String> = super::kernels::all_variants()
+        .iter()
+        .map(|(f, defines)| format!("{}.cubin", cache_key(f.name, &source(f.name, f.src), arch, defines)))
+        .collect();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+        Err(e) => return Err(Error::Invalid(format!("reading the kernel cache {}: {e}", dir.display()))),
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        // Only this arch's CUBINs ("<file>-<arch>-<hash>.cubin"): other arches' stay.
+        let ours = name.ends_with(".cubin") && name.contains(&format!("-{arch}-"));
+        if ours && !keep.contains(&name) {
+            std::fs::remove_file(entry.path())
+                .map_err(|e| Error::Invalid(format!("removing {} from the kernel cache: {e}", name)))?;
+            removed += 1;
+        }
+    }
+    Ok(removed)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -193,5 +224,23 @@ mod tests {
         assert_ne!(k, cache_key("qmv.cu", "src", "sm_90", &["BITS=8".to_string()]));
         assert_eq!(k, cache_key("qmv.cu", "src", "sm_90", &d));
         assert!(k.starts_with("qmv-sm_90-"));
+    }
+
+    #[test]
+    fn prune_keeps_current_variants_and_other_arches() {
+        let dir = std::env::temp_dir().join(format!("ferrolm-prune-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (f, defines) = &crate::backend::cuda::kernels::all_variants()[0];
+        let current = format!("{}.cubin", cache_key(f.name, &source(f.name, f.src), "sm_90", defines));
+        let files =
+            [current.as_str(), "gemv-sm_90-00000000deadbeef.cubin", "gemv-sm_80-00000000deadbeef.cubin", "notes.txt"];
+        for name in files {
+            std::fs::write(dir.join(name), b"x").unwrap();
+        }
+        assert_eq!(prune_cache_in(&dir, "sm_90").unwrap(), 1);
+        let left: Vec<bool> = files.iter().map(|n| dir.join(n).exists()).collect();
+        assert_eq!(left, [true, false, true, true], "current, stale sm_90, sm_80, other file");
+        assert_eq!(prune_cache_in(&dir.join("missing"), "sm_90").unwrap(), 0, "no cache: nothing to do");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
