@@ -10,21 +10,15 @@ fn every_kernel_variant_compiles_for_sm90() {
     assert!(nvrtc::available(), "libnvrtc not found: pip install nvidia-cuda-nvrtc and set LD_LIBRARY_PATH");
     let variants = kernels::all_variants();
     assert!(variants.len() >= 40, "{} variants", variants.len());
-    // NVRTC is thread-safe: compile on every core (CI's wall time is mostly this), each
-    // thread taking the next variant: the variants' costs differ by 10× and more, and
-    // contiguous halves left one of two cores idle at the end (2 cores: 11 min 54 s
-    // against 10 min 7 s, for 20 minutes of compiling).
-    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    std::thread::scope(|s| {
-        for _ in 0..threads {
-            s.spawn(|| {
-                while let Some((f, defines)) = variants.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
-                    let bin = nvrtc::compile(f.name, f.src, "sm_90", defines).unwrap_or_else(|e| panic!("{e}"));
-                    assert_eq!(&bin[..4], b"\x7fELF", "{} {defines:?}: not a CUBIN", f.name);
-                }
-            });
-        }
+    // NVRTC is thread-safe: compile on every core (CI's wall time is mostly this), one
+    // variant per rayon task, so an idle core takes the next one: the variants' costs
+    // differ by 10× and more, and contiguous halves left one of two cores idle at the end
+    // (2 cores: 11 min 54 s against 10 min 7 s for one variant at a time, for 20 minutes
+    // of compiling).
+    use rayon::prelude::*;
+    variants.par_iter().with_max_len(1).for_each(|(f, defines)| {
+        let bin = nvrtc::compile(f.name, f.src, "sm_90", defines).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(&bin[..4], b"\x7fELF", "{} {defines:?}: not a CUBIN", f.name);
     });
 }
 
