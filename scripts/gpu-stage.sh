@@ -29,8 +29,8 @@ model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gg
 head -c 41943040 "$model" > gpu-bin/m1/smol.part1
 tail -c +41943041 "$model" > gpu-bin/m2/smol.part2
 if [[ ${KERNEL_CACHE:-0} == 1 ]]; then
-  nvrtc=$(python3 -c 'import glob,os,site; print(next(os.path.dirname(l) for d in site.getsitepackages() for l in glob.glob(os.path.join(d,"nvidia","*","lib","libnvrtc.so.*"))))')
-  FERROLM_HOME=gpu-bin/khome LD_LIBRARY_PATH="$nvrtc" target/gpu/ferrolm kernels --arch sm_90 --prune
+  source scripts/nvrtc-env.sh
+  FERROLM_HOME=gpu-bin/khome target/gpu/ferrolm kernels --arch sm_90 --prune
   tar -C gpu-bin/khome -cf - kernels | xz -T0 -6 > gpu-bin/m2/kernels.tar.xz
 fi
 ls -la gpu-bin gpu-bin/m1 gpu-bin/m2

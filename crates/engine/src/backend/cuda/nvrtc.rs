@@ -197,11 +197,12 @@ fn prune_cache_in(dir: &std::path::Path, arch: &str) -> Result<usize> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
         Err(e) => return Err(Error::Invalid(format!("reading the kernel cache {}: {e}", dir.display()))),
     };
+    // Only this arch's CUBINs ("<file>-<arch>-<hash>.cubin"): other arches' stay.
+    let tag = format!("-{arch}-");
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        // Only this arch's CUBINs ("<file>-<arch>-<hash>.cubin"): other arches' stay.
-        let ours = name.ends_with(".cubin") && name.contains(&format!("-{arch}-"));
+        let ours = name.ends_with(".cubin") && name.contains(&tag);
         if ours && !keep.contains(&name) {
             std::fs::remove_file(entry.path())
                 .map_err(|e| Error::Invalid(format!("removing {} from the kernel cache: {e}", name)))?;
