@@ -9,7 +9,8 @@ use std::time::Instant;
 
 pub struct Session<'m, B: Backend> {
     pub model: &'m Llama<B>,
-    kv: B::Kv,
+    /// Always Some but in `drop`, which hands it to the model's session pool.
+    kv: Option<B::Kv>,
     /// Decode logits `[1, V]`, kept on the device across steps (a captured step writes here).
     logits: Option<B::Act>,
     /// The greedy step's token id `[1, 1]` (f32), on the device.
@@ -43,24 +44,63 @@ impl GenStats {
     }
 }
 
+/// What a finished session leaves to the next one of the same capacity (`Llama`'s session
+/// pool): its cache, its step buffers and its id, so the backend's captured decode steps,
+/// which point at those buffers and are keyed by that id, replay for the next session
+/// instead of being captured again. On CUDA a capture costs a session's first step ~0.7 ms
+/// (a dry pass, the capture, the graph's instantiation), ~1% of a 128-token generation,
+/// paid by every server request and every bench repeat.
+pub(crate) struct SessionParts<B: Backend> {
+    kv: B::Kv,
+    logits: Option<B::Act>,
+    argmax: Option<B::Act>,
+    top_k: Option<(usize, u32, B::Act)>,
+    id: u64,
+}
+
+/// Finished sessions' parts a model keeps (each holds a whole KV cache): 2, or
+/// `FERROLM_SESSION_POOL=N` (0: none, every session captures its own steps; for A/B runs).
+fn session_pool_max() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("FERROLM_SESSION_POOL").ok().and_then(|v| v.parse().ok()).unwrap_or(2))
+}
+
 impl<'m, B: Backend> Session<'m, B> {
+    /// A session with an empty cache of `max_seq` positions (capped by the model's context):
+    /// a finished session's parts of that capacity if the model keeps one, else new ones.
     pub fn new(model: &'m Llama<B>, max_seq: usize) -> Result<Self> {
         let max_seq = max_seq.min(model.cfg.max_ctx).max(1);
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pooled = {
+            let mut pool = model.session_pool.lock().unwrap_or_else(|e| e.into_inner());
+            let i = pool.iter().rposition(|p| model.backend.kv_capacity(&p.kv) == max_seq); // the last one in
+            i.map(|i| pool.swap_remove(i))
+        };
+        let p = match pooled {
+            Some(p) => p,
+            None => {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                SessionParts { kv: model.new_cache(max_seq)?, logits: None, argmax: None, top_k: None, id }
+            }
+        };
         Ok(Session {
             model,
-            kv: model.new_cache(max_seq)?,
-            logits: None,
-            argmax: None,
-            top_k: None,
-            id,
+            kv: Some(p.kv),
+            logits: p.logits,
+            argmax: p.argmax,
+            top_k: p.top_k,
+            id: p.id,
             tokens: Vec::new(),
         })
     }
 
+    /// Identifies the session's parts: a session that took a finished one's parts has its id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     pub fn capacity(&self) -> usize {
-        self.model.backend.kv_capacity(&self.kv)
+        self.model.backend.kv_capacity(self.kv.as_ref().expect("a live session has its cache"))
     }
 
     /// Make the cache hold exactly `prompt`, computing only what differs from what it holds
@@ -84,7 +124,8 @@ impl<'m, B: Backend> Session<'m, B> {
         // a 1B model would hold ~100 MB of MLP activations) at no cost in speed.
         let mut logits = Vec::new();
         for chunk in prompt[start..].chunks(self.model.backend.prefill_chunk()) {
-            logits = self.model.forward(chunk, self.tokens.len(), &mut self.kv, Logits::Last)?;
+            let kv = self.kv.as_mut().expect("a live session has its cache");
+            logits = self.model.forward(chunk, self.tokens.len(), kv, Logits::Last)?;
             self.tokens.extend_from_slice(chunk);
         }
         Ok((logits, prompt.len() - start))
@@ -132,7 +173,7 @@ impl<'m, B: Backend> Session<'m, B> {
         let b = &self.model.backend;
         self.ensure_step_buffers()?;
         let key = self.key(StepEnd::Fed);
-        let (model, kv) = (self.model, &mut self.kv);
+        let (model, kv) = (self.model, self.kv.as_mut().expect("a live session has its cache"));
         let logits = self.logits.as_mut().expect("set above");
         let argmax = self.argmax.as_mut().expect("set above");
         // The token value matters only to the host staging of a given token (a fed step's
@@ -204,7 +245,7 @@ impl<'m, B: Backend> Session<'m, B> {
         let b = &self.model.backend;
         self.ensure_step_buffers()?;
         let key = self.key(end);
-        let (model, kv) = (self.model, &mut self.kv);
+        let (model, kv) = (self.model, self.kv.as_mut().expect("a live session has its cache"));
         let logits = self.logits.as_mut().expect("set above");
         let argmax = self.argmax.as_mut().expect("set above");
         let mut top_k = self.top_k.as_mut();
@@ -301,7 +342,23 @@ enum StepEnd {
 }
 
 impl<B: Backend> Drop for Session<'_, B> {
+    /// The parts go to the model's pool (captured steps kept), or, with the pool full, the
+    /// captured steps are dropped with them.
     fn drop(&mut self) {
+        let Some(kv) = self.kv.take() else { return };
+        let parts = SessionParts {
+            kv,
+            logits: self.logits.take(),
+            argmax: self.argmax.take(),
+            top_k: self.top_k.take(),
+            id: self.id,
+        };
+        let mut pool = self.model.session_pool.lock().unwrap_or_else(|e| e.into_inner());
+        if pool.len() < session_pool_max() {
+            pool.push(parts);
+            return;
+        }
+        drop(pool);
         for end in [StepEnd::Logits, StepEnd::Argmax, StepEnd::TopK, StepEnd::Fed] {
             self.model.backend.forget(self.key(end));
         }

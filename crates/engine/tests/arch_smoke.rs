@@ -265,6 +265,42 @@ fn a_batch_of_prompts_on_separate_caches_matches_single_runs() {
     assert_eq!(last, single);
 }
 
+/// A session of a finished one's capacity takes its cache and buffers (so a backend's
+/// captured steps replay), starts empty, and computes what a new cache would: nothing of
+/// the last session's tokens shows. Other capacities, and sessions alive at once, get
+/// their own.
+#[test]
+fn a_new_session_reuses_a_finished_ones_parts_and_starts_empty() {
+    let (_, cfg, bits) = variants().remove(1);
+    let (mut src, _) = build(&cfg, bits, 13);
+    let model = Llama::load(Cpu, &mut src).unwrap();
+    let fresh = |prompt: &[u32], steps: &[u32]| {
+        let mut kv = model.new_cache(16).unwrap();
+        let mut l = model.forward(prompt, 0, &mut kv, Logits::Last).unwrap();
+        for (i, &t) in steps.iter().enumerate() {
+            l = model.forward(&[t], prompt.len() + i, &mut kv, Logits::Last).unwrap();
+        }
+        l
+    };
+    let mut a = Session::new(&model, 16).unwrap();
+    a.feed(&[9, 8, 7, 6, 5, 4]).unwrap();
+    a.step(3).unwrap();
+    let id = a.id();
+    drop(a);
+    let mut b = Session::new(&model, 16).unwrap();
+    assert_eq!(b.id(), id, "the finished session's parts are taken");
+    assert!(b.tokens.is_empty());
+    let (mut l, n) = b.feed(&[9, 8, 1]).unwrap();
+    assert_eq!(n, 3, "nothing of the last session's tokens is reused");
+    for t in [2, 3] {
+        l = b.step(t).unwrap();
+    }
+    assert_eq!(l, fresh(&[9, 8, 1], &[2, 3]));
+    let c = Session::new(&model, 16).unwrap();
+    assert_ne!(c.id(), id, "a session alive at once has its own parts");
+    assert_ne!(Session::new(&model, 8).unwrap().id(), id, "another capacity has its own");
+}
+
 #[test]
 fn oversize_prompts_and_bad_token_ids_are_errors() {
     let (_, cfg, bits) = variants().remove(1);

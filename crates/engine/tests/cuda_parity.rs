@@ -342,8 +342,8 @@ fn last_row_path_matches_all_rows() {
     check("Last vs All's last row", &last, &all[(ids.len() - 1) * v..], 1e-3);
 }
 
-/// Decode steps through `Session` (captured once, then replayed as a CUDA graph) give
-/// bit-identical logits to plain forward calls.
+/// Decode steps through `Session` (captured once, then replayed as a CUDA graph, also by
+/// the next session of the same capacity) give bit-identical logits to plain forward calls.
 #[test]
 fn graph_replay_matches_plain_forward() {
     let (_, mg, tok) = smollm2();
@@ -359,6 +359,23 @@ fn graph_replay_matches_plain_forward() {
         let lp = mg.forward(&[t], ids.len() + i, &mut kv, Logits::Last).unwrap();
         check(&format!("graph step {i}"), &l, &lp, 0.0);
     }
+    // a new session of the same capacity takes the finished one's cache and buffers, and
+    // replays its captured step: no new capture, the same logits
+    let (id, captures) = (s.id(), mg.backend.captures());
+    drop(s);
+    let mut s = ferrolm::generate::Session::new(&mg, 256).unwrap();
+    assert_eq!(s.id(), id, "the finished session's parts are reused");
+    let (mut l, _) = s.feed(&ids[1..]).unwrap();
+    let mut kv = mg.new_cache(256).unwrap();
+    check("prefill, reused session", &l, &mg.forward(&ids[1..], 0, &mut kv, Logits::Last).unwrap(), 0.0);
+    for i in 0..8 {
+        let t = ferrolm::sample::argmax(&l);
+        l = s.step(t).unwrap();
+        let lp = mg.forward(&[t], ids.len() - 1 + i, &mut kv, Logits::Last).unwrap();
+        check(&format!("reused session, graph step {i}"), &l, &lp, 0.0);
+    }
+    assert_eq!(mg.backend.captures(), captures, "the reused session captured no new step");
+    drop(s);
     // the greedy step (argmax on the device, its own captured graph) follows plain argmax
     let mut s = ferrolm::generate::Session::new(&mg, 256).unwrap();
     let (l, _) = s.feed(&ids).unwrap();

@@ -49,6 +49,8 @@ pub struct Llama<B: Backend> {
     pub decode_weight_bytes: usize,
     /// The decode (one-token) buffers, kept between steps.
     decode_work: std::sync::Mutex<Vec<Work<B>>>,
+    /// Finished generation sessions' caches and step buffers, for the next (generate.rs).
+    pub(crate) session_pool: std::sync::Mutex<Vec<crate::generate::SessionParts<B>>>,
 }
 
 /// Which positions' logits a forward call returns.
@@ -146,6 +148,7 @@ impl<B: Backend> Llama<B> {
             rope,
             decode_weight_bytes,
             decode_work: std::sync::Mutex::new(Vec::new()),
+            session_pool: std::sync::Mutex::new(Vec::new()),
         })
     }
 

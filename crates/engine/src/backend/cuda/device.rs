@@ -61,8 +61,9 @@ pub struct Cuda {
     /// This forward call's token ids and start position, staged in pinned host memory and
     /// copied to the device by the call itself (so graph replays pick up new values).
     pub(crate) staged: Mutex<Option<Staged>>,
-    /// Captured decode steps by session key.
+    /// Captured decode steps by session key, and how many were captured (tests check reuse).
     pub(crate) graphs: Mutex<HashMap<u64, Graph>>,
+    pub(crate) captures: std::sync::atomic::AtomicUsize,
     /// Set while a decode step is being captured: host-side staging (which synchronizes)
     /// is done before the capture and must not run inside it.
     pub(crate) capturing: std::sync::atomic::AtomicBool,
@@ -280,6 +281,7 @@ impl Cuda {
             top_k_scratch: Mutex::new(None),
             staged: Mutex::new(None),
             graphs: Mutex::new(HashMap::new()),
+            captures: std::sync::atomic::AtomicUsize::new(0),
             capturing: std::sync::atomic::AtomicBool::new(false),
             feeding: std::sync::atomic::AtomicBool::new(false),
             ffn_fused: std::sync::atomic::AtomicU8::new(match std::env::var("FERROLM_FFN_FUSED").as_deref() {
@@ -658,6 +660,11 @@ impl Cuda {
         f()
     }
 
+    /// Decode steps captured so far (each a graph instantiated).
+    pub fn captures(&self) -> usize {
+        self.captures.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Capture `f`'s launches as the graph for `key`, keep it and launch it once.
     pub(crate) fn capture_and_launch(&self, key: u64, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -675,6 +682,7 @@ impl Cuda {
             .ok_or_else(|| Error::Invalid("CUDA capture produced no graph".into()))?;
         g.launch().map_err(drv("launching the decode graph"))?;
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Graph(g));
+        self.captures.fetch_add(1, Relaxed);
         Ok(())
     }
 
