@@ -185,7 +185,7 @@ __device__ __noinline__ void mk_gemv(const MkParams& P, Mat m0, Mat m1, Mat m2, 
         const unsigned char* d = rg.ring + s * P.stage_bytes;
         float resid = stage_resid<R, OUT>(a, first, n);  // while the stage lands
         mbar_wait(&rg.full[s], (g / P.stages) & 1);
-        stage_rows<R, OUT>(d, st, sh, xs, a, first, n, resid);
+        stage_rows<R, OUT>(d, st, sh, xs, a, first, n, resid, 1.f);  // x staged normalized: factor 1
         __syncwarp();  // the warp's reads of the stage are done
         if (lane == 0) {
             __threadfence_block();

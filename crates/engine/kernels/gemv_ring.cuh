@@ -93,7 +93,8 @@ __device__ __forceinline__ float stage_resid(const Mat& a, int first, int n) {
 // GEMV and the decode megakernel.
 template <int R, int OUT>
 __device__ __forceinline__ void stage_rows(const unsigned char* s, const RingStage& st, const Shape& sh,
-                                           const uint4* xs, const Mat& a, int first, int n, float resid) {
+                                           const uint4* xs, const Mat& a, int first, int n, float resid,
+                                           float scale) {
     constexpr int rb = NW * R;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp * R >= n) return;
@@ -109,7 +110,7 @@ __device__ __forceinline__ void stage_rows(const unsigned char* s, const RingSta
         t.fill(src, warp * R, c0, sh);
         t.dot(xs, c0, sh, acc);
     }
-    store_rows<R, OUT>(a, first + warp * R, acc, resid, lane);
+    store_rows<R, OUT>(a, first + warp * R, acc, resid, lane, nullptr, scale);
 }
 
 // OUT as gemv(): 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU.
@@ -176,7 +177,9 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
     NormGains gains;
     gains.load(nw, cols, NORM);
     pdl_wait();
-    stage_x<NORM>(xs, x, nw, eps, cols, gains);  // ends with __syncthreads: the barriers are initialized
+    // As gemv()'s: g·x staged, the norm's factor on the row sums (so both feeds round alike).
+    // Ends with __syncthreads: the barriers are initialized.
+    float oscale = stage_x<NORM, true>(xs, x, nw, eps, cols, gains);
     if (producer) {
         // step j refills the stage of step j - stages once every consumer warp is done with it
         if (lane == 0)
@@ -193,7 +196,7 @@ __device__ __forceinline__ void gemv_ring(Mat m0, Mat m1, Mat m2, const void* x,
         const unsigned char* s = ring + (j % stages) * st.bytes();
         mbar_wait(&full[j % stages], (u32)((j / stages) & 1));
         int n = min(rb, a.rows - first);
-        stage_rows<R, OUT>(s, st, sh, xs, a, first, n, stage_resid<R, OUT>(a, first, n));
+        stage_rows<R, OUT>(s, st, sh, xs, a, first, n, stage_resid<R, OUT>(a, first, n), oscale);
         __syncwarp();  // the warp's reads of the stage are done: it may be refilled
         if (lane == 0) mbar_arrive(&empty[j % stages]);
     }

@@ -339,7 +339,11 @@ fn last_row_path_matches_all_rows() {
     let mut k2 = mg.new_cache(16).unwrap();
     let last = mg.forward(&ids, 0, &mut k2, Logits::Last).unwrap();
     let v = mg.cfg.vocab;
-    check("Last vs All's last row", &last, &all[(ids.len() - 1) * v..], 1e-3);
+    // Two roundings of one row's logits: Last's head is the decode GEMV (int16 x of bf16(g·x),
+    // the norm's factor on the row sums since d16a430), All's the prefill GEMM (bf16 tiles of
+    // the normalized rows): 2.7e-3 measured (H200, session 14; it passed at 1e-3 before
+    // d16a430), within the bf16 paths' 1e-2. A wrong row or a missing norm is O(1).
+    check("Last vs All's last row", &last, &all[(ids.len() - 1) * v..], 5e-3);
 }
 
 /// Decode steps through `Session` (captured once, then replayed as a CUDA graph, also by

@@ -41,7 +41,8 @@ impl Cuda {
 
     /// Choose the attention block or the op path (tests compare both on one device).
     pub fn set_attention_block(&self, on: bool) {
-        self.attn_block.store(on, Relaxed)
+        self.attn_block.store(on, Relaxed);
+        self.decode_path_changed();
     }
 
     /// Attention block launches so far (queued or captured).

@@ -660,6 +660,16 @@ impl Cuda {
         f()
     }
 
+    /// A switch of the decode path (the setters tests compare paths with): captured steps
+    /// recorded the old one, and a session of a finished one's parts would replay them, so
+    /// they go (the next step captures anew). Queued work finishes first, so no graph is
+    /// destroyed while it runs; a failed wait is an earlier launch's error, which the next
+    /// call on the stream reports.
+    pub(crate) fn decode_path_changed(&self) {
+        let _ = self.stream.synchronize();
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
     /// Decode steps captured so far (each a graph instantiated).
     pub fn captures(&self) -> usize {
         self.captures.load(std::sync::atomic::Ordering::Relaxed)

@@ -91,6 +91,7 @@ impl Cuda {
     /// Choose what `Backend::o_proj_mlp` fuses (tests compare them on one device).
     pub fn set_layer_end_fusion(&self, f: LayerEndFusion) {
         self.ffn_fused.store(f as u8, Relaxed);
+        self.decode_path_changed();
     }
 
     /// For one row, as one launch: x += o·att when `o` is given, then x += down(silu(gate(n(x)))

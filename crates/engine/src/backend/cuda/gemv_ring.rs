@@ -103,7 +103,8 @@ impl Cuda {
 
     /// Choose ring-fed or register-fed decode GEMVs (tests compare both on one device).
     pub fn set_gemv_ring(&self, on: bool) {
-        self.gemv_ring.store(on, std::sync::atomic::Ordering::Relaxed)
+        self.gemv_ring.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.decode_path_changed();
     }
 
     /// Launch ring-fed GEMV `f` (`args`: gemv.cu's GEMV_ARGS) with `plan`.

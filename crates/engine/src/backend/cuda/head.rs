@@ -26,6 +26,7 @@ impl Cuda {
     /// Turn the fused head argmax on or off (tests compare the two on one device).
     pub fn set_head_argmax(&self, on: bool) {
         self.head_argmax_on.store(on, Relaxed);
+        self.decode_path_changed();
     }
 
     /// Fused head argmax launches queued or captured (tests check that it ran).

@@ -186,7 +186,8 @@ impl Cuda {
 
     /// Choose the megakernel or the op-by-op layers (tests compare both on one device).
     pub fn set_megakernel(&self, on: bool) {
-        self.megakernel.store(on, std::sync::atomic::Ordering::Relaxed)
+        self.megakernel.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.decode_path_changed();
     }
 
     /// Megakernel launches so far (queued or captured).

@@ -41,6 +41,7 @@ impl Cuda {
     /// Turn producer-staged x on or off (tests compare the two on one device).
     pub fn set_staged_x(&self, on: bool) {
         self.staged_x_on.store(on, Relaxed);
+        self.decode_path_changed();
     }
 
     /// Staged MLPs queued or captured (tests check that the staged path ran).
