@@ -72,7 +72,9 @@ impl<'m, B: Backend> Session<'m, B> {
         let max_seq = max_seq.min(model.cfg.max_ctx).max(1);
         let pooled = {
             let mut pool = model.session_pool.lock().unwrap_or_else(|e| e.into_inner());
-            let i = pool.iter().rposition(|p| model.backend.kv_capacity(&p.kv) == max_seq); // the last one in
+            // The last one in of this capacity: a model's caches differ in nothing else yet
+            // (a per-session cache format would have to join this match).
+            let i = pool.iter().rposition(|p| model.backend.kv_capacity(&p.kv) == max_seq);
             i.map(|i| pool.swap_remove(i))
         };
         let p = match pooled {
