@@ -47,9 +47,9 @@ impl GenStats {
 /// What a finished session leaves to the next one of the same capacity (`Llama`'s session
 /// pool): its cache, its step buffers and its id, so the backend's captured decode steps,
 /// which point at those buffers and are keyed by that id, replay for the next session
-/// instead of being captured again. On CUDA a capture costs a session's first step ~0.7 ms
-/// (a dry pass, the capture, the graph's instantiation), ~1% of a 128-token generation,
-/// paid by every server request and every bench repeat.
+/// instead of being captured again. On CUDA a capture (a dry pass, the capture, the graph's
+/// instantiation) cost every new session's generation 2% of the 1B's 128-token decode speed
+/// (H200, docs/perf.md, session 14), paid by each bench repeat and each new conversation.
 pub(crate) struct SessionParts<B: Backend> {
     kv: B::Kv,
     logits: Option<B::Act>,
