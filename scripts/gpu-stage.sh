@@ -16,7 +16,7 @@
 # start (gpu-check's then finds everything cached). The CUBINs come from the PyPI NVRTC of
 # the CUDA 13.0 line, the GPU machine's own; they load there (session 14: 176 of 176
 # cached, gpu-check in 308 s). A kernel's cache key hashes every header too, so a change to
-# any .cuh makes the whole archive stale: rebuild it (incremental only per variant).
+# any .cuh makes the whole archive stale: rebuild it (then every variant recompiles, ~13 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --profile gpu -p ferrolm-cli
