@@ -63,6 +63,12 @@ fn check(r: sys::nvrtcResult, what: &str) -> Result<()> {
 
 /// Compile `src` (file name `name`, for messages) to a CUBIN for `arch` (e.g. "sm_90").
 pub fn compile(name: &str, src: &str, arch: &str, defines: &[String]) -> Result<Vec<u8>> {
+    compile_with(name, src, arch, defines, &[])
+}
+
+/// `compile` with more NVRTC options (`options`, e.g. "--Ofast-compile=max" for the CI
+/// compile test's quick pass).
+pub fn compile_with(name: &str, src: &str, arch: &str, defines: &[String], options: &[&str]) -> Result<Vec<u8>> {
     if !available() {
         return Err(Error::Unsupported(
             "the NVRTC library (libnvrtc.so) was not found: install the CUDA toolkit or `pip install nvidia-cuda-nvrtc` and put its lib directory on LD_LIBRARY_PATH".into(),
@@ -77,6 +83,7 @@ pub fn compile(name: &str, src: &str, arch: &str, defines: &[String]) -> Result<
     let hn: Vec<*const i8> = header_name.iter().map(|s| s.as_ptr()).collect();
     let mut opts = vec![format!("--gpu-architecture={arch}"), "--std=c++17".into(), "-default-device".into()];
     opts.extend(defines.iter().map(|d| format!("-D{d}")));
+    opts.extend(options.iter().map(|o| o.to_string()));
     let opts_c: Vec<CString> = opts.iter().map(|o| c(o)).collect::<Result<_>>()?;
     let opt_ptrs: Vec<*const i8> = opts_c.iter().map(|o| o.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
