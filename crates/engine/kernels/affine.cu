@@ -93,21 +93,41 @@ extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_
 }
 
 // out[t, :] = dequantized row tokens[t] of the table (f32: the residual stream).
-// grid m, block 256.
+// grid m, block 256. Each thread takes whole u32 words of the row (32/BITS values, within
+// one group: GROUP is a multiple), so a row of up to 256 words (2048 values at 4 bits)
+// is one round of loads: decode's first launch is on the step's critical path, and the
+// loop of one value per thread per round it replaced was 8 dependent rounds (4.2 µs of
+// a 1B step; trace, docs/perf.md, session 15).
 extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __restrict__ scales,
                                  const scale_t* __restrict__ biases, const int* __restrict__ tokens,
                                  float* __restrict__ out, int cols) {
     TRACE_KERNEL();
-    // A decode step's first kernel: the first layer's q/k/v GEMV (launched with PDL) may
-    // start now and load its weights while the row is gathered; it waits for our writes.
+    // A decode step's first kernel. Launched with PDL: in a run of fed steps captured as
+    // one graph (generate.rs) the previous kernel is the last step's head, whose argmax
+    // writes the token read here, so wait for it; and nothing of this step may start
+    // before that step has ended (decode attention reads the position before its own
+    // wait), so trigger only then. The first layer's q/k/v GEMV may then start and load
+    // its weights while the row is gathered; it waits for our writes.
+    pdl_wait();
     pdl_trigger();
+    constexpr int VPW = 32 / BITS;  // values per word
     int r = tokens[blockIdx.x];
-    const u32* wr = w + (size_t)r * (cols / (32 / BITS));
-    int groups = cols / GROUP;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        u32 q = (wr[(i * BITS) / 32] >> ((i * BITS) % 32)) & MASK;
-        int g = i / GROUP;
-        out[(size_t)blockIdx.x * cols + i] =
-            s2f(scales[(size_t)r * groups + g]) * (float)q + s2f(biases[(size_t)r * groups + g]);
+    int words = cols / VPW, groups = cols / GROUP;
+    const u32* wr = w + (size_t)r * words;
+    float4* o = reinterpret_cast<float4*>(out + (size_t)blockIdx.x * cols);
+#pragma unroll 2
+    for (int i = threadIdx.x; i < words; i += blockDim.x) {
+        u32 q = wr[i];
+        int g = i * VPW / GROUP;
+        float sc = s2f(scales[(size_t)r * groups + g]), bi = s2f(biases[(size_t)r * groups + g]);
+#pragma unroll
+        for (int j = 0; j < VPW; j += 4) {
+            float4 v;
+            v.x = sc * (float)((q >> ((j + 0) * BITS)) & MASK) + bi;
+            v.y = sc * (float)((q >> ((j + 1) * BITS)) & MASK) + bi;
+            v.z = sc * (float)((q >> ((j + 2) * BITS)) & MASK) + bi;
+            v.w = sc * (float)((q >> ((j + 3) * BITS)) & MASK) + bi;
+            o[(i * VPW + j) / 4] = v;
+        }
     }
 }

@@ -19,6 +19,9 @@ pub struct Session<'m, B: Backend> {
     top_k: Option<(usize, u32, B::Act)>,
     /// Identifies this session's captured decode step in the backend.
     id: u64,
+    /// Greedy decode steps one fed run queues (`Backend::step_fed`): `feed_steps()`, or
+    /// `set_feed_steps`.
+    feed_steps: usize,
     /// Tokens whose K/V are in the cache, in position order.
     pub tokens: Vec<u32>,
 }
@@ -65,6 +68,22 @@ fn session_pool_max() -> usize {
     *N.get_or_init(|| std::env::var("FERROLM_SESSION_POOL").ok().and_then(|v| v.parse().ok()).unwrap_or(2))
 }
 
+/// Greedy decode steps a fed run captures and queues at once (one CUDA graph of that many
+/// steps, each step's argmax feeding the next on the device), so that the gap between two
+/// graphs' launches is paid once per run instead of once per token; the host gets the run's
+/// tokens together. 8, or `FERROLM_FEED_STEPS=N` (1 to `FEED_STEPS_MAX`; 1: a graph per
+/// step, for A/B runs). A generation's last tokens, fewer than a run, go one step at a time.
+fn feed_steps() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("FERROLM_FEED_STEPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=crate::backend::FEED_STEPS_MAX).contains(n))
+            .unwrap_or(8)
+    })
+}
+
 impl<'m, B: Backend> Session<'m, B> {
     /// A session with an empty cache of `max_seq` positions (capped by the model's context):
     /// a finished session's parts of that capacity if the model keeps one, else new ones.
@@ -92,6 +111,7 @@ impl<'m, B: Backend> Session<'m, B> {
             argmax: p.argmax,
             top_k: p.top_k,
             id: p.id,
+            feed_steps: feed_steps(),
             tokens: Vec::new(),
         })
     }
@@ -99,6 +119,18 @@ impl<'m, B: Backend> Session<'m, B> {
     /// Identifies the session's parts: a session that took a finished one's parts has its id.
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Greedy decode steps one fed run queues (1 to `FEED_STEPS_MAX`): see `feed_steps()`.
+    pub fn set_feed_steps(&mut self, n: usize) -> Result<()> {
+        if !(1..=crate::backend::FEED_STEPS_MAX).contains(&n) {
+            return Err(Error::Invalid(format!(
+                "{n} fed decode steps at once (1 to {})",
+                crate::backend::FEED_STEPS_MAX
+            )));
+        }
+        self.feed_steps = n;
+        Ok(())
     }
 
     pub fn capacity(&self) -> usize {
@@ -156,7 +188,7 @@ impl<'m, B: Backend> Session<'m, B> {
         crate::backend::check_top_k(self.model.cfg.vocab, k, 2 * k)?;
         if self.top_k.as_ref().is_none_or(|t| (t.0, t.1) != (k, inv_t.to_bits())) {
             // A new k or temperature is a new capture (both are baked into its launch).
-            b.forget(self.key(StepEnd::TopK));
+            b.forget(self.key(StepEnd::TopK, 1));
             self.top_k = Some((k, inv_t.to_bits(), b.act_f32(1, 2 * k)?));
         }
         self.run_step(token, StepEnd::TopK)?;
@@ -164,32 +196,47 @@ impl<'m, B: Backend> Session<'m, B> {
         Ok(v[..2 * k].chunks(2).map(|p| (p[0] as u32, p[1])).collect())
     }
 
-    /// Queue one greedy step fed on the device (`Backend::step_fed`) at the next position:
-    /// its input is `token`, or (None) the argmax of the step queued before it, which the
-    /// caller appends to `tokens` once it has read and accepted it. The step's argmax is
-    /// read back through `queue_read(.., slot)`.
-    fn queue_fed(&mut self, token: Option<u32>, pos: usize, slot: usize) -> Result<()> {
-        if pos >= self.capacity() {
+    /// Queue `n` greedy steps fed on the device (`Backend::step_fed`) at positions
+    /// `pos..pos + n`: the first one's input is `token`, or (None) the argmax of the last
+    /// step queued before them, and each later one's the argmax of the step before it. The
+    /// caller appends the inputs to `tokens` once it has read and accepted them. The steps'
+    /// argmaxes are read back through `queue_read(.., slot)`.
+    fn queue_fed(&mut self, token: Option<u32>, pos: usize, n: usize, slot: usize) -> Result<()> {
+        if pos + n > self.capacity() {
             return Err(Error::Invalid(format!("the context of {} tokens is full", self.capacity())));
         }
         let b = &self.model.backend;
         self.ensure_step_buffers()?;
-        let key = self.key(StepEnd::Fed);
+        let key = self.key(StepEnd::Fed, n);
         let (model, kv) = (self.model, self.kv.as_mut().expect("a live session has its cache"));
         let logits = self.logits.as_mut().expect("set above");
         let argmax = self.argmax.as_mut().expect("set above");
         // The token value matters only to the host staging of a given token (a fed step's
         // embedding reads the device's copy); its count sets the step's shape.
         b.step_fed(key, token, pos, &mut || {
-            model.forward_argmax(&[token.unwrap_or(0)], pos, kv, &mut *logits, &mut *argmax, true)
+            (0..n).try_for_each(|i| {
+                model.forward_argmax(&[token.unwrap_or(0)], pos + i, kv, &mut *logits, &mut *argmax, true)
+            })
         })?;
-        b.queue_read(argmax, pos, slot)
+        b.queue_read(argmax, pos, n, slot)
     }
 
-    /// Greedy generation with fed steps: while the host reads and hands out token n, the
-    /// step consuming it is already queued on the device (speculatively: if token n stops
-    /// generation, that step's result is dropped and its cache slot, past `tokens`, is
-    /// overwritten by whatever is fed next). `first` is the token sampled from the prompt.
+    /// Steps the fed run queued at `pos` takes, `generated` tokens having been accepted
+    /// (the one it consumes included): a whole run while `max_tokens` and the context leave
+    /// room for one, else one step (no step runs past what the generation can use).
+    fn fed_run(&self, generated: usize, max_tokens: usize, pos: usize) -> usize {
+        let n = self.feed_steps;
+        match generated + n <= max_tokens && pos + n <= self.capacity() {
+            true => n,
+            false => 1,
+        }
+    }
+
+    /// Greedy generation with fed steps: while the host reads and hands out a run's tokens,
+    /// the run consuming the last of them is already queued on the device (speculatively:
+    /// if a token stops generation, the steps after it are dropped and their cache slots,
+    /// past `tokens`, are overwritten by whatever is fed next). `first` is the token sampled
+    /// from the prompt.
     fn generate_fed(
         &mut self,
         first: u32,
@@ -200,7 +247,7 @@ impl<'m, B: Backend> Session<'m, B> {
     ) -> Result<()> {
         let mut tok = first;
         let mut slot = 0;
-        let mut queued = false; // whether the step consuming `tok` is queued already
+        let mut queued = 0; // steps of the queued run consuming `tok` (0: none queued)
         loop {
             st.generated += 1;
             if stop.contains(&tok) {
@@ -210,24 +257,50 @@ impl<'m, B: Backend> Session<'m, B> {
             if !on_token(tok)? || st.generated == max_tokens || self.tokens.len() >= self.capacity() {
                 return Ok(());
             }
-            if !queued {
-                self.queue_fed(Some(tok), self.tokens.len(), slot)?;
-            }
+            let pos = self.tokens.len();
+            let n = match queued {
+                0 => {
+                    let n = self.fed_run(st.generated, max_tokens, pos);
+                    self.queue_fed(Some(tok), pos, n, slot)?;
+                    n
+                }
+                n => n,
+            };
             self.tokens.push(tok);
-            // The next step (consuming the token being read) goes in before the read when
-            // it may be needed at all; the generation goes on only if it is.
-            queued = st.generated + 1 < max_tokens && self.tokens.len() < self.capacity();
-            if queued {
-                self.queue_fed(None, self.tokens.len(), slot ^ 1)?;
+            // The next run (consuming this run's last token) goes in before the read when it
+            // may be needed at all; the generation goes on only if it is.
+            let (generated, next) = (st.generated + n, pos + n);
+            queued = 0;
+            if generated < max_tokens && next < self.capacity() {
+                queued = self.fed_run(generated, max_tokens, next);
+                self.queue_fed(None, next, queued, slot ^ 1)?;
             }
-            tok = self.model.backend.take_read(slot)? as u32;
+            let toks = self.model.backend.take_read(slot)?;
             slot ^= 1;
+            let (&last, inputs) = toks
+                .split_last()
+                .filter(|_| toks.len() == n)
+                .ok_or_else(|| Error::Invalid(format!("a fed run of {n} steps read back {} tokens", toks.len())))?;
+            // This run's steps after its first consumed these.
+            for &t in inputs {
+                st.generated += 1;
+                if stop.contains(&t) {
+                    st.stopped_by_eos = true;
+                    return Ok(());
+                }
+                if !on_token(t)? || st.generated == max_tokens {
+                    return Ok(());
+                }
+                self.tokens.push(t);
+            }
+            tok = last;
         }
     }
 
-    /// This session's capture of a step ending in `end`.
-    fn key(&self, end: StepEnd) -> u64 {
-        self.id << 2 | end as u64
+    /// This session's capture of `steps` decode steps ending in `end`.
+    fn key(&self, end: StepEnd, steps: usize) -> u64 {
+        debug_assert!(steps <= crate::backend::FEED_STEPS_MAX);
+        self.id << 7 | (steps as u64) << 2 | end as u64
     }
 
     /// The decode step's logits and argmax buffers, made on first use.
@@ -246,7 +319,7 @@ impl<'m, B: Backend> Session<'m, B> {
         }
         let b = &self.model.backend;
         self.ensure_step_buffers()?;
-        let key = self.key(end);
+        let key = self.key(end, 1);
         let (model, kv) = (self.model, self.kv.as_mut().expect("a live session has its cache"));
         let logits = self.logits.as_mut().expect("set above");
         let argmax = self.argmax.as_mut().expect("set above");
@@ -361,8 +434,12 @@ impl<B: Backend> Drop for Session<'_, B> {
             return;
         }
         drop(pool);
-        for end in [StepEnd::Logits, StepEnd::Argmax, StepEnd::TopK, StepEnd::Fed] {
-            self.model.backend.forget(self.key(end));
+        for end in [StepEnd::Logits, StepEnd::Argmax, StepEnd::TopK] {
+            self.model.backend.forget(self.key(end, 1));
+        }
+        // Fed runs of one step (a generation's tail) and of every run length used.
+        for steps in 1..=crate::backend::FEED_STEPS_MAX {
+            self.model.backend.forget(self.key(StepEnd::Fed, steps));
         }
     }
 }

@@ -394,11 +394,12 @@ fn graph_replay_matches_plain_forward() {
     }
 }
 
-/// Greedy `generate` on CUDA queues fed steps (each step's argmax is the next step's input
-/// on the device, read back one step behind): it gives the tokens of step-by-step greedy
-/// decoding; stopping (a stop token, `on_token` returning false, max_tokens, a full
-/// context) hands out exactly the tokens before the stop; and the session's cache stays
-/// right for the next turn although a speculative step wrote one slot past its tokens.
+/// Greedy `generate` on CUDA queues fed steps in runs (one graph of k steps, each step's
+/// argmax the next step's input on the device, read back one run behind): at every run
+/// length it gives the tokens of step-by-step greedy decoding; stopping (a stop token,
+/// `on_token` returning false, max_tokens, a full context) hands out exactly the tokens
+/// before the stop, mid-run too; and the session's cache stays right for the next turn
+/// although speculative steps wrote slots past its tokens.
 #[test]
 fn fed_greedy_generate_matches_step_by_step() {
     use ferrolm::generate::Session;
@@ -419,52 +420,62 @@ fn fed_greedy_generate_matches_step_by_step() {
         }
         (s, want)
     };
-    let (_, want) = reference(256, 40);
-    let run = |s: &mut Session<'_, _>, prompt: &[u32], max: usize, stop: &[u32], until: usize| {
-        let mut got = Vec::new();
-        let st = s
-            .generate(prompt, max, &mut greedy(), stop, |t| {
-                got.push(t);
-                Ok(got.len() < until)
-            })
-            .unwrap();
-        (got, st)
-    };
-    let mut s = Session::new(&mg, 256).unwrap();
-    let (got, st) = run(&mut s, &ids, 40, &[], usize::MAX);
-    assert_eq!(got, want, "fed greedy tokens");
-    assert_eq!((st.generated, st.stopped_by_eos), (40, false));
-    // the last token is handed out but not fed: the cache holds the prompt and 39 tokens
-    assert_eq!(s.tokens.len(), ids.len() + 39);
-    // a stop token: the tokens before it, and it is not handed out
-    let stop_at = 7;
-    let mut s = Session::new(&mg, 256).unwrap();
-    let (got, st) = run(&mut s, &ids, 40, &[want[stop_at]], usize::MAX);
-    let first_stop = want.iter().position(|&t| t == want[stop_at]).unwrap();
-    assert_eq!(got, want[..first_stop], "tokens before the stop token");
-    assert!(st.stopped_by_eos);
-    // on_token saying stop, and max_tokens
-    let mut s = Session::new(&mg, 256).unwrap();
-    assert_eq!(run(&mut s, &ids, 40, &[], 5).0, want[..5]);
-    let mut s = Session::new(&mg, 256).unwrap();
-    assert_eq!(run(&mut s, &ids, 3, &[], usize::MAX).0, want[..3]);
-    assert_eq!(run(&mut Session::new(&mg, 256).unwrap(), &ids, 1, &[], usize::MAX).0, want[..1]);
-    // a context that fills up: capacity for the prompt and 10 more
-    let mut s = Session::new(&mg, ids.len() + 10).unwrap();
-    let (got, _) = run(&mut s, &ids, 40, &[], usize::MAX);
-    assert_eq!(got, reference(ids.len() + 10, 11).1, "generation stops when the context is full");
-    // next turn on the stopped session (its speculative step wrote the slot after its
-    // tokens) equals the next turn on a session that fed the same tokens step by step
-    let mut s = Session::new(&mg, 256).unwrap();
-    let (first, _) = run(&mut s, &ids, 40, &[], 5);
-    let (mut r, _) = reference(256, 5);
-    assert_eq!(s.tokens, r.tokens, "fed tokens after a stop by on_token");
-    let mut turn2 = s.tokens.clone();
-    turn2.push(first[4]);
-    turn2.extend(tok.encode(" Also,", false).unwrap());
-    let (a, _) = run(&mut s, &turn2, 12, &[], usize::MAX);
-    let (b, _) = run(&mut r, &turn2, 12, &[], usize::MAX);
-    assert_eq!(a, b, "second turn after a stopped fed generation");
+    let (_, want) = reference(256, 80);
+    // Runs of 8 steps (the default), 1 (a graph per step) and 3 (runs ending mid-way
+    // through the stops below).
+    for k in [8, 1, 3] {
+        let new = |cap: usize| {
+            let mut s = Session::new(&mg, cap).unwrap();
+            s.set_feed_steps(k).unwrap();
+            s
+        };
+        let run = |s: &mut Session<'_, _>, prompt: &[u32], max: usize, stop: &[u32], until: usize| {
+            let mut got = Vec::new();
+            let st = s
+                .generate(prompt, max, &mut greedy(), stop, |t| {
+                    got.push(t);
+                    Ok(got.len() < until)
+                })
+                .unwrap();
+            (got, st)
+        };
+        // 80 tokens: positions past 64, where the device's token history wraps mid-run
+        let mut s = new(256);
+        let (got, st) = run(&mut s, &ids, 80, &[], usize::MAX);
+        assert_eq!(got, want, "fed greedy tokens, runs of {k}");
+        assert_eq!((st.generated, st.stopped_by_eos), (80, false));
+        // the last token is handed out but not fed: the cache holds the prompt and 79 tokens
+        assert_eq!(s.tokens.len(), ids.len() + 79);
+        // a stop token: the tokens before it, and it is not handed out
+        let stop_at = 7;
+        let mut s = new(256);
+        let (got, st) = run(&mut s, &ids, 80, &[want[stop_at]], usize::MAX);
+        let first_stop = want.iter().position(|&t| t == want[stop_at]).unwrap();
+        assert_eq!(got, want[..first_stop], "tokens before the stop token");
+        assert!(st.stopped_by_eos);
+        // on_token saying stop, and max_tokens
+        let mut s = new(256);
+        assert_eq!(run(&mut s, &ids, 40, &[], 5).0, want[..5]);
+        let mut s = new(256);
+        assert_eq!(run(&mut s, &ids, 3, &[], usize::MAX).0, want[..3]);
+        assert_eq!(run(&mut new(256), &ids, 1, &[], usize::MAX).0, want[..1]);
+        // a context that fills up: capacity for the prompt and 10 more
+        let mut s = new(ids.len() + 10);
+        let (got, _) = run(&mut s, &ids, 40, &[], usize::MAX);
+        assert_eq!(got, reference(ids.len() + 10, 11).1, "generation stops when the context is full");
+        // next turn on the stopped session (its speculative step wrote the slot after its
+        // tokens) equals the next turn on a session that fed the same tokens step by step
+        let mut s = new(256);
+        let (first, _) = run(&mut s, &ids, 40, &[], 5);
+        let (mut r, _) = reference(256, 5);
+        assert_eq!(s.tokens, r.tokens, "fed tokens after a stop by on_token");
+        let mut turn2 = s.tokens.clone();
+        turn2.push(first[4]);
+        turn2.extend(tok.encode(" Also,", false).unwrap());
+        let (a, _) = run(&mut s, &turn2, 12, &[], usize::MAX);
+        let (b, _) = run(&mut r, &turn2, 12, &[], usize::MAX);
+        assert_eq!(a, b, "second turn after a stopped fed generation, runs of {k}");
+    }
 }
 
 /// The fused layer end (ffn.rs: [o + add,] gate/up→SwiGLU and down + add in one kernel,

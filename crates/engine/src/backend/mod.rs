@@ -41,12 +41,16 @@ pub struct DecodeBufs<'a, B: Backend> {
     pub act: &'a mut B::Act,
 }
 
-/// The ops a forward pass needs. Activations are row-major `[tokens, width]`. Ops return
-/// errors because device launches can fail; the CPU's never do.
 /// Largest k `Backend::top_k` takes (the CUDA kernel's limit is only the output size; this
 /// keeps the read-back small).
 pub const TOP_K_MAX: usize = 1024;
 
+/// Most fed decode steps one `Backend::step_fed` call may run (and one `queue_read` read):
+/// two such runs in flight must fit the CUDA backend's token history (FEED_HIST, 64).
+pub const FEED_STEPS_MAX: usize = 16;
+
+/// The ops a forward pass needs. Activations are row-major `[tokens, width]`. Ops return
+/// errors because device launches can fail; the CPU's never do.
 pub trait Backend: Sync {
     /// Activations `[rows, cols]` (f32 on the CPU).
     type Act;
@@ -102,10 +106,10 @@ pub trait Backend: Sync {
     fn feeds_steps(&self) -> bool {
         false
     }
-    /// Queue one decode step `f` (as `step`, captured under `key`) that ends in
-    /// `argmax_fed`, without waiting for it. Its input is `token` at `pos0` when given (the
-    /// host's), else the previous fed step's argmax at the position after it; a step is
-    /// captured only when its token is given.
+    /// Queue the decode steps `f` launches (as `step`, captured under `key`; each ends in
+    /// `argmax_fed`, which feeds the next), without waiting for them. The first one's input
+    /// is `token` at `pos0` when given (the host's), else the previous fed step's argmax at
+    /// the position after it.
     fn step_fed(&self, _key: u64, _token: Option<u32>, _pos0: usize, _f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         Err(crate::Error::Invalid(format!("the {} backend does not feed decode steps", self.name())))
     }
@@ -113,14 +117,15 @@ pub trait Backend: Sync {
     fn argmax_fed(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()> {
         self.argmax(x, out)
     }
-    /// Queue a read, for `take_read(slot)`, of the token the fed step at position `pos`
-    /// chose (x[0] of its argmax output `x`): after the work queued so far, without holding
-    /// back the work queued after it.
-    fn queue_read(&self, _x: &Self::Act, _pos: usize, _slot: usize) -> Result<()> {
+    /// Queue a read, for `take_read(slot)`, of the tokens the `n` fed steps at positions
+    /// `pos..pos + n` chose (the last one also x[0] of their argmax output `x`): after the
+    /// work queued so far, without holding back the work queued after it. `n` is at most
+    /// `FEED_STEPS_MAX`.
+    fn queue_read(&self, _x: &Self::Act, _pos: usize, _n: usize, _slot: usize) -> Result<()> {
         Err(crate::Error::Invalid(format!("the {} backend does not queue reads", self.name())))
     }
-    /// The value `queue_read` queued for `slot`, waiting for it.
-    fn take_read(&self, _slot: usize) -> Result<f32> {
+    /// The tokens `queue_read` queued for `slot`, waiting for them.
+    fn take_read(&self, _slot: usize) -> Result<Vec<u32>> {
         Err(crate::Error::Invalid(format!("the {} backend does not queue reads", self.name())))
     }
     /// out[i] = table[tokens[i]] (out is the f32 residual stream)

@@ -113,10 +113,8 @@ pub struct Cuda {
     /// launches (tests check that it ran).
     pub(crate) head_argmax_on: std::sync::atomic::AtomicBool,
     pub(crate) head_argmax_launches: std::sync::atomic::AtomicUsize,
-    /// Pinned slots for `Backend::queue_read` / `take_read`, each with the event its copy
-    /// records and the event that marks its step done on the main stream.
-    #[allow(clippy::type_complexity)]
-    pub(crate) reads: Mutex<Vec<(PinnedHostSlice<i32>, cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>>,
+    /// Slots for `Backend::queue_read` / `take_read`.
+    pub(crate) reads: Mutex<Vec<ReadSlot>>,
     /// Where queued reads copy (waiting for their step, not holding back the steps after).
     pub(crate) read_stream: std::sync::Arc<cudarc::driver::CudaStream>,
     /// The kernel timeline asked for by `FERROLM_TRACE` (trace.rs).
@@ -139,9 +137,22 @@ thread_local! {
     static DRY_PASS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-/// Fed steps' tokens the device keeps (sample.cu's FEED_HIST): the host reads a step's token
-/// while later steps run, at most two steps behind.
+/// Fed steps' tokens the device keeps (sample.cu's FEED_HIST): the host reads a run of
+/// steps' tokens while later steps run, at most two runs (2·FEED_STEPS_MAX steps) behind.
 pub(crate) const FEED_HIST: usize = 64;
+const _: () = assert!(2 * crate::backend::FEED_STEPS_MAX <= FEED_HIST);
+
+/// Where a queued read of fed steps' tokens lands: a pinned (cached: the host reads it)
+/// copy of the whole token history (256 bytes: one copy, where the run's slice of it may
+/// wrap; entries that later steps write meanwhile are not read), the run's first position
+/// and length, the event its copy records and the event that marks its steps done on the
+/// main stream.
+pub(crate) struct ReadSlot {
+    pub(crate) hist: PinnedHostSlice<i32>,
+    pub(crate) run: (usize, usize),
+    pub(crate) copied: cudarc::driver::CudaEvent,
+    pub(crate) done: cudarc::driver::CudaEvent,
+}
 
 /// A captured graph, owned behind the backend's mutex.
 pub struct Graph(pub CudaGraph);
@@ -159,6 +170,9 @@ pub struct Staged {
     pub hist_dev: CudaSlice<i32>,
     /// Recorded after each direct upload of the staged values; `stage` waits for it.
     pub uploaded: cudarc::driver::CudaEvent,
+    /// A fed step's token and position, kept while its capture's dry pass runs (`Cuda::
+    /// keep_fed_input`).
+    pub fed_kept: CudaSlice<i32>,
 }
 
 /// Scales or biases on the device, in their source precision.
@@ -621,8 +635,9 @@ impl Cuda {
             let pos_dev = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating the position"))?;
             let hist_dev = self.stream.alloc_zeros::<i32>(FEED_HIST).map_err(drv("allocating the token history"))?;
             let uploaded = self.ctx.new_event(None).map_err(drv("creating an event"))?;
+            let fed_kept = self.stream.alloc_zeros::<i32>(2).map_err(drv("allocating the token history"))?;
             self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
-            *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev, hist_dev, uploaded });
+            *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev, hist_dev, uploaded, fed_kept });
         }
         let s = st.as_mut().expect("set above");
         // The last direct upload (not a graph's) may still be queued: it reads these
@@ -658,6 +673,26 @@ impl Cuda {
         DRY_PASS.set(true);
         let _dry = Dry;
         f()
+    }
+
+    /// Keep (`restore` false) or put back (true) the device's token and position of a fed
+    /// step whose input only the device has (the previous fed step's argmax wrote it): its
+    /// capture's dry pass runs what `launch` does not skip, which must not advance them.
+    /// Queued on the stream, in order with the steps before and after.
+    pub(crate) fn keep_fed_input(&self, restore: bool) -> Result<()> {
+        let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_mut().ok_or_else(|| Error::Invalid("a fed decode step without staged buffers".into()))?;
+        let what = || drv("keeping a fed step's input");
+        match restore {
+            false => {
+                self.stream.memcpy_dtod(&s.tok_dev.slice(0..1), &mut s.fed_kept.slice_mut(0..1)).map_err(what())?;
+                self.stream.memcpy_dtod(&s.pos_dev.slice(0..1), &mut s.fed_kept.slice_mut(1..2)).map_err(what())
+            }
+            true => {
+                self.stream.memcpy_dtod(&s.fed_kept.slice(0..1), &mut s.tok_dev.slice_mut(0..1)).map_err(what())?;
+                self.stream.memcpy_dtod(&s.fed_kept.slice(1..2), &mut s.pos_dev.slice_mut(0..1)).map_err(what())
+            }
+        }
     }
 
     /// A switch of the decode path (the setters tests compare paths with): captured steps

@@ -1,8 +1,8 @@
 //! The forward-pass ops on CUDA: each launches one kernel from crates/engine/kernels/ (the
 //! CPU backend is the reference each is tested against).
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales, FEED_HIST};
-use super::fused::{GemvIn, GemvOut};
+use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv, CudaMat, DevScales, KArg, ReadSlot, FEED_HIST};
+use super::fused::{dev, scales_ptr, GemvIn, GemvOut};
 use super::kernels;
 use crate::backend::{Backend, Rope};
 use crate::config::{ModelConfig, RopeStyle};
@@ -213,69 +213,76 @@ impl Backend for Cuda {
     }
     fn step_fed(&self, key: u64, token: Option<u32>, pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         let captured = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&key);
-        match token {
-            // Staging waits for the previous upload from the pinned buffer to finish.
-            Some(t) => {
-                self.stage(&[t], pos0)?;
-                self.upload_staged()?;
-            }
-            None if !captured => {
-                return Err(Error::Invalid(
-                    "a device-fed decode step before its capture (the first needs its token)".into(),
-                ))
-            }
-            None => {}
+        // Staging waits for the previous upload from the pinned buffer to finish.
+        if let Some(t) = token {
+            self.stage(&[t], pos0)?;
+            self.upload_staged()?;
         }
         self.feeding.store(true, Relaxed);
-        let r = match captured {
-            true => self.graphs.lock().unwrap_or_else(|e| e.into_inner())[&key]
+        let r = match (captured, token) {
+            (true, _) => self.graphs.lock().unwrap_or_else(|e| e.into_inner())[&key]
                 .0
                 .launch()
                 .map_err(drv("replaying the fed decode graph")),
             // As in `step`, a pass before the capture; should its argmax have run and advanced
-            // the device's token and position, this step's go back before the capture runs.
-            false => self
+            // the device's token and position, this step's go back before the capture runs:
+            // the host's, or (a step fed by the one before it, e.g. a generation's first
+            // shorter run) the device's own, kept before the pass.
+            (false, Some(_)) => self
                 .before_capture(f)
                 .and_then(|()| self.upload_staged())
+                .and_then(|()| self.capture_and_launch(key, f)),
+            (false, None) => self
+                .keep_fed_input(false)
+                .and_then(|()| self.before_capture(f))
+                .and_then(|()| self.keep_fed_input(true))
                 .and_then(|()| self.capture_and_launch(key, f)),
         };
         self.feeding.store(false, Relaxed);
         r
     }
-    fn queue_read(&self, _x: &CudaAct, pos: usize, slot: usize) -> Result<()> {
-        // The fed step's argmax also wrote its token to the device history at `pos`, which
-        // the steps after it do not touch for FEED_HIST steps: the copy runs on the read
-        // stream once this step is done, and the main stream goes straight on to the next
-        // step (a copy queued between two steps' graphs delayed the second by its latency).
+    fn queue_read(&self, _x: &CudaAct, pos: usize, n: usize, slot: usize) -> Result<()> {
+        if n == 0 || n > crate::backend::FEED_STEPS_MAX {
+            return Err(Error::Invalid(format!(
+                "a queued read of {n} fed steps (1 to {} at once)",
+                crate::backend::FEED_STEPS_MAX
+            )));
+        }
+        // The fed steps' argmax also wrote their tokens to the device history at their
+        // positions, which the steps after them do not touch for FEED_HIST − n steps: the
+        // copy runs on the read stream once these steps are done, and the main stream goes
+        // straight on to the next steps (a copy queued between two steps' graphs delayed
+        // the second by its latency).
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let hist =
             &st.as_ref().ok_or_else(|| Error::Invalid("CUDA queued read without a staged step".into()))?.hist_dev;
         let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
         while reads.len() <= slot {
-            // Cached (not write-combined) pinned memory: the host reads it. SAFETY: written
-            // by the copy below before `take_read` reads it.
-            let p =
-                unsafe { self.ctx.alloc_pinned_with_flags::<i32>(1, 0) }.map_err(drv("allocating pinned memory"))?;
+            // Cached (not write-combined) pinned memory: the host reads it. SAFETY: written by
+            // the copy below before `take_read` reads it.
+            let copy = unsafe { self.ctx.alloc_pinned_with_flags::<i32>(FEED_HIST, 0) }
+                .map_err(drv("allocating pinned memory"))?;
             // Spinning events: the host waits for each step's token, so wake-up latency counts.
             let copied = self.ctx.new_event(None).map_err(drv("creating an event"))?;
             let done = self.ctx.new_event(None).map_err(drv("creating an event"))?;
-            reads.push((p, copied, done));
+            reads.push(ReadSlot { hist: copy, run: (0, 0), copied, done });
         }
         // cudarc's own event tracking is off (see `Cuda::new`): these events order the copy
-        // after the step, and mark its completion for take_read.
-        let (p, copied, done) = &mut reads[slot];
-        let i = pos % FEED_HIST;
-        done.record(&self.stream).map_err(drv("queueing a read"))?;
-        self.read_stream.wait(done).map_err(drv("queueing a read"))?;
-        self.read_stream.memcpy_dtoh(&hist.slice(i..i + 1), p).map_err(drv("queueing a read"))?;
-        copied.record(&self.read_stream).map_err(drv("queueing a read"))
+        // after the steps, and mark its completion for take_read.
+        let r = &mut reads[slot];
+        r.run = (pos, n);
+        r.done.record(&self.stream).map_err(drv("queueing a read"))?;
+        self.read_stream.wait(&r.done).map_err(drv("queueing a read"))?;
+        self.read_stream.memcpy_dtoh(hist, &mut r.hist).map_err(drv("queueing a read"))?;
+        r.copied.record(&self.read_stream).map_err(drv("queueing a read"))
     }
-    fn take_read(&self, slot: usize) -> Result<f32> {
+    fn take_read(&self, slot: usize) -> Result<Vec<u32>> {
         let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
-        let (p, copied, _) =
-            reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
-        copied.synchronize().map_err(drv("waiting for a queued read"))?;
-        Ok(p.as_slice().map_err(drv("reading a queued read"))?[0] as f32)
+        let r = reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
+        r.copied.synchronize().map_err(drv("waiting for a queued read"))?;
+        let hist = r.hist.as_slice().map_err(drv("reading a queued read"))?;
+        let (pos, n) = r.run;
+        Ok((pos..pos + n).map(|p| hist[p % FEED_HIST] as u32).collect())
     }
     fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
@@ -291,13 +298,17 @@ impl Backend for Cuda {
         };
         let r = match table {
             CudaMat::Affine { words, scales, biases, f, .. } => {
-                let mut b = self.stream.launch_builder(&f[2]);
-                b.arg(words);
-                push_scales(&mut b, scales);
-                push_scales(&mut b, biases);
-                b.arg(ids).arg(o).arg(&cols);
-                // SAFETY: matches affine.cu's embed.
-                unsafe { b.launch(c) }
+                // With PDL (affine.cu's embed waits before it reads the token): a run of fed
+                // steps in one graph overlaps each step's start with the last one's head.
+                let args = [
+                    dev(self, words),
+                    KArg::Ptr(scales_ptr(self, scales)),
+                    KArg::Ptr(scales_ptr(self, biases)),
+                    dev(self, ids),
+                    dev(self, o),
+                    KArg::I32(cols),
+                ];
+                return self.launch(&f[2], c, &args, "embed launch");
             }
             CudaMat::Dense { w, f, .. } => {
                 let mut b = self.stream.launch_builder(&f[2]);
