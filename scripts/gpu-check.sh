@@ -77,6 +77,8 @@ results+=("ferrolm, 1B shape 4-bit g64 (synthetic), depth 8192|$(bench --model "
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_GEMV_RING=0|$(FERROLM_GEMV_RING=0 bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_GEMV_RING=1|$(FERROLM_GEMV_RING=1 bench --model "$m1b")")
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), steps not fed|$(FERROLM_CUDA_FEED=0 bench --model "$m1b")")
+# Fed greedy steps one graph per step instead of runs of 8 in one graph.
+results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_FEED_STEPS=1|$(FERROLM_FEED_STEPS=1 bench --model "$m1b")")
 # Every bench repeat is a new session: without the pool each one captures its own steps.
 results+=("ferrolm, 1B shape 4-bit g64 (synthetic), FERROLM_SESSION_POOL=0|$(FERROLM_SESSION_POOL=0 bench --model "$m1b")")
 # The fused layer end (not the default until measured): the MLP as one launch, then o + MLP,
