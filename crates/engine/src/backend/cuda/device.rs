@@ -635,7 +635,7 @@ impl Cuda {
             let pos_dev = self.stream.alloc_zeros::<i32>(1).map_err(drv("allocating the position"))?;
             let hist_dev = self.stream.alloc_zeros::<i32>(FEED_HIST).map_err(drv("allocating the token history"))?;
             let uploaded = self.ctx.new_event(None).map_err(drv("creating an event"))?;
-            let fed_kept = self.stream.alloc_zeros::<i32>(2).map_err(drv("allocating the token history"))?;
+            let fed_kept = self.stream.alloc_zeros::<i32>(2).map_err(drv("allocating a fed step's kept input"))?;
             self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
             *st = Some(Staged { cap, tok_host, tok_dev, pos_host, pos_dev, hist_dev, uploaded, fed_kept });
         }

@@ -226,8 +226,8 @@ impl Backend for Cuda {
                 .map_err(drv("replaying the fed decode graph")),
             // As in `step`, a pass before the capture; should its argmax have run and advanced
             // the device's token and position, this step's go back before the capture runs:
-            // the host's, or (a step fed by the one before it, e.g. a generation's first
-            // shorter run) the device's own, kept before the pass.
+            // the host's, or (a run fed by the one before it, e.g. a generation's first
+            // one-step tail after runs of 8) the device's own, kept before the pass.
             (false, Some(_)) => self
                 .before_capture(f)
                 .and_then(|()| self.upload_staged())
@@ -249,10 +249,11 @@ impl Backend for Cuda {
             )));
         }
         // The fed steps' argmax also wrote their tokens to the device history at their
-        // positions, which the steps after them do not touch for FEED_HIST − n steps: the
-        // copy runs on the read stream once these steps are done, and the main stream goes
-        // straight on to the next steps (a copy queued between two steps' graphs delayed
-        // the second by its latency).
+        // positions, which the steps after them do not touch for FEED_HIST − n steps. The
+        // whole history is copied (256 bytes, one copy however the run wraps; the entries
+        // later steps write meanwhile are not read) on the read stream once these steps are
+        // done, and the main stream goes straight on to the next steps (a copy queued
+        // between two steps' graphs delayed the second by its latency).
         let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let hist =
             &st.as_ref().ok_or_else(|| Error::Invalid("CUDA queued read without a staged step".into()))?.hist_dev;
