@@ -27,8 +27,9 @@
 // Where the time goes: at a few hundred cached positions a split is a chain of latencies
 // (load K/V, score, merge, then the split merge: through global memory a fence, an atomic
 // and dependent L2 reads, ~3 µs; in a cluster two barriers and shared-memory reads). Launched with PDL: the cached
-// positions (< pos0) were written by earlier steps, which have finished (every step starts
-// with a non-PDL launch), so the first KV_AHEAD rounds' K/V loads (UNR positions per lane
+// positions (< pos0) were written by earlier steps, which have finished (a step's first
+// kernel, the embedding, triggers its dependents only once the step before it has ended),
+// so the first KV_AHEAD rounds' K/V loads (UNR positions per lane
 // group each) go out before pdl_wait, overlapping the q/k/v GEMV. Compiled per QB_MAX (the
 // launch's query heads per block): registers for 4 heads where a block takes 1 spilled,
 // and cost SmolLM2 9% of its decode speed (H200, docs/perf.md).
