@@ -245,16 +245,21 @@ impl<'m, B: Backend> Session<'m, B> {
         st: &mut GenStats,
         on_token: &mut impl FnMut(u32) -> Result<bool>,
     ) -> Result<()> {
+        // Count and hand out token t; false when the generation ends with it (a stop token,
+        // not handed out; on_token saying stop; max_tokens reached).
+        let mut accept = |st: &mut GenStats, t: u32| -> Result<bool> {
+            st.generated += 1;
+            if stop.contains(&t) {
+                st.stopped_by_eos = true;
+                return Ok(false);
+            }
+            Ok(on_token(t)? && st.generated < max_tokens)
+        };
         let mut tok = first;
         let mut slot = 0;
         let mut queued = 0; // steps of the queued run consuming `tok` (0: none queued)
         loop {
-            st.generated += 1;
-            if stop.contains(&tok) {
-                st.stopped_by_eos = true;
-                return Ok(());
-            }
-            if !on_token(tok)? || st.generated == max_tokens || self.tokens.len() >= self.capacity() {
+            if !accept(st, tok)? || self.tokens.len() >= self.capacity() {
                 return Ok(());
             }
             let pos = self.tokens.len();
@@ -283,12 +288,7 @@ impl<'m, B: Backend> Session<'m, B> {
                 .ok_or_else(|| Error::Invalid(format!("a fed run of {n} steps read back {} tokens", toks.len())))?;
             // This run's steps after its first consumed these.
             for &t in inputs {
-                st.generated += 1;
-                if stop.contains(&t) {
-                    st.stopped_by_eos = true;
-                    return Ok(());
-                }
-                if !on_token(t)? || st.generated == max_tokens {
+                if !accept(st, t)? {
                     return Ok(());
                 }
                 self.tokens.push(t);
