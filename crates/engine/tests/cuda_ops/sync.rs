@@ -3,7 +3,7 @@
 //! cost per round printed for the record (docs/perf.md), never asserted.
 
 use super::gpu;
-use ferrolm::backend::cuda::probe::{probe_value, SyncProbe};
+use ferrolm::backend::cuda::probe::{probe_value, StreamProbe, SyncProbe};
 
 #[test]
 fn sync_primitives_work_and_their_costs() {
@@ -39,4 +39,87 @@ fn sync_primitives_work_and_their_costs() {
         table.push(format!("{probe:?}: {:.2} µs per round", run.us_per_round));
     }
     eprintln!("sync primitives ({} rounds):\n  {}", rounds, table.join("\n  "));
+}
+
+/// 4-bit, group 64, bf16 scales and biases: the bytes of a rows × cols matrix.
+fn q4_bytes(rows: usize, cols: usize) -> usize {
+    rows * (cols / 2 + cols / 64 * 4)
+}
+
+/// The weight stream of a persistent decode kernel with no math (kernels/stream_probe.cu),
+/// over one token of the Llama-3.2-1B shape (16 layers and the tied head, 4-bit g64: the
+/// bytes the bench counts), with 0, 2 or 5 grid barriers per layer and a spin after each
+/// barrier standing in for a phase's chain. Each run's sum over every byte the consumers
+/// read is checked; the rates are printed for docs/perf.md, never asserted.
+#[test]
+fn weight_stream_probe_streams_every_byte_and_its_rates() {
+    let g = gpu();
+    let (hidden, inter, kv, vocab, layers) = (2048, 8192, 512, 128_256, 16);
+    let (qkv, o) = (q4_bytes(hidden + 2 * kv, hidden), q4_bytes(hidden, hidden));
+    let (gate_up, down, head) = (q4_bytes(2 * inter, hidden), q4_bytes(hidden, inter), q4_bytes(vocab, hidden));
+    let token = |phases: &[(usize, bool)]| -> Vec<(usize, bool)> {
+        let mut s: Vec<(usize, bool)> = (0..layers).flat_map(|_| phases.iter().copied()).collect();
+        s.push((head, true));
+        s
+    };
+    let none = token(&[(qkv + o + gate_up + down, false)]);
+    let two = token(&[(qkv + o, true), (gate_up + down, true)]);
+    let five = token(&[(qkv, true), (0, true), (o, true), (gate_up, true), (down, true)]);
+    let copy = g.measure_copy_bandwidth().unwrap();
+    let base = StreamProbe {
+        segments: two.clone(),
+        tokens: 8,
+        chunk: 16 << 10,
+        stages: 12,
+        work: true,
+        delay_ns: 0,
+        grid_barriers: true,
+    };
+    let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
+    for stages in [2, 4, 6] {
+        runs.push(("no barriers, a smaller ring", StreamProbe { segments: none.clone(), stages, ..base.clone() }));
+    }
+    runs.extend([
+        ("2 barriers per layer", base.clone()),
+        ("5 barriers per layer", StreamProbe { segments: five.clone(), ..base.clone() }),
+        ("2 per layer, consumers read nothing", StreamProbe { work: false, ..base.clone() }),
+        ("2 per layer, 8 KB stages × 24", StreamProbe { chunk: 8 << 10, stages: 24, ..base.clone() }),
+        ("2 per layer, 32 KB stages × 6", StreamProbe { chunk: 32 << 10, stages: 6, ..base.clone() }),
+        ("2 per layer, 16 KB stages × 6 (96 KB ring)", StreamProbe { stages: 6, ..base.clone() }),
+        ("2 per layer, 16 KB stages × 13 (208 KB ring)", StreamProbe { stages: 13, ..base.clone() }),
+    ]);
+    for (ns, stages) in [(1000, 12), (2000, 12), (4000, 12), (2000, 4), (2000, 13)] {
+        let p = StreamProbe { delay_ns: ns, stages, grid_barriers: false, ..base.clone() };
+        runs.push(("2 per layer, the spin alone (no grid barrier)", p));
+    }
+    for ns in [1000, 2000, 4000, 6000] {
+        runs.push(("2 per layer, spin after each barrier", StreamProbe { delay_ns: ns, ..base.clone() }));
+    }
+    for ns in [1000, 3000] {
+        runs.push((
+            "5 per layer, spin after each barrier",
+            StreamProbe { delay_ns: ns, segments: five.clone(), ..base.clone() },
+        ));
+    }
+    let mut table = Vec::new();
+    for (what, p) in &runs {
+        let r = g.stream_probe(p).unwrap();
+        assert_eq!(r.sum, r.want, "{what}: the consumers' sum over the streamed bytes");
+        let bw = r.bytes_per_token as f64 / (r.us_per_token * 1e-6);
+        table.push(format!(
+            "{what} (chunk {} KB, {} stages, spin {} ns): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy",
+            p.chunk >> 10,
+            p.stages,
+            p.delay_ns,
+            r.us_per_token,
+            bw / 1e12,
+            100.0 * bw / copy
+        ));
+    }
+    eprintln!(
+        "weight stream, Llama-3.2-1B shape 4-bit g64 ({:.1} MB per token; copy bandwidth {:.2} TB/s):\n  {}",
+        runs[0].1.segments.iter().map(|s| s.0).sum::<usize>() as f64 / 1e6,
+        copy / 1e12,
+        table.join("\n  ")
+    );
 }

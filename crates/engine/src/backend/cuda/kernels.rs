@@ -27,6 +27,7 @@ pub const FILES: &[KernelFile] = &[
     kernel!("gemm.cu"),
     kernel!("flash_attention.cu"),
     kernel!("sync_probe.cu"),
+    kernel!("stream_probe.cu"),
 ];
 
 pub fn file(name: &str) -> &'static KernelFile {

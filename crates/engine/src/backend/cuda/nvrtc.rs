@@ -15,6 +15,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("affine.cuh", include_str!("../../../kernels/affine.cuh")),
     ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
     ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
+    ("mbarrier.cuh", include_str!("../../../kernels/mbarrier.cuh")),
     ("gemv_ring.cuh", include_str!("../../../kernels/gemv_ring.cuh")),
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("decode_layers.cuh", include_str!("../../../kernels/decode_layers.cuh")),

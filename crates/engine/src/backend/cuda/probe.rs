@@ -93,3 +93,126 @@ impl Cuda {
         Ok(ProbeRun { us_per_round: per_round[1], out })
     }
 }
+
+/// One run of the weight-stream probe (kernels/stream_probe.cu): a token's weight bytes,
+/// streamed by every SM's producer warp through a shared-memory ring while the consumer
+/// warps stop at grid barriers between phases.
+#[derive(Debug, Clone)]
+pub struct StreamProbe {
+    /// One token's phases in order: (weight bytes over the whole grid, a grid barrier after).
+    pub segments: Vec<(usize, bool)>,
+    /// Tokens per timed launch.
+    pub tokens: usize,
+    /// Bytes per bulk copy (a ring stage).
+    pub chunk: usize,
+    /// Ring stages (chunk · stages bytes of shared memory per block).
+    pub stages: usize,
+    /// Consumers read every landed byte from shared memory (and sum it for the check).
+    pub work: bool,
+    /// After each barrier the consumers spin this long before reading on (a phase's chain).
+    pub delay_ns: u32,
+    /// false: the segments' barriers are only the spin, each block's own stall (how much of
+    /// a stall the ring hides when no block waits for another).
+    pub grid_barriers: bool,
+}
+
+/// What one stream probe measured.
+pub struct StreamRun {
+    pub us_per_token: f64,
+    /// Bytes streamed per token (each segment rounded up to 16 bytes per block).
+    pub bytes_per_token: usize,
+    /// The consumers' wrapping sum of every u32 they read over one token, and what the
+    /// host expects (equal when `work`; 0 and 0 otherwise).
+    pub sum: u32,
+    pub want: u32,
+}
+
+/// Word i of the probe's weight buffer.
+fn stream_word(i: usize) -> u32 {
+    (i as u32).wrapping_mul(2_654_435_761) ^ (i >> 13) as u32
+}
+
+impl Cuda {
+    /// Time the weight stream: (one launch of tokens + 1 − one of 1) / tokens, median of
+    /// three, so launch costs cancel; one block of 8 consumer warps and a producer warp per SM.
+    pub fn stream_probe(&self, p: &StreamProbe) -> Result<StreamRun> {
+        let blocks = self.sms;
+        if p.chunk == 0 || !p.chunk.is_multiple_of(16) || p.stages == 0 || p.stages > 64 {
+            return Err(Error::Unsupported(format!("stream probe: {} stages of {} bytes", p.stages, p.chunk)));
+        }
+        let ring = p.chunk * p.stages;
+        // More than half an SM's shared memory (one block per SM), within what a block may have.
+        let smem = ring.max(120 * 1024);
+        if smem + 2048 > self.smem_optin {
+            return Err(Error::Unsupported(format!("stream probe: a {ring}-byte ring on this device")));
+        }
+        // Segment s: bytes per block, rounded up to 16, laid out one after the other.
+        let mut segs = Vec::new();
+        let mut off = 0usize;
+        for &(bytes, barrier) in &p.segments {
+            let per = bytes.div_ceil(blocks).div_ceil(16) * 16;
+            segs.push(off as i64);
+            let kind: i64 = match (barrier, p.grid_barriers) {
+                (false, _) => 0,
+                (true, true) => 1,
+                (true, false) => 2,
+            };
+            segs.push(per as i64 | (kind << 32));
+            off += per * blocks;
+        }
+        let barriers = if p.grid_barriers { p.segments.iter().filter(|s| s.1).count() } else { 0 };
+        let words: Vec<u32> = (0..off / 4).map(stream_word).collect();
+        let want = if p.work {
+            words.iter().fold(0u32, |a, &w| a.wrapping_add(w)).wrapping_mul(p.tokens as u32 + 1)
+        } else {
+            0
+        };
+        let w = self.upload(&words, "stream probe weights")?;
+        drop(words);
+        let segs_d = self.upload(&segs, "stream probe segments")?;
+        let mut counters =
+            self.stream.alloc_zeros::<i32>((p.tokens + 1) * barriers.max(1)).map_err(drv("stream probe counters"))?;
+        let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
+        let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
+        f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+            .map_err(drv("stream probe attributes"))?;
+        let khz = self
+            .ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
+            .map_err(drv("reading the SM clock"))?;
+        let delay_cycles = (u64::from(p.delay_ns) * khz as u64 / 1_000_000).min(i32::MAX as u64) as i32;
+        let mut run = |n: usize| -> Result<f64> {
+            self.stream.memset_zeros(&mut counters).map_err(drv("stream probe counters"))?;
+            self.stream.memset_zeros(&mut out).map_err(drv("stream probe sum"))?;
+            self.stream.synchronize().map_err(drv("stream probe"))?;
+            let args = [
+                KArg::Ptr(w.device_ptr(&self.stream).0),
+                KArg::Ptr(segs_d.device_ptr(&self.stream).0),
+                KArg::I32(p.segments.len() as i32),
+                KArg::I32(n as i32),
+                KArg::I32(p.chunk as i32),
+                KArg::I32(p.stages as i32),
+                KArg::I32(i32::from(p.work)),
+                KArg::I32(delay_cycles),
+                KArg::Ptr(counters.device_ptr(&self.stream).0),
+                KArg::Ptr(out.device_ptr(&self.stream).0),
+            ];
+            let c = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (9 * 32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let t = std::time::Instant::now();
+            self.launch(&f, c, &args, "stream probe launch")?;
+            self.stream.synchronize().map_err(drv("stream probe"))?;
+            Ok(t.elapsed().as_secs_f64() * 1e6)
+        };
+        run(1)?; // compiled, loaded, warm
+        let mut per_token: Vec<f64> =
+            (0..3).map(|_| Ok((run(p.tokens + 1)? - run(1)?) / p.tokens as f64)).collect::<Result<_>>()?;
+        per_token.sort_by(f64::total_cmp);
+        run(p.tokens + 1)?;
+        let sum = self.stream.clone_dtoh(&out).map_err(drv("reading the stream probe"))?[0];
+        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want })
+    }
+}

@@ -1,0 +1,118 @@
+// The weight stream of a persistent decode kernel, alone (backend/cuda/probe.rs;
+// cuda_parity's weight_stream_probe prints the table recorded in docs/perf.md): how close
+// to copy bandwidth one block per SM can stream its share of a token's weights through a
+// shared-memory ring while its consumer warps stop at grid barriers between phases.
+//
+// Why: the op path's layer is five kernels, and each boundary holds its successor's loads
+// back (docs/perf.md, sessions 5–15: 23 µs per 1B layer against 8 µs of bytes). The design
+// that can reach half of copy bandwidth streams weights independently of the phases: a
+// producer warp per SM issues bulk copies (TMA) of the SM's next weight bytes as soon as a
+// ring stage is free, barriers or not, so the copies run ahead across the consumers' grid
+// barriers and their math chains. This probe measures exactly that skeleton with no math:
+// the stream's rate with 0, 2 or 5 grid barriers per layer, and how long a chain after each
+// barrier (`delay_cycles` of SM clock, a spin standing in for x staging and math) the ring hides.
+//
+// A token is `nseg` segments, in order: segment s is `bytes` per block (a multiple of 16)
+// at w + off + block · bytes, then a grid barrier when `barrier` is 1 (2: only the spin,
+// a stall local to the block, to tell the ring's slack from the barrier's alignment). Warp NW (the
+// producer, one lane) copies each segment in `chunk`-byte pieces into `stages` ring stages
+// (stage g % stages, full[g % stages] completes phase g / stages when its bytes land); the
+// NW consumer warps wait for each piece, read it from shared memory when `work` is set
+// (a wrapping u32 sum the host checks), and count themselves out of the stage (empty[]),
+// which lets the producer refill it. The producer never waits at a barrier.
+//
+// grid: one block per SM (the host gives each more than half an SM's shared memory), all
+// resident at once; counters: tokens · (barriers per token) ints, zeroed; out[0]: the sum.
+#include "common.cuh"
+#include "mbarrier.cuh"
+
+#define SP_NW 8
+#define SP_STAGES_MAX 64
+
+struct SpSeg {
+    long long off;
+    int bytes, barrier;
+};
+
+// The consumer warps' grid barrier: they (not the producer) meet with a named barrier,
+// thread 0 counts the block in (release) and spins (acquire) until every block has.
+__device__ __forceinline__ void sp_grid_barrier(int* c) {
+    asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
+    if (threadIdx.x == 0) {
+        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(c) : "memory");
+        int v;
+        for (unsigned spins = 0;; spins++) {
+            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+            if (v >= (int)gridDim.x) break;
+            if (spins > (1u << 26)) __trap();  // a block that never arrives: fail, not hang
+        }
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
+}
+
+extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
+    stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
+                 int chunk, int stages, int work, int delay_cycles, int* __restrict__ counters,
+                 unsigned* __restrict__ out) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ __align__(8) unsigned long long full[SP_STAGES_MAX], empty[SP_STAGES_MAX];
+    __shared__ unsigned red[SP_NW];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < stages; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], SP_NW);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == SP_NW) {
+        if (lane != 0) return;
+        u32 g = 0;
+        for (int t = 0; t < tokens; t++)
+            for (int s = 0; s < nseg; s++) {
+                SpSeg sg = segs[s];
+                const unsigned char* src = w + sg.off + (long long)blockIdx.x * sg.bytes;
+                for (int o = 0; o < sg.bytes; o += chunk, g++) {
+                    u32 st = g % stages, n = min(chunk, sg.bytes - o);
+                    if (g >= (u32)stages) mbar_wait(&empty[st], (g / stages - 1) & 1);
+                    mbar_expect(&full[st], n);
+                    bulk_copy(ring + (size_t)st * chunk, src + o, n, &full[st]);
+                }
+            }
+        return;
+    }
+    u32 g = 0, acc = 0;
+    int bar = 0;
+    for (int t = 0; t < tokens; t++)
+        for (int s = 0; s < nseg; s++) {
+            SpSeg sg = segs[s];
+            for (int o = 0; o < sg.bytes; o += chunk, g++) {
+                u32 st = g % stages, n = min(chunk, sg.bytes - o);
+                mbar_wait(&full[st], (g / stages) & 1);
+                if (work) {
+                    const uint4* p = reinterpret_cast<const uint4*>(ring + (size_t)st * chunk);
+                    for (u32 i = threadIdx.x; i < n / 16; i += SP_NW * 32) {
+                        uint4 v = p[i];
+                        acc += v.x + v.y + v.z + v.w;
+                    }
+                }
+                __syncwarp();
+                if (lane == 0) mbar_arrive(&empty[st]);
+            }
+            if (sg.barrier) {
+                if (sg.barrier == 1) sp_grid_barrier(counters + bar++);
+                if (delay_cycles > 0) {  // the chain after a barrier: x staging and math
+                    long long t0 = clock64();
+                    while (clock64() - t0 < delay_cycles) {
+                    }
+                }
+            }
+        }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
+    if (lane == 0) red[warp] = acc;
+    asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
+    if (threadIdx.x == 0) {
+        u32 sum = 0;
+        for (int i = 0; i < SP_NW; i++) sum += red[i];
+        atomicAdd(out, sum);  // wrapping u32 sums: the same total in any order
+    }
+}
