@@ -36,7 +36,19 @@
 #define TRACE_FILE 2
 #include "attention_decode.cuh"
 
-extern "C" __global__ void __launch_bounds__(128, 3)
+// Registers: 161 for one query head under the 3-blocks-per-SM bound. ATT_CAP (one head, one
+// round of K/V ahead: attn_decode.rs picks it for deep caches beside a large q/k/v GEMV)
+// holds the kernel to 112 (20 bytes spilled): four blocks per SM, and two beside a q/k/v
+// GEMV block (134 registers × 256 threads) instead of one, so more start before q/k/v ends.
+// 1B at depth 8192 1 598 against 1 573 tok/s; SmolLM2 (a 960-row q/k/v) 1 396 against
+// 1 407, and the short cache's kernel capped the same way lost 1% (H200, docs/perf.md,
+// session 15).
+#if ATT_CAP
+#define ATT_BOUNDS __maxnreg__(112)
+#else
+#define ATT_BOUNDS __launch_bounds__(128, 3)
+#endif
+extern "C" __global__ void ATT_BOUNDS
     attention_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_new, const bf16_t* __restrict__ v_new,
                      bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const float* __restrict__ inv_freq,
                      float linear, int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,

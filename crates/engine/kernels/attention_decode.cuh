@@ -19,15 +19,20 @@
 #endif
 #define SPLITS_MAX 1024 // splits the merge's shared memory holds (per query head)
 #define UNR 4           // positions per lane group whose loads are in flight together
-// Rounds of K/V loads ahead of the scoring (1: the next round's go out as a round is scored;
-// 2: the first two rounds' go out before the wait, so a split of up to two rounds pays no
-// DRAM latency after its release). 2 where a block takes one query head: with 2 or more the
-// extra 32 registers spill (ptxas, sm_90, under the 3-blocks-per-SM bound).
-#ifndef KV_AHEAD
-#define KV_AHEAD (QB_MAX == 1 ? 2 : 1)
-#endif
 #ifndef SCORE_BATCH     // score a round's UNR positions together (deep caches; see attn_decode.rs)
 #define SCORE_BATCH 0
+#endif
+// Rounds of K/V loads ahead of the scoring (1: the next round's go out as a round is scored;
+// 2: the first two rounds' go out before the wait, so a split of up to two rounds pays no
+// DRAM latency after its release). 2 where a block takes one query head: with 2 or more
+// heads the extra 32 registers spill (ptxas, sm_90, under the 3-blocks-per-SM bound). 1 in
+// the register-capped kernel (ATT_CAP, attention_decode.cu), whose long splits pay that
+// latency once either way.
+#ifndef ATT_CAP
+#define ATT_CAP 0
+#endif
+#ifndef KV_AHEAD
+#define KV_AHEAD (QB_MAX == 1 && !ATT_CAP ? 2 : 1)
 #endif
 #ifndef CS_MAX
 #define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX; 16 in attention_block.cuh)

@@ -70,7 +70,13 @@ impl Cuda {
         // Registers for exactly qb query heads (QB_MAX): the kernel compiled for 4 spilled at
         // qb = 1 (168 registers, the 3-blocks-per-SM cap), and the registers saved hold a
         // second round of K/V loads issued before the wait (attention_decode.cuh, KV_AHEAD).
-        let defines = kernels::attention_decode_defines(qb, deep);
+        // A deep cache's kernel beside a q/k/v GEMV of at least half the SMs' blocks (32
+        // rows each; the 1B's 3 072 rows: 96 of 132) is the register-capped one (ATT_CAP):
+        // twice its blocks fit beside q/k/v's, and four per SM (1B at depth 8192 +1.6%;
+        // SmolLM2's 960-row q/k/v, 30 blocks, lost 0.8% with it; H200, docs/perf.md).
+        let qkv_rows = (heads + 2 * n_kv) * kv.head_dim;
+        let capped = deep && qb == 1 && qkv_rows / 32 >= self.sms / 2;
+        let defines = kernels::attention_decode_defines(qb, deep, capped);
         let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode")?;
         // Positions per split: 64, or more where the blocks would not all be resident at
         // once (a second wave would start only as the first ends; longer splits keep more

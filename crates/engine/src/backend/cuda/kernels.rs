@@ -53,10 +53,15 @@ pub fn affine_defines(bits: u32, group: usize, scale: ScaleDtype) -> Vec<String>
 }
 
 /// -D defines for attention_decode.cu: registers for `qb` query heads per block (QB_MAX),
-/// and the deep-cache scoring (SCORE_BATCH). attn_decode.rs launches with these, and
-/// `all_variants` precompiles them, so the two must agree.
-pub fn attention_decode_defines(qb: usize, deep: bool) -> Vec<String> {
-    vec![format!("QB_MAX={qb}"), format!("SCORE_BATCH={}", u8::from(deep))]
+/// the deep-cache scoring (SCORE_BATCH) and, for one head per block, the register-capped
+/// kernel (ATT_CAP). attn_decode.rs launches with these, and `all_variants` precompiles
+/// them, so the two must agree.
+pub fn attention_decode_defines(qb: usize, deep: bool, capped: bool) -> Vec<String> {
+    let mut d = vec![format!("QB_MAX={qb}"), format!("SCORE_BATCH={}", u8::from(deep))];
+    if capped && qb == 1 {
+        d.push("ATT_CAP=1".into());
+    }
+    d
 }
 
 /// Decode attention over caches of more positions than this scores a round's positions
@@ -71,7 +76,7 @@ pub fn attention_block_defines(format: &[String], xq: bool, qc: usize, deep: boo
     let mut d = format.to_vec();
     d.extend([format!("XQ={}", u8::from(xq)), "NW=4".into(), "ATTN_BLOCK=1".into(), format!("QKV_R={r}")]);
     d.push("CS_MAX=16".into());
-    d.extend(attention_decode_defines(qc, deep));
+    d.extend(attention_decode_defines(qc, deep, false));
     d
 }
 
@@ -136,7 +141,7 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     // compile.
     let fmt = affine_defines(4, 64, ScaleDtype::BF16);
     let gemv = [fmt.clone(), vec!["XQ=1".into()]].concat();
-    let attn = attention_decode_defines(1, false);
+    let attn = attention_decode_defines(1, false, false);
     for (f, d) in [("gemv.cu", gemv), ("affine.cu", fmt), ("attention_decode.cu", attn), ("sample.cu", vec![])] {
         v.push((file(f), [d, vec!["TRACE=1".into()]].concat()));
     }
@@ -144,9 +149,10 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     // up to 4), short- and deep-cache forms (attn_decode.rs).
     for qb in 1..=4 {
         for deep in [false, true] {
-            v.push((file("attention_decode.cu"), attention_decode_defines(qb, deep)));
+            v.push((file("attention_decode.cu"), attention_decode_defines(qb, deep, false)));
         }
     }
+    v.push((file("attention_decode.cu"), attention_decode_defines(1, true, true)));
     for hd in FLASH_HEAD_DIMS {
         v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }
