@@ -16,7 +16,9 @@
 // at w + off + block · bytes, then a grid barrier when `barrier` is 1 (2: only the spin,
 // a stall local to the block, to tell the ring's slack from the barrier's alignment). Warp NW (the
 // producer, one lane) copies each segment in `chunk`-byte pieces into `stages` ring stages
-// (stage g % stages, full[g % stages] completes phase g / stages when its bytes land); the
+// (stage g % stages, full[g % stages] completes phase g / stages when its bytes land; with
+// `lanes_copy` all 32 producer lanes copy 16-byte pieces with cp.async instead, to tell the
+// copy engine's queue from the ring's); the
 // NW consumer warps wait for each piece, read it from shared memory when `work` is set
 // (a wrapping u32 sum the host checks), and count themselves out of the stage (empty[]),
 // which lets the producer refill it. The producer never waits at a barrier.
@@ -52,18 +54,39 @@ __device__ __forceinline__ void sp_grid_barrier(int* c) {
 
 extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
-                 int chunk, int stages, int work, int delay_cycles, int* __restrict__ counters,
+                 int chunk, int stages, int work, int delay_cycles, int lanes_copy, int* __restrict__ counters,
                  unsigned* __restrict__ out) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[SP_STAGES_MAX], empty[SP_STAGES_MAX];
     __shared__ unsigned red[SP_NW];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
-        for (int s = 0; s < stages; s++) mbar_init(&full[s], 1), mbar_init(&empty[s], SP_NW);
+        for (int s = 0; s < stages; s++) mbar_init(&full[s], lanes_copy ? 32 : 1), mbar_init(&empty[s], SP_NW);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (warp == SP_NW) {
+    if (warp == SP_NW && lanes_copy) {  // the producer's 32 lanes copy 16-byte pieces (cp.async)
+        u32 g = 0;
+        for (int t = 0; t < tokens; t++)
+            for (int s = 0; s < nseg; s++) {
+                SpSeg sg = segs[s];
+                const unsigned char* src = w + sg.off + (long long)blockIdx.x * sg.bytes;
+                for (int o = 0; o < sg.bytes; o += chunk, g++) {
+                    u32 st = g % stages, n = min(chunk, sg.bytes - o);
+                    if (g >= (u32)stages) mbar_wait(&empty[st], (g / stages - 1) & 1);
+                    for (u32 i = lane * 16; i < n; i += 32 * 16)
+                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
+                                         smem_addr(ring + (size_t)st * chunk + i)),
+                                     "l"(src + o + i)
+                                     : "memory");
+                    // This lane's arrival on the stage once its copies have landed.
+                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[st]))
+                                 : "memory");
+                }
+            }
+        return;
+    }
+    if (warp == SP_NW) {  // one lane issues each stage as one bulk copy (TMA)
         if (lane != 0) return;
         u32 g = 0;
         for (int t = 0; t < tokens; t++)

@@ -74,6 +74,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         work: true,
         delay_ns: 0,
         grid_barriers: true,
+        lanes_copy: false,
     };
     let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
     for stages in [2, 4, 6] {
@@ -92,6 +93,17 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         let p = StreamProbe { delay_ns: ns, stages, grid_barriers: false, ..base.clone() };
         runs.push(("2 per layer, the spin alone (no grid barrier)", p));
     }
+    for (what, p) in [
+        ("no barriers", StreamProbe { segments: none.clone(), ..base.clone() }),
+        ("2 per layer", base.clone()),
+        ("2 per layer, spin after each barrier", StreamProbe { delay_ns: 2000, ..base.clone() }),
+        (
+            "2 per layer, the spin alone (no grid barrier)",
+            StreamProbe { delay_ns: 2000, grid_barriers: false, ..base.clone() },
+        ),
+    ] {
+        runs.push((what, StreamProbe { lanes_copy: true, ..p }));
+    }
     for ns in [1000, 2000, 4000, 6000] {
         runs.push(("2 per layer, spin after each barrier", StreamProbe { delay_ns: ns, ..base.clone() }));
     }
@@ -107,10 +119,11 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         assert_eq!(r.sum, r.want, "{what}: the consumers' sum over the streamed bytes");
         let bw = r.bytes_per_token as f64 / (r.us_per_token * 1e-6);
         table.push(format!(
-            "{what} (chunk {} KB, {} stages, spin {} ns): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy",
+            "{what} (chunk {} KB, {} stages, spin {} ns, {}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy",
             p.chunk >> 10,
             p.stages,
             p.delay_ns,
+            if p.lanes_copy { "32 lanes' cp.async" } else { "bulk copies" },
             r.us_per_token,
             bw / 1e12,
             100.0 * bw / copy

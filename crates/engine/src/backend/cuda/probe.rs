@@ -114,6 +114,9 @@ pub struct StreamProbe {
     /// false: the segments' barriers are only the spin, each block's own stall (how much of
     /// a stall the ring hides when no block waits for another).
     pub grid_barriers: bool,
+    /// The producer warp's 32 lanes copy 16-byte pieces (cp.async) instead of one lane
+    /// issuing a bulk copy (TMA) per stage.
+    pub lanes_copy: bool,
 }
 
 /// What one stream probe measured.
@@ -194,6 +197,7 @@ impl Cuda {
                 KArg::I32(p.stages as i32),
                 KArg::I32(i32::from(p.work)),
                 KArg::I32(delay_cycles),
+                KArg::I32(i32::from(p.lanes_copy)),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
                 KArg::Ptr(out.device_ptr(&self.stream).0),
             ];
