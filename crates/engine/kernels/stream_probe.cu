@@ -19,7 +19,10 @@
 // (stage g % stages, full[g % stages] completes phase g / stages when its bytes land; with
 // `lanes_copy` all 32 producer lanes copy 16-byte pieces with cp.async instead, to tell the
 // copy engine's queue from the ring's); the
-// NW consumer warps wait for each piece, read it from shared memory when `work` is set
+// NW consumer warps wait for each piece, read it from shared memory when `work` is 1
+// (work 2: they never touch the ring, and the producer reuses a stage once its last copy
+// has landed: a stream decoupled from the consumers by construction, the bound a ring
+// could reach)
 // (a wrapping u32 sum the host checks), and count themselves out of the stage (empty[]),
 // which lets the producer refill it. The producer never waits at a barrier.
 //
@@ -95,7 +98,8 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 const unsigned char* src = w + sg.off + (long long)blockIdx.x * sg.bytes;
                 for (int o = 0; o < sg.bytes; o += chunk, g++) {
                     u32 st = g % stages, n = min(chunk, sg.bytes - o);
-                    if (g >= (u32)stages) mbar_wait(&empty[st], (g / stages - 1) & 1);
+                    // work 2: free-running, a stage is reused once its last copy has landed
+                    if (g >= (u32)stages) mbar_wait(work == 2 ? &full[st] : &empty[st], (g / stages - 1) & 1);
                     mbar_expect(&full[st], n);
                     bulk_copy(ring + (size_t)st * chunk, src + o, n, &full[st]);
                 }
@@ -107,7 +111,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     for (int t = 0; t < tokens; t++)
         for (int s = 0; s < nseg; s++) {
             SpSeg sg = segs[s];
-            for (int o = 0; o < sg.bytes; o += chunk, g++) {
+            for (int o = 0; o < sg.bytes && work != 2; o += chunk, g++) {
                 u32 st = g % stages, n = min(chunk, sg.bytes - o);
                 mbar_wait(&full[st], (g / stages) & 1);
                 if (work) {

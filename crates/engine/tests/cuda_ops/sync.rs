@@ -75,6 +75,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         delay_ns: 0,
         grid_barriers: true,
         lanes_copy: false,
+        free_run: false,
     };
     let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
     for stages in [2, 4, 6] {
@@ -104,6 +105,10 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     ] {
         runs.push((what, StreamProbe { lanes_copy: true, ..p }));
     }
+    for ns in [0, 2000, 4000] {
+        let p = StreamProbe { delay_ns: ns, free_run: true, work: false, ..base.clone() };
+        runs.push(("2 per layer, free-running stream (no consumer reads)", p));
+    }
     for ns in [1000, 2000, 4000, 6000] {
         runs.push(("2 per layer, spin after each barrier", StreamProbe { delay_ns: ns, ..base.clone() }));
     }
@@ -123,7 +128,11 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             p.chunk >> 10,
             p.stages,
             p.delay_ns,
-            if p.lanes_copy { "32 lanes' cp.async" } else { "bulk copies" },
+            match (p.lanes_copy, p.free_run) {
+                (true, _) => "32 lanes' cp.async",
+                (false, true) => "bulk copies, free-running",
+                _ => "bulk copies",
+            },
             r.us_per_token,
             bw / 1e12,
             100.0 * bw / copy

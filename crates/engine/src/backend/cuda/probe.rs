@@ -117,6 +117,10 @@ pub struct StreamProbe {
     /// The producer warp's 32 lanes copy 16-byte pieces (cp.async) instead of one lane
     /// issuing a bulk copy (TMA) per stage.
     pub lanes_copy: bool,
+    /// The consumers never touch the ring (only the barriers and spins), and the producer
+    /// reuses a stage once its last copy has landed: the stream decoupled by construction
+    /// (bulk copies only; no sum to check).
+    pub free_run: bool,
 }
 
 /// What one stream probe measured.
@@ -140,6 +144,9 @@ impl Cuda {
     /// three, so launch costs cancel; one block of 8 consumer warps and a producer warp per SM.
     pub fn stream_probe(&self, p: &StreamProbe) -> Result<StreamRun> {
         let blocks = self.sms;
+        if p.free_run && (p.work || p.lanes_copy) {
+            return Err(Error::Unsupported("stream probe: a free-running stream is read by no one".into()));
+        }
         if p.chunk == 0 || !p.chunk.is_multiple_of(16) || p.stages == 0 || p.stages > 64 {
             return Err(Error::Unsupported(format!("stream probe: {} stages of {} bytes", p.stages, p.chunk)));
         }
@@ -195,7 +202,7 @@ impl Cuda {
                 KArg::I32(n as i32),
                 KArg::I32(p.chunk as i32),
                 KArg::I32(p.stages as i32),
-                KArg::I32(i32::from(p.work)),
+                KArg::I32(if p.free_run { 2 } else { i32::from(p.work) }),
                 KArg::I32(delay_cycles),
                 KArg::I32(i32::from(p.lanes_copy)),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
