@@ -68,7 +68,8 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();
-    if (warp == SP_NW && lanes_copy) {  // the producer's 32 lanes copy 16-byte pieces (cp.async)
+    if (warp == SP_NW) {  // the producer: one lane's bulk copies (TMA), or 32 lanes' cp.async
+        if (!lanes_copy && lane != 0) return;
         u32 g = 0;
         for (int t = 0; t < tokens; t++)
             for (int s = 0; s < nseg; s++) {
@@ -76,32 +77,22 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 const unsigned char* src = w + sg.off + (long long)blockIdx.x * sg.bytes;
                 for (int o = 0; o < sg.bytes; o += chunk, g++) {
                     u32 st = g % stages, n = min(chunk, sg.bytes - o);
-                    if (g >= (u32)stages) mbar_wait(&empty[st], (g / stages - 1) & 1);
-                    for (u32 i = lane * 16; i < n; i += 32 * 16)
-                        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(
-                                         smem_addr(ring + (size_t)st * chunk + i)),
-                                     "l"(src + o + i)
-                                     : "memory");
-                    // This lane's arrival on the stage once its copies have landed.
-                    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(&full[st]))
-                                 : "memory");
-                }
-            }
-        return;
-    }
-    if (warp == SP_NW) {  // one lane issues each stage as one bulk copy (TMA)
-        if (lane != 0) return;
-        u32 g = 0;
-        for (int t = 0; t < tokens; t++)
-            for (int s = 0; s < nseg; s++) {
-                SpSeg sg = segs[s];
-                const unsigned char* src = w + sg.off + (long long)blockIdx.x * sg.bytes;
-                for (int o = 0; o < sg.bytes; o += chunk, g++) {
-                    u32 st = g % stages, n = min(chunk, sg.bytes - o);
+                    unsigned char* dst = ring + (size_t)st * chunk;
                     // work 2: free-running, a stage is reused once its last copy has landed
                     if (g >= (u32)stages) mbar_wait(work == 2 ? &full[st] : &empty[st], (g / stages - 1) & 1);
-                    mbar_expect(&full[st], n);
-                    bulk_copy(ring + (size_t)st * chunk, src + o, n, &full[st]);
+                    if (lanes_copy) {
+                        for (u32 i = lane * 16; i < n; i += 32 * 16)
+                            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst + i)),
+                                         "l"(src + o + i)
+                                         : "memory");
+                        // This lane's arrival on the stage once its copies have landed.
+                        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(
+                                         smem_addr(&full[st]))
+                                     : "memory");
+                    } else {
+                        mbar_expect(&full[st], n);
+                        bulk_copy(dst, src + o, n, &full[st]);
+                    }
                 }
             }
         return;
