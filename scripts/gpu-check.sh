@@ -55,7 +55,7 @@ if [[ -n $host && "$host" == "$dev" ]]; then echo "device top-k sampling: same t
 else echo "device top-k sampling DIFFERS: host [$host] device [$dev]" | tee -a "$log"; status=1; fi
 grep -E "^test |rel err|argmax|greedy|test result|µs per launch" "$log" | grep -vE "rel err [0-9.]+e-0[4-9]" | tail -60
 # The weight stream of a persistent kernel, alone (sync::weight_stream_probe; docs/perf.md, session 16).
-grep -E "^weight stream|µs per token" "$log"
+grep -E "weight stream, |µs per token" "$log"
 echo "== bench" | tee -a "$log"
 m1b=${M1B:-/tmp/ferrolm-m1b}
 [[ -f $m1b/config.json ]] || "$bin/ferrolm" convert --synthetic llama-3.2-1b --quantize 4 --output "$m1b" >>"$log" 2>&1 || status=1
