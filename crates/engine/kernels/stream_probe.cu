@@ -28,6 +28,10 @@
 //
 // grid: one block per SM (the host gives each more than half an SM's shared memory), all
 // resident at once; counters: tokens · (barriers per token) ints, zeroed; out[0]: the sum.
+// trace (or null): for token `trace_token`, per block and per barrier k < trace_max, six
+// u64: %globaltimer before the barrier, after it, after the spin, when the next stage had
+// landed (0 if the segment after is empty), then the stages the producer had issued ahead
+// of the consumers and how many of those had landed, as the barrier released them.
 #include "common.cuh"
 #include "mbarrier.cuh"
 
@@ -55,17 +59,37 @@ __device__ __forceinline__ void sp_grid_barrier(int* c) {
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
 }
 
+__device__ __forceinline__ unsigned long long sp_now() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// Whether `bar`'s phase of `parity` has completed (no waiting).
+__device__ __forceinline__ bool mbar_test(unsigned long long* bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    return done;
+}
+
 extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
                  int chunk, int stages, int work, int delay_cycles, int lanes_copy, int* __restrict__ counters,
-                 unsigned* __restrict__ out) {
+                 unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
+                 int trace_max) {
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[SP_STAGES_MAX], empty[SP_STAGES_MAX];
     __shared__ unsigned red[SP_NW];
+    __shared__ volatile u32 issued;  // stages the producer has issued (for the trace)
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++) mbar_init(&full[s], lanes_copy ? 32 : 1), mbar_init(&empty[s], SP_NW);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        issued = 0;
     }
     __syncthreads();
     if (warp == SP_NW) {  // the producer: one lane's bulk copies (TMA), or 32 lanes' cp.async
@@ -93,18 +117,25 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                         mbar_expect(&full[st], n);
                         bulk_copy(dst, src + o, n, &full[st]);
                     }
+                    if (lane == 0) issued = g + 1;
                 }
             }
         return;
     }
     u32 g = 0, acc = 0;
-    int bar = 0;
-    for (int t = 0; t < tokens; t++)
+    int bar = 0, pending = -1;  // pending: the trace record whose next landed stage is due
+    for (int t = 0; t < tokens; t++) {
+        bool tracing = trace && t == trace_token && threadIdx.x == 0;
+        int kb = 0;  // this token's barriers so far
         for (int s = 0; s < nseg; s++) {
             SpSeg sg = segs[s];
             for (int o = 0; o < sg.bytes && work != 2; o += chunk, g++) {
                 u32 st = g % stages, n = min(chunk, sg.bytes - o);
                 mbar_wait(&full[st], (g / stages) & 1);
+                if (pending >= 0 && threadIdx.x == 0) {
+                    trace[((size_t)blockIdx.x * trace_max + pending) * 6 + 3] = sp_now();
+                    pending = -1;
+                }
                 if (work) {
                     const uint4* p = reinterpret_cast<const uint4*>(ring + (size_t)st * chunk);
                     for (u32 i = threadIdx.x; i < n / 16; i += SP_NW * 32) {
@@ -116,14 +147,29 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 if (lane == 0) mbar_arrive(&empty[st]);
             }
             if (sg.barrier) {
+                unsigned long long* rec =
+                    tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * 6 : nullptr;
+                if (rec) rec[0] = sp_now();
                 if (sg.barrier == 1) sp_grid_barrier(counters + bar++);
+                if (rec) {  // how far ahead the stream is as the consumers go on
+                    rec[1] = sp_now();
+                    u32 ahead = issued - g, landed = 0;
+                    while (landed < ahead && landed < (u32)stages &&
+                           mbar_test(&full[(g + landed) % stages], ((g + landed) / stages) & 1))
+                        landed++;
+                    rec[4] = ahead;
+                    rec[5] = landed;
+                }
                 if (delay_cycles > 0) {  // the chain after a barrier: x staging and math
                     long long t0 = clock64();
                     while (clock64() - t0 < delay_cycles) {
                     }
                 }
+                if (rec) rec[2] = sp_now(), pending = kb;
+                kb++;
             }
         }
+    }
 #pragma unroll
     for (int d = 16; d; d >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, d);
     if (lane == 0) red[warp] = acc;

@@ -123,8 +123,18 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         let r = g.stream_probe(p).unwrap();
         assert_eq!(r.sum, r.want, "{what}: the consumers' sum over the streamed bytes");
         let bw = r.bytes_per_token as f64 / (r.us_per_token * 1e-6);
+        let traced = r.trace.map_or(String::new(), |t| {
+            format!(
+                "; per barrier: wait {:.2} µs, next stage {:.2} µs after the spin, {:.1} stages issued ahead, {:.1} landed, ring full at {:.0}% of releases",
+                t.barrier_us,
+                t.data_wait_us,
+                t.issued_ahead,
+                t.landed_ahead,
+                100.0 * t.ring_full
+            )
+        });
         table.push(format!(
-            "{what} (chunk {} KB, {} stages, spin {} ns, {}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy",
+            "{what} (chunk {} KB, {} stages, spin {} ns, {}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy{traced}",
             p.chunk >> 10,
             p.stages,
             p.delay_ns,

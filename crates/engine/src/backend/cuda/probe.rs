@@ -123,6 +123,22 @@ pub struct StreamProbe {
     pub free_run: bool,
 }
 
+/// Per barrier of one traced token, averaged over the blocks and the token's barriers
+/// (stream_probe.cu's trace).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StreamTrace {
+    /// From a block's arrival at a barrier to its release (µs).
+    pub barrier_us: f64,
+    /// From the end of the spin to the next stage's landing, where a segment follows (µs).
+    pub data_wait_us: f64,
+    /// Stages the producer had issued ahead of the consumers at the release.
+    pub issued_ahead: f64,
+    /// Of those, how many had landed.
+    pub landed_ahead: f64,
+    /// Releases at which every stage of the ring had landed (the producer stalled).
+    pub ring_full: f64,
+}
+
 /// What one stream probe measured.
 pub struct StreamRun {
     pub us_per_token: f64,
@@ -132,6 +148,28 @@ pub struct StreamRun {
     /// host expects (equal when `work`; 0 and 0 otherwise).
     pub sum: u32,
     pub want: u32,
+    /// The last run's middle token, traced (none for a probe without barriers).
+    pub trace: Option<StreamTrace>,
+}
+
+/// Barriers per block the trace keeps (a token of five per layer has 81).
+const TRACE_MAX: usize = 96;
+
+fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
+    let recs: Vec<&[u64]> = rec.chunks_exact(6).filter(|r| r[0] != 0).collect();
+    if recs.is_empty() {
+        return None;
+    }
+    let n = recs.len() as f64;
+    let mean = |f: &dyn Fn(&[u64]) -> f64| recs.iter().map(|r| f(r)).sum::<f64>() / n;
+    let waits: Vec<f64> = recs.iter().filter(|r| r[3] != 0).map(|r| r[3].saturating_sub(r[2]) as f64 / 1e3).collect();
+    Some(StreamTrace {
+        barrier_us: mean(&|r| r[1].saturating_sub(r[0]) as f64 / 1e3),
+        data_wait_us: waits.iter().sum::<f64>() / waits.len().max(1) as f64,
+        issued_ahead: mean(&|r| r[4] as f64),
+        landed_ahead: mean(&|r| r[5] as f64),
+        ring_full: mean(&|r| f64::from(u8::from(r[5] as usize >= stages))),
+    })
 }
 
 /// Word i of the probe's weight buffer.
@@ -183,6 +221,7 @@ impl Cuda {
         let mut counters =
             self.stream.alloc_zeros::<i32>((p.tokens + 1) * barriers.max(1)).map_err(drv("stream probe counters"))?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
+        let mut trace_d = self.stream.alloc_zeros::<u64>(blocks * TRACE_MAX * 6).map_err(drv("stream probe trace"))?;
         let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(drv("stream probe attributes"))?;
@@ -191,8 +230,10 @@ impl Cuda {
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
             .map_err(drv("reading the SM clock"))?;
         let delay_cycles = (u64::from(p.delay_ns) * khz as u64 / 1_000_000).min(i32::MAX as u64) as i32;
-        let mut run = |n: usize| -> Result<f64> {
+        // The timed runs record nothing; the last run traces its middle token.
+        let mut run = |n: usize, traced: bool| -> Result<f64> {
             self.stream.memset_zeros(&mut counters).map_err(drv("stream probe counters"))?;
+            self.stream.memset_zeros(&mut trace_d).map_err(drv("stream probe trace"))?;
             self.stream.memset_zeros(&mut out).map_err(drv("stream probe sum"))?;
             self.stream.synchronize().map_err(drv("stream probe"))?;
             let args = [
@@ -207,6 +248,9 @@ impl Cuda {
                 KArg::I32(i32::from(p.lanes_copy)),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
                 KArg::Ptr(out.device_ptr(&self.stream).0),
+                KArg::Ptr(if traced { trace_d.device_ptr(&self.stream).0 } else { 0 }),
+                KArg::I32((n / 2) as i32),
+                KArg::I32(TRACE_MAX as i32),
             ];
             let c = LaunchConfig {
                 grid_dim: (blocks as u32, 1, 1),
@@ -218,12 +262,15 @@ impl Cuda {
             self.stream.synchronize().map_err(drv("stream probe"))?;
             Ok(t.elapsed().as_secs_f64() * 1e6)
         };
-        run(1)?; // compiled, loaded, warm
-        let mut per_token: Vec<f64> =
-            (0..3).map(|_| Ok((run(p.tokens + 1)? - run(1)?) / p.tokens as f64)).collect::<Result<_>>()?;
+        run(1, false)?; // compiled, loaded, warm
+        let mut per_token: Vec<f64> = (0..3)
+            .map(|_| Ok((run(p.tokens + 1, false)? - run(1, false)?) / p.tokens as f64))
+            .collect::<Result<_>>()?;
         per_token.sort_by(f64::total_cmp);
-        run(p.tokens + 1)?;
+        run(p.tokens + 1, true)?;
         let sum = self.stream.clone_dtoh(&out).map_err(drv("reading the stream probe"))?[0];
-        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want })
+        let rec = self.stream.clone_dtoh(&trace_d).map_err(drv("reading the stream probe's trace"))?;
+        let trace = fold_trace(&rec, p.stages);
+        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace })
     }
 }
