@@ -274,3 +274,26 @@ impl Cuda {
         Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_trace_folds_to_means_over_recorded_barriers() {
+        // Two recorded barriers (ns), one empty slot, 4 stages: the second released with
+        // the whole ring landed and no segment after it (no landing time).
+        let rec = [
+            1_000, 2_000, 3_000, 3_500, 4, 1, //
+            10_000, 13_000, 13_000, 0, 4, 4, //
+            0, 0, 0, 0, 0, 0,
+        ];
+        let t = fold_trace(&rec, 4).unwrap();
+        assert_eq!(t.barrier_us, 2.0);
+        assert_eq!(t.data_wait_us, 0.5);
+        assert_eq!(t.issued_ahead, 4.0);
+        assert_eq!(t.landed_ahead, 2.5);
+        assert_eq!(t.ring_full, 0.5);
+        assert!(fold_trace(&[0; 12], 4).is_none());
+    }
+}
