@@ -119,8 +119,9 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         ));
     }
     let mut table = Vec::new();
+    let mut weights = None;
     for (what, p) in &runs {
-        let r = g.stream_probe(p).unwrap();
+        let r = g.stream_probe(p, &mut weights).unwrap();
         assert_eq!(r.sum, r.want, "{what}: the consumers' sum over the streamed bytes");
         let bw = r.bytes_per_token as f64 / (r.us_per_token * 1e-6);
         let traced = r.trace.map_or(String::new(), |t| {

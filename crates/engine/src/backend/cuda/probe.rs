@@ -172,6 +172,17 @@ fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
     })
 }
 
+/// The stream probe's weights (and their host copy, for the expected sums), kept across
+/// runs: making and uploading 700 MB per run would cost more than the runs.
+pub struct StreamWeights {
+    words: Vec<u32>,
+    dev: cudarc::driver::CudaSlice<u32>,
+}
+
+/// Slack beyond a layout's bytes when the weights are made, so that layouts with more
+/// segments (each rounded up to 16 bytes per block) fit the same buffer.
+const STREAM_SLACK_PER_BLOCK: usize = 16 * 128;
+
 /// Word i of the probe's weight buffer.
 fn stream_word(i: usize) -> u32 {
     (i as u32).wrapping_mul(2_654_435_761) ^ (i >> 13) as u32
@@ -180,7 +191,8 @@ fn stream_word(i: usize) -> u32 {
 impl Cuda {
     /// Time the weight stream: (one launch of tokens + 1 − one of 1) / tokens, median of
     /// three, so launch costs cancel; one block of 8 consumer warps and a producer warp per SM.
-    pub fn stream_probe(&self, p: &StreamProbe) -> Result<StreamRun> {
+    /// `weights` is made on first use (or when a layout outgrows it) and kept for later runs.
+    pub fn stream_probe(&self, p: &StreamProbe, weights: &mut Option<StreamWeights>) -> Result<StreamRun> {
         let blocks = self.sms;
         if p.free_run && (p.work || p.lanes_copy) {
             return Err(Error::Unsupported("stream probe: a free-running stream is read by no one".into()));
@@ -209,14 +221,19 @@ impl Cuda {
             off += per * blocks;
         }
         let barriers = if p.grid_barriers { p.segments.iter().filter(|s| s.1).count() } else { 0 };
-        let words: Vec<u32> = (0..off / 4).map(stream_word).collect();
+        if weights.as_ref().is_none_or(|w| w.words.len() < off / 4) {
+            *weights = None; // the old buffer goes first
+            let words: Vec<u32> = (0..(off + STREAM_SLACK_PER_BLOCK * blocks) / 4).map(stream_word).collect();
+            let dev = self.upload(&words, "stream probe weights")?;
+            *weights = Some(StreamWeights { words, dev });
+        }
+        let Some(w) = weights.as_ref() else { unreachable!("made above") };
         let want = if p.work {
-            words.iter().fold(0u32, |a, &w| a.wrapping_add(w)).wrapping_mul(p.tokens as u32 + 1)
+            w.words[..off / 4].iter().fold(0u32, |a, &x| a.wrapping_add(x)).wrapping_mul(p.tokens as u32 + 1)
         } else {
             0
         };
-        let w = self.upload(&words, "stream probe weights")?;
-        drop(words);
+        let w = &w.dev;
         let segs_d = self.upload(&segs, "stream probe segments")?;
         let mut counters =
             self.stream.alloc_zeros::<i32>((p.tokens + 1) * barriers.max(1)).map_err(drv("stream probe counters"))?;
