@@ -18,7 +18,8 @@
 // producer, one lane) copies each segment in `chunk`-byte pieces into `stages` ring stages
 // (stage g % stages, full[g % stages] completes phase g / stages when its bytes land; with
 // `lanes_copy` all 32 producer lanes copy 16-byte pieces with cp.async instead, to tell the
-// copy engine's queue from the ring's); the
+// copy engine's queue from the ring's; with `poll` every stage wait polls instead of
+// suspending); the
 // NW consumer warps wait for each piece, read it from shared memory when `work` is 1
 // (work 2: they never touch the ring, and the producer reuses a stage once its last copy
 // has landed: a stream decoupled from the consumers by construction, the bound a ring
@@ -76,9 +77,22 @@ __device__ __forceinline__ bool mbar_test(unsigned long long* bar, u32 parity) {
     return done;
 }
 
+// Wait for `bar`'s phase of `parity`: try_wait (which may suspend the thread until the
+// phase completes or a time limit passes), or with `poll` a test_wait loop that never
+// suspends (whether the suspension's wake-up is what paces a stage).
+__device__ __forceinline__ void sp_wait(unsigned long long* bar, u32 parity, int poll) {
+    if (poll) {
+        while (!mbar_test(bar, parity)) {
+        }
+    } else {
+        mbar_wait(bar, parity);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
-                 int chunk, int stages, int work, int delay_cycles, int lanes_copy, int* __restrict__ counters,
+                 int chunk, int stages, int work, int delay_cycles, int lanes_copy, int poll,
+                 int* __restrict__ counters,
                  unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
                  int trace_max) {
     extern __shared__ __align__(128) unsigned char ring[];
@@ -103,7 +117,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     u32 st = g % stages, n = min(chunk, sg.bytes - o);
                     unsigned char* dst = ring + (size_t)st * chunk;
                     // work 2: free-running, a stage is reused once its last copy has landed
-                    if (g >= (u32)stages) mbar_wait(work == 2 ? &full[st] : &empty[st], (g / stages - 1) & 1);
+                    if (g >= (u32)stages) sp_wait(work == 2 ? &full[st] : &empty[st], (g / stages - 1) & 1, poll);
                     if (lanes_copy) {
                         for (u32 i = lane * 16; i < n; i += 32 * 16)
                             asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(dst + i)),
@@ -131,7 +145,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
             SpSeg sg = segs[s];
             for (int o = 0; o < sg.bytes && work != 2; o += chunk, g++) {
                 u32 st = g % stages, n = min(chunk, sg.bytes - o);
-                mbar_wait(&full[st], (g / stages) & 1);
+                sp_wait(&full[st], (g / stages) & 1, poll);
                 if (pending >= 0 && threadIdx.x == 0) {
                     trace[((size_t)blockIdx.x * trace_max + pending) * 6 + 3] = sp_now();
                     pending = -1;

@@ -76,6 +76,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         grid_barriers: true,
         lanes_copy: false,
         free_run: false,
+        poll: false,
     };
     let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
     for stages in [2, 4, 6] {
@@ -108,6 +109,17 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     for ns in [0, 2000, 4000] {
         let p = StreamProbe { delay_ns: ns, free_run: true, work: false, ..base.clone() };
         runs.push(("2 per layer, free-running stream (no consumer reads)", p));
+    }
+    for (what, p) in [
+        ("no barriers, stage waits polled", StreamProbe { segments: none.clone(), ..base.clone() }),
+        ("2 per layer, stage waits polled", base.clone()),
+        ("2 per layer, spin after each barrier, stage waits polled", StreamProbe { delay_ns: 2000, ..base.clone() }),
+        (
+            "2 per layer, 8 KB stages × 24, stage waits polled",
+            StreamProbe { chunk: 8 << 10, stages: 24, ..base.clone() },
+        ),
+    ] {
+        runs.push((what, StreamProbe { poll: true, ..p }));
     }
     for ns in [1000, 2000, 4000, 6000] {
         runs.push(("2 per layer, spin after each barrier", StreamProbe { delay_ns: ns, ..base.clone() }));

@@ -121,6 +121,8 @@ pub struct StreamProbe {
     /// reuses a stage once its last copy has landed: the stream decoupled by construction
     /// (bulk copies only; no sum to check).
     pub free_run: bool,
+    /// Stage waits poll (mbarrier.test_wait) instead of try_wait, which may suspend.
+    pub poll: bool,
 }
 
 /// Per barrier of one traced token, averaged over the blocks and the token's barriers
@@ -263,6 +265,7 @@ impl Cuda {
                 KArg::I32(if p.free_run { 2 } else { i32::from(p.work) }),
                 KArg::I32(delay_cycles),
                 KArg::I32(i32::from(p.lanes_copy)),
+                KArg::I32(i32::from(p.poll)),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
                 KArg::Ptr(out.device_ptr(&self.stream).0),
                 KArg::Ptr(if traced { trace_d.device_ptr(&self.stream).0 } else { 0 }),
