@@ -95,6 +95,9 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                  int* __restrict__ counters,
                  unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
                  int trace_max) {
+#if __CUDA_ARCH__ < 900
+    __trap();  // bulk copies and expect_tx are sm_90's; the host refuses older devices
+#else
     extern __shared__ __align__(128) unsigned char ring[];
     __shared__ __align__(8) unsigned long long full[SP_STAGES_MAX], empty[SP_STAGES_MAX];
     __shared__ unsigned red[SP_NW];
@@ -193,4 +196,5 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
         for (int i = 0; i < SP_NW; i++) sum += red[i];
         atomicAdd(out, sum);  // wrapping u32 sums: the same total in any order
     }
+#endif
 }

@@ -260,6 +260,15 @@ impl Cuda {
             )));
         }
         let device_name = ctx.name().unwrap_or_else(|_| "CUDA device".into());
+        // The ring-fed GEMVs and the megakernel stream weights with sm_90 bulk copies: asked
+        // for on an older device, they stay off, and the user is told.
+        let ring = std::env::var("FERROLM_GEMV_RING").map_or(super::fused::GEMV_RING_DEFAULT, |v| v != "0");
+        let mega = super::megakernel::megakernel_default();
+        if major < 9 && (ring || mega) {
+            eprintln!(
+                "ferrolm: FERROLM_GEMV_RING / FERROLM_MEGAKERNEL need sm_90 bulk copies; on this sm_{major}{minor} device decoding runs op by op with register-fed GEMVs"
+            );
+        }
         let sms = ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(drv("reading the multiprocessor count"))? as usize;
@@ -304,10 +313,8 @@ impl Cuda {
                 Ok("3") => 3,
                 _ => 0,
             }),
-            gemv_ring: std::sync::atomic::AtomicBool::new(
-                std::env::var("FERROLM_GEMV_RING").map_or(super::fused::GEMV_RING_DEFAULT, |v| v != "0"),
-            ),
-            megakernel: std::sync::atomic::AtomicBool::new(super::megakernel::megakernel_default()),
+            gemv_ring: std::sync::atomic::AtomicBool::new(ring && major >= 9),
+            megakernel: std::sync::atomic::AtomicBool::new(mega && major >= 9),
             mega: Mutex::new(HashMap::new()),
             mega_launches: std::sync::atomic::AtomicUsize::new(0),
             splitk_scratch: Mutex::new(HashMap::new()),

@@ -101,9 +101,10 @@ impl Cuda {
         self.gemv_ring.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Choose ring-fed or register-fed decode GEMVs (tests compare both on one device).
+    /// Choose ring-fed or register-fed decode GEMVs (tests compare both on one device);
+    /// ring-fed needs sm_90's bulk copies (`clusters`: the same devices), else it stays off.
     pub fn set_gemv_ring(&self, on: bool) {
-        self.gemv_ring.store(on, std::sync::atomic::Ordering::Relaxed);
+        self.gemv_ring.store(on && self.clusters, std::sync::atomic::Ordering::Relaxed);
         self.decode_path_changed();
     }
 

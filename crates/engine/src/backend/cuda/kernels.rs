@@ -84,6 +84,23 @@ pub fn attention_block_defines(format: &[String], xq: bool, qc: usize, deep: boo
 const PER_VARIANT: [&str; 5] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu"];
 
 /// Every (file, defines) the backend may compile: what CI compiles with NVRTC.
+/// Whether a variant is built on sm_90 instructions (bulk copies with `expect_tx`, cluster
+/// registers): the ring-fed GEMVs, the megakernel and the split-K MLP. The backend never
+/// picks them on older devices (device.rs), and `ferrolm kernels` skips them there.
+pub fn needs_sm90(defines: &[String]) -> bool {
+    defines.iter().any(|d| matches!(d.as_str(), "RING=1" | "MEGA=1" | "SPLITK=1"))
+}
+
+/// `all_variants` that compile for `arch` ("sm_86", "sm_90", …): all of them from sm_90 on,
+/// without the `needs_sm90` ones before.
+pub fn all_variants_for(arch: &str) -> Vec<(&'static KernelFile, Vec<String>)> {
+    let sm90 = arch
+        .strip_prefix("sm_")
+        .and_then(|n| n.trim_end_matches(char::is_alphabetic).parse::<u32>().ok())
+        .is_some_and(|n| n >= 90);
+    all_variants().into_iter().filter(|(_, d)| sm90 || !needs_sm90(d)).collect()
+}
+
 pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     let mut v: Vec<(&'static KernelFile, Vec<String>)> =
         FILES.iter().filter(|f| !PER_VARIANT.contains(&f.name)).map(|f| (f, vec![])).collect();
@@ -157,4 +174,24 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
         v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn older_arches_get_every_variant_but_the_sm90_ones() {
+        let all = all_variants();
+        for arch in ["sm_90", "sm_90a", "sm_100", "sm_120"] {
+            assert_eq!(all_variants_for(arch).len(), all.len(), "{arch}");
+        }
+        let older = all_variants_for("sm_86");
+        let dropped: Vec<_> = all.iter().filter(|(_, d)| needs_sm90(d)).collect();
+        // The ring-fed GEMVs, the megakernel and the split-K MLP: one variant each.
+        assert_eq!(dropped.len(), 3, "{:?}", dropped.iter().map(|(_, d)| d).collect::<Vec<_>>());
+        assert_eq!(older.len() + dropped.len(), all.len());
+        assert!(older.iter().all(|(_, d)| !needs_sm90(d)));
+        assert_eq!(all_variants_for("sm_80").len(), older.len());
+    }
 }

@@ -186,7 +186,8 @@ impl Cuda {
 
     /// Choose the megakernel or the op-by-op layers (tests compare both on one device).
     pub fn set_megakernel(&self, on: bool) {
-        self.megakernel.store(on, std::sync::atomic::Ordering::Relaxed);
+        // Its ring is fed by sm_90 bulk copies (`clusters`: the same devices).
+        self.megakernel.store(on && self.clusters, std::sync::atomic::Ordering::Relaxed);
         self.decode_path_changed();
     }
 

@@ -170,13 +170,13 @@ pub fn cached(name: &str, src: &str, arch: &str, defines: &[String]) -> Result<(
     Ok((bin, false))
 }
 
-/// Compile every kernel variant the backend may load (kernels::all_variants) for `arch`
+/// Compile every kernel variant the backend may load on `arch` (kernels::all_variants_for)
 /// into the disk cache, on all cores: a later start (or a GPU test run) then compiles
 /// nothing. Returns (compiled now, found in the cache).
 pub fn warm_cache(arch: &str) -> Result<(usize, usize)> {
     use rayon::prelude::*;
     let hits = std::sync::atomic::AtomicUsize::new(0);
-    let variants = super::kernels::all_variants();
+    let variants = super::kernels::all_variants_for(arch);
     variants.par_iter().try_for_each(|(f, defines)| {
         let (_, hit) = cached(f.name, &source(f.name, f.src), arch, defines)?;
         if hit {
@@ -196,7 +196,7 @@ pub fn prune_cache(arch: &str) -> Result<usize> {
 }
 
 fn prune_cache_in(dir: &std::path::Path, arch: &str) -> Result<usize> {
-    let keep: std::collections::HashSet<String> = super::kernels::all_variants()
+    let keep: std::collections::HashSet<String> = super::kernels::all_variants_for(arch)
         .iter()
         .map(|(f, defines)| format!("{}.cubin", cache_key(f.name, &source(f.name, f.src), arch, defines)))
         .collect();

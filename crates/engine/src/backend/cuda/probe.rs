@@ -196,6 +196,10 @@ impl Cuda {
     /// `weights` is made on first use (or when a layout outgrows it) and kept for later runs.
     pub fn stream_probe(&self, p: &StreamProbe, weights: &mut Option<StreamWeights>) -> Result<StreamRun> {
         let blocks = self.sms;
+        if !self.clusters {
+            // clusters: sm_90+, as the bulk copies and expect_tx the probe is built on
+            return Err(Error::Unsupported(format!("stream probe: bulk copies need sm_90 or newer ({})", self.arch)));
+        }
         if p.free_run && (p.work || p.lanes_copy) {
             return Err(Error::Unsupported("stream probe: a free-running stream is read by no one".into()));
         }
