@@ -8,24 +8,25 @@
 // that can reach half of copy bandwidth streams weights independently of the phases: a
 // producer warp per SM issues bulk copies (TMA) of the SM's next weight bytes as soon as a
 // ring stage is free, barriers or not, so the copies run ahead across the consumers' grid
-// barriers and their math chains. This probe measures exactly that skeleton with no math:
-// the stream's rate with 0, 2 or 5 grid barriers per layer, and how long a chain after each
-// barrier (`delay_cycles` of SM clock, a spin standing in for x staging and math) the ring hides.
+// barriers and their math chains. This probe is that skeleton with no math: the stream's
+// rate with 0, 2 or 5 grid barriers per layer, and how long a chain after each barrier
+// (`delay_cycles` of SM clock, a spin standing in for x staging and math) the ring hides.
 //
 // A token is `nseg` segments, in order: segment s is `bytes` per block (a multiple of 16)
-// at w + off + block · bytes, then a grid barrier when `barrier` is 1 (2: only the spin,
-// a stall local to the block, to tell the ring's slack from the barrier's alignment). Warp NW (the
-// producer, one lane) copies each segment in `chunk`-byte pieces into `stages` ring stages
-// (stage g % stages, full[g % stages] completes phase g / stages when its bytes land; with
-// `lanes_copy` all 32 producer lanes copy 16-byte pieces with cp.async instead, to tell the
-// copy engine's queue from the ring's; with `poll` every stage wait polls instead of
-// suspending); the
-// NW consumer warps wait for each piece, read it from shared memory when `work` is 1
-// (work 2: they never touch the ring, and the producer reuses a stage once its last copy
-// has landed: a stream decoupled from the consumers by construction, the bound a ring
-// could reach)
-// (a wrapping u32 sum the host checks), and count themselves out of the stage (empty[]),
-// which lets the producer refill it. The producer never waits at a barrier.
+// at w + off + block · bytes, then, when `barrier` is 1, a grid barrier and the spin; when
+// it is 2, the spin alone (a stall of the block's own, to tell the ring's slack from the
+// barriers' alignment across SMs).
+//
+// The producer (warp NW) copies each segment in `chunk`-byte pieces into `stages` ring
+// stages: stage g % stages, whose full[] barrier completes phase g / stages when the bytes
+// land. One lane issues a bulk copy per stage, or with `lanes_copy` the 32 lanes copy
+// 16-byte pieces with cp.async (to tell the copy engine's queue from the ring's). The NW
+// consumer warps wait for each stage, read it when `work` is 1 (a wrapping u32 sum the
+// host checks), and count themselves out of it (empty[]), which lets the producer refill
+// it; the producer never waits at a barrier. `work` 2 is a free-running stream: the
+// consumers never touch the ring and the producer reuses a stage once its last copy has
+// landed, the bound a ring decoupled from its consumers could reach. With `poll` every
+// stage wait polls (test_wait) instead of try_wait, which may suspend the thread.
 //
 // grid: one block per SM (the host gives each more than half an SM's shared memory), all
 // resident at once; counters: tokens · (barriers per token) ints, zeroed; out[0]: the sum.
