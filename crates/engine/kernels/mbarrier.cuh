@@ -30,6 +30,18 @@ __device__ __forceinline__ void mbar_wait(unsigned long long* bar, u32 parity) {
     }
 }
 
+// Whether `bar`'s phase of `parity` has completed, without waiting (test_wait never
+// suspends the thread, where try_wait may).
+__device__ __forceinline__ bool mbar_test(unsigned long long* bar, u32 parity) {
+    u32 done;
+    asm volatile(
+        "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    return done;
+}
+
 // Copy `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into
 // this block's shared memory by the copy engine; counted on `bar`.
 __device__ __forceinline__ void bulk_copy(void* dst, const void* src, u32 bytes, unsigned long long* bar) {

@@ -67,17 +67,6 @@ __device__ __forceinline__ unsigned long long sp_now() {
     return t;
 }
 
-// Whether `bar`'s phase of `parity` has completed (no waiting).
-__device__ __forceinline__ bool mbar_test(unsigned long long* bar, u32 parity) {
-    u32 done;
-    asm volatile(
-        "{ .reg .pred p; mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-    return done;
-}
-
 // Wait for `bar`'s phase of `parity`: try_wait (which may suspend the thread until the
 // phase completes or a time limit passes), or with `poll` a test_wait loop that never
 // suspends (whether the suspension's wake-up is what paces a stage).

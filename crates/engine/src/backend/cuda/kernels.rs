@@ -83,7 +83,6 @@ pub fn attention_block_defines(format: &[String], xq: bool, qc: usize, deep: boo
 /// Files compiled only with per-variant defines.
 const PER_VARIANT: [&str; 5] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu"];
 
-/// Every (file, defines) the backend may compile: what CI compiles with NVRTC.
 /// Whether a variant is built on sm_90 instructions (bulk copies with `expect_tx`, cluster
 /// registers): the ring-fed GEMVs, the megakernel and the split-K MLP. The backend never
 /// picks them on older devices (device.rs), and `ferrolm kernels` skips them there.
@@ -101,6 +100,7 @@ pub fn all_variants_for(arch: &str) -> Vec<(&'static KernelFile, Vec<String>)> {
     all_variants().into_iter().filter(|(_, d)| sm90 || !needs_sm90(d)).collect()
 }
 
+/// Every (file, defines) the backend may compile: what CI compiles with NVRTC.
 pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     let mut v: Vec<(&'static KernelFile, Vec<String>)> =
         FILES.iter().filter(|f| !PER_VARIANT.contains(&f.name)).map(|f| (f, vec![])).collect();
