@@ -30,15 +30,26 @@
 //
 // grid: one block per SM (the host gives each more than half an SM's shared memory), all
 // resident at once; counters: tokens · (barriers per token) ints, zeroed; out[0]: the sum.
-// trace (or null): for token `trace_token`, per block and per barrier k < trace_max, six
+// trace (or null): for token `trace_token`, per block and per barrier k < trace_max, SP_REC
 // u64: %globaltimer before the barrier, after it, after the spin, when the next stage had
-// landed (0 if the segment after is empty), then the stages the producer had issued ahead
-// of the consumers and how many of those had landed, as the barrier released them.
+// landed (0 if the segment after is empty), the stages the producer had issued ahead of the
+// consumers and how many of those had landed, as the barrier released them, then
+// %globaltimer as the spin starts and the spin's SM clock cycles (the clock it ran at). After
+// the blocks' records, three u64 per block over the whole launch: its start, when its
+// producer's last copy had landed, when its consumers were done (which side bounds it).
+//
+// `relaxed`: the grid barrier's count and poll without release/acquire (no fence: wrong for
+// a kernel whose phases exchange data, timed here to see what the fence costs beside
+// bulk copies in flight).
+// `spin_sleep`: the spin is __nanosleep steps until the deadline instead of a busy clock
+// loop, so the spinning warps take no issue slots (and little power): a chain bound by
+// latency, not by instructions, and whether a busy spin slows the producer beside it.
 #include "common.cuh"
 #include "mbarrier.cuh"
 
 #define SP_NW 8
 #define SP_STAGES_MAX 64
+#define SP_REC 8  // u64 per traced barrier (probe.rs's REC)
 
 struct SpSeg {
     long long off;
@@ -47,13 +58,19 @@ struct SpSeg {
 
 // The consumer warps' grid barrier: they (not the producer) meet with a named barrier,
 // thread 0 counts the block in (release) and spins (acquire) until every block has.
-__device__ __forceinline__ void sp_grid_barrier(int* c) {
+__device__ __forceinline__ void sp_grid_barrier(int* c, int relaxed) {
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
     if (threadIdx.x == 0) {
-        asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(c) : "memory");
+        if (relaxed)
+            asm volatile("red.relaxed.gpu.global.add.s32 [%0], 1;" ::"l"(c) : "memory");
+        else
+            asm volatile("red.release.gpu.global.add.s32 [%0], 1;" ::"l"(c) : "memory");
         int v;
         for (unsigned spins = 0;; spins++) {
-            asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+            if (relaxed)
+                asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
+            else
+                asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
             if (v >= (int)gridDim.x) break;
             if (spins > (1u << 26)) __trap();  // a block that never arrives: fail, not hang
         }
@@ -81,7 +98,7 @@ __device__ __forceinline__ void sp_wait(unsigned long long* bar, u32 parity, int
 
 extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
-                 int chunk, int stages, int work, int delay_cycles, int lanes_copy, int poll,
+                 int chunk, int stages, int work, int delay_cycles, int spin_sleep, int relaxed, int lanes_copy, int poll,
                  int* __restrict__ counters,
                  unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
                  int trace_max) {
@@ -99,6 +116,8 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
         issued = 0;
     }
     __syncthreads();
+    unsigned long long* ends = trace ? trace + (size_t)gridDim.x * trace_max * SP_REC + blockIdx.x * 3 : nullptr;
+    if (ends && threadIdx.x == 0) ends[0] = sp_now();
     if (warp == SP_NW) {  // the producer: one lane's bulk copies (TMA), or 32 lanes' cp.async
         if (!lanes_copy && lane != 0) return;
         u32 g = 0;
@@ -127,6 +146,15 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     if (lane == 0) issued = g + 1;
                 }
             }
+        if (ends && lane == 0) {
+            // The last copy into each stage, landed (the consumers wait for them too,
+            // except in a free-running stream, which nothing else waits for).
+            for (u32 st = 0; st < (u32)stages && st < g; st++) {
+                u32 last = st + (u32)stages * ((g - 1 - st) / stages);
+                mbar_wait(&full[st], (last / stages) & 1);
+            }
+            ends[1] = sp_now();
+        }
         return;
     }
     u32 g = 0, acc = 0;
@@ -140,7 +168,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 u32 st = g % stages, n = min(chunk, sg.bytes - o);
                 sp_wait(&full[st], (g / stages) & 1, poll);
                 if (pending >= 0 && threadIdx.x == 0) {
-                    trace[((size_t)blockIdx.x * trace_max + pending) * 6 + 3] = sp_now();
+                    trace[((size_t)blockIdx.x * trace_max + pending) * SP_REC + 3] = sp_now();
                     pending = -1;
                 }
                 if (work) {
@@ -155,9 +183,9 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
             }
             if (sg.barrier) {
                 unsigned long long* rec =
-                    tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * 6 : nullptr;
+                    tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * SP_REC : nullptr;
                 if (rec) rec[0] = sp_now();
-                if (sg.barrier == 1) sp_grid_barrier(counters + bar++);
+                if (sg.barrier == 1) sp_grid_barrier(counters + bar++, relaxed);
                 if (rec) {  // how far ahead the stream is as the consumers go on
                     rec[1] = sp_now();
                     u32 ahead = issued - g, landed = 0;
@@ -167,11 +195,14 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     rec[4] = ahead;
                     rec[5] = landed;
                 }
+                if (rec) rec[6] = sp_now();
+                long long t0 = clock64();
                 if (delay_cycles > 0) {  // the chain after a barrier: x staging and math
-                    long long t0 = clock64();
                     while (clock64() - t0 < delay_cycles) {
+                        if (spin_sleep) __nanosleep(64);
                     }
                 }
+                if (rec) rec[7] = clock64() - t0;
                 if (rec) rec[2] = sp_now(), pending = kb;
                 kb++;
             }
@@ -182,6 +213,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     if (lane == 0) red[warp] = acc;
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
     if (threadIdx.x == 0) {
+        if (ends) ends[2] = sp_now();
         u32 sum = 0;
         for (int i = 0; i < SP_NW; i++) sum += red[i];
         atomicAdd(out, sum);  // wrapping u32 sums: the same total in any order

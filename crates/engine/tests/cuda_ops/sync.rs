@@ -73,6 +73,8 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         stages: 12,
         work: true,
         delay_ns: 0,
+        spin_sleep: false,
+        relaxed_barriers: false,
         grid_barriers: true,
         lanes_copy: false,
         free_run: false,
@@ -124,11 +126,41 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     for ns in [1000, 2000, 4000, 6000] {
         runs.push(("2 per layer, spin after each barrier", StreamProbe { delay_ns: ns, ..base.clone() }));
     }
+    // The same chains sleeping instead of spinning busy: whether a busy spin's issue slots
+    // (or power) slow the producer beside it, or the stall itself does.
+    for ns in [2000, 4000] {
+        let sleep = StreamProbe { delay_ns: ns, spin_sleep: true, ..base.clone() };
+        runs.push((
+            "2 per layer, free-running stream, sleeping spin",
+            StreamProbe { free_run: true, work: false, ..sleep.clone() },
+        ));
+        runs.push((
+            "2 per layer, sleeping spin alone (no grid barrier)",
+            StreamProbe { grid_barriers: false, ..sleep.clone() },
+        ));
+        runs.push(("2 per layer, sleeping spin after each barrier", sleep));
+    }
     for ns in [1000, 3000] {
         runs.push((
             "5 per layer, spin after each barrier",
             StreamProbe { delay_ns: ns, segments: five.clone(), ..base.clone() },
         ));
+    }
+    // Barriers without release/acquire (no fence beside the bulk copies in flight).
+    for (what, p) in [
+        ("2 per layer, relaxed barriers", base.clone()),
+        ("2 per layer, relaxed barriers, spin after each", StreamProbe { delay_ns: 2000, ..base.clone() }),
+        (
+            "2 per layer, relaxed barriers, free-running stream",
+            StreamProbe { free_run: true, work: false, ..base.clone() },
+        ),
+        (
+            "2 per layer, relaxed barriers, free-running stream, spin after each",
+            StreamProbe { delay_ns: 2000, free_run: true, work: false, ..base.clone() },
+        ),
+        ("5 per layer, relaxed barriers", StreamProbe { segments: five.clone(), ..base.clone() }),
+    ] {
+        runs.push((what, StreamProbe { relaxed_barriers: true, ..p }));
     }
     let mut table = Vec::new();
     let mut weights = None;
@@ -138,8 +170,10 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         let bw = r.bytes_per_token as f64 / (r.us_per_token * 1e-6);
         let traced = r.trace.map_or(String::new(), |t| {
             format!(
-                "; per barrier: wait {:.2} µs, next stage {:.2} µs after the spin, {:.1} stages issued ahead, {:.1} landed, ring full at {:.0}% of releases",
+                "; per barrier: wait {:.2} µs, spin {:.2} µs at {:.0} MHz, next stage {:.2} µs after the spin, {:.1} stages issued ahead, {:.1} landed, ring full at {:.0}% of releases",
                 t.barrier_us,
+                t.spin_us,
+                t.spin_mhz,
                 t.data_wait_us,
                 t.issued_ahead,
                 t.landed_ahead,
@@ -147,7 +181,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             )
         });
         table.push(format!(
-            "{what} (chunk {} KB, {} stages, spin {} ns, {}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy{traced}",
+            "{what} (chunk {} KB, {} stages, spin {} ns, {}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy; traced launch per token: producer {:.1} µs, consumers {:.1}{traced}",
             p.chunk >> 10,
             p.stages,
             p.delay_ns,
@@ -158,7 +192,9 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             },
             r.us_per_token,
             bw / 1e12,
-            100.0 * bw / copy
+            100.0 * bw / copy,
+            r.ends.producer_us,
+            r.ends.consumers_us
         ));
     }
     eprintln!(

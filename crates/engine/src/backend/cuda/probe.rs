@@ -111,6 +111,11 @@ pub struct StreamProbe {
     pub work: bool,
     /// After each barrier the consumers spin this long before reading on (a phase's chain).
     pub delay_ns: u32,
+    /// The spin sleeps (__nanosleep steps to its deadline) instead of a busy clock loop: a
+    /// chain bound by latency, whose warps take no issue slots from the producer.
+    pub spin_sleep: bool,
+    /// The grid barriers count and poll without release/acquire (no fence; timing only).
+    pub relaxed_barriers: bool,
     /// false: the segments' barriers are only the spin, each block's own stall (how much of
     /// a stall the ring hides when no block waits for another).
     pub grid_barriers: bool,
@@ -139,6 +144,21 @@ pub struct StreamTrace {
     pub landed_ahead: f64,
     /// Releases at which every stage of the ring had landed (the producer stalled).
     pub ring_full: f64,
+    /// The spin after the release, by %globaltimer (µs).
+    pub spin_us: f64,
+    /// The SM clock over the spins (their clock64 cycles over their %globaltimer time, MHz):
+    /// a spin of n cycles lasts n over this, not over the nominal clock.
+    pub spin_mhz: f64,
+}
+
+/// Which side of the traced launch finished last, per token of it (µs from the block's
+/// start, means over the blocks, divided by the launch's tokens).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StreamEnds {
+    /// The producer's last copy landed.
+    pub producer_us: f64,
+    /// The consumers were done (their last barrier and spin included).
+    pub consumers_us: f64,
 }
 
 /// What one stream probe measured.
@@ -152,13 +172,16 @@ pub struct StreamRun {
     pub want: u32,
     /// The last run's middle token, traced (none for a probe without barriers).
     pub trace: Option<StreamTrace>,
+    pub ends: StreamEnds,
 }
 
 /// Barriers per block the trace keeps (a token of five per layer has 81).
 const TRACE_MAX: usize = 96;
+/// u64 per traced barrier (stream_probe.cu's SP_REC).
+const REC: usize = 8;
 
 fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
-    let recs: Vec<&[u64]> = rec.chunks_exact(6).filter(|r| r[0] != 0).collect();
+    let recs: Vec<&[u64]> = rec.chunks_exact(REC).filter(|r| r[0] != 0).collect();
     if recs.is_empty() {
         return None;
     }
@@ -171,7 +194,19 @@ fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
         issued_ahead: mean(&|r| r[4] as f64),
         landed_ahead: mean(&|r| r[5] as f64),
         ring_full: mean(&|r| f64::from(u8::from(r[5] as usize >= stages))),
+        spin_us: mean(&|r| r[2].saturating_sub(r[6]) as f64 / 1e3),
+        spin_mhz: {
+            let ns: u64 = recs.iter().map(|r| r[2].saturating_sub(r[6])).sum();
+            recs.iter().map(|r| r[7]).sum::<u64>() as f64 * 1e3 / ns.max(1) as f64
+        },
     })
+}
+
+/// The per-block [start, producer done, consumers done] triples after the barrier records.
+fn fold_ends(ends: &[u64], tokens: usize) -> StreamEnds {
+    let n = (ends.len() / 3).max(1) as f64 * tokens.max(1) as f64;
+    let side = |i: usize| ends.chunks_exact(3).map(|e| e[i].saturating_sub(e[0]) as f64 / 1e3).sum::<f64>() / n;
+    StreamEnds { producer_us: side(1), consumers_us: side(2) }
 }
 
 /// The stream probe's weights (and their host copy, for the expected sums), kept across
@@ -244,7 +279,8 @@ impl Cuda {
         let mut counters =
             self.stream.alloc_zeros::<i32>((p.tokens + 1) * barriers.max(1)).map_err(drv("stream probe counters"))?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
-        let mut trace_d = self.stream.alloc_zeros::<u64>(blocks * TRACE_MAX * 6).map_err(drv("stream probe trace"))?;
+        let mut trace_d =
+            self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + 3)).map_err(drv("stream probe trace"))?;
         let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(drv("stream probe attributes"))?;
@@ -268,6 +304,8 @@ impl Cuda {
                 KArg::I32(p.stages as i32),
                 KArg::I32(if p.free_run { 2 } else { i32::from(p.work) }),
                 KArg::I32(delay_cycles),
+                KArg::I32(i32::from(p.spin_sleep)),
+                KArg::I32(i32::from(p.relaxed_barriers)),
                 KArg::I32(i32::from(p.lanes_copy)),
                 KArg::I32(i32::from(p.poll)),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
@@ -294,8 +332,10 @@ impl Cuda {
         run(p.tokens + 1, true)?;
         let sum = self.stream.clone_dtoh(&out).map_err(drv("reading the stream probe"))?[0];
         let rec = self.stream.clone_dtoh(&trace_d).map_err(drv("reading the stream probe's trace"))?;
-        let trace = fold_trace(&rec, p.stages);
-        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace })
+        let (rec, ends) = rec.split_at(blocks * TRACE_MAX * REC);
+        let trace = fold_trace(rec, p.stages);
+        let ends = fold_ends(ends, p.tokens + 1);
+        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace, ends })
     }
 }
 
@@ -308,9 +348,9 @@ mod tests {
         // Two recorded barriers (ns), one empty slot, 4 stages: the second released with
         // the whole ring landed and no segment after it (no landing time).
         let rec = [
-            1_000, 2_000, 3_000, 3_500, 4, 1, //
-            10_000, 13_000, 13_000, 0, 4, 4, //
-            0, 0, 0, 0, 0, 0,
+            1_000, 2_000, 3_000, 3_500, 4, 1, 2_500, 1_000, //
+            10_000, 13_000, 13_000, 0, 4, 4, 13_000, 0, //
+            0, 0, 0, 0, 0, 0, 0, 0,
         ];
         let t = fold_trace(&rec, 4).unwrap();
         assert_eq!(t.barrier_us, 2.0);
@@ -318,6 +358,16 @@ mod tests {
         assert_eq!(t.issued_ahead, 4.0);
         assert_eq!(t.landed_ahead, 2.5);
         assert_eq!(t.ring_full, 0.5);
-        assert!(fold_trace(&[0; 12], 4).is_none());
+        assert_eq!(t.spin_us, 0.25);
+        assert_eq!(t.spin_mhz, 2000.0); // 1 000 cycles in 500 ns
+        assert!(fold_trace(&[0; 16], 4).is_none());
+    }
+
+    #[test]
+    fn the_ends_fold_to_per_token_means_over_blocks() {
+        // Two blocks, a launch of 2 tokens: producers done 4 and 6 µs in, consumers 8 and 10.
+        let e = fold_ends(&[1_000, 5_000, 9_000, 2_000, 8_000, 12_000], 2);
+        assert_eq!(e.producer_us, 2.5);
+        assert_eq!(e.consumers_us, 4.5);
     }
 }
