@@ -41,6 +41,9 @@
 // `relaxed`: the grid barrier's count and poll without release/acquire (no fence: wrong for
 // a kernel whose phases exchange data, timed here to see what the fence costs beside
 // bulk copies in flight).
+// `group` > 0: each barrier is met by groups of that many consecutive blocks only, a
+// counter per group (a phase whose consumers wait for a few producers' flags, not for the
+// whole grid: whether a chain after such a wait is hidden as a block's own stall is).
 // `spin_sleep`: the spin is __nanosleep steps until the deadline instead of a busy clock
 // loop, so the spinning warps take no issue slots (and little power): a chain bound by
 // latency, not by instructions, and whether a busy spin slows the producer beside it.
@@ -57,8 +60,8 @@ struct SpSeg {
 };
 
 // The consumer warps' grid barrier: they (not the producer) meet with a named barrier,
-// thread 0 counts the block in (release) and spins (acquire) until every block has.
-__device__ __forceinline__ void sp_grid_barrier(int* c, int relaxed) {
+// thread 0 counts the block in (release) and spins (acquire) until all n blocks have.
+__device__ __forceinline__ void sp_grid_barrier(int* c, int relaxed, int n) {
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
     if (threadIdx.x == 0) {
         if (relaxed)
@@ -71,7 +74,7 @@ __device__ __forceinline__ void sp_grid_barrier(int* c, int relaxed) {
                 asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
             else
                 asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(c) : "memory");
-            if (v >= (int)gridDim.x) break;
+            if (v >= n) break;
             if (spins > (1u << 26)) __trap();  // a block that never arrives: fail, not hang
         }
     }
@@ -98,7 +101,7 @@ __device__ __forceinline__ void sp_wait(unsigned long long* bar, u32 parity, int
 
 extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
-                 int chunk, int stages, int work, int delay_cycles, int spin_sleep, int relaxed, int lanes_copy, int poll,
+                 int chunk, int stages, int work, int delay_cycles, int spin_sleep, int relaxed, int group, int lanes_copy, int poll,
                  int* __restrict__ counters,
                  unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
                  int trace_max) {
@@ -185,7 +188,12 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 unsigned long long* rec =
                     tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * SP_REC : nullptr;
                 if (rec) rec[0] = sp_now();
-                if (sg.barrier == 1) sp_grid_barrier(counters + bar++, relaxed);
+                if (sg.barrier == 1) {
+                    // A group's barrier: only its `group` blocks meet (a counter each).
+                    int groups = group ? (gridDim.x + group - 1) / group : 1, gi = group ? blockIdx.x / group : 0;
+                    int n = group ? min(group, (int)gridDim.x - gi * group) : gridDim.x;
+                    sp_grid_barrier(counters + bar++ * groups + gi, relaxed, n);
+                }
                 if (rec) {  // how far ahead the stream is as the consumers go on
                     rec[1] = sp_now();
                     u32 ahead = issued - g, landed = 0;

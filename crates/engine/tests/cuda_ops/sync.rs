@@ -75,6 +75,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         delay_ns: 0,
         spin_sleep: false,
         relaxed_barriers: false,
+        barrier_group: 0,
         grid_barriers: true,
         lanes_copy: false,
         free_run: false,
@@ -162,6 +163,13 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     ] {
         runs.push((what, StreamProbe { relaxed_barriers: true, ..p }));
     }
+    // Barriers met by groups of blocks only (a phase waiting for a few producers' flags).
+    for group in [2, 8, 16] {
+        for ns in [0, 2000, 4000] {
+            let p = StreamProbe { barrier_group: group, delay_ns: ns, ..base.clone() };
+            runs.push(("2 per layer, barriers of block groups", p));
+        }
+    }
     let mut table = Vec::new();
     let mut weights = None;
     for (what, p) in &runs {
@@ -181,7 +189,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             )
         });
         table.push(format!(
-            "{what} (chunk {} KB, {} stages, spin {} ns, {}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy; traced launch per token: producer {:.1} µs, consumers {:.1}{traced}",
+            "{what} (chunk {} KB, {} stages, spin {} ns, {}{}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy; traced launch per token: producer {:.1} µs, consumers {:.1}{traced}",
             p.chunk >> 10,
             p.stages,
             p.delay_ns,
@@ -190,6 +198,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
                 (false, true) => "bulk copies, free-running",
                 _ => "bulk copies",
             },
+            if p.barrier_group > 0 { format!(", groups of {}", p.barrier_group) } else { String::new() },
             r.us_per_token,
             bw / 1e12,
             100.0 * bw / copy,

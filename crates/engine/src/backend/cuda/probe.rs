@@ -116,6 +116,8 @@ pub struct StreamProbe {
     pub spin_sleep: bool,
     /// The grid barriers count and poll without release/acquire (no fence; timing only).
     pub relaxed_barriers: bool,
+    /// 0: the barriers are grid-wide; g: each is met by groups of g consecutive blocks only.
+    pub barrier_group: usize,
     /// false: the segments' barriers are only the spin, each block's own stall (how much of
     /// a stall the ring hides when no block waits for another).
     pub grid_barriers: bool,
@@ -261,6 +263,10 @@ impl Cuda {
             segs.push(per as i64 | (kind << 32));
             off += per * blocks;
         }
+        if p.barrier_group > blocks {
+            return Err(Error::Unsupported(format!("stream probe: barrier groups of {} blocks", p.barrier_group)));
+        }
+        let groups = if p.barrier_group == 0 { 1 } else { blocks.div_ceil(p.barrier_group) };
         let barriers = if p.grid_barriers { p.segments.iter().filter(|s| s.1).count() } else { 0 };
         if weights.as_ref().is_none_or(|w| w.words.len() < off / 4) {
             *weights = None; // the old buffer goes first
@@ -276,8 +282,10 @@ impl Cuda {
         };
         let w = &w.dev;
         let segs_d = self.upload(&segs, "stream probe segments")?;
-        let mut counters =
-            self.stream.alloc_zeros::<i32>((p.tokens + 1) * barriers.max(1)).map_err(drv("stream probe counters"))?;
+        let mut counters = self
+            .stream
+            .alloc_zeros::<i32>((p.tokens + 1) * barriers.max(1) * groups)
+            .map_err(drv("stream probe counters"))?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
         let mut trace_d =
             self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + 3)).map_err(drv("stream probe trace"))?;
@@ -306,6 +314,7 @@ impl Cuda {
                 KArg::I32(delay_cycles),
                 KArg::I32(i32::from(p.spin_sleep)),
                 KArg::I32(i32::from(p.relaxed_barriers)),
+                KArg::I32(p.barrier_group as i32),
                 KArg::I32(i32::from(p.lanes_copy)),
                 KArg::I32(i32::from(p.poll)),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
