@@ -163,6 +163,13 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     ] {
         runs.push((what, StreamProbe { relaxed_barriers: true, ..p }));
     }
+    // The same barriers with no bytes in flight (a token of empty segments): what the fence
+    // costs by itself, against beside the stream.
+    let empty = token(&[(0, true), (0, true)]);
+    for relaxed_barriers in [false, true] {
+        let p = StreamProbe { segments: empty.clone(), relaxed_barriers, ..base.clone() };
+        runs.push(("2 per layer, no weights (barriers alone)", p));
+    }
     // Barriers met by groups of blocks only (a phase waiting for a few producers' flags).
     for group in [2, 8, 16] {
         for ns in [0, 2000, 4000] {
@@ -198,7 +205,8 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
                 (false, true) => "bulk copies, free-running",
                 _ => "bulk copies",
             },
-            if p.barrier_group > 0 { format!(", groups of {}", p.barrier_group) } else { String::new() },
+            if p.barrier_group > 0 { format!(", groups of {}", p.barrier_group) } else { String::new() }
+                + if p.relaxed_barriers { ", relaxed" } else { "" },
             r.us_per_token,
             bw / 1e12,
             100.0 * bw / copy,
