@@ -44,6 +44,9 @@
 // `group` > 0: each barrier is met by groups of that many consecutive blocks only, a
 // counter per group (a phase whose consumers wait for a few producers' flags, not for the
 // whole grid: whether a chain after such a wait is hidden as a block's own stall is).
+// `cluster` > 0: the grid is launched in clusters of that many blocks, and each barrier is
+// the consumers' over their cluster only (sp_cluster_barrier: mbarriers, cluster scope),
+// the exchange a phase's blocks would make through DSMEM.
 // `spin_sleep`: the spin is __nanosleep steps until the deadline instead of a busy clock
 // loop, so the spinning warps take no issue slots (and little power): a chain bound by
 // latency, not by instructions, and whether a busy spin slows the producer beside it.
@@ -81,6 +84,30 @@ __device__ __forceinline__ void sp_grid_barrier(int* c, int relaxed, int n) {
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
 }
 
+// The consumers' barrier over their cluster (launched in clusters of `cs`): thread 0
+// arrives (release, cluster scope) on every block's cbar of barrier k's parity and waits
+// (acquire) on its own. Two barriers alternate, so that a block already at barrier k + 1
+// cannot arrive on a phase of barrier k that another block's arrivals have not finished.
+__device__ __forceinline__ void sp_cluster_barrier(unsigned long long* cbar, int k, int cs) {
+    asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
+    if (threadIdx.x == 0) {
+        unsigned long long* b = &cbar[k & 1];
+        for (int r = 0; r < cs; r++)
+            asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(cluster_addr(b, r))
+                         : "memory");
+        u32 done = 0, parity = (k >> 1) & 1;
+        while (!done)
+            asm volatile(
+                "{ .reg .pred p;\n\t"
+                "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n\t"
+                "selp.u32 %0, 1, 0, p; }"
+                : "=r"(done)
+                : "r"(smem_addr(b)), "r"(parity)
+                : "memory");
+    }
+    asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
+}
+
 __device__ __forceinline__ unsigned long long sp_now() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -101,7 +128,8 @@ __device__ __forceinline__ void sp_wait(unsigned long long* bar, u32 parity, int
 
 extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
-                 int chunk, int stages, int work, int delay_cycles, int spin_sleep, int relaxed, int group, int lanes_copy, int poll,
+                 int chunk, int stages, int work, int delay_cycles, int spin_sleep, int relaxed, int group,
+                 int cluster, int lanes_copy, int poll,
                  int* __restrict__ counters,
                  unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
                  int trace_max) {
@@ -112,13 +140,16 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     __shared__ __align__(8) unsigned long long full[SP_STAGES_MAX], empty[SP_STAGES_MAX];
     __shared__ unsigned red[SP_NW];
     __shared__ volatile u32 issued;  // stages the producer has issued (for the trace)
+    __shared__ __align__(8) unsigned long long cbar[2];  // the cluster barrier's, by phase parity
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++) mbar_init(&full[s], lanes_copy ? 32 : 1), mbar_init(&empty[s], SP_NW);
+        if (cluster) mbar_init(&cbar[0], cluster), mbar_init(&cbar[1], cluster);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         issued = 0;
     }
     __syncthreads();
+    if (cluster) cluster_sync();  // every block's cbar initialized before any remote arrival
     unsigned long long* ends = trace ? trace + (size_t)gridDim.x * trace_max * SP_REC + blockIdx.x * 3 : nullptr;
     if (ends && threadIdx.x == 0) ends[0] = sp_now();
     if (warp == SP_NW) {  // the producer: one lane's bulk copies (TMA), or 32 lanes' cp.async
@@ -188,7 +219,9 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 unsigned long long* rec =
                     tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * SP_REC : nullptr;
                 if (rec) rec[0] = sp_now();
-                if (sg.barrier == 1) {
+                if (sg.barrier == 1 && cluster) {
+                    sp_cluster_barrier(cbar, bar++, cluster);
+                } else if (sg.barrier == 1) {
                     // A group's barrier: only its `group` blocks meet (a counter each).
                     int groups = group ? (gridDim.x + group - 1) / group : 1, gi = group ? blockIdx.x / group : 0;
                     int n = group ? min(group, (int)gridDim.x - gi * group) : gridDim.x;

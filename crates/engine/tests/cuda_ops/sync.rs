@@ -76,6 +76,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         spin_sleep: false,
         relaxed_barriers: false,
         barrier_group: 0,
+        cluster: 0,
         grid_barriers: true,
         lanes_copy: false,
         free_run: false,
@@ -177,6 +178,14 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             runs.push(("2 per layer, barriers of block groups", p));
         }
     }
+    // Barriers over clusters of blocks only (mbarriers at cluster scope, as an exchange
+    // through DSMEM would meet): whether a chain after one is hidden.
+    // Clusters of 2 only: 33 clusters of 4 one-block-per-SM blocks do not all fit at once
+    // on the H200 (the probe refuses such a shape).
+    for ns in [0, 2000, 4000] {
+        let p = StreamProbe { cluster: 2, delay_ns: ns, ..base.clone() };
+        runs.push(("2 per layer, cluster barriers", p));
+    }
     let mut table = Vec::new();
     let mut weights = None;
     for (what, p) in &runs {
@@ -206,7 +215,8 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
                 _ => "bulk copies",
             },
             if p.barrier_group > 0 { format!(", groups of {}", p.barrier_group) } else { String::new() }
-                + if p.relaxed_barriers { ", relaxed" } else { "" },
+                + if p.relaxed_barriers { ", relaxed" } else { "" }
+                + &if p.cluster > 0 { format!(", clusters of {}", p.cluster) } else { String::new() },
             r.us_per_token,
             bw / 1e12,
             100.0 * bw / copy,

@@ -118,6 +118,9 @@ pub struct StreamProbe {
     pub relaxed_barriers: bool,
     /// 0: the barriers are grid-wide; g: each is met by groups of g consecutive blocks only.
     pub barrier_group: usize,
+    /// 0: no clusters; c: the grid in clusters of c blocks, each barrier the cluster's only
+    /// (mbarriers at cluster scope: an exchange through DSMEM).
+    pub cluster: usize,
     /// false: the segments' barriers are only the spin, each block's own stall (how much of
     /// a stall the ring hides when no block waits for another).
     pub grid_barriers: bool,
@@ -263,6 +266,12 @@ impl Cuda {
             segs.push(per as i64 | (kind << 32));
             off += per * blocks;
         }
+        if p.cluster > 0 && (p.barrier_group > 0 || !p.grid_barriers || p.cluster > 8) {
+            return Err(Error::Unsupported(format!(
+                "stream probe: clusters of {} with barrier groups or spins alone",
+                p.cluster
+            )));
+        }
         if p.barrier_group > blocks {
             return Err(Error::Unsupported(format!("stream probe: barrier groups of {} blocks", p.barrier_group)));
         }
@@ -292,6 +301,23 @@ impl Cuda {
         let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(drv("stream probe attributes"))?;
+        if p.cluster > 0 {
+            // The clusters must all run at once, or the token's time is two waves' (on the
+            // H200, 33 clusters of 4 one-block-per-SM blocks do not: not every GPC holds a
+            // whole number of them).
+            let c = LaunchConfig {
+                grid_dim: (blocks as u32, 1, 1),
+                block_dim: (9 * 32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let fit = self.max_active_clusters(&f, c, p.cluster as u32)?;
+            if fit * p.cluster < blocks {
+                return Err(Error::Unsupported(format!(
+                    "stream probe: {} clusters of {} at once, not all {blocks} blocks",
+                    fit, p.cluster
+                )));
+            }
+        }
         let khz = self
             .ctx
             .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CLOCK_RATE)
@@ -315,6 +341,7 @@ impl Cuda {
                 KArg::I32(i32::from(p.spin_sleep)),
                 KArg::I32(i32::from(p.relaxed_barriers)),
                 KArg::I32(p.barrier_group as i32),
+                KArg::I32(p.cluster as i32),
                 KArg::I32(i32::from(p.lanes_copy)),
                 KArg::I32(i32::from(p.poll)),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
@@ -329,7 +356,10 @@ impl Cuda {
                 shared_mem_bytes: smem as u32,
             };
             let t = std::time::Instant::now();
-            self.launch(&f, c, &args, "stream probe launch")?;
+            match p.cluster {
+                0 => self.launch(&f, c, &args, "stream probe launch")?,
+                cs => self.launch_clustered(&f, c, &args, "stream probe launch", cs as u32)?,
+            }
             self.stream.synchronize().map_err(drv("stream probe"))?;
             Ok(t.elapsed().as_secs_f64() * 1e6)
         };
