@@ -29,7 +29,8 @@
 // stage wait polls (test_wait) instead of try_wait, which may suspend the thread.
 //
 // grid: one block per SM (the host gives each more than half an SM's shared memory), all
-// resident at once; counters: tokens · (barriers per token) ints, zeroed; out[0]: the sum.
+// resident at once; counters: tokens · (barriers per token) · (groups, or 1) ints, zeroed;
+// out[0]: the sum.
 // trace (or null): for token `trace_token`, per block and per barrier k < trace_max, SP_REC
 // u64: %globaltimer before the barrier, after it, after the spin, when the next stage had
 // landed (0 if the segment after is empty), the stages the producer had issued ahead of the
