@@ -78,6 +78,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         relaxed_barriers: false,
         barrier_group: 0,
         cluster: 0,
+        blocks: 0,
         grid_barriers: true,
         lanes_copy: false,
         free_run: false,
@@ -86,6 +87,13 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
     for stages in [2, 4, 6] {
         runs.push(("no barriers, a smaller ring", StreamProbe { segments: none.clone(), stages, ..base.clone() }));
+    }
+    // Fewer SMs streaming the same token: the rate one SM pulls when the memory system has
+    // room (the cap on how far an SM catches up after a stall). Each run's tokens are
+    // fewer, so that the few blocks' launch stays short.
+    for blocks in [1, 8, 33, 66] {
+        let p = StreamProbe { segments: none.clone(), blocks, tokens: 2, ..base.clone() };
+        runs.push(("no barriers, fewer SMs", p));
     }
     runs.extend([
         ("2 barriers per layer", base.clone()),
@@ -187,6 +195,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         let p = StreamProbe { cluster: 2, delay_ns: ns, ..base.clone() };
         runs.push(("2 per layer, cluster barriers", p));
     }
+    let sms = g.sms;
     let mut table = Vec::new();
     let mut weights = None;
     for (what, p) in &runs {
@@ -206,7 +215,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             )
         });
         table.push(format!(
-            "{what} (chunk {} KB, {} stages, spin {} ns, {}{}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy; traced launch per token: producer {:.1} µs, consumers {:.1}{traced}",
+            "{what} (chunk {} KB, {} stages, spin {} ns, {}{}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy, {:.1} GB/s per block; traced launch per token: producer {:.1} µs, consumers {:.1}{traced}",
             p.chunk >> 10,
             p.stages,
             p.delay_ns,
@@ -217,10 +226,12 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             },
             if p.barrier_group > 0 { format!(", groups of {}", p.barrier_group) } else { String::new() }
                 + if p.relaxed_barriers { ", relaxed" } else { "" }
-                + &if p.cluster > 0 { format!(", clusters of {}", p.cluster) } else { String::new() },
+                + &if p.cluster > 0 { format!(", clusters of {}", p.cluster) } else { String::new() }
+            + &if p.blocks > 0 { format!(", {} blocks", p.blocks) } else { String::new() },
             r.us_per_token,
             bw / 1e12,
             100.0 * bw / copy,
+            bw / 1e9 / if p.blocks == 0 { sms } else { p.blocks } as f64,
             r.ends.producer_us,
             r.ends.consumers_us
         ));

@@ -121,6 +121,9 @@ pub struct StreamProbe {
     /// 0: no clusters; c: the grid in clusters of c blocks, each barrier the cluster's only
     /// (mbarriers at cluster scope: an exchange through DSMEM).
     pub cluster: usize,
+    /// 0: one block per SM; n: n blocks only (n SMs streaming, the rest idle: how fast one
+    /// SM pulls when the memory system is not the limit).
+    pub blocks: usize,
     /// false: the segments' barriers are only the spin, each block's own stall (how much of
     /// a stall the ring hides when no block waits for another).
     pub grid_barriers: bool,
@@ -235,7 +238,11 @@ impl Cuda {
     /// three, so launch costs cancel; one block of 8 consumer warps and a producer warp per SM.
     /// `weights` is made on first use (or when a layout outgrows it) and kept for later runs.
     pub fn stream_probe(&self, p: &StreamProbe, weights: &mut Option<StreamWeights>) -> Result<StreamRun> {
-        let blocks = self.sms;
+        // One block per SM, or the first `blocks` SMs' worth (each SM's own ingest limit).
+        let blocks = if p.blocks == 0 { self.sms } else { p.blocks };
+        if blocks > self.sms {
+            return Err(Error::Unsupported(format!("stream probe: {blocks} blocks on {} SMs", self.sms)));
+        }
         if !self.clusters {
             // clusters: sm_90+, as the bulk copies and expect_tx the probe is built on
             return Err(Error::Unsupported(format!("stream probe: bulk copies need sm_90 or newer ({})", self.arch)));
