@@ -95,6 +95,12 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         let p = StreamProbe { segments: none.clone(), blocks, tokens: 2, ..base.clone() };
         runs.push(("no barriers, fewer SMs", p));
     }
+    // Whether larger copies or the lanes' cp.async lift one SM's rate.
+    let eight = StreamProbe { segments: none.clone(), blocks: 8, tokens: 2, ..base.clone() };
+    for (chunk, stages) in [(32 << 10, 6), (64 << 10, 3)] {
+        runs.push(("no barriers, fewer SMs, larger copies", StreamProbe { chunk, stages, ..eight.clone() }));
+    }
+    runs.push(("no barriers, fewer SMs", StreamProbe { lanes_copy: true, ..eight }));
     runs.extend([
         ("2 barriers per layer", base.clone()),
         ("5 barriers per layer", StreamProbe { segments: five.clone(), ..base.clone() }),
