@@ -180,6 +180,7 @@ pub struct StreamRun {
     pub want: u32,
     /// The last run's middle token, traced (none for a probe without barriers).
     pub trace: Option<StreamTrace>,
+    /// The traced launch's producer and consumer end times.
     pub ends: StreamEnds,
 }
 
@@ -273,7 +274,11 @@ impl Cuda {
             segs.push(per as i64 | (kind << 32));
             off += per * blocks;
         }
-        if p.cluster > 0 && (p.barrier_group > 0 || !p.grid_barriers || p.cluster > 8) {
+        if p.cluster > 8 {
+            // larger clusters need the non-portable cluster size attribute, not set here
+            return Err(Error::Unsupported(format!("stream probe: clusters of {} (8 at most)", p.cluster)));
+        }
+        if p.cluster > 0 && (p.barrier_group > 0 || !p.grid_barriers) {
             return Err(Error::Unsupported(format!(
                 "stream probe: clusters of {} with barrier groups or spins alone",
                 p.cluster
