@@ -48,6 +48,8 @@
 // `cluster` > 0: the grid is launched in clusters of that many blocks, and each barrier is
 // the consumers' over their cluster only (sp_cluster_barrier: mbarriers, cluster scope),
 // the exchange a phase's blocks would make through DSMEM.
+// `producers` (1 or 2, bulk copies only): that many lanes of the producer warp issue the
+// copies, stage g by lane g % producers (whether one thread's issuing caps an SM's rate).
 // `spin_sleep`: the spin is __nanosleep steps until the deadline instead of a busy clock
 // loop, so the spinning warps take no issue slots (and little power): a chain bound by
 // latency, not by instructions, and whether a busy spin slows the producer beside it.
@@ -130,7 +132,7 @@ __device__ __forceinline__ void sp_wait(unsigned long long* bar, u32 parity, int
 extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
                  int chunk, int stages, int work, int delay_cycles, int spin_sleep, int relaxed, int group,
-                 int cluster, int lanes_copy, int poll,
+                 int cluster, int lanes_copy, int poll, int producers,
                  int* __restrict__ counters,
                  unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
                  int trace_max) {
@@ -154,13 +156,14 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     unsigned long long* ends = trace ? trace + (size_t)gridDim.x * trace_max * SP_REC + blockIdx.x * 3 : nullptr;
     if (ends && threadIdx.x == 0) ends[0] = sp_now();
     if (warp == SP_NW) {  // the producer: one lane's bulk copies (TMA), or 32 lanes' cp.async
-        if (!lanes_copy && lane != 0) return;
+        if (!lanes_copy && lane >= producers) return;
         u32 g = 0;
         for (int t = 0; t < tokens; t++)
             for (int s = 0; s < nseg; s++) {
                 SpSeg sg = segs[s];
                 const unsigned char* src = w + sg.off + (long long)blockIdx.x * sg.bytes;
                 for (int o = 0; o < sg.bytes; o += chunk, g++) {
+                    if (!lanes_copy && (int)(g % producers) != lane) continue;  // another lane's stage
                     u32 st = g % stages, n = min(chunk, sg.bytes - o);
                     unsigned char* dst = ring + (size_t)st * chunk;
                     // work 2: free-running, a stage is reused once its last copy has landed
@@ -178,7 +181,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                         mbar_expect(&full[st], n);
                         bulk_copy(dst, src + o, n, &full[st]);
                     }
-                    if (lane == 0) issued = g + 1;
+                    if (lanes_copy ? lane == 0 : lane == producers - 1) issued = g + 1;
                 }
             }
         if (ends && lane == 0) {

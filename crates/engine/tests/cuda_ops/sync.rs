@@ -79,6 +79,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         barrier_group: 0,
         cluster: 0,
         blocks: 0,
+        producers: 1,
         grid_barriers: true,
         lanes_copy: false,
         free_run: false,
@@ -100,7 +101,10 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     for (chunk, stages) in [(32 << 10, 6), (64 << 10, 3)] {
         runs.push(("no barriers, fewer SMs, larger copies", StreamProbe { chunk, stages, ..eight.clone() }));
     }
-    runs.push(("no barriers, fewer SMs", StreamProbe { lanes_copy: true, ..eight }));
+    runs.push(("no barriers, fewer SMs", StreamProbe { lanes_copy: true, ..eight.clone() }));
+    // Or two lanes issuing the bulk copies (alternate stages), alone and on every SM.
+    runs.push(("no barriers, fewer SMs, 2 producer lanes", StreamProbe { producers: 2, ..eight }));
+    runs.push(("no barriers, 2 producer lanes", StreamProbe { segments: none.clone(), producers: 2, ..base.clone() }));
     runs.extend([
         ("2 barriers per layer", base.clone()),
         ("5 barriers per layer", StreamProbe { segments: five.clone(), ..base.clone() }),

@@ -124,6 +124,9 @@ pub struct StreamProbe {
     /// 0: one block per SM; n: n blocks only (n SMs streaming, the rest idle: how fast one
     /// SM pulls when the memory system is not the limit).
     pub blocks: usize,
+    /// Lanes of the producer warp that issue the bulk copies, stage g by lane g mod this
+    /// (1, or 2; 0 means 1).
+    pub producers: usize,
     /// false: the segments' barriers are only the spin, each block's own stall (how much of
     /// a stall the ring hides when no block waits for another).
     pub grid_barriers: bool,
@@ -274,6 +277,12 @@ impl Cuda {
             segs.push(per as i64 | (kind << 32));
             off += per * blocks;
         }
+        if p.producers > 2 || (p.producers > 1 && p.lanes_copy) {
+            return Err(Error::Unsupported(format!(
+                "stream probe: {} producer lanes (1 or 2, bulk copies only)",
+                p.producers
+            )));
+        }
         if p.cluster > 8 {
             // larger clusters need the non-portable cluster size attribute, not set here
             return Err(Error::Unsupported(format!("stream probe: clusters of {} (8 at most)", p.cluster)));
@@ -356,6 +365,7 @@ impl Cuda {
                 KArg::I32(p.cluster as i32),
                 KArg::I32(i32::from(p.lanes_copy)),
                 KArg::I32(i32::from(p.poll)),
+                KArg::I32(p.producers.max(1) as i32),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
                 KArg::Ptr(out.device_ptr(&self.stream).0),
                 KArg::Ptr(if traced { trace_d.device_ptr(&self.stream).0 } else { 0 }),
