@@ -205,7 +205,6 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         let p = StreamProbe { cluster: 2, delay_ns: ns, ..base.clone() };
         runs.push(("2 per layer, cluster barriers", p));
     }
-    let sms = g.sms;
     let mut table = Vec::new();
     let mut weights = None;
     for (what, p) in &runs {
@@ -241,7 +240,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             r.us_per_token,
             bw / 1e12,
             100.0 * bw / copy,
-            bw / 1e9 / if p.blocks == 0 { sms } else { p.blocks } as f64,
+            bw / 1e9 / r.blocks as f64,
             r.ends.producer_us,
             r.ends.consumers_us
         ));

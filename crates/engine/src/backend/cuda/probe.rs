@@ -185,6 +185,8 @@ pub struct StreamRun {
     pub trace: Option<StreamTrace>,
     /// The traced launch's producer and consumer end times.
     pub ends: StreamEnds,
+    /// Blocks that streamed (one per SM each).
+    pub blocks: usize,
 }
 
 /// Barriers per block the trace keeps (a token of five per layer has 81).
@@ -396,7 +398,7 @@ impl Cuda {
         let (rec, ends) = rec.split_at(blocks * TRACE_MAX * REC);
         let trace = fold_trace(rec, p.stages);
         let ends = fold_ends(ends, p.tokens + 1);
-        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace, ends })
+        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace, ends, blocks })
     }
 }
 
