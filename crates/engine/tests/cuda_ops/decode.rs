@@ -17,11 +17,15 @@ fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> (ferrolm::backend::cu
     (g.matrix(w.clone()).unwrap(), w)
 }
 
-/// Device copies of a weight the timed launches cycle over (layers of a decode step).
-const COPIES: usize = 16;
+/// Device copies of a weight the timed launches cycle over (layers of a decode step): 16,
+/// or `FERROLM_WEIGHT_COPIES` (1 keeps a matrix in L2: what an L2-resident weight would
+/// cost, the ceiling of any L2 prefetch).
+fn n_copies() -> usize {
+    std::env::var("FERROLM_WEIGHT_COPIES").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(16)
+}
 
 fn copies(g: &Cuda, w: &Weight) -> Vec<ferrolm::backend::cuda::CudaMat> {
-    (0..COPIES).map(|_| g.matrix(w.clone()).unwrap()).collect()
+    (0..n_copies()).map(|_| g.matrix(w.clone()).unwrap()).collect()
 }
 
 /// Mean µs per call of `f(i)` over `n` calls (i = 0..n) captured into one graph (after a
@@ -103,7 +107,7 @@ fn gemvs_at_1b_shapes(feed: &str) {
     let (cq, ck, cv) = (copies(g, &wq.1), copies(g, &wk.1), copies(g, &wv.1));
     let us = graph_time(g, 48, &mut |i| {
         let [a, b, e] = &mut og[..] else { unreachable!() };
-        let j = i % COPIES;
+        let j = i % n_copies();
         g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&cq[j], &ck[j], &cv[j]], &mut [a, b, e]).unwrap();
     });
     report("1B norm→q/k/v 2048+512+512×2048", us, bytes(&[&wq.1, &wk.1, &wv.1]));
@@ -120,7 +124,7 @@ fn gemvs_at_1b_shapes(feed: &str) {
     let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
     check("1B o + residual", &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
     let co = copies(g, &wo.1);
-    let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &co[i % COPIES], &mut rg, &mut tmp).unwrap());
+    let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &co[i % n_copies()], &mut rg, &mut tmp).unwrap());
     report("1B o 2048×2048 + add", us, bytes(&[&wo.1]));
 
     // norm → gate/up → SwiGLU (one launch)
@@ -132,7 +136,7 @@ fn gemvs_at_1b_shapes(feed: &str) {
     check("1B norm→gate/up→SwiGLU", &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
     let (cg, cu) = (copies(g, &wg.1), copies(g, &wu.1));
     let us = graph_time(g, 48, &mut |i| {
-        let j = i % COPIES;
+        let j = i % n_copies();
         g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &cg[j], &cu[j], &mut gg, &mut ug, &mut sg).unwrap()
     });
     report("1B norm→gate/up 2×8192×2048 →SwiGLU", us, bytes(&[&wg.1, &wu.1]));
@@ -147,7 +151,7 @@ fn gemvs_at_1b_shapes(feed: &str) {
     c.matmul_add(&cpu(1, f, y), &wd.1, &mut rc, &mut tmpc).unwrap();
     check("1B down + residual", &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
     let cd = copies(g, &wd.1);
-    let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &cd[i % COPIES], &mut rg, &mut tmp).unwrap());
+    let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &cd[i % n_copies()], &mut rg, &mut tmp).unwrap());
     report("1B down 2048×8192 + add", us, bytes(&[&wd.1]));
 
     // The MLP split along the FFN dimension (one launch, ffn_splitk.cuh): norm → gate/up →
@@ -163,16 +167,16 @@ fn gemvs_at_1b_shapes(feed: &str) {
         check("1B split-K MLP + residual", &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
         check("1B split-K MLP act", &g.read_rows(&act, 0).unwrap(), &sc.data, 1e-2);
         // Each copy's down scales transposed (once per matrix, outside any capture).
-        for j in 0..COPIES {
+        for j in 0..n_copies() {
             assert!(g.ffn_splitk(&mut rg, (&ng, 1e-5), (&cg[j], &cu[j], &cd[j]), &mut act).unwrap());
         }
         let us = graph_time(g, 48, &mut |i| {
-            let j = i % COPIES;
+            let j = i % n_copies();
             assert!(g.ffn_splitk(&mut rg, (&ng, 1e-5), (&cg[j], &cu[j], &cd[j]), &mut act).unwrap());
         });
         report("1B split-K MLP (gate/up→SwiGLU→down + add, one launch)", us, bytes(&[&wg.1, &wu.1, &wd.1]));
         let us = graph_time(g, 48, &mut |i| {
-            let j = i % COPIES;
+            let j = i % n_copies();
             g.norm_swiglu(&rg, &ng, 1e-5, &mut xn, &cg[j], &cu[j], &mut gg, &mut ug, &mut sg).unwrap();
             g.matmul_add(&sg, &cd[j], &mut rg, &mut tmp).unwrap();
         });
@@ -185,14 +189,14 @@ fn gemvs_at_1b_shapes(feed: &str) {
         use ferrolm::backend::Rope;
         use ferrolm::config::RopeStyle;
         let (heads, n_kv, hd, pos) = (32, 8, 64, 512);
-        let cfg = super::attn_cfg(heads, n_kv, hd, COPIES, RopeStyle::Interleaved);
+        let cfg = super::attn_cfg(heads, n_kv, hd, n_copies(), RopeStyle::Interleaved);
         let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Interleaved, linear: 1.0 };
         let mut kv = g.kv_cache(&cfg, 640).unwrap();
         let mut att = g.act(1, d).unwrap();
         let mut resid = g.act_from_f32(1, d, &x).unwrap();
         g.begin(&[], pos).unwrap();
         let us = graph_time(g, 48, &mut |i| {
-            let j = i % COPIES;
+            let j = i % n_copies();
             let [q, k, v] = &mut og[..] else { unreachable!() };
             g.norm_matmul_many(&resid, &ng, 1e-5, &mut xn, &[&cq[j], &ck[j], &cv[j]], &mut [q, k, v]).unwrap();
             g.rope_attention(q, k, v, &mut kv, j, pos, &rope, (heads, n_kv), &mut att).unwrap();
@@ -224,7 +228,7 @@ fn decode_attention_at_1b_shape_time() {
     use ferrolm::config::RopeStyle;
     let (g, mut r) = (gpu(), Rng::seeded());
     let (heads, n_kv, hd) = (32, 8, 64);
-    let cfg = super::attn_cfg(heads, n_kv, hd, COPIES, RopeStyle::Interleaved);
+    let cfg = super::attn_cfg(heads, n_kv, hd, n_copies(), RopeStyle::Interleaved);
     let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Interleaved, linear: 1.0 };
     for (pos, cache) in [(512, 640), (8191, 8320)] {
         let mut kv = g.kv_cache(&cfg, cache).unwrap(); // 16 layers: one per timed launch
@@ -234,7 +238,7 @@ fn decode_attention_at_1b_shape_time() {
         let mut out = g.act(1, heads * hd).unwrap();
         g.begin(&[], pos).unwrap();
         let us = graph_time(g, 48, &mut |i| {
-            g.rope_attention(&mut q, &mut k, &v, &mut kv, i % COPIES, pos, &rope, (heads, n_kv), &mut out).unwrap()
+            g.rope_attention(&mut q, &mut k, &v, &mut kv, i % n_copies(), pos, &rope, (heads, n_kv), &mut out).unwrap()
         });
         let bytes = 2 * (pos + 1) * n_kv * hd * 2;
         eprintln!(
@@ -327,7 +331,7 @@ fn fused_layer_end_matches_separate_launches_and_times_it() {
     for fusion in [LayerEndFusion::None, LayerEndFusion::Mlp, LayerEndFusion::OProjMlp] {
         g.set_layer_end_fusion(fusion);
         let us = graph_time(&g, 48, &mut |i| {
-            let j = i % COPIES;
+            let j = i % n_copies();
             let scratch = (&mut xn, &mut gg, &mut ug, &mut tmp);
             g.o_proj_mlp(&att, &co[j], &mut xg, (&ng, 1e-5), (&cg[j], &cu[j], &cd[j]), scratch, &mut act).unwrap()
         });

@@ -205,6 +205,26 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         let p = StreamProbe { cluster: 2, delay_ns: ns, ..base.clone() };
         runs.push(("2 per layer, cluster barriers", p));
     }
+    // Larger bulk copies lift one SM's rate (8 SMs alone: 41.8 / 77.2 / 127.3 GB/s per SM at
+    // 16 / 32 / 64 KB, session 18): whether that lets an SM catch up after a stall, so that
+    // the chains after barriers hide.
+    for (chunk, stages) in [(32 << 10, 6), (64 << 10, 3)] {
+        let big = StreamProbe { chunk, stages, ..base.clone() };
+        runs.push(("no barriers, larger copies", StreamProbe { segments: none.clone(), ..big.clone() }));
+        for ns in [0, 2000, 4000, 6000] {
+            let p = StreamProbe { delay_ns: ns, ..big.clone() };
+            runs.push(("2 per layer, spin after each barrier, larger copies", p.clone()));
+            if ns > 0 {
+                let alone = StreamProbe { grid_barriers: false, ..p.clone() };
+                runs.push(("2 per layer, the spin alone (no grid barrier), larger copies", alone));
+                runs.push(("2 per layer, cluster barriers, larger copies", StreamProbe { cluster: 2, ..p }));
+            }
+        }
+        for ns in [0, 1000, 3000] {
+            let p = StreamProbe { delay_ns: ns, segments: five.clone(), ..big.clone() };
+            runs.push(("5 per layer, spin after each barrier, larger copies", p));
+        }
+    }
     let mut table = Vec::new();
     let mut weights = None;
     for (what, p) in &runs {
