@@ -36,8 +36,9 @@
 // landed (0 if the segment after is empty), the stages the producer had issued ahead of the
 // consumers and how many of those had landed, as the barrier released them, then
 // %globaltimer as the spin starts and the spin's SM clock cycles (the clock it ran at). After
-// the blocks' records, three u64 per block over the whole launch: its start, when its
-// producer's last copy had landed, when its consumers were done (which side bounds it).
+// the blocks' records, four u64 per block over the whole launch: its start, when its
+// producer's last copy had landed, when its consumers were done (which side bounds it), and
+// the SM it ran on (%smid: whether the blocks that arrive last are always the same SMs).
 //
 // `relaxed`: the grid barrier's count and poll without release/acquire (no fence: wrong for
 // a kernel whose phases exchange data, timed here to see what the fence costs beside
@@ -153,8 +154,12 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     }
     __syncthreads();
     if (cluster) cluster_sync();  // every block's cbar initialized before any remote arrival
-    unsigned long long* ends = trace ? trace + (size_t)gridDim.x * trace_max * SP_REC + blockIdx.x * 3 : nullptr;
-    if (ends && threadIdx.x == 0) ends[0] = sp_now();
+    unsigned long long* ends = trace ? trace + (size_t)gridDim.x * trace_max * SP_REC + blockIdx.x * 4 : nullptr;
+    if (ends && threadIdx.x == 0) {
+        u32 sm;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+        ends[0] = sp_now(), ends[3] = sm;
+    }
     if (warp == SP_NW) {  // the producer: one lane's bulk copies (TMA), or 32 lanes' cp.async
         if (!lanes_copy && lane >= producers) return;
         u32 g = 0;

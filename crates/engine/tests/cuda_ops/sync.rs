@@ -243,6 +243,16 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
                 100.0 * t.ring_full
             )
         });
+        let skew = r.skew.as_ref().map_or(String::new(), |s| {
+            let latest: Vec<String> = s.latest.iter().map(|(sm, l)| format!("SM {sm} +{l:.2}")).collect();
+            format!(
+                "; arrivals: last {:.2} µs after the median, first {:.2} before; lateness correlation {:.2}; latest {}",
+                s.last_us,
+                s.first_us,
+                s.corr,
+                latest.join(", ")
+            )
+        });
         table.push(format!(
             "{what} (chunk {} KB, {} stages, spin {} ns, {}{}): {:.1} µs per token, {:.2} TB/s, {:.1}% of copy, {:.1} GB/s per block; traced launch per token: producer {:.1} µs, consumers {:.1}{traced}",
             p.chunk >> 10,
@@ -263,7 +273,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             bw / 1e9 / r.blocks as f64,
             r.ends.producer_us,
             r.ends.consumers_us
-        ));
+        ) + &skew);
     }
     eprintln!(
         "weight stream, Llama-3.2-1B shape 4-bit g64 ({:.1} MB per token; copy bandwidth {:.2} TB/s):\n  {}",

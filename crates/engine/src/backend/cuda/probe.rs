@@ -172,6 +172,23 @@ pub struct StreamEnds {
     pub consumers_us: f64,
 }
 
+/// How unevenly the blocks of the traced token reach its barriers: per barrier, each block's
+/// arrival against the median arrival (µs). A stream whose SMs pull unequal shares of the
+/// memory system makes every barrier wait for the slowest; if the same SMs are always the
+/// late ones, work split by measured SM speed (or taken dynamically) would shorten it.
+#[derive(Debug, Clone, Default)]
+pub struct StreamSkew {
+    /// Mean over barriers of (last arrival − median arrival).
+    pub last_us: f64,
+    /// Mean over barriers of (median arrival − first arrival).
+    pub first_us: f64,
+    /// Correlation over blocks of the mean lateness at even barriers with that at odd ones:
+    /// near 1 when the late blocks are always the same, near 0 when lateness is random.
+    pub corr: f64,
+    /// The latest blocks on average: (SM, mean lateness µs), latest first (8 at most).
+    pub latest: Vec<(u32, f64)>,
+}
+
 /// What one stream probe measured.
 pub struct StreamRun {
     pub us_per_token: f64,
@@ -187,6 +204,8 @@ pub struct StreamRun {
     pub ends: StreamEnds,
     /// Blocks that streamed (one per SM each).
     pub blocks: usize,
+    /// The traced token's arrival skew at its barriers (none without barriers).
+    pub skew: Option<StreamSkew>,
 }
 
 /// Barriers per block the trace keeps (a token of five per layer has 81).
@@ -216,11 +235,46 @@ fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
     })
 }
 
-/// The per-block [start, producer done, consumers done] triples after the barrier records.
+/// The per-block [start, producer done, consumers done, SM] records after the barrier
+/// records.
 fn fold_ends(ends: &[u64], tokens: usize) -> StreamEnds {
-    let n = (ends.len() / 3).max(1) as f64 * tokens.max(1) as f64;
-    let side = |i: usize| ends.chunks_exact(3).map(|e| e[i].saturating_sub(e[0]) as f64 / 1e3).sum::<f64>() / n;
+    let n = (ends.len() / 4).max(1) as f64 * tokens.max(1) as f64;
+    let side = |i: usize| ends.chunks_exact(4).map(|e| e[i].saturating_sub(e[0]) as f64 / 1e3).sum::<f64>() / n;
     StreamEnds { producer_us: side(1), consumers_us: side(2) }
+}
+
+/// Arrival skew over the barriers every block recorded (`rec`: blocks × TRACE_MAX records;
+/// `sms`: each block's SM).
+fn fold_skew(rec: &[u64], sms: &[u32]) -> Option<StreamSkew> {
+    let blocks = sms.len();
+    let at = |b: usize, k: usize| rec[(b * TRACE_MAX + k) * REC];
+    let nk = (0..TRACE_MAX).take_while(|&k| (0..blocks).all(|b| at(b, k) != 0)).count();
+    if blocks < 2 || nk < 2 {
+        return None;
+    }
+    let (mut last, mut first) = (0.0, 0.0);
+    let mut late = vec![[0.0f64; 2]; blocks];
+    for k in 0..nk {
+        let mut a: Vec<u64> = (0..blocks).map(|b| at(b, k)).collect();
+        a.sort_unstable();
+        let med = a[blocks / 2] as f64;
+        last += (a[blocks - 1] as f64 - med) / 1e3;
+        first += (med - a[0] as f64) / 1e3;
+        for (b, l) in late.iter_mut().enumerate() {
+            l[k % 2] += (at(b, k) as f64 - med) / 1e3;
+        }
+    }
+    let halves = [nk.div_ceil(2) as f64, (nk / 2) as f64];
+    let (x, y): (Vec<f64>, Vec<f64>) = late.iter().map(|l| (l[0] / halves[0], l[1] / halves[1])).unzip();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (mx, my) = (mean(&x), mean(&y));
+    let cov: f64 = x.iter().zip(&y).map(|(a, b)| (a - mx) * (b - my)).sum();
+    let var = |v: &[f64], m: f64| v.iter().map(|a| (a - m) * (a - m)).sum::<f64>();
+    let corr = cov / (var(&x, mx) * var(&y, my)).sqrt().max(f64::MIN_POSITIVE);
+    let mut latest: Vec<(u32, f64)> = late.iter().zip(sms).map(|(l, &sm)| (sm, (l[0] + l[1]) / nk as f64)).collect();
+    latest.sort_by(|a, b| b.1.total_cmp(&a.1));
+    latest.truncate(8);
+    Some(StreamSkew { last_us: last / nk as f64, first_us: first / nk as f64, corr, latest })
 }
 
 /// The stream probe's weights (and their host copy, for the expected sums), kept across
@@ -320,7 +374,7 @@ impl Cuda {
             .map_err(drv("stream probe counters"))?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
         let mut trace_d =
-            self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + 3)).map_err(drv("stream probe trace"))?;
+            self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + 4)).map_err(drv("stream probe trace"))?;
         let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(drv("stream probe attributes"))?;
@@ -397,8 +451,10 @@ impl Cuda {
         let rec = self.stream.clone_dtoh(&trace_d).map_err(drv("reading the stream probe's trace"))?;
         let (rec, ends) = rec.split_at(blocks * TRACE_MAX * REC);
         let trace = fold_trace(rec, p.stages);
+        let sms: Vec<u32> = ends.chunks_exact(4).map(|e| e[3] as u32).collect();
+        let skew = fold_skew(rec, &sms);
         let ends = fold_ends(ends, p.tokens + 1);
-        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace, ends, blocks })
+        Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace, ends, blocks, skew })
     }
 }
 
@@ -429,8 +485,27 @@ mod tests {
     #[test]
     fn the_ends_fold_to_per_token_means_over_blocks() {
         // Two blocks, a launch of 2 tokens: producers done 4 and 6 µs in, consumers 8 and 10.
-        let e = fold_ends(&[1_000, 5_000, 9_000, 2_000, 8_000, 12_000], 2);
+        let e = fold_ends(&[1_000, 5_000, 9_000, 7, 2_000, 8_000, 12_000, 9], 2);
         assert_eq!(e.producer_us, 2.5);
         assert_eq!(e.consumers_us, 4.5);
+    }
+
+    #[test]
+    fn the_skew_names_the_blocks_that_arrive_last() {
+        // Three blocks (SMs 5, 6, 7), two barriers: block 2 arrives 3 µs after the median
+        // at both, block 0 1 µs before it.
+        let mut rec = vec![0u64; 3 * TRACE_MAX * REC];
+        for (b, arr) in [[9_000u64, 19_000], [10_000, 20_000], [13_000, 23_000]].iter().enumerate() {
+            for (k, &t) in arr.iter().enumerate() {
+                rec[(b * TRACE_MAX + k) * REC] = t;
+            }
+        }
+        let s = fold_skew(&rec, &[5, 6, 7]).unwrap();
+        assert_eq!(s.last_us, 3.0);
+        assert_eq!(s.first_us, 1.0);
+        assert_eq!(s.latest[0], (7, 3.0));
+        assert_eq!(s.latest[2], (5, -1.0));
+        assert!(s.corr > 0.99, "the same blocks late at both barriers: {}", s.corr);
+        assert!(fold_skew(&rec[..], &[5]).is_none());
     }
 }
