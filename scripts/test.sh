@@ -7,7 +7,18 @@ cd "$(dirname "$0")/.."
 scripts/fetch-test-models.sh
 # NVRTC for the kernel compile test.
 source scripts/nvrtc-env.sh
-cargo test --workspace --release
-# The GPU test target must compile here too (it runs only on a GPU: scripts/gpu-check.sh).
-cargo build --release -p ferrolm-engine --features cuda-tests --test cuda_parity
+# Every build here has one feature set, so the engine compiles once: `cuda-tests` only adds
+# the GPU test target (required-features), which must compile here and runs only on a GPU
+# (scripts/gpu-check.sh). So the run names every other test target (from cargo metadata,
+# which finds new ones by itself) instead of building the engine twice.
+features=(--features ferrolm-engine/cuda-tests)
+mapfile -t tests < <(cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+names = {t["name"] for p in json.load(sys.stdin)["packages"] for t in p["targets"]
+         if "test" in t["kind"] and "cuda-tests" not in t.get("required-features", [])}
+for n in sorted(names):
+    print("--test"); print(n)')
+cargo test --workspace --release "${features[@]}" --lib --bins "${tests[@]}"
+cargo test --workspace --release "${features[@]}" --doc
+cargo build --workspace --release "${features[@]}" --test cuda_parity
 scripts/mlx-check.sh
