@@ -2,8 +2,8 @@
 //! weights): parity with the CPU composition, then the time per launch inside a captured
 //! graph, as a decode step runs them (launch gaps and PDL overlap included). Timed launches
 //! cycle over 16 device copies of the weights, as a decode step walks 16 layers: one copy
-//! would stay in the 50 MB L2 and time L2, not HBM. The timings are printed for the record,
-//! never asserted.
+//! would stay in the 50 MB L2 and time L2, not HBM (`FERROLM_WEIGHT_COPIES=1` times that
+//! on purpose). The timings are printed for the record, never asserted.
 
 use super::{bf, cpu, gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
@@ -21,7 +21,10 @@ fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> (ferrolm::backend::cu
 /// or `FERROLM_WEIGHT_COPIES` (1 keeps a matrix in L2: what an L2-resident weight would
 /// cost, the ceiling of any L2 prefetch).
 fn n_copies() -> usize {
-    std::env::var("FERROLM_WEIGHT_COPIES").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(16)
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("FERROLM_WEIGHT_COPIES").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(16)
+    })
 }
 
 fn copies(g: &Cuda, w: &Weight) -> Vec<ferrolm::backend::cuda::CudaMat> {
