@@ -12,12 +12,17 @@ source scripts/nvrtc-env.sh
 # (scripts/gpu-check.sh). So the run names every other test target (from cargo metadata,
 # which finds new ones by itself) instead of building the engine twice.
 features=(--features ferrolm-engine/cuda-tests)
-mapfile -t tests < <(cargo metadata --no-deps --format-version 1 | python3 -c '
+# (An assignment, so that a failing cargo metadata stops the script; an empty list would
+# silently run the unit tests alone.)
+listed=$(cargo metadata --no-deps --format-version 1 | python3 -c '
 import json, sys
 names = {t["name"] for p in json.load(sys.stdin)["packages"] for t in p["targets"]
          if "test" in t["kind"] and "cuda-tests" not in t.get("required-features", [])}
+if not names:
+    sys.exit("scripts/test.sh: cargo metadata lists no test targets")
 for n in sorted(names):
     print("--test"); print(n)')
+mapfile -t tests <<< "$listed"
 cargo test --workspace --release "${features[@]}" --lib --bins "${tests[@]}"
 cargo test --workspace --release "${features[@]}" --doc
 cargo build --workspace --release "${features[@]}" --test cuda_parity
