@@ -59,7 +59,8 @@
 
 #define SP_NW 8
 #define SP_STAGES_MAX 64
-#define SP_REC 8  // u64 per traced barrier (probe.rs's REC)
+#define SP_REC 8   // u64 per traced barrier (probe.rs's REC)
+#define SP_ENDS 4  // u64 per block after the barrier records (probe.rs's ENDS)
 
 struct SpSeg {
     long long off;
@@ -154,7 +155,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     }
     __syncthreads();
     if (cluster) cluster_sync();  // every block's cbar initialized before any remote arrival
-    unsigned long long* ends = trace ? trace + (size_t)gridDim.x * trace_max * SP_REC + blockIdx.x * 4 : nullptr;
+    unsigned long long* ends = trace ? trace + (size_t)gridDim.x * trace_max * SP_REC + blockIdx.x * SP_ENDS : nullptr;
     if (ends && threadIdx.x == 0) {
         u32 sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));

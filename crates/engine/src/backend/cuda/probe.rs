@@ -212,6 +212,9 @@ pub struct StreamRun {
 const TRACE_MAX: usize = 96;
 /// u64 per traced barrier (stream_probe.cu's SP_REC).
 const REC: usize = 8;
+/// u64 per block after the barrier records: start, producer done, consumers done, SM
+/// (stream_probe.cu's SP_ENDS).
+const ENDS: usize = 4;
 
 fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
     let recs: Vec<&[u64]> = rec.chunks_exact(REC).filter(|r| r[0] != 0).collect();
@@ -238,8 +241,8 @@ fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
 /// The per-block [start, producer done, consumers done, SM] records after the barrier
 /// records.
 fn fold_ends(ends: &[u64], tokens: usize) -> StreamEnds {
-    let n = (ends.len() / 4).max(1) as f64 * tokens.max(1) as f64;
-    let side = |i: usize| ends.chunks_exact(4).map(|e| e[i].saturating_sub(e[0]) as f64 / 1e3).sum::<f64>() / n;
+    let n = (ends.len() / ENDS).max(1) as f64 * tokens.max(1) as f64;
+    let side = |i: usize| ends.chunks_exact(ENDS).map(|e| e[i].saturating_sub(e[0]) as f64 / 1e3).sum::<f64>() / n;
     StreamEnds { producer_us: side(1), consumers_us: side(2) }
 }
 
@@ -374,19 +377,17 @@ impl Cuda {
             .map_err(drv("stream probe counters"))?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
         let mut trace_d =
-            self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + 4)).map_err(drv("stream probe trace"))?;
+            self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + ENDS)).map_err(drv("stream probe trace"))?;
         let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(drv("stream probe attributes"))?;
+        // 8 consumer warps and the producer warp (SP_NW + 1), one block per SM.
+        let c =
+            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (9 * 32, 1, 1), shared_mem_bytes: smem as u32 };
         if p.cluster > 0 {
             // The clusters must all run at once, or the token's time is two waves' (on the
             // H200, 33 clusters of 4 one-block-per-SM blocks do not: not every GPC holds a
             // whole number of them).
-            let c = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (9 * 32, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
             let fit = self.max_active_clusters(&f, c, p.cluster as u32)?;
             if fit * p.cluster < blocks {
                 return Err(Error::Unsupported(format!(
@@ -428,11 +429,6 @@ impl Cuda {
                 KArg::I32((n / 2) as i32),
                 KArg::I32(TRACE_MAX as i32),
             ];
-            let c = LaunchConfig {
-                grid_dim: (blocks as u32, 1, 1),
-                block_dim: (9 * 32, 1, 1),
-                shared_mem_bytes: smem as u32,
-            };
             let t = std::time::Instant::now();
             match p.cluster {
                 0 => self.launch(&f, c, &args, "stream probe launch")?,
@@ -451,7 +447,7 @@ impl Cuda {
         let rec = self.stream.clone_dtoh(&trace_d).map_err(drv("reading the stream probe's trace"))?;
         let (rec, ends) = rec.split_at(blocks * TRACE_MAX * REC);
         let trace = fold_trace(rec, p.stages);
-        let sms: Vec<u32> = ends.chunks_exact(4).map(|e| e[3] as u32).collect();
+        let sms: Vec<u32> = ends.chunks_exact(ENDS).map(|e| e[3] as u32).collect();
         let skew = fold_skew(rec, &sms);
         let ends = fold_ends(ends, p.tokens + 1);
         Ok(StreamRun { us_per_token: per_token[1], bytes_per_token: off, sum, want, trace, ends, blocks, skew })
