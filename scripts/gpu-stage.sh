@@ -8,6 +8,14 @@
 #   call 2, carry [gpu-bin/m2]:
 #     cat /root/fh/smol.part1 gpu-bin/m2/smol.part2 > /root/fh/models/SmolLM2-135M-Instruct.Q4_1.gguf
 #     FERROLM_HOME=/root/fh bash scripts/gpu-check.sh /root/gb
+# A run on the synthetic 1B model alone needs one call: gpu-bin/tok/ holds a 1.7 MB GGUF with
+# SmolLM2's metadata and no tensors (tools/gpu/tokenizer_gguf.py), all `ferrolm convert
+# --synthetic` reads from the default model; carry [gpu-bin/ferrolm, gpu-bin/cuda_parity,
+# gpu-bin/tok] and run
+#     mkdir -p /root/fh/models && cp gpu-bin/tok/*.gguf /root/fh/models/
+#     FERROLM_HOME=/root/fh gpu-bin/ferrolm convert --synthetic llama-3.2-1b --quantize 4 --output /root/m1b
+# (the same directory, byte for byte, as with the real file), e.g. for kernel variants A/B'd
+# by scripts/gpu-ab.sh. Tests and benches of SmolLM2 itself need the real file.
 # With KERNEL_CACHE=1 also gpu-bin/m2/kernels.tar.xz (~7 MB): every kernel variant compiled
 # here for sm_90 with NVRTC (`ferrolm kernels --arch sm_90 --prune`, no GPU needed; kept in
 # gpu-bin/khome, so a later staging compiles only what changed: ~13 min on 2 cores from
@@ -27,6 +35,9 @@ cp target/gpu/ferrolm gpu-bin/ferrolm
 cp "$exe" gpu-bin/cuda_parity
 model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f $model ]] || target/gpu/ferrolm inspect >/dev/null
+mkdir -p gpu-bin/tok
+python3 -c 'import gguf' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check gguf
+python3 tools/gpu/tokenizer_gguf.py "$model" "gpu-bin/tok/$(basename "$model")"
 head -c 41943040 "$model" > gpu-bin/m1/smol.part1
 tail -c +41943041 "$model" > gpu-bin/m2/smol.part2
 if [[ ${KERNEL_CACHE:-0} == 1 ]]; then
@@ -34,4 +45,4 @@ if [[ ${KERNEL_CACHE:-0} == 1 ]]; then
   FERROLM_HOME=gpu-bin/khome target/gpu/ferrolm kernels --arch sm_90 --prune
   tar -C gpu-bin/khome -cf - kernels | xz -T0 -6 > gpu-bin/m2/kernels.tar.xz
 fi
-ls -la gpu-bin gpu-bin/m1 gpu-bin/m2
+ls -la gpu-bin gpu-bin/m1 gpu-bin/m2 gpu-bin/tok
