@@ -15,6 +15,8 @@ each role is one row. Per role, means over steps and layers, in µs:
           early, under PDL, while the previous kernel ran)
   waited  when the last sampled block's pdl_wait returned, from the previous launch's end
           (the dependency's release as this kernel saw it)
+  first   when the first sampled block's pdl_wait returned, from the previous launch's end:
+          the release itself (later returns are blocks that started late, or slow to see it)
   after   the launch's end minus its last pdl_wait return (work once released)
   path    this launch's end minus the previous launch's end: its share of the step
 The sum of `path` over a step is the step time."""
@@ -151,6 +153,7 @@ def main():
                 r["path"].append(end - base)
                 if waited is not None:
                     r["waited"].append(waited - base)
+                    r["first"].append(min(L["wait"]) - base)
             if waited is not None:
                 r["after"].append(end - waited)
             r["count"].append(1)
@@ -162,13 +165,13 @@ def main():
     early = lambda v: f"{100 * sum(v) / len(v):.0f}%" if v else "–"
     per_step = len(steps)
     print(f"{per_step} decode steps of {shape} launches" + (f", layer period {period}" if period else ""))
-    print("| role | kernel | sampled blocks | launches/step | early | start | waited | after | path | path/step |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| role | kernel | sampled blocks | launches/step | early | start | first | waited | after | path | path/step |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for key in order:
         r = rows[key]
         k = len(r["count"]) / per_step
         print(
-            f"| {key[0]} | {key[1]} | {key[2]} | {k:g} | {early(r['early'])} | {mean(r['start']):.2f} | {mean(r['waited']):.2f} | "
+            f"| {key[0]} | {key[1]} | {key[2]} | {k:g} | {early(r['early'])} | {mean(r['start']):.2f} | {mean(r['first']):.2f} | {mean(r['waited']):.2f} | "
             f"{mean(r['after']):.2f} | {mean(r['path']):.2f} | {mean(r['path']) * k:.1f} |"
         )
     if totals:

@@ -72,3 +72,63 @@ extern "C" __global__ void __launch_bounds__(256, 1)
     }
     if (threadIdx.x == 0) out[block] = acc;
 }
+
+// The PDL release against the dependent kernel's own loads in flight (session 20; probe.rs's
+// pdl_release_probe). pdl_primary: one block per SM spins until `end_ns` (globaltimer) and
+// records when it ends. pdl_dependent, launched right after it with PDL, is resident beside
+// it (it triggers at once, as the decode kernels do): each block waits until `lead_ns`
+// before the primary's end, issues `loads` 16-byte loads per thread (4 KB per block each)
+// of cold memory (mode 0 into registers, as a GEMV's first tile; mode 1 prefetch.global.L2,
+// which returns nothing to the SM), then griddepcontrol.wait, and records when it was
+// released. Whether the release waits for the SM's loads in flight decides whether a
+// deeper prefetch before the wait can pay.
+__device__ __forceinline__ unsigned long long gtime() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void __launch_bounds__(256) pdl_primary(unsigned long long end_ns, unsigned long long* ends) {
+    pdl_trigger();
+    while (gtime() < end_ns) {
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) ends[blockIdx.x] = gtime();
+}
+
+#define PDL_PROBE_LOADS 16
+extern "C" __global__ void __launch_bounds__(256) pdl_dependent(const uint4* __restrict__ junk, int loads, int mode,
+                                                                 unsigned long long issue_ns,
+                                                                 unsigned long long* __restrict__ times,
+                                                                 unsigned* __restrict__ out) {
+    pdl_trigger();
+    const uint4* p = junk + (size_t)blockIdx.x * 256 * PDL_PROBE_LOADS + threadIdx.x;
+    while (gtime() < issue_ns) {
+    }
+    unsigned long long t0 = gtime();
+    uint4 v[PDL_PROBE_LOADS];
+#pragma unroll
+    for (int i = 0; i < PDL_PROBE_LOADS; i++) {
+        v[i] = make_uint4(0, 0, 0, 0);
+        if (i < loads) {
+            if (mode == 0)
+                asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                             : "=r"(v[i].x), "=r"(v[i].y), "=r"(v[i].z), "=r"(v[i].w)
+                             : "l"(p + i * 256));
+            else
+                asm volatile("prefetch.global.L2 [%0];" ::"l"(p + i * 256));
+        }
+    }
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    unsigned long long t1 = gtime();
+    unsigned s = 0;
+#pragma unroll
+    for (int i = 0; i < PDL_PROBE_LOADS; i++) s += v[i].x + v[i].y + v[i].z + v[i].w;
+    unsigned long long t2 = gtime();  // the loads have landed (s depends on them)
+    if (threadIdx.x == 0) {
+        times[3 * blockIdx.x] = t0;
+        times[3 * blockIdx.x + 1] = t1;
+        times[3 * blockIdx.x + 2] = t2;
+    }
+    atomicAdd(out, s);
+}

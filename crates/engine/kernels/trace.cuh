@@ -15,6 +15,12 @@
 #ifndef TRACE_FILE
 #define TRACE_FILE 0
 #endif
+// TRACE_ALL (FERROLM_TRACE_ALL=1): every block is sampled, and its end is recorded by lane
+// 0 of every warp, so a launch's end is its last warp's, not thread 0's of every 16th
+// block (whether a kernel boundary's wait is the release or the previous kernel's tail).
+#ifndef TRACE_ALL
+#define TRACE_ALL 0
+#endif
 
 #if TRACE
 __device__ unsigned long long* trace_buf;
@@ -23,16 +29,18 @@ __device__ __forceinline__ unsigned trace_block() {
     return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
 }
 
-__device__ __forceinline__ bool trace_sampled() {
+__device__ __forceinline__ bool trace_sampled(unsigned ev) {
     unsigned blk = trace_block(), blocks = gridDim.x * gridDim.y * gridDim.z;
-    return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0 && (blk % 16 == 0 || blk == blocks - 1);
+    bool t0 = threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0;
+    if (TRACE_ALL) return ev == 2 ? threadIdx.y == 0 && threadIdx.z == 0 && (threadIdx.x & 31) == 0 : t0;
+    return t0 && (blk % 16 == 0 || blk == blocks - 1);
 }
 
 // `file`: TRACE_FILE where the event's macro is expanded (a header may set its own).
 __device__ __forceinline__ void trace_event(unsigned line, unsigned ev, unsigned file) {
     unsigned long long* b = trace_buf;
     // Files without TRACE_FILE have no TRACE_KERNEL: their pdl_wait records nothing.
-    if (file == 0 || b == nullptr || !trace_sampled()) return;
+    if (file == 0 || b == nullptr || !trace_sampled(ev)) return;
     unsigned long long t, grid;
     unsigned sm;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));

@@ -282,3 +282,29 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         table.join("\n  ")
     );
 }
+
+/// The PDL release against the dependent's own loads in flight (kernels/sync_probe.cu's
+/// pdl_dependent; docs/perf.md, session 20): no block may be released before the primary
+/// has ended, and the table says whether loads issued just before the end delay it.
+#[test]
+fn pdl_release_waits_for_the_primary_and_its_cost() {
+    let g = gpu();
+    let mut table = Vec::new();
+    for lead_ns in [500u64, 2000] {
+        for (loads, l2) in [(0, false), (4, false), (8, false), (16, false), (16, true)] {
+            let r = g.pdl_release_probe(loads, l2, lead_ns, 20).unwrap();
+            // Released before the primary's last block ended: a broken dependency. (Allow
+            // the two timers' skew: globaltimer is one clock, read on different SMs.)
+            assert!(r.release_us > -0.2, "released {:.2} µs before the primary ended", -r.release_us);
+            table.push(format!(
+                "issued {lead_ns} ns before the end, {} KB per block{}: release {:.2} µs (last block {:.2}), loads landed {:.2} µs after it",
+                4 * loads,
+                if l2 { " (L2 prefetch)" } else { "" },
+                r.release_us,
+                r.last_release_us,
+                r.landed_after_us
+            ));
+        }
+    }
+    println!("{}", table.join("\n"));
+}

@@ -342,7 +342,7 @@ impl Cuda {
         let traced;
         let defines = match self.trace {
             Some(_) => {
-                traced = [defines, &[super::trace::Trace::DEFINE.to_string()]].concat();
+                traced = [defines, &super::trace::Trace::defines()[..]].concat();
                 &traced[..]
             }
             None => defines,

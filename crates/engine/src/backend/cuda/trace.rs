@@ -37,8 +37,15 @@ impl Trace {
         Ok(Some(Trace { buf, path: path.into(), pending: Mutex::new(Vec::new()) }))
     }
 
-    /// The define every kernel is compiled with while tracing.
-    pub(crate) const DEFINE: &'static str = "TRACE=1";
+    /// The defines every kernel is compiled with while tracing: TRACE=1, and with
+    /// `FERROLM_TRACE_ALL=1` TRACE_ALL=1 (every block, and an end per warp: trace.cuh).
+    pub(crate) fn defines() -> Vec<String> {
+        let mut d = vec!["TRACE=1".to_string()];
+        if std::env::var("FERROLM_TRACE_ALL").is_ok_and(|v| v == "1") {
+            d.push("TRACE_ALL=1".into());
+        }
+        d
+    }
 
     /// Point a newly loaded module's `trace_buf` at the buffer, now or (while capturing)
     /// at the next `flush`.
