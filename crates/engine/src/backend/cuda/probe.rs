@@ -530,7 +530,7 @@ impl Cuda {
         let dep = self.function(kernels::file("sync_probe.cu"), &[], "pdl_dependent")?;
         let blocks = self.sms;
         let per_round = blocks * 256 * 16; // uint4 per round: 64 KB per block
-        let rotate = 16; // rounds of distinct memory (1 GB cycle): each round's loads are cold
+        let rotate = 16; // rounds of distinct memory (138 MB on 132 SMs, over twice L2): each round's loads are cold
         let junk = self.stream.alloc_zeros::<u32>(4 * per_round * rotate).map_err(drv("release probe memory"))?;
         let ends = self.stream.alloc_zeros::<u64>(blocks).map_err(drv("release probe ends"))?;
         let times = self.stream.alloc_zeros::<u64>(3 * blocks).map_err(drv("release probe times"))?;
