@@ -51,6 +51,10 @@
 // the exchange a phase's blocks would make through DSMEM.
 // `producers` (1 or 2, bulk copies only): that many lanes of the producer warp issue the
 // copies, stage g by lane g % producers (whether one thread's issuing caps an SM's rate).
+// `barrier` 3 (the host's `tagged`): an all-to-all exchange by tagged words instead of a
+// grid barrier (sp_tag_exchange), the hand-off a persistent kernel whose phases pass
+// vectors would make without a counter or fence (NCCL's LL protocol; docs/perf.md,
+// session 20: between op-path kernels it lost to the PDL release).
 // `spin_sleep`: the spin is __nanosleep steps until the deadline instead of a busy clock
 // loop, so the spinning warps take no issue slots (and little power): a chain bound by
 // latency, not by instructions, and whether a busy spin slows the producer beside it.
@@ -113,6 +117,50 @@ __device__ __forceinline__ void sp_cluster_barrier(unsigned long long* cbar, int
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
 }
 
+// The consumers' exchange by tagged words: threads 0-15 store this block's 16 words of
+// a vector (payload = the word's index, tag = this exchange's number `k`, one 64-bit store
+// each); then every consumer thread polls its share of the whole vector (words
+// threadIdx.x + j·256) until each carries tag k, loads all out at once and reloads only
+// the stale ones, and checks every payload. Two vectors alternate by exchange: a block
+// one exchange ahead never writes the vector a slower block still reads (it cannot finish
+// exchange k + 1 before every block has written k + 1, after reading k).
+#define SP_XW 16   // words per block
+#define SP_XPER 9  // words per consumer thread at most (grid ≤ SP_XPER · 256 / SP_XW = 144 blocks)
+__device__ __forceinline__ void sp_tag_exchange(unsigned long long* xv, u32 k) {
+    unsigned long long* v = xv + (size_t)(k & 1) * SP_XW * gridDim.x;
+    int n = SP_XW * gridDim.x;
+    if (threadIdx.x < SP_XW) {
+        unsigned long long word = (unsigned long long)k << 32 | (blockIdx.x * SP_XW + threadIdx.x);
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(v + blockIdx.x * SP_XW + threadIdx.x), "l"(word)
+                     : "memory");
+    }
+    unsigned long long w[SP_XPER];
+#pragma unroll
+    for (int j = 0; j < SP_XPER; j++) {
+        int i = threadIdx.x + j * SP_NW * 32;
+        w[j] = (unsigned long long)k << 32 | (u32)i;
+        if (i < n) asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[j]) : "l"(v + i) : "memory");
+    }
+    for (unsigned spins = 0;; spins++) {
+        bool ok = true;
+#pragma unroll
+        for (int j = 0; j < SP_XPER; j++) ok = ok && (u32)(w[j] >> 32) == k;
+        if (ok) break;
+        if (spins > (1u << 24)) __trap();  // a block that never writes: fail, not hang
+        __nanosleep(32);
+#pragma unroll
+        for (int j = 0; j < SP_XPER; j++) {
+            int i = threadIdx.x + j * SP_NW * 32;
+            if (i < n && (u32)(w[j] >> 32) != k)
+                asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(w[j]) : "l"(v + i) : "memory");
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < SP_XPER; j++)
+        if ((u32)w[j] != (u32)(threadIdx.x + j * SP_NW * 32)) __trap();  // a torn or misplaced word
+    asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
+}
+
 __device__ __forceinline__ unsigned long long sp_now() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -135,7 +183,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     stream_probe(const unsigned char* __restrict__ w, const SpSeg* __restrict__ segs, int nseg, int tokens,
                  int chunk, int stages, int work, int delay_cycles, int spin_sleep, int relaxed, int group,
                  int cluster, int lanes_copy, int poll, int producers,
-                 int* __restrict__ counters,
+                 int* __restrict__ counters, unsigned long long* __restrict__ xvec,
                  unsigned* __restrict__ out, unsigned long long* __restrict__ trace, int trace_token,
                  int trace_max) {
 #if __CUDA_ARCH__ < 900
@@ -201,7 +249,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
         }
         return;
     }
-    u32 g = 0, acc = 0;
+    u32 g = 0, acc = 0, xk = 0;  // xk: tagged exchanges so far (their tags are 1, 2, …)
     int bar = 0, pending = -1;  // pending: the trace record whose next landed stage is due
     for (int t = 0; t < tokens; t++) {
         bool tracing = trace && t == trace_token && threadIdx.x == 0;
@@ -229,7 +277,9 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 unsigned long long* rec =
                     tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * SP_REC : nullptr;
                 if (rec) rec[0] = sp_now();
-                if (sg.barrier == 1 && cluster) {
+                if (sg.barrier == 3) {
+                    sp_tag_exchange(xvec, ++xk);
+                } else if (sg.barrier == 1 && cluster) {
                     sp_cluster_barrier(cbar, bar++, cluster);
                 } else if (sg.barrier == 1) {
                     // A group's barrier: only its `group` blocks meet (a counter each).

@@ -84,6 +84,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         lanes_copy: false,
         free_run: false,
         poll: false,
+        tagged: false,
     };
     let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
     for stages in [2, 4, 6] {
@@ -224,6 +225,14 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
             let p = StreamProbe { delay_ns: ns, segments: five.clone(), ..big.clone() };
             runs.push(("5 per layer, spin after each barrier, larger copies", p));
         }
+    }
+    // All-to-all exchanges by tagged words instead of grid barriers (session 20): a
+    // persistent kernel's hand-off with no counter or fence, each block's words checked.
+    for (ns, segments) in
+        [(0, two.clone()), (2000, two.clone()), (4000, two.clone()), (0, five.clone()), (1000, five.clone())]
+    {
+        let p = StreamProbe { delay_ns: ns, segments, tagged: true, ..base.clone() };
+        runs.push(("tagged exchanges instead of grid barriers", p));
     }
     let mut table = Vec::new();
     let mut weights = None;

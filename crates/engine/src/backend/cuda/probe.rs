@@ -139,6 +139,9 @@ pub struct StreamProbe {
     pub free_run: bool,
     /// Stage waits poll (mbarrier.test_wait) instead of try_wait, which may suspend.
     pub poll: bool,
+    /// Each grid barrier is instead an all-to-all exchange of a 16-word-per-block vector
+    /// by tagged words (stream_probe.cu's sp_tag_exchange; with grid barriers only).
+    pub tagged: bool,
 }
 
 /// Per barrier of one traced token, averaged over the blocks and the token's barriers
@@ -328,10 +331,11 @@ impl Cuda {
         for &(bytes, barrier) in &p.segments {
             let per = bytes.div_ceil(blocks).div_ceil(16) * 16;
             segs.push(off as i64);
-            let kind: i64 = match (barrier, p.grid_barriers) {
-                (false, _) => 0,
-                (true, true) => 1,
-                (true, false) => 2,
+            let kind: i64 = match (barrier, p.grid_barriers, p.tagged) {
+                (false, ..) => 0,
+                (true, true, false) => 1,
+                (true, false, _) => 2,
+                (true, true, true) => 3,
             };
             segs.push(per as i64 | (kind << 32));
             off += per * blocks;
@@ -351,6 +355,12 @@ impl Cuda {
                 "stream probe: clusters of {} with barrier groups or spins alone",
                 p.cluster
             )));
+        }
+        if p.tagged && (p.cluster > 0 || p.barrier_group > 0 || !p.grid_barriers || blocks > 144) {
+            return Err(Error::Unsupported(
+                "stream probe: tagged exchanges replace grid barriers (no clusters, groups or spins alone; ≤ 144 blocks)"
+                    .into(),
+            ));
         }
         if p.barrier_group > blocks {
             return Err(Error::Unsupported(format!("stream probe: barrier groups of {} blocks", p.barrier_group)));
@@ -376,6 +386,8 @@ impl Cuda {
             .alloc_zeros::<i32>((p.tokens + 1) * barriers.max(1) * groups)
             .map_err(drv("stream probe counters"))?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
+        // The tagged exchanges' two vectors (stream_probe.cu's SP_XW words per block each).
+        let mut xvec = self.stream.alloc_zeros::<u64>(2 * 16 * blocks).map_err(drv("stream probe vectors"))?;
         let mut trace_d =
             self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + ENDS)).map_err(drv("stream probe trace"))?;
         let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
@@ -406,6 +418,7 @@ impl Cuda {
             self.stream.memset_zeros(&mut counters).map_err(drv("stream probe counters"))?;
             self.stream.memset_zeros(&mut trace_d).map_err(drv("stream probe trace"))?;
             self.stream.memset_zeros(&mut out).map_err(drv("stream probe sum"))?;
+            self.stream.memset_zeros(&mut xvec).map_err(drv("stream probe vectors"))?;
             self.stream.synchronize().map_err(drv("stream probe"))?;
             let args = [
                 KArg::Ptr(w.device_ptr(&self.stream).0),
@@ -424,6 +437,7 @@ impl Cuda {
                 KArg::I32(i32::from(p.poll)),
                 KArg::I32(p.producers.max(1) as i32),
                 KArg::Ptr(counters.device_ptr(&self.stream).0),
+                KArg::Ptr(xvec.device_ptr(&self.stream).0),
                 KArg::Ptr(out.device_ptr(&self.stream).0),
                 KArg::Ptr(if traced { trace_d.device_ptr(&self.stream).0 } else { 0 }),
                 KArg::I32((n / 2) as i32),
