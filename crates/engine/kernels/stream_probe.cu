@@ -124,8 +124,8 @@ __device__ __forceinline__ void sp_cluster_barrier(unsigned long long* cbar, int
 // the stale ones, and checks every payload. Two vectors alternate by exchange: a block
 // one exchange ahead never writes the vector a slower block still reads (it cannot finish
 // exchange k + 1 before every block has written k + 1, after reading k).
-#define SP_XW 16   // words per block
-#define SP_XPER 9  // words per consumer thread at most (grid ≤ SP_XPER · 256 / SP_XW = 144 blocks)
+#define SP_XW 16   // words per block (probe.rs's XW)
+#define SP_XPER 9  // words per consumer thread at most (probe.rs's XPER; grid ≤ 144 blocks)
 __device__ __forceinline__ void sp_tag_exchange(unsigned long long* xv, u32 k) {
     unsigned long long* v = xv + (size_t)(k & 1) * SP_XW * gridDim.x;
     int n = SP_XW * gridDim.x;
@@ -159,12 +159,6 @@ __device__ __forceinline__ void sp_tag_exchange(unsigned long long* xv, u32 k) {
     for (int j = 0; j < SP_XPER; j++)
         if ((u32)w[j] != (u32)(threadIdx.x + j * SP_NW * 32)) __trap();  // a torn or misplaced word
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
-}
-
-__device__ __forceinline__ unsigned long long sp_now() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
 }
 
 // Wait for `bar`'s phase of `parity`: try_wait (which may suspend the thread until the
@@ -207,7 +201,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     if (ends && threadIdx.x == 0) {
         u32 sm;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-        ends[0] = sp_now(), ends[3] = sm;
+        ends[0] = globaltimer_ns(), ends[3] = sm;
     }
     if (warp == SP_NW) {  // the producer: one lane's bulk copies (TMA), or 32 lanes' cp.async
         if (!lanes_copy && lane >= producers) return;
@@ -245,7 +239,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 u32 last = st + (u32)stages * ((g - 1 - st) / stages);
                 mbar_wait(&full[st], (last / stages) & 1);
             }
-            ends[1] = sp_now();
+            ends[1] = globaltimer_ns();
         }
         return;
     }
@@ -260,7 +254,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                 u32 st = g % stages, n = min(chunk, sg.bytes - o);
                 sp_wait(&full[st], (g / stages) & 1, poll);
                 if (pending >= 0 && threadIdx.x == 0) {
-                    trace[((size_t)blockIdx.x * trace_max + pending) * SP_REC + 3] = sp_now();
+                    trace[((size_t)blockIdx.x * trace_max + pending) * SP_REC + 3] = globaltimer_ns();
                     pending = -1;
                 }
                 if (work) {
@@ -276,7 +270,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
             if (sg.barrier) {
                 unsigned long long* rec =
                     tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * SP_REC : nullptr;
-                if (rec) rec[0] = sp_now();
+                if (rec) rec[0] = globaltimer_ns();
                 if (sg.barrier == 3) {
                     sp_tag_exchange(xvec, ++xk);
                 } else if (sg.barrier == 1 && cluster) {
@@ -288,7 +282,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     sp_grid_barrier(counters + bar++ * groups + gi, relaxed, n);
                 }
                 if (rec) {  // how far ahead the stream is as the consumers go on
-                    rec[1] = sp_now();
+                    rec[1] = globaltimer_ns();
                     u32 ahead = issued - g, landed = 0;
                     while (landed < ahead && landed < (u32)stages &&
                            mbar_test(&full[(g + landed) % stages], ((g + landed) / stages) & 1))
@@ -296,7 +290,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     rec[4] = ahead;
                     rec[5] = landed;
                 }
-                if (rec) rec[6] = sp_now();
+                if (rec) rec[6] = globaltimer_ns();
                 long long t0 = clock64();
                 if (delay_cycles > 0) {  // the chain after a barrier: x staging and math
                     while (clock64() - t0 < delay_cycles) {
@@ -304,7 +298,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     }
                 }
                 if (rec) rec[7] = clock64() - t0;
-                if (rec) rec[2] = sp_now(), pending = kb;
+                if (rec) rec[2] = globaltimer_ns(), pending = kb;
                 kb++;
             }
         }
@@ -314,7 +308,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     if (lane == 0) red[warp] = acc;
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
     if (threadIdx.x == 0) {
-        if (ends) ends[2] = sp_now();
+        if (ends) ends[2] = globaltimer_ns();
         u32 sum = 0;
         for (int i = 0; i < SP_NW; i++) sum += red[i];
         atomicAdd(out, sum);  // wrapping u32 sums: the same total in any order

@@ -81,19 +81,15 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 // of cold memory (mode 0 into registers, as a GEMV's first tile; mode 1 prefetch.global.L2,
 // which returns nothing to the SM), then griddepcontrol.wait, and records when it was
 // released. Whether the release waits for the SM's loads in flight decides whether a
-// deeper prefetch before the wait can pay.
-__device__ __forceinline__ unsigned long long gtime() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-}
+// deeper prefetch before the wait can pay. times[2·block]: the release, [2·block + 1]: the
+// loads landed.
 
 extern "C" __global__ void __launch_bounds__(256) pdl_primary(unsigned long long end_ns, unsigned long long* ends) {
     pdl_trigger();
-    while (gtime() < end_ns) {
+    while (globaltimer_ns() < end_ns) {
     }
     __syncthreads();
-    if (threadIdx.x == 0) ends[blockIdx.x] = gtime();
+    if (threadIdx.x == 0) ends[blockIdx.x] = globaltimer_ns();
 }
 
 #define PDL_PROBE_LOADS 16
@@ -103,9 +99,8 @@ extern "C" __global__ void __launch_bounds__(256) pdl_dependent(const uint4* __r
                                                                  unsigned* __restrict__ out) {
     pdl_trigger();
     const uint4* p = junk + (size_t)blockIdx.x * 256 * PDL_PROBE_LOADS + threadIdx.x;
-    while (gtime() < issue_ns) {
+    while (globaltimer_ns() < issue_ns) {
     }
-    unsigned long long t0 = gtime();
     uint4 v[PDL_PROBE_LOADS];
 #pragma unroll
     for (int i = 0; i < PDL_PROBE_LOADS; i++) {
@@ -122,15 +117,14 @@ extern "C" __global__ void __launch_bounds__(256) pdl_dependent(const uint4* __r
 #if __CUDA_ARCH__ >= 900  // the host runs this probe only with PDL (sm_90+)
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
-    unsigned long long t1 = gtime();
+    unsigned long long t1 = globaltimer_ns();
     unsigned s = 0;
 #pragma unroll
     for (int i = 0; i < PDL_PROBE_LOADS; i++) s += v[i].x + v[i].y + v[i].z + v[i].w;
-    unsigned long long t2 = gtime();  // the loads have landed (s depends on them)
+    unsigned long long t2 = globaltimer_ns();  // the loads have landed (s depends on them)
     if (threadIdx.x == 0) {
-        times[3 * blockIdx.x] = t0;
-        times[3 * blockIdx.x + 1] = t1;
-        times[3 * blockIdx.x + 2] = t2;
+        times[2 * blockIdx.x] = t1;
+        times[2 * blockIdx.x + 1] = t2;
     }
     atomicAdd(out, s);
 }

@@ -22,6 +22,13 @@
 #define TRACE_ALL 0
 #endif
 
+// %globaltimer (ns): the trace's clock, and the probes' (sync_probe.cu, stream_probe.cu).
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
 #if TRACE
 __device__ unsigned long long* trace_buf;
 
@@ -41,9 +48,8 @@ __device__ __forceinline__ void trace_event(unsigned line, unsigned ev, unsigned
     unsigned long long* b = trace_buf;
     // Files without TRACE_FILE have no TRACE_KERNEL: their pdl_wait records nothing.
     if (file == 0 || b == nullptr || !trace_sampled(ev)) return;
-    unsigned long long t, grid;
+    unsigned long long t = globaltimer_ns(), grid;
     unsigned sm;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     asm volatile("mov.u64 %0, %%gridid;" : "=l"(grid));
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     unsigned blk = trace_block();

@@ -218,6 +218,10 @@ const REC: usize = 8;
 /// u64 per block after the barrier records: start, producer done, consumers done, SM
 /// (stream_probe.cu's SP_ENDS).
 const ENDS: usize = 4;
+/// A tagged exchange's words per block, and the most words one of the 256 consumer threads
+/// polls (stream_probe.cu's SP_XW, SP_XPER): the grid it covers.
+const XW: usize = 16;
+const XPER: usize = 9;
 
 fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
     let recs: Vec<&[u64]> = rec.chunks_exact(REC).filter(|r| r[0] != 0).collect();
@@ -356,11 +360,11 @@ impl Cuda {
                 p.cluster
             )));
         }
-        if p.tagged && (p.cluster > 0 || p.barrier_group > 0 || !p.grid_barriers || blocks > 144) {
-            return Err(Error::Unsupported(
-                "stream probe: tagged exchanges replace grid barriers (no clusters, groups or spins alone; ≤ 144 blocks)"
-                    .into(),
-            ));
+        if p.tagged && (p.cluster > 0 || p.barrier_group > 0 || !p.grid_barriers || blocks > XPER * 256 / XW) {
+            return Err(Error::Unsupported(format!(
+                "stream probe: tagged exchanges replace grid barriers (no clusters, groups or spins alone; ≤ {} blocks)",
+                XPER * 256 / XW
+            )));
         }
         if p.barrier_group > blocks {
             return Err(Error::Unsupported(format!("stream probe: barrier groups of {} blocks", p.barrier_group)));
@@ -387,7 +391,7 @@ impl Cuda {
             .map_err(drv("stream probe counters"))?;
         let mut out = self.stream.alloc_zeros::<u32>(1).map_err(drv("stream probe sum"))?;
         // The tagged exchanges' two vectors (stream_probe.cu's SP_XW words per block each).
-        let mut xvec = self.stream.alloc_zeros::<u64>(2 * 16 * blocks).map_err(drv("stream probe vectors"))?;
+        let mut xvec = self.stream.alloc_zeros::<u64>(2 * XW * blocks).map_err(drv("stream probe vectors"))?;
         let mut trace_d =
             self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + ENDS)).map_err(drv("stream probe trace"))?;
         let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
@@ -547,7 +551,7 @@ impl Cuda {
         let rotate = 16; // rounds of distinct memory (138 MB on 132 SMs, over twice L2): each round's loads are cold
         let junk = self.stream.alloc_zeros::<u32>(4 * per_round * rotate).map_err(drv("release probe memory"))?;
         let ends = self.stream.alloc_zeros::<u64>(blocks).map_err(drv("release probe ends"))?;
-        let times = self.stream.alloc_zeros::<u64>(3 * blocks).map_err(drv("release probe times"))?;
+        let times = self.stream.alloc_zeros::<u64>(2 * blocks).map_err(drv("release probe times"))?;
         let out = self.stream.alloc_zeros::<u32>(1).map_err(drv("release probe out"))?;
         let (mut rel, mut last, mut landed) = (Vec::new(), Vec::new(), Vec::new());
         for r in 0..rounds + 1 {
@@ -584,7 +588,7 @@ impl Cuda {
             let end = *e.iter().max().expect("blocks") as f64;
             let mut last_r = f64::MIN;
             for b in 0..blocks {
-                let (t1, t2) = (tm[3 * b + 1] as f64, tm[3 * b + 2] as f64);
+                let (t1, t2) = (tm[2 * b] as f64, tm[2 * b + 1] as f64);
                 rel.push((t1 - end) / 1e3);
                 landed.push((t2 - t1) / 1e3);
                 last_r = last_r.max((t1 - end) / 1e3);
