@@ -66,6 +66,9 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     let none = token(&[(qkv + o + gate_up + down, false)]);
     let two = token(&[(qkv + o, true), (gate_up + down, true)]);
     let five = token(&[(qkv, true), (0, true), (o, true), (gate_up, true), (down, true)]);
+    // A Llama layer's fewest all-to-all exchanges: after attention (whose kv group's q/k/v
+    // rows its own blocks compute), o, gate/up and down.
+    let four = token(&[(qkv, true), (o, true), (gate_up, true), (down, true)]);
     let copy = g.measure_copy_bandwidth().unwrap();
     let base = StreamProbe {
         segments: two.clone(),
@@ -233,6 +236,12 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     {
         let p = StreamProbe { delay_ns: ns, segments, tagged: true, ..base.clone() };
         runs.push(("tagged exchanges instead of grid barriers", p));
+    }
+    // Four per layer, tagged and grid, with chains of up to 2 µs (session 21).
+    runs.push(("4 barriers per layer", StreamProbe { segments: four.clone(), ..base.clone() }));
+    for ns in [0, 1000, 2000] {
+        let p = StreamProbe { delay_ns: ns, segments: four.clone(), tagged: true, ..base.clone() };
+        runs.push(("4 per layer, tagged exchanges", p));
     }
     let mut table = Vec::new();
     let mut weights = None;
