@@ -55,6 +55,15 @@
 // grid barrier (sp_tag_exchange), the hand-off a persistent kernel whose phases pass
 // vectors would make without a counter or fence (NCCL's LL protocol; docs/perf.md,
 // session 20: between op-path kernels it lost to the PDL release).
+// `work` 3 (the host's `dots`, tagged exchanges or none): the consumers do a 4-bit GEMV's
+// math instead of the byte sum, so that the chain after an exchange is a real one (x
+// staged, row dots, reductions) rather than a spin. Every SP_ROW bytes of a segment are a
+// row of 4096 nibbles; warp w takes rows w, w + 8, … of each landed stage, each lane four
+// 16-byte pieces, low and high nibbles against x's int8 words by DP4A, each half group's
+// sum scaled and biased (integer stand-ins for the affine group's scale and bias), then a warp
+// reduction whose sum lane 0 adds to the checksum. x (1024 words of four int8) comes from
+// the exchange's payloads (sp_x_word, probe.rs's x_word) into shared memory after every
+// tagged exchange, and each lane loads its 32 words of it and their sums: the x staging.
 // `spin_sleep`: the spin is __nanosleep steps until the deadline instead of a busy clock
 // loop, so the spinning warps take no issue slots (and little power): a chain bound by
 // latency, not by instructions, and whether a busy spin slows the producer beside it.
@@ -65,6 +74,57 @@
 #define SP_STAGES_MAX 64
 #define SP_REC 8   // u64 per traced barrier (probe.rs's REC)
 #define SP_ENDS 4  // u64 per block after the barrier records (probe.rs's ENDS)
+
+#define SP_ROW 2048  // bytes per row in dot mode (probe.rs's DOT_ROW): 4096 nibbles
+#define SP_XWORDS (SP_ROW / 2)  // x's int8 words: two per weight word (low, high nibbles)
+
+// x's word k in dot mode, from an exchanged payload (probe.rs's x_word).
+__device__ __forceinline__ int sp_x_word(u32 k) { return (int)(k * 2654435761u ^ 0x5bd1e995u); }
+
+// The sum of a word's four int8 lanes.
+__device__ __forceinline__ int sp_lane_sum(int x) { return __dp4a(x, 0x01010101, 0); }
+
+// A lane's x in dot mode: for each of its four 16-byte pieces j of a row (weight words
+// (j·32 + lane)·4 + q, q < 4), the x words for their low and high nibbles, and the piece's
+// x sum (its half group's, for the bias term).
+struct SpX {
+    int lo[4][4], hi[4][4], sum[4];
+    __device__ __forceinline__ void load(const int* xs, int lane) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            sum[j] = 0;
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                int wi = (j * 32 + lane) * 4 + q;
+                lo[j][q] = xs[2 * wi], hi[j][q] = xs[2 * wi + 1];
+                sum[j] += sp_lane_sum(lo[j][q]) + sp_lane_sum(hi[j][q]);
+            }
+        }
+    }
+};
+
+// One row's dot in dot mode, summed over the warp (every lane gets it). The scale and bias
+// of half group g = (j·32 + lane) / 2 are g % 7 + 1 and g % 5: integers, so that the host's
+// checksum is exact in any order.
+__device__ __forceinline__ int sp_row_dot(const uint4* row, const SpX& x, int lane) {
+    int r = 0;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        uint4 v = row[j * 32 + lane];
+        u32 w4[4] = {v.x, v.y, v.z, v.w};
+        int q4 = 0;
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            q4 = __dp4a((int)(w4[q] & 0x0F0F0F0Fu), x.lo[j][q], q4);
+            q4 = __dp4a((int)((w4[q] >> 4) & 0x0F0F0F0Fu), x.hi[j][q], q4);
+        }
+        int g = (j * 32 + lane) / 2;
+        r += q4 * (g % 7 + 1) + (g % 5) * x.sum[j];
+    }
+#pragma unroll
+    for (int d = 16; d; d >>= 1) r += __shfl_xor_sync(0xffffffffu, r, d);
+    return r;
+}
 
 struct SpSeg {
     long long off;
@@ -126,7 +186,7 @@ __device__ __forceinline__ void sp_cluster_barrier(unsigned long long* cbar, int
 // exchange k + 1 before every block has written k + 1, after reading k).
 #define SP_XW 16   // words per block (probe.rs's XW)
 #define SP_XPER 9  // words per consumer thread at most (probe.rs's XPER; grid ≤ 144 blocks)
-__device__ __forceinline__ void sp_tag_exchange(unsigned long long* xv, u32 k) {
+__device__ __forceinline__ void sp_tag_exchange(unsigned long long* xv, u32 k, int* xs) {
     unsigned long long* v = xv + (size_t)(k & 1) * SP_XW * gridDim.x;
     int n = SP_XW * gridDim.x;
     if (threadIdx.x < SP_XW) {
@@ -158,6 +218,13 @@ __device__ __forceinline__ void sp_tag_exchange(unsigned long long* xv, u32 k) {
 #pragma unroll
     for (int j = 0; j < SP_XPER; j++)
         if ((u32)w[j] != (u32)(threadIdx.x + j * SP_NW * 32)) __trap();  // a torn or misplaced word
+    if (xs) {  // dot mode: the next phase's x, from the payloads just read
+#pragma unroll
+        for (int j = 0; j < SP_XPER; j++) {
+            int i = threadIdx.x + j * SP_NW * 32;
+            if (i < SP_XWORDS) xs[i] = sp_x_word((u32)w[j]);
+        }
+    }
     asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
 }
 
@@ -188,6 +255,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     __shared__ unsigned red[SP_NW];
     __shared__ volatile u32 issued;  // stages the producer has issued (for the trace)
     __shared__ __align__(8) unsigned long long cbar[2];  // the cluster barrier's, by phase parity
+    __shared__ int xs[SP_XWORDS];                         // dot mode's x
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++) mbar_init(&full[s], lanes_copy ? 32 : 1), mbar_init(&empty[s], SP_NW);
@@ -243,6 +311,13 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
         }
         return;
     }
+    const bool dots = work == 3;
+    SpX x;
+    if (dots) {  // the first phase's x (later ones come from the exchanges)
+        for (int i = threadIdx.x; i < SP_XWORDS; i += SP_NW * 32) xs[i] = sp_x_word(i);
+        asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
+        x.load(xs, lane);
+    }
     u32 g = 0, acc = 0, xk = 0;  // xk: tagged exchanges so far (their tags are 1, 2, …)
     int bar = 0, pending = -1;  // pending: the trace record whose next landed stage is due
     for (int t = 0; t < tokens; t++) {
@@ -257,7 +332,13 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     trace[((size_t)blockIdx.x * trace_max + pending) * SP_REC + 3] = globaltimer_ns();
                     pending = -1;
                 }
-                if (work) {
+                if (dots) {
+                    for (int rr = warp; rr < (int)(n / SP_ROW); rr += SP_NW) {
+                        const uint4* row = reinterpret_cast<const uint4*>(ring + (size_t)st * chunk + rr * SP_ROW);
+                        int r = sp_row_dot(row, x, lane);
+                        if (lane == 0) acc += (u32)r;
+                    }
+                } else if (work) {
                     const uint4* p = reinterpret_cast<const uint4*>(ring + (size_t)st * chunk);
                     for (u32 i = threadIdx.x; i < n / 16; i += SP_NW * 32) {
                         uint4 v = p[i];
@@ -272,7 +353,8 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * SP_REC : nullptr;
                 if (rec) rec[0] = globaltimer_ns();
                 if (sg.barrier == 3) {
-                    sp_tag_exchange(xvec, ++xk);
+                    sp_tag_exchange(xvec, ++xk, dots ? xs : nullptr);
+                    if (dots) x.load(xs, lane);  // the x staging after the hand-off
                 } else if (sg.barrier == 1 && cluster) {
                     sp_cluster_barrier(cbar, bar++, cluster);
                 } else if (sg.barrier == 1) {

@@ -88,6 +88,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         free_run: false,
         poll: false,
         tagged: false,
+        dots: false,
     };
     let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
     for stages in [2, 4, 6] {
@@ -242,6 +243,23 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     for ns in [0, 1000, 2000] {
         let p = StreamProbe { delay_ns: ns, segments: four.clone(), tagged: true, ..base.clone() };
         runs.push(("4 per layer, tagged exchanges", p));
+    }
+    // The chain measured instead of spun: a 4-bit GEMV's math on every row, x staged from
+    // each exchange (session 21). Its checksum is checked against the host's below.
+    let dots = StreamProbe { dots: true, tagged: true, ..base.clone() };
+    runs.push(("no barriers, row dots", StreamProbe { segments: none.clone(), ..dots.clone() }));
+    for (what, segments) in [
+        ("2 per layer, tagged, row dots", two.clone()),
+        ("4 per layer, tagged, row dots", four.clone()),
+        ("5 per layer, tagged, row dots", five.clone()),
+    ] {
+        runs.push((what, StreamProbe { segments, ..dots.clone() }));
+    }
+    // Larger bulk copies lift one SM's ingest (session 18): whether they shorten the
+    // measured chains' cost.
+    for (chunk, stages) in [(32 << 10, 6), (64 << 10, 3)] {
+        let p = StreamProbe { segments: four.clone(), chunk, stages, ..dots.clone() };
+        runs.push(("4 per layer, tagged, row dots, larger copies", p));
     }
     let mut table = Vec::new();
     let mut weights = None;

@@ -142,6 +142,10 @@ pub struct StreamProbe {
     /// Each grid barrier is instead an all-to-all exchange of a 16-word-per-block vector
     /// by tagged words (stream_probe.cu's sp_tag_exchange; with grid barriers only).
     pub tagged: bool,
+    /// The consumers do a 4-bit GEMV's math on the landed rows instead of the byte sum,
+    /// with x staged from each tagged exchange's payloads (stream_probe.cu's `work` 3): the
+    /// chain after an exchange measured, not spun. Tagged exchanges or no barriers only.
+    pub dots: bool,
 }
 
 /// Per barrier of one traced token, averaged over the blocks and the token's barriers
@@ -222,6 +226,40 @@ const ENDS: usize = 4;
 /// polls (stream_probe.cu's SP_XW, SP_XPER): the grid it covers.
 const XW: usize = 16;
 const XPER: usize = 9;
+/// Bytes per row in dot mode (stream_probe.cu's SP_ROW): 4096 nibbles against x's 1024
+/// int8 words (SP_XWORDS).
+const DOT_ROW: usize = 2048;
+
+/// x's word k in dot mode (stream_probe.cu's sp_x_word).
+fn x_word(k: u32) -> i32 {
+    (k.wrapping_mul(2_654_435_761) ^ 0x5bd1_e995) as i32
+}
+
+/// DP4A: c plus the dot of a's and b's four signed bytes.
+fn dp4a(a: i32, b: i32, c: i32) -> i32 {
+    let (a, b) = (a.to_le_bytes(), b.to_le_bytes());
+    (0..4).fold(c, |c, i| c.wrapping_add(i32::from(a[i] as i8) * i32::from(b[i] as i8)))
+}
+
+/// One row's dot in dot mode, as stream_probe.cu's sp_row_dot computes it (any order gives
+/// the same wrapping sum): half group g of 16 bytes (4 words) at lane-major positions, its
+/// nibble dots scaled by g % 7 + 1 and its x sum biased by g % 5.
+fn row_dot(row: &[u32], x: &[i32]) -> i32 {
+    let mut r = 0i32;
+    for (piece, words) in row.chunks_exact(4).enumerate() {
+        let (mut q4, mut xsum) = (0i32, 0i32);
+        for (q, &w) in words.iter().enumerate() {
+            let wi = piece * 4 + q;
+            let (lo, hi) = (x[2 * wi], x[2 * wi + 1]);
+            q4 = dp4a((w & 0x0F0F_0F0F) as i32, lo, q4);
+            q4 = dp4a(((w >> 4) & 0x0F0F_0F0F) as i32, hi, q4);
+            xsum = xsum.wrapping_add(dp4a(lo, 0x0101_0101, 0)).wrapping_add(dp4a(hi, 0x0101_0101, 0));
+        }
+        let g = (piece / 2) as i32;
+        r = r.wrapping_add(q4.wrapping_mul(g % 7 + 1)).wrapping_add((g % 5).wrapping_mul(xsum));
+    }
+    r
+}
 
 fn fold_trace(rec: &[u64], stages: usize) -> Option<StreamTrace> {
     let recs: Vec<&[u64]> = rec.chunks_exact(REC).filter(|r| r[0] != 0).collect();
@@ -317,6 +355,15 @@ impl Cuda {
             // clusters: sm_90+, as the bulk copies and expect_tx the probe is built on
             return Err(Error::Unsupported(format!("stream probe: bulk copies need sm_90 or newer ({})", self.arch)));
         }
+        if p.dots && (!p.work || p.free_run || !p.chunk.is_multiple_of(DOT_ROW)) {
+            return Err(Error::Unsupported(format!(
+                "stream probe: row dots read every stage (work, not free-running) of whole {DOT_ROW}-byte rows (chunk {})",
+                p.chunk
+            )));
+        }
+        if p.dots && p.segments.iter().any(|s| s.1) && !(p.tagged && p.grid_barriers) {
+            return Err(Error::Unsupported("stream probe: row dots take x from tagged exchanges (or none)".into()));
+        }
         if p.free_run && (p.work || p.lanes_copy) {
             return Err(Error::Unsupported("stream probe: a free-running stream is read by no one".into()));
         }
@@ -326,14 +373,19 @@ impl Cuda {
         let ring = p.chunk * p.stages;
         // More than half an SM's shared memory (one block per SM), within what a block may have.
         let smem = ring.max(120 * 1024);
-        if smem + 2048 > self.smem_optin {
+        // (+ the kernel's static shared memory: barriers, sums, dot mode's 4 KB of x)
+        if smem + 6144 > self.smem_optin {
             return Err(Error::Unsupported(format!("stream probe: a {ring}-byte ring on this device")));
         }
-        // Segment s: bytes per block, rounded up to 16, laid out one after the other.
+        // Segment s: bytes per block, rounded up to 16 (to whole rows in dot mode), laid out
+        // one after the other.
+        let unit = if p.dots { DOT_ROW } else { 16 };
         let mut segs = Vec::new();
+        let mut layout = Vec::new();
         let mut off = 0usize;
         for &(bytes, barrier) in &p.segments {
-            let per = bytes.div_ceil(blocks).div_ceil(16) * 16;
+            let per = bytes.div_ceil(blocks).div_ceil(unit) * unit;
+            layout.push((off, per));
             segs.push(off as i64);
             let kind: i64 = match (barrier, p.grid_barriers, p.tagged) {
                 (false, ..) => 0,
@@ -378,7 +430,14 @@ impl Cuda {
             *weights = Some(StreamWeights { words, dev });
         }
         let Some(w) = weights.as_ref() else { unreachable!("made above") };
-        let want = if p.work {
+        let want = if p.dots {
+            // Every row of every block's segments against x (the same x at every phase: the
+            // payloads it comes from are the exchanged words' indices).
+            let x: Vec<i32> = (0..(DOT_ROW / 2) as u32).map(x_word).collect();
+            let rows = layout.iter().flat_map(|&(o, per)| (0..per * blocks / DOT_ROW).map(move |r| o + r * DOT_ROW));
+            let token = rows.fold(0u32, |a, r| a.wrapping_add(row_dot(&w.words[r / 4..(r + DOT_ROW) / 4], &x) as u32));
+            token.wrapping_mul(p.tokens as u32 + 1)
+        } else if p.work {
             w.words[..off / 4].iter().fold(0u32, |a, &x| a.wrapping_add(x)).wrapping_mul(p.tokens as u32 + 1)
         } else {
             0
@@ -431,7 +490,13 @@ impl Cuda {
                 KArg::I32(n as i32),
                 KArg::I32(p.chunk as i32),
                 KArg::I32(p.stages as i32),
-                KArg::I32(if p.free_run { 2 } else { i32::from(p.work) }),
+                KArg::I32(if p.free_run {
+                    2
+                } else if p.dots {
+                    3
+                } else {
+                    i32::from(p.work)
+                }),
                 KArg::I32(delay_cycles),
                 KArg::I32(i32::from(p.spin_sleep)),
                 KArg::I32(i32::from(p.relaxed_barriers)),
