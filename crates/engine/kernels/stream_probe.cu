@@ -13,7 +13,7 @@
 // (`delay_cycles` of SM clock, a spin standing in for x staging and math) the ring hides.
 //
 // A token is `nseg` segments, in order: segment s is `bytes` per block (a multiple of 16)
-// at w + off + block · bytes, then, when `barrier` is 1, a grid barrier and the spin; when
+// at w + off + block · bytes (only for blocks below `blocks` when that is not 0), then, when `barrier` is 1, a grid barrier and the spin; when
 // it is 2, the spin alone (a stall of the block's own, to tell the ring's slack from the
 // barriers' alignment across SMs).
 //
@@ -129,6 +129,7 @@ __device__ __forceinline__ int sp_row_dot(const uint4* row, const SpX& x, int la
 struct SpSeg {
     long long off;
     int bytes, barrier;
+    int blocks, pad;  // blocks: only blocks below it stream this segment (0: every block)
 };
 
 // The consumer warps' grid barrier: they (not the producer) meet with a named barrier,
@@ -277,6 +278,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
         for (int t = 0; t < tokens; t++)
             for (int s = 0; s < nseg; s++) {
                 SpSeg sg = segs[s];
+                if (sg.blocks && (int)blockIdx.x >= sg.blocks) sg.bytes = 0;
                 const unsigned char* src = w + sg.off + (long long)blockIdx.x * sg.bytes;
                 for (int o = 0; o < sg.bytes; o += chunk, g++) {
                     if (!lanes_copy && (int)(g % producers) != lane) continue;  // another lane's stage
@@ -325,6 +327,7 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
         int kb = 0;  // this token's barriers so far
         for (int s = 0; s < nseg; s++) {
             SpSeg sg = segs[s];
+            if (sg.blocks && (int)blockIdx.x >= sg.blocks) sg.bytes = 0;
             for (int o = 0; o < sg.bytes && work != 2; o += chunk, g++) {
                 u32 st = g % stages, n = min(chunk, sg.bytes - o);
                 sp_wait(&full[st], (g / stages) & 1, poll);

@@ -89,6 +89,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
         poll: false,
         tagged: false,
         dots: false,
+        segment_blocks: Vec::new(),
     };
     let mut runs = vec![("no barriers", StreamProbe { segments: none.clone(), ..base.clone() })];
     for stages in [2, 4, 6] {
@@ -255,6 +256,17 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     ] {
         runs.push((what, StreamProbe { segments, ..dots.clone() }));
     }
+    // Attention inside: after q/k/v's exchange, the n_kv blocks that attend (one per kv
+    // head) stream their head's cached K/V (640 positions, bf16 K and V) and do row dots on
+    // it (a stand-in for the scores and the weighted sum), then the exchange into o: five
+    // per layer, the attention phase's bytes on those blocks only.
+    let positions = 640;
+    let kv_heads = kv / 64;
+    let attention = (0..layers).flat_map(|_| [0, kv_heads, 0, 0, 0]).chain([0]).collect::<Vec<_>>();
+    let with_kv =
+        token(&[(qkv, true), (kv_heads * positions * 64 * 2 * 2, true), (o, true), (gate_up, true), (down, true)]);
+    let p = StreamProbe { segments: with_kv, segment_blocks: attention, ..dots.clone() };
+    runs.push(("5 per layer, tagged, row dots, the cached K/V on the attending blocks", p));
     // Larger bulk copies lift one SM's ingest (session 18): whether they shorten the
     // measured chains' cost.
     for (chunk, stages) in [(32 << 10, 6), (64 << 10, 3)] {

@@ -146,6 +146,9 @@ pub struct StreamProbe {
     /// with x staged from each tagged exchange's payloads (stream_probe.cu's `work` 3): the
     /// chain after an exchange measured, not spun. Tagged exchanges or no barriers only.
     pub dots: bool,
+    /// Per segment, how many blocks (the first ones) stream it, 0 for all; empty: all
+    /// (e.g. attention's cached K/V on the few blocks that attend).
+    pub segment_blocks: Vec<usize>,
 }
 
 /// Per barrier of one traced token, averaged over the blocks and the token's barriers
@@ -380,12 +383,23 @@ impl Cuda {
         // Segment s: bytes per block, rounded up to 16 (to whole rows in dot mode), laid out
         // one after the other.
         let unit = if p.dots { DOT_ROW } else { 16 };
+        if !p.segment_blocks.is_empty()
+            && (p.segment_blocks.len() != p.segments.len() || p.segment_blocks.iter().any(|&b| b > blocks))
+        {
+            return Err(Error::Unsupported(format!(
+                "stream probe: block counts for {} of {} segments, or over {blocks} blocks",
+                p.segment_blocks.len(),
+                p.segments.len()
+            )));
+        }
         let mut segs = Vec::new();
         let mut layout = Vec::new();
         let mut off = 0usize;
-        for &(bytes, barrier) in &p.segments {
-            let per = bytes.div_ceil(blocks).div_ceil(unit) * unit;
-            layout.push((off, per));
+        for (s, &(bytes, barrier)) in p.segments.iter().enumerate() {
+            let few = p.segment_blocks.get(s).copied().unwrap_or(0);
+            let streamers = if few == 0 { blocks } else { few };
+            let per = bytes.div_ceil(streamers).div_ceil(unit) * unit;
+            layout.push((off, per * streamers));
             segs.push(off as i64);
             let kind: i64 = match (barrier, p.grid_barriers, p.tagged) {
                 (false, ..) => 0,
@@ -394,7 +408,8 @@ impl Cuda {
                 (true, true, true) => 3,
             };
             segs.push(per as i64 | (kind << 32));
-            off += per * blocks;
+            segs.push(few as i64);
+            off += per * streamers;
         }
         if p.producers > 2 || (p.producers > 1 && p.lanes_copy) {
             return Err(Error::Unsupported(format!(
@@ -434,7 +449,7 @@ impl Cuda {
             // Every row of every block's segments against x (the same x at every phase: the
             // payloads it comes from are the exchanged words' indices).
             let x: Vec<i32> = (0..(DOT_ROW / 2) as u32).map(x_word).collect();
-            let rows = layout.iter().flat_map(|&(o, per)| (0..per * blocks / DOT_ROW).map(move |r| o + r * DOT_ROW));
+            let rows = layout.iter().flat_map(|&(o, bytes)| (0..bytes / DOT_ROW).map(move |r| o + r * DOT_ROW));
             let token = rows.fold(0u32, |a, r| a.wrapping_add(row_dot(&w.words[r / 4..(r + DOT_ROW) / 4], &x) as u32));
             token.wrapping_mul(p.tokens as u32 + 1)
         } else if p.work {
