@@ -48,10 +48,13 @@ fn q4_bytes(rows: usize, cols: usize) -> usize {
 
 /// The weight stream of a persistent decode kernel with no math (kernels/stream_probe.cu),
 /// over one token of the Llama-3.2-1B shape (16 layers and the tied head, 4-bit g64: the
-/// bytes the bench counts), with 0, 2 or 5 grid barriers per layer (or barriers of block
-/// groups or clusters, relaxed ones, the spins alone) and a spin after each barrier standing
-/// in for a phase's chain. Each run's sum over every byte the consumers read is checked; the
-/// rates are printed for docs/perf.md (session 17 says what they mean), never asserted.
+/// bytes the bench counts), with 0, 2, 4 or 5 grid barriers per layer (or barriers of block
+/// groups or clusters, relaxed ones, the spins alone, tagged exchanges) and a spin after
+/// each barrier standing in for a phase's chain, or the chain itself (row dots: a 4-bit
+/// GEMV's math, x staged from each tagged exchange; attention's cached K/V on the attending
+/// blocks). Each run's checksum over every byte the consumers read is checked against the
+/// host's; the rates are printed for docs/perf.md (sessions 17 and 21 say what they mean),
+/// never asserted.
 #[test]
 fn weight_stream_probe_streams_every_byte_and_its_rates() {
     let g = gpu();
