@@ -268,8 +268,14 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     let attention = (0..layers).flat_map(|_| [0, kv_heads, 0, 0, 0]).chain([0]).collect::<Vec<_>>();
     let with_kv =
         token(&[(qkv, true), (kv_heads * positions * 64 * 2 * 2, true), (o, true), (gate_up, true), (down, true)]);
-    let p = StreamProbe { segments: with_kv, segment_blocks: attention, ..dots.clone() };
+    let p = StreamProbe { segments: with_kv.clone(), segment_blocks: attention, ..dots.clone() };
     runs.push(("5 per layer, tagged, row dots, the cached K/V on the attending blocks", p));
+    // The same K/V split over 8 blocks per kv head (positions in 8 splits; their merge,
+    // which would be one more exchange, left out): how much of the cost above is the few
+    // attending SMs' ingest.
+    let split = (0..layers).flat_map(|_| [0, 8 * kv_heads, 0, 0, 0]).chain([0]).collect::<Vec<_>>();
+    let p = StreamProbe { segments: with_kv, segment_blocks: split, ..dots.clone() };
+    runs.push(("5 per layer, tagged, row dots, the cached K/V split over 8 blocks per kv head", p));
     // Larger bulk copies lift one SM's ingest (session 18): whether they shorten the
     // measured chains' cost.
     for (chunk, stages) in [(32 << 10, 6), (64 << 10, 3)] {
