@@ -8,14 +8,15 @@
 // that can reach half of copy bandwidth streams weights independently of the phases: a
 // producer warp per SM issues bulk copies (TMA) of the SM's next weight bytes as soon as a
 // ring stage is free, barriers or not, so the copies run ahead across the consumers' grid
-// barriers and their math chains. This probe is that skeleton with no math: the stream's
-// rate with 0, 2 or 5 grid barriers per layer, and how long a chain after each barrier
-// (`delay_cycles` of SM clock, a spin standing in for x staging and math) the ring hides.
+// barriers and their math chains. This probe is that skeleton with no math (or, in dot
+// mode below, a GEMV's): the stream's rate with 0, 2, 4 or 5 grid barriers per layer, and
+// how long a chain after each barrier (`delay_cycles` of SM clock, a spin standing in for
+// x staging and math) the ring hides.
 //
 // A token is `nseg` segments, in order: segment s is `bytes` per block (a multiple of 16)
-// at w + off + block · bytes (only for blocks below `blocks` when that is not 0), then, when `barrier` is 1, a grid barrier and the spin; when
-// it is 2, the spin alone (a stall of the block's own, to tell the ring's slack from the
-// barriers' alignment across SMs).
+// at w + off + block · bytes (only for blocks below `blocks` when that is not 0), then,
+// when `barrier` is 1, a grid barrier and the spin; when it is 2, the spin alone (a stall
+// of the block's own, to tell the ring's slack from the barriers' alignment across SMs).
 //
 // The producer (warp NW) copies each segment in `chunk`-byte pieces into `stages` ring
 // stages: stage g % stages, whose full[] barrier completes phase g / stages when the bytes
@@ -60,8 +61,8 @@
 // staged, row dots, reductions) rather than a spin. Every SP_ROW bytes of a segment are a
 // row of 4096 nibbles; warp w takes rows w, w + 8, … of each landed stage, each lane four
 // 16-byte pieces, low and high nibbles against x's int8 words by DP4A, each half group's
-// sum scaled and biased (integer stand-ins for the affine group's scale and bias), then a warp
-// reduction whose sum lane 0 adds to the checksum. x (1024 words of four int8) comes from
+// sum scaled and biased (integer stand-ins for the affine group's scale and bias), then a
+// warp reduction whose sum lane 0 adds to the checksum. x (1024 words of four int8) comes from
 // the exchange's payloads (sp_x_word, probe.rs's x_word) into shared memory after every
 // tagged exchange, and each lane loads its 32 words of it and their sums: the x staging.
 // `spin_sleep`: the spin is __nanosleep steps until the deadline instead of a busy clock
