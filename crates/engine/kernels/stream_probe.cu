@@ -257,7 +257,10 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     __shared__ unsigned red[SP_NW];
     __shared__ volatile u32 issued;  // stages the producer has issued (for the trace)
     __shared__ __align__(8) unsigned long long cbar[2];  // the cluster barrier's, by phase parity
-    __shared__ int xs[SP_XWORDS];                         // dot mode's x
+    // Dot mode's x, two buffers by exchange parity: a warp that reaches exchange k + 1
+    // early writes the other buffer from the one a slower warp may still load after
+    // exchange k (exchange k + 1's closing barrier keeps it from getting further ahead).
+    __shared__ int xs[2][SP_XWORDS];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (threadIdx.x == 0) {
         for (int s = 0; s < stages; s++) mbar_init(&full[s], lanes_copy ? 32 : 1), mbar_init(&empty[s], SP_NW);
@@ -317,9 +320,9 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
     const bool dots = work == 3;
     SpX x;
     if (dots) {  // the first phase's x (later ones come from the exchanges)
-        for (int i = threadIdx.x; i < SP_XWORDS; i += SP_NW * 32) xs[i] = sp_x_word(i);
+        for (int i = threadIdx.x; i < SP_XWORDS; i += SP_NW * 32) xs[0][i] = sp_x_word(i);
         asm volatile("bar.sync 1, %0;" ::"n"(SP_NW * 32) : "memory");
-        x.load(xs, lane);
+        x.load(xs[0], lane);
     }
     u32 g = 0, acc = 0, xk = 0;  // xk: tagged exchanges so far (their tags are 1, 2, …)
     int bar = 0, pending = -1;  // pending: the trace record whose next landed stage is due
@@ -357,8 +360,9 @@ extern "C" __global__ void __launch_bounds__((SP_NW + 1) * 32, 1)
                     tracing && kb < trace_max ? trace + ((size_t)blockIdx.x * trace_max + kb) * SP_REC : nullptr;
                 if (rec) rec[0] = globaltimer_ns();
                 if (sg.barrier == 3) {
-                    sp_tag_exchange(xvec, ++xk, dots ? xs : nullptr);
-                    if (dots) x.load(xs, lane);  // the x staging after the hand-off
+                    xk++;
+                    sp_tag_exchange(xvec, xk, dots ? xs[xk & 1] : nullptr);
+                    if (dots) x.load(xs[xk & 1], lane);  // the x staging after the hand-off
                 } else if (sg.barrier == 1 && cluster) {
                     sp_cluster_barrier(cbar, bar++, cluster);
                 } else if (sg.barrier == 1) {

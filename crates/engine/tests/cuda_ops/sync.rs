@@ -265,7 +265,10 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     // per layer, the attention phase's bytes on those blocks only.
     let positions = 640;
     let kv_heads = kv / 64;
-    let attention = (0..layers).flat_map(|_| [0, kv_heads, 0, 0, 0]).chain([0]).collect::<Vec<_>>();
+    // Blocks streaming each segment of a token whose layers have five phases (0: all), the
+    // head streamed by all: StreamProbe::segment_blocks beside `token`'s segments.
+    let blocks_per_phase = |phases: [usize; 5]| -> Vec<usize> { (0..layers).flat_map(|_| phases).chain([0]).collect() };
+    let attention = blocks_per_phase([0, kv_heads, 0, 0, 0]);
     let with_kv =
         token(&[(qkv, true), (kv_heads * positions * 64 * 2 * 2, true), (o, true), (gate_up, true), (down, true)]);
     let p = StreamProbe { segments: with_kv.clone(), segment_blocks: attention, ..dots.clone() };
@@ -273,7 +276,7 @@ fn weight_stream_probe_streams_every_byte_and_its_rates() {
     // The same K/V split over 8 blocks per kv head (positions in 8 splits; their merge,
     // which would be one more exchange, left out): how much of the cost above is the few
     // attending SMs' ingest.
-    let split = (0..layers).flat_map(|_| [0, 8 * kv_heads, 0, 0, 0]).chain([0]).collect::<Vec<_>>();
+    let split = blocks_per_phase([0, 8 * kv_heads, 0, 0, 0]);
     let p = StreamProbe { segments: with_kv, segment_blocks: split, ..dots.clone() };
     runs.push(("5 per layer, tagged, row dots, the cached K/V split over 8 blocks per kv head", p));
     // Larger bulk copies lift one SM's ingest (session 18): whether they shorten the

@@ -376,8 +376,8 @@ impl Cuda {
         let ring = p.chunk * p.stages;
         // More than half an SM's shared memory (one block per SM), within what a block may have.
         let smem = ring.max(120 * 1024);
-        // (+ the kernel's static shared memory: barriers, sums, dot mode's 4 KB of x)
-        if smem + 6144 > self.smem_optin {
+        // (+ the kernel's static shared memory: barriers, sums, dot mode's 2 × 4 KB of x)
+        if smem + 10240 > self.smem_optin {
             return Err(Error::Unsupported(format!("stream probe: a {ring}-byte ring on this device")));
         }
         // Segment s: bytes per block, rounded up to 16 (to whole rows in dot mode), laid out
