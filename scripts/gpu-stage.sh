@@ -15,15 +15,15 @@
 #     mkdir -p /root/fh/models && cp gpu-bin/tok/*.gguf /root/fh/models/
 #     FERROLM_HOME=/root/fh gpu-bin/ferrolm convert --synthetic llama-3.2-1b --quantize 4 --output /root/m1b
 # (the same directory, byte for byte, as with the real file), e.g. for kernel variants A/B'd
-# by scripts/gpu-ab.sh. Tests and benches of SmolLM2 itself need the real file.
+# by scripts/lab/gpu-ab.sh. Tests and benches of SmolLM2 itself need the real file.
 # With KERNEL_CACHE=1 also gpu-bin/m2/kernels.tar.xz (~7 MB): every kernel variant compiled
 # here for sm_90 with NVRTC (`ferrolm kernels --arch sm_90 --prune`, no GPU needed; kept in
 # gpu-bin/khome, so a later staging compiles only what changed: ~13 min on 2 cores from
 # empty). In call 2, `tar -xJf gpu-bin/m2/kernels.tar.xz -C /root/fh` before anything else
 # then spares the GPU machine the ~75 s its own `ferrolm kernels` takes after each cold
 # start (gpu-check's then finds everything cached). The CUBINs come from the PyPI NVRTC of
-# the CUDA 13.0 line, the GPU machine's own; they load there (session 14: 176 of 176
-# cached, gpu-check in 308 s). A kernel's cache key hashes every header too, so a change to
+# the CUDA 13.0 line, the GPU machine's own; they load there (176 of 176
+# cached, gpu-check in 308 s; docs/perf-log.md). A kernel's cache key hashes every header too, so a change to
 # any .cuh makes the whole archive stale: rebuild it (then every variant recompiles, ~13 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -15,7 +15,7 @@ import json, statistics
 
 import torch
 
-COPY_BW = 4.26e12  # measured device-to-device copy bandwidth on the H200 (docs/perf.md)
+COPY_BW = 4.26e12  # measured device-to-device copy bandwidth on the H200 (docs/perf-log.md)
 
 
 def timed(fn, iters=50):

@@ -9,7 +9,11 @@ mod tools;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ferrolm", version, about = "Run quantized LLMs fast: GGUF, MLX and Hugging Face models on CPU")]
+#[command(
+    name = "ferrolm",
+    version,
+    about = "Run quantized LLMs fast: GGUF, MLX and Hugging Face models on CUDA GPUs and CPUs"
+)]
 struct Cli {
     /// Worker threads for the CPU backend (default: all cores).
     #[arg(long, global = true)]

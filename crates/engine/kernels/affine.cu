@@ -97,7 +97,7 @@ extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_
 // one group: GROUP is a multiple), so a row of up to 256 words (2048 values at 4 bits)
 // is one round of loads: decode's first launch is on the step's critical path, and the
 // loop of one value per thread per round it replaced was 8 dependent rounds (4.2 µs of
-// a 1B step; trace, docs/perf.md, session 15).
+// a 1B step; trace, docs/perf-log.md).
 extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __restrict__ scales,
                                  const scale_t* __restrict__ biases, const int* __restrict__ tokens,
                                  float* __restrict__ out, int cols) {

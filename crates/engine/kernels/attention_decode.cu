@@ -32,7 +32,7 @@
 // so the first KV_AHEAD rounds' K/V loads (UNR positions per lane
 // group each) go out before pdl_wait, overlapping the q/k/v GEMV. Compiled per QB_MAX (the
 // launch's query heads per block): registers for 4 heads where a block takes 1 spilled,
-// and cost SmolLM2 9% of its decode speed (H200, docs/perf.md).
+// and cost SmolLM2 9% of its decode speed (H200, docs/perf-log.md).
 #define TRACE_FILE 2
 #include "attention_decode.cuh"
 
@@ -41,8 +41,7 @@
 // holds the kernel to 112 (20 bytes spilled): four blocks per SM, and two beside a q/k/v
 // GEMV block (134 registers × 256 threads) instead of one, so more start before q/k/v ends.
 // 1B at depth 8192 1 598 against 1 573 tok/s; SmolLM2 (a 960-row q/k/v) 1 396 against
-// 1 407, and the short cache's kernel capped the same way lost 1% (H200, docs/perf.md,
-// session 15).
+// 1 407, and the short cache's kernel capped the same way lost 1% (H200, docs/perf-log.md).
 #if ATT_CAP
 #define ATT_BOUNDS __maxnreg__(112)
 #else

@@ -1,10 +1,8 @@
 // Decode attention for one block's work item: QB query heads (block column bx) over the
-// positions of split sp (attention_decode.cu explains the design). Shared by the
-// attention_decode kernel and the decode megakernel (decode_layers.cuh), which run it with
-// AW warps: ATT_SYNC() is their barrier (the whole block in the kernel; the megakernel's
-// first AW warps only, a named barrier, as its other warps go on). `wait()` returns when q
-// and the new k/v may be read (the kernel's pdl_wait); the cached positions' first loads
-// go out before it.
+// positions of split sp (attention_decode.cu explains the design), run by AW warps:
+// ATT_SYNC() is their barrier (the whole block in the attention_decode kernel). `wait()`
+// returns when q and the new k/v may be read (the kernel's pdl_wait); the cached
+// positions' first loads go out before it.
 #pragma once
 #include "common.cuh"
 
@@ -35,7 +33,7 @@
 #define KV_AHEAD (QB_MAX == 1 && !ATT_CAP ? 2 : 1)
 #endif
 #ifndef CS_MAX
-#define CS_MAX 8        // blocks per cluster (Cuda::attention_decode's ATTN_CLUSTER_MAX; 16 in attention_block.cuh)
+#define CS_MAX 8        // blocks per cluster (decode.rs: ATTN_CLUSTER_MAX)
 #endif
 // The direct cluster merge (below, in attend): one query head per block, at most 8 blocks per
 // cluster (a warp's lanes hold the cluster's AW · CS_MAX ≤ 32 partials), head dims of 32,
@@ -278,7 +276,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         // through shared memory into a block partial, two block barriers, then rank 0 reading
         // the blocks' partials between two cluster barriers) this drops two block barriers,
         // a remote read round trip and a cluster barrier from the path (1B decode at 512
-        // cached: attention ~5.0 µs after its release; docs/perf.md, session 10).
+        // cached: attention ~5.0 µs after its release; docs/perf-log.md).
         __shared__ __align__(16) float s_dacc[CS_MAX * AW * ATT_DIRECT_HD];
         __shared__ __align__(16) float s_dml[CS_MAX * AW * 4];
         float mw = m[0], lw = l[0], aw[8];
@@ -432,7 +430,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     __threadfence();
     // Merge the units with the whole block: a deep cache has ~50-130 units per head, and a
     // warp per head walking them (a chain of dependent L2 round trips per 8 units) took 14 µs
-    // of SmolLM2's 24 at 7 424 cached (H200, docs/perf.md, session 9). Partials come from
+    // of SmolLM2's 24 at 7 424 cached (H200, docs/perf-log.md). Partials come from
     // other blocks: read through L2 with __ldcg. First each head's max M over its units
     // (block reductions through s_m), then the unit weights exp(m_u − M) into shared memory
     // (s_acc's space, free by now) with the sum L, then each output float4 as a dot product

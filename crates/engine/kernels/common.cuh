@@ -176,8 +176,8 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The threads that stage and reduce together, and their barrier: the whole block, except
-// in the decode megakernel (decode_layers.cuh), whose producer warp never joins them.
+// The threads that stage and reduce together, and their barrier: the whole block (a kernel
+// whose warps split into roles may define both before including this file).
 #ifndef BLOCK_THREADS
 #define BLOCK_THREADS ((int)blockDim.x)
 #endif

@@ -37,14 +37,6 @@
 //    with Σx the exact f32 sum of the bf16 x (staged per 16 values). The int16 x is packed
 //    in pairs in the order the masks take weight bytes out of a word.
 #define TRACE_FILE 1
-#if MEGA  // the decode megakernel (decode_layers.cuh): its producer warp joins no barrier
-#ifndef NW
-#define NW 8
-#endif
-#define BLOCK_THREADS (NW * 32)
-#define BLOCK_SYNC() asm volatile("bar.sync 1, %0;" ::"n"(NW * 32) : "memory")
-#define ATT_SYNC() asm volatile("bar.sync 2, %0;" ::"n"(AW * 32) : "memory")
-#endif
 #include "common.cuh"
 #include "affine.cuh"
 #include "argmax.cuh"
@@ -287,26 +279,6 @@ struct TileFromGlobal {
     }
 };
 
-// A ring stage in shared memory (gemv_ring.cuh): weights `w` (nrows rows of sh.chunks
-// 16-byte chunks per matrix, one matrix after another `mstride` bytes apart), scales and
-// biases `sb` (per matrix: rows_per_step × groups scales, then as many biases, `sbstride`
-// bytes apart); rows past nrows read row nrows - 1.
-struct TileFromStage {
-    const unsigned char *w, *sb;
-    int mstride, sbstride, rows_per_step, nrows;
-    const Shape& sh;
-    __device__ __forceinline__ int row(int, int r) const { return min(r, nrows - 1); }
-    __device__ __forceinline__ uint4 chunk(int m, int row, int c) const {
-        return reinterpret_cast<const uint4*>(w + m * mstride)[row * sh.chunks + c];
-    }
-    __device__ __forceinline__ scale_t scale(int m, int row, int g) const {
-        return reinterpret_cast<const scale_t*>(sb + m * sbstride)[row * sh.groups + g];
-    }
-    __device__ __forceinline__ scale_t bias(int m, int row, int g) const {
-        return reinterpret_cast<const scale_t*>(sb + m * sbstride)[(rows_per_step + row) * sh.groups + g];
-    }
-};
-
 // One lane's loads for one step of one warp: chunks c0 + 32u (u < U) of rows row0..+R-1
 // of matrix a (and of matrix b for SwiGLU), with the scale and bias of each group segment.
 template <int R, bool TWO, int L = LIF>
@@ -317,7 +289,7 @@ struct Tile {
     scale_t s[NM][U][R][NSUB], b[NM][U][R][NSUB];
 
     // Load chunks c0 + 32u (u < U) of rows row0 … row0 + R - 1 of each matrix, with the
-    // scale and bias of each group segment, from `src` (TileFromGlobal, TileFromStage).
+    // scale and bias of each group segment, from `src` (TileFromGlobal).
     // Chunks past the row end are not loaded (and not used); src.row clamps rows past the
     // end to the last (computed, never stored).
     template <class Src>
@@ -380,7 +352,7 @@ __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, con
 // row0 + R - 1 that exist, as OUT says (0 bf16, 1 f32, 2 f32 added to `resid`, the row's
 // x read earlier by lane r, 3 SwiGLU bf16; `vals`, where given: each row's stored value
 // as f32 too, for stage_step; `scale`: what every sum is multiplied by first, the RMSNorm
-// factor stage_x deferred). Shared by gemv() and the ring-fed GEMV.
+// factor stage_x deferred).
 template <int R, int OUT>
 __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[2][R], float resid, int lane,
                                            float* vals = nullptr, float scale = 1.f) {
@@ -579,7 +551,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
 // Down (adds, wide input) at R = 2 over two K slices: fused.rs picks it where each row has
 // a multiple of 64 chunks. Two K-sliced variants that spread q/k/v (nb, R = 4) and o (ba,
 // R = 4) over twice the blocks measured 1B 2 112 and 2 148 tok/s against 2 136 without
-// (H200, session 11): not built. ≤ 128 registers (111 at NW = 8: its tile is LIF/2 loads, a
+// (H200, docs/perf-log.md): not built. ≤ 128 registers (111 at NW = 8: its tile is LIF/2 loads, a
 // slice's chunks), so two 8-warp blocks fit per SM.
 #define GEMV_KS_KERNELS \
     extern "C" __global__ void __launch_bounds__(32 * NW, 16 / NW) gemv_ba_r2k2(GEMV_ARGS) { GEMV_CALL(2, false, 2, 2); }
@@ -594,13 +566,6 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
                                         x, nw, eps, cols, KernelSync{},                                           \
                                         ArgmaxSink{am_out, am_pv, am_pi, am_done, feed_tok, feed_pos, feed_hist}); \
     }
-#if MEGA  // the decode megakernel alone: its own variant
-#include "decode_layers.cuh"
-#elif SPLITK  // the MLP split along the FFN dimension (ffn_splitk.cuh): its own variant
-#include "ffn_splitk.cuh"
-#elif ATTN_BLOCK  // a decode layer's attention half in one launch (attention_block.cuh)
-#include "attention_block.cuh"
-#elif !defined(FFN)
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
@@ -608,12 +573,4 @@ GEMV_KS_KERNELS
 GEMV_ARGMAX_KERNELS
 #if XQ && NW >= 8  // a SwiGLU block step (NW·4 rows) must be whole 32-value x blocks
 GEMV_STAGED_KERNELS
-#endif
-#if RING  // the ring-fed GEMVs (FERROLM_GEMV_RING; off by default): their own variant
-#include "gemv_ring.cuh"
-#endif
-#endif
-
-#ifdef FFN  // the end of a decode layer in one launch (ffn_layer_end.cuh): its own variant
-#include "ffn_layer_end.cuh"
 #endif

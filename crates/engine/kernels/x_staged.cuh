@@ -3,7 +3,7 @@
 // (int16 x swizzled by xpart, block scales xd, sums xs16: put_x's image, in global memory),
 // so down's staging (PRE) is one 16-byte copy per piece instead of loading bf16 act and
 // quantizing every value in every block: at the 1B shape each of down's 264 blocks
-// quantized all 8192 values after its release (phase marks: ~2 µs, docs/perf.md session 11).
+// quantized all 8192 values after its release (phase marks: ~2 µs, docs/perf-log.md).
 // Bit-identical by construction: put_x sees the same bf16-rounded values, in the same
 // 32-value blocks (a block step of NW·R rows is whole x blocks: host, NW·R % 32 == 0), and
 // the consumer and producer are compiled with one BITS (the image's layout).

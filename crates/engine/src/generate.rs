@@ -1,5 +1,5 @@
 //! Generation sessions: a KV cache plus the tokens it holds, prompt prefix reuse across
-//! chat turns, and the sample loop shared by `generate`, `chat`, `bench` and the server.
+//! chat turns, and the sample loop shared by `generate`, `chat` and `bench`.
 
 use crate::backend::Backend;
 use crate::model::{Llama, Logits};
@@ -52,7 +52,7 @@ impl GenStats {
 /// which point at those buffers and are keyed by that id, replay for the next session
 /// instead of being captured again. On CUDA a capture (a dry pass, the capture, the graph's
 /// instantiation) cost every new session's generation 2% of the 1B's 128-token decode speed
-/// (H200, docs/perf.md, session 14), paid by each bench repeat and each new conversation.
+/// (H200, docs/perf-log.md), paid by each bench repeat and each new conversation.
 pub(crate) struct SessionParts<B: Backend> {
     kv: B::Kv,
     logits: Option<B::Act>,
@@ -61,27 +61,18 @@ pub(crate) struct SessionParts<B: Backend> {
     id: u64,
 }
 
-/// Finished sessions' parts a model keeps (each holds a whole KV cache): 2, or
-/// `FERROLM_SESSION_POOL=N` (0: none, every session captures its own steps; for A/B runs).
+/// Finished sessions' parts a model keeps (each holds a whole KV cache; `FERROLM_SESSION_POOL`).
 fn session_pool_max() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| std::env::var("FERROLM_SESSION_POOL").ok().and_then(|v| v.parse().ok()).unwrap_or(2))
+    crate::env::session_pool()
 }
 
 /// Greedy decode steps a fed run captures and queues at once (one CUDA graph of that many
 /// steps, each step's argmax feeding the next on the device), so that the gap between two
 /// graphs' launches is paid once per run instead of once per token; the host gets the run's
-/// tokens together. 8, or `FERROLM_FEED_STEPS=N` (1 to `FEED_STEPS_MAX`; 1: a graph per
-/// step, for A/B runs). A generation's last tokens, fewer than a run, go one step at a time.
+/// tokens together. `FERROLM_FEED_STEPS` (1: a graph per step). A generation's last tokens,
+/// fewer than a run, go one step at a time.
 fn feed_steps() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("FERROLM_FEED_STEPS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|n| (1..=crate::backend::FEED_STEPS_MAX).contains(n))
-            .unwrap_or(8)
-    })
+    crate::env::feed_steps()
 }
 
 impl<'m, B: Backend> Session<'m, B> {

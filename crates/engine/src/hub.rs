@@ -9,11 +9,7 @@ pub const DEFAULT_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// `$FERROLM_HOME`, default `~/.cache/ferrolm`.
 pub fn home() -> PathBuf {
-    if let Some(h) = std::env::var_os("FERROLM_HOME") {
-        return PathBuf::from(h);
-    }
-    let base = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-    base.join(".cache").join("ferrolm")
+    crate::env::home()
 }
 
 /// The default model's path, fetching it with pip if it is not in the cache yet.

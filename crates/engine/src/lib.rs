@@ -2,6 +2,7 @@
 
 pub mod backend;
 pub mod config;
+pub mod env;
 pub mod error;
 pub mod formats;
 pub mod generate;

@@ -63,27 +63,18 @@ fn the_quick_pass_still_assembles_to_sass() {
     }
 }
 
-/// Older GPUs (sm_80–sm_89) compile every variant `all_variants_for` gives them and none of
-/// the `needs_sm90` ones, whose bulk copies and cluster registers are sm_90's; so
-/// `ferrolm kernels` on such a device does not fail on a kernel the backend never picks
-/// there. The default weight format's variants and the format-free files, quick pass (the
-/// sm_90 test above covers the full optimization).
+/// Older GPUs (sm_80–sm_89) compile every variant `all_variants_for` gives them, so
+/// `ferrolm kernels` works on such a device. The default weight format's variants and the
+/// format-free files, quick pass (the sm_90 test above covers the full optimization).
 #[test]
-fn older_gpus_compile_what_they_are_given_and_not_the_sm90_variants() {
+fn older_gpus_compile_what_they_are_given() {
     assert!(nvrtc::available(), "libnvrtc not found: pip install nvidia-cuda-nvrtc and set LD_LIBRARY_PATH");
     let default_format = ["BITS=4", "GROUP=64", "SCALE_T=1"];
     let in_default_format = |d: &[String]| {
         !d.iter().any(|x| x.starts_with("BITS=")) || d[..3].iter().zip(default_format).all(|(a, b)| a == b)
     };
     use rayon::prelude::*;
-    let all = kernels::all_variants();
     let kept = kernels::all_variants_for("sm_86");
-    let sm90_only: Vec<_> = all.iter().filter(|(_, d)| kernels::needs_sm90(d)).collect();
-    assert!(!sm90_only.is_empty());
-    sm90_only.par_iter().with_max_len(1).for_each(|(f, d)| {
-        let r = nvrtc::compile_with(f.name, f.src, "sm_86", d, &["--Ofast-compile=max"]);
-        assert!(r.is_err(), "{} {d:?} compiles for sm_86: it need not be kept from older GPUs", f.name);
-    });
     let tried: Vec<_> = kept.iter().filter(|(_, d)| in_default_format(d)).collect();
     assert!(tried.len() >= 20, "{} variants", tried.len());
     tried.par_iter().with_max_len(1).for_each(|(f, d)| {

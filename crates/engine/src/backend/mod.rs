@@ -17,12 +17,14 @@ pub struct Rope {
     pub linear: f32,
 }
 
-/// One decoder layer's weights, as `Backend::decode_layers` takes them.
+/// One Llama-family decoder layer's weights.
 pub struct LayerWeights<'a, B: Backend> {
     pub attn_norm: &'a B::Vector,
     pub wq: &'a B::Mat,
     pub wk: &'a B::Mat,
     pub wv: &'a B::Mat,
+    /// q/k/v biases (Qwen2).
+    pub qkv_bias: Option<[&'a B::Vector; 3]>,
     pub wo: &'a B::Mat,
     pub mlp_norm: &'a B::Vector,
     pub w_gate: &'a B::Mat,
@@ -30,15 +32,26 @@ pub struct LayerWeights<'a, B: Backend> {
     pub w_down: &'a B::Mat,
 }
 
-/// A one-token decode step's buffers, as `Backend::decode_layers` takes them: the f32
-/// residual stream (the embedding in, the last layer's output out) and the layer scratch.
-pub struct DecodeBufs<'a, B: Backend> {
-    pub x: &'a mut B::Act,
+/// A layer's scratch activations for m rows: xn `[m, d]` normed, q `[m, h·hd]`, k and v
+/// `[m, kvh·hd]`, att `[m, h·hd]`, o `[m, d]`, gate, up and act `[m, f]`.
+pub struct LayerScratch<'a, B: Backend> {
+    pub xn: &'a mut B::Act,
     pub q: &'a mut B::Act,
     pub k: &'a mut B::Act,
     pub v: &'a mut B::Act,
     pub att: &'a mut B::Act,
+    pub o: &'a mut B::Act,
+    pub gate: &'a mut B::Act,
+    pub up: &'a mut B::Act,
     pub act: &'a mut B::Act,
+}
+
+/// What a layer's ops need beyond its weights: query and kv heads, the norms' epsilon.
+#[derive(Clone, Copy, Debug)]
+pub struct LayerShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub eps: f32,
 }
 
 /// Largest k `Backend::top_k` takes (the CUDA kernel's limit is only the output size; this
@@ -194,38 +207,6 @@ pub trait Backend: Sync {
         self.matmul_many(xn, &[gate, up], &mut [g, u])?;
         self.silu_mul(g, u, out)
     }
-    /// The end of a layer: x += att·woᵀ (the attention block's residual), then the MLP
-    /// block x += down(silu(gate(n(x))) · up(n(x))), n the RMSNorm with `norm`; `act` gets
-    /// the SwiGLU output, xn, g, u and tmp are scratch. A backend may run it as fewer
-    /// launches.
-    #[allow(clippy::too_many_arguments)]
-    fn o_proj_mlp(
-        &self,
-        att: &Self::Act,
-        wo: &Self::Mat,
-        x: &mut Self::Act,
-        (norm, eps): (&Self::Vector, f32),
-        (gate, up, down): (&Self::Mat, &Self::Mat, &Self::Mat),
-        (xn, g, u, tmp): (&mut Self::Act, &mut Self::Act, &mut Self::Act, &mut Self::Act),
-        act: &mut Self::Act,
-    ) -> Result<()> {
-        self.matmul_add(att, wo, x, tmp)?;
-        self.mlp(x, (norm, eps), (gate, up, down), (xn, g, u, tmp), act)
-    }
-    /// The MLP block alone: x += down(silu(gate(n(x))) · up(n(x))); `act` gets the SwiGLU
-    /// output, xn, g, u and tmp are scratch. A backend may run it as fewer launches.
-    #[allow(clippy::too_many_arguments)]
-    fn mlp(
-        &self,
-        x: &mut Self::Act,
-        (norm, eps): (&Self::Vector, f32),
-        (gate, up, down): (&Self::Mat, &Self::Mat, &Self::Mat),
-        (xn, g, u, tmp): (&mut Self::Act, &mut Self::Act, &mut Self::Act, &mut Self::Act),
-        act: &mut Self::Act,
-    ) -> Result<()> {
-        self.norm_swiglu(x, norm, eps, xn, gate, up, g, u, act)?;
-        self.matmul_add(act, down, x, tmp)
-    }
     /// x += y·wᵀ (x the f32 residual stream); tmp is scratch `[m, out]`.
     fn matmul_add(&self, y: &Self::Act, w: &Self::Mat, x: &mut Self::Act, tmp: &mut Self::Act) -> Result<()> {
         self.matmul(y, w, tmp)?;
@@ -251,41 +232,25 @@ pub trait Backend: Sync {
         self.rope(k, n_kv, pos0, rope)?;
         self.attention(q, k, v, kv, layer, pos0, out)
     }
-    /// The attention half of a one-token decode layer in one go (CUDA's attention block,
-    /// `FERROLM_ATTN_BLOCK`): x += wo·attention(rope(q), rope(k), v) with q/k/v =
-    /// (wq, wk, wv)·norm(x) (no biases), the new k/v written to the cache at the staged
-    /// position. q, k, v and att are scratch. Ok(false) where the backend does not do
-    /// this: the caller runs the ops.
+    /// One layer for one token (x `[1, d]`) at the staged position: the same math as
+    /// the model's ops (`model::llama::layer_ops`, the default). A backend overrides it with
+    /// its decode step (CUDA: decode.rs's five launches).
     #[allow(clippy::too_many_arguments)]
-    fn attention_block(
+    fn decode_layer(
         &self,
-        _x: &mut Self::Act,
-        _norm: (&Self::Vector, f32),
-        _w: (&Self::Mat, &Self::Mat, &Self::Mat, &Self::Mat),
-        _kv: &mut Self::Kv,
-        _layer: usize,
-        _rope: &Rope,
-        _scratch: (&mut Self::Act, &mut Self::Act, &mut Self::Act, &mut Self::Act),
-    ) -> Result<bool> {
-        Ok(false)
-    }
-    /// Every layer of a one-token decode step at the staged position in one go (CUDA's
-    /// decode megakernel, `FERROLM_MEGAKERNEL=1`), with the same math as the op-by-op
-    /// layers (no q/k/v biases). Ok(false) where the backend does not do this for the model
-    /// or the switch is off: the caller then runs the layers op by op.
-    fn decode_layers(
-        &self,
-        _layers: &[LayerWeights<'_, Self>],
-        _kv: &mut Self::Kv,
-        _rope: &Rope,
-        _heads: (usize, usize),
-        _eps: f32,
-        _bufs: DecodeBufs<'_, Self>,
-    ) -> Result<bool>
+        w: &LayerWeights<'_, Self>,
+        x: &mut Self::Act,
+        kv: &mut Self::Kv,
+        layer: usize,
+        pos0: usize,
+        rope: &Rope,
+        shape: LayerShape,
+        s: LayerScratch<'_, Self>,
+    ) -> Result<()>
     where
         Self: Sized,
     {
-        Ok(false)
+        crate::model::llama::layer_ops(self, w, x, kv, layer, pos0, rope, shape, s)
     }
     /// The head of a greedy decode step: logits = head·n(x) for one row (n the RMSNorm with
     /// `norm`, xn scratch), then their argmax into out[0] (`argmax`, or `argmax_fed` when

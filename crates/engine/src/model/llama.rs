@@ -2,7 +2,7 @@
 //! biases). One forward pass, top to bottom. Shapes: m = tokens in this call, d = hidden,
 //! h/kvh = query/kv heads, hd = head dim, f = ffn width, V = vocab.
 
-use crate::backend::{Backend, DecodeBufs, LayerWeights, Rope};
+use crate::backend::{Backend, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::ModelConfig;
 use crate::formats::{names, ModelSource};
 use crate::quant::Weight;
@@ -28,6 +28,7 @@ impl<B: Backend> Layer<B> {
             wq: &self.wq,
             wk: &self.wk,
             wv: &self.wv,
+            qkv_bias: self.bias.as_ref().map(|[q, k, v]| [q, k, v]),
             wo: &self.wo,
             mlp_norm: &self.mlp_norm,
             w_gate: &self.w_gate,
@@ -256,44 +257,28 @@ impl<B: Backend> Llama<B> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
         let Work { x, xn, q, k, v, att, o, gate, up, act, last } = w;
         b.embed(&self.embed, tokens, x)?;
-        // A decode row may go through every layer in one launch (the backend says whether).
-        let one_go = m == 1
-            && matches!(which, Logits::Last)
-            && self.layers.iter().all(|l| l.bias.is_none())
-            && b.decode_layers(
-                &self.layers.iter().map(Layer::weights).collect::<Vec<_>>(),
-                kv,
-                &self.rope,
-                (c.n_heads, c.n_kv_heads),
-                c.rms_eps,
-                DecodeBufs { x: &mut *x, q: &mut *q, k: &mut *k, v: &mut *v, att: &mut *att, act: &mut *act },
-            )?;
-        let layers = if one_go { &self.layers[..0] } else { &self.layers[..] };
-        for (li, l) in layers.iter().enumerate() {
+        let shape = LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps };
+        for (li, l) in self.layers.iter().enumerate() {
             if which == Logits::Hidden(li) {
                 return b.read_rows(x, 0).map(Some);
             }
-            // attention block: x += o_proj(attention(rope(q), rope(k), v)), q/k/v = proj(norm(x))
-            let mlp = (&l.w_gate, &l.w_up, &l.w_down);
-            let attn = (&l.wq, &l.wk, &l.wv, &l.wo);
-            let scratch = (&mut *q, &mut *k, &mut *v, &mut *att);
-            if m == 1
-                && l.bias.is_none()
-                && b.attention_block(x, (&l.attn_norm, c.rms_eps), attn, kv, li, &self.rope, scratch)?
-            {
-                b.mlp(x, (&l.mlp_norm, c.rms_eps), mlp, (xn, gate, up, o), act)?;
-                continue;
+            let s = LayerScratch {
+                xn: &mut *xn,
+                q: &mut *q,
+                k: &mut *k,
+                v: &mut *v,
+                att: &mut *att,
+                o: &mut *o,
+                gate: &mut *gate,
+                up: &mut *up,
+                act: &mut *act,
+            };
+            match m {
+                // One token: the backend's decode step for a layer, the same math as
+                // layer_ops (CUDA: backend/cuda/decode.rs).
+                1 => b.decode_layer(&l.weights(), x, kv, li, pos0, &self.rope, shape, s)?,
+                _ => layer_ops(b, &l.weights(), x, kv, li, pos0, &self.rope, shape, s)?,
             }
-            b.norm_matmul_many(x, &l.attn_norm, c.rms_eps, xn, &[&l.wq, &l.wk, &l.wv], &mut [q, k, v])?;
-            if let Some([bq, bk, bv]) = &l.bias {
-                b.add_bias(q, bq)?;
-                b.add_bias(k, bk)?;
-                b.add_bias(v, bv)?;
-            }
-            b.rope_attention(q, k, v, kv, li, pos0, &self.rope, (c.n_heads, c.n_kv_heads), att)?;
-            // x += o_proj(attention), then the MLP block (SwiGLU):
-            // x += down(silu(gate(norm(x))) · up(norm(x)))
-            b.o_proj_mlp(att, &l.wo, x, (&l.mlp_norm, c.rms_eps), mlp, (xn, gate, up, o), act)?;
         }
         // Only the rows whose logits are wanted go through the final norm and the head.
         let (rows, first) = match which {
@@ -324,6 +309,34 @@ impl<B: Backend> Llama<B> {
         }
         Ok(None)
     }
+}
+
+/// One decoder layer as the backend's ops, for the m rows of the residual stream x at
+/// positions pos0..: x += o_proj(attention(rope(q), rope(k), v)) with q/k/v = proj(norm(x))
+/// (+ biases), then the SwiGLU MLP x += down(silu(gate(norm(x))) · up(norm(x))).
+#[allow(clippy::too_many_arguments)]
+pub fn layer_ops<B: Backend>(
+    b: &B,
+    w: &LayerWeights<'_, B>,
+    x: &mut B::Act,
+    kv: &mut B::Kv,
+    layer: usize,
+    pos0: usize,
+    rope: &Rope,
+    shape: LayerShape,
+    s: LayerScratch<'_, B>,
+) -> Result<()> {
+    let LayerScratch { xn, q, k, v, att, o, gate, up, act } = s;
+    b.norm_matmul_many(x, w.attn_norm, shape.eps, xn, &[w.wq, w.wk, w.wv], &mut [&mut *q, &mut *k, &mut *v])?;
+    if let Some([bq, bk, bv]) = w.qkv_bias {
+        b.add_bias(q, bq)?;
+        b.add_bias(k, bk)?;
+        b.add_bias(v, bv)?;
+    }
+    b.rope_attention(q, k, v, kv, layer, pos0, rope, (shape.heads, shape.kv_heads), att)?;
+    b.matmul_add(att, w.wo, x, o)?;
+    b.norm_swiglu(x, w.mlp_norm, shape.eps, xn, w.w_gate, w.w_up, gate, up, act)?;
+    b.matmul_add(act, w.w_down, x, o)
 }
 
 /// One forward call's activations for m tokens.

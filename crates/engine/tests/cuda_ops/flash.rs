@@ -57,37 +57,3 @@ fn flash_prefill_refuses_what_it_cannot_run() {
     let q5 = g.act_from(3, 5 * 64, &bf(&r.v(3 * 5 * 64, 1.0))).unwrap();
     assert!(g.flash_prefill(&q5, &kv, 0, &mut g.act_poisoned(3, 5 * 64, false).unwrap()).is_err());
 }
-
-/// Timings for the lead (not a gate): `cuda_parity flash_prefill_speed --ignored --nocapture`.
-/// Prefill of 512 tokens at depth 0 and 8192, flash vs the split-K attention op.
-#[test]
-#[ignore]
-fn flash_prefill_speed() {
-    let g = gpu();
-    let mut r = Rng::seeded();
-    for (heads, n_kv, hd) in [(9, 3, 64), (32, 8, 64)] {
-        let cfg = config(heads, n_kv, hd);
-        let (m, depths) = (512, [0usize, 8192]);
-        let mut kv = g.kv_cache(&cfg, 8192 + m).unwrap();
-        let q = g.act_from(m, heads * hd, &bf(&r.v(m * heads * hd, 1.0))).unwrap();
-        let k = g.act_from(m, n_kv * hd, &bf(&r.v(m * n_kv * hd, 1.0))).unwrap();
-        let v = g.act_from(m, n_kv * hd, &bf(&r.v(m * n_kv * hd, 1.0))).unwrap();
-        let mut out = g.act_poisoned(m, heads * hd, false).unwrap();
-        for pos in depths {
-            g.begin(&[], pos).unwrap();
-            let time = |f: &mut dyn FnMut()| {
-                f();
-                g.stream.synchronize().unwrap();
-                let t = std::time::Instant::now();
-                for _ in 0..20 {
-                    f();
-                }
-                g.stream.synchronize().unwrap();
-                t.elapsed().as_secs_f64() / 20.0 * 1e3
-            };
-            let split = time(&mut || g.attention(&q, &k, &v, &mut kv, 0, pos, &mut out).unwrap());
-            let flash = time(&mut || g.flash_prefill(&q, &kv, 0, &mut out).unwrap());
-            eprintln!("attention {heads}/{n_kv}x{hd} m{m} pos{pos}: split-K {split:.3} ms, flash {flash:.3} ms");
-        }
-    }
-}

@@ -10,10 +10,13 @@
 //! rows, any GQA grouping. It only reads the cache: the caller writes this call's keys and
 //! values first (attention.cu's kv_write), and the model keeps pos0 + m ≤ the cache size.
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaKv};
+use super::context::Order;
+use super::device::Cuda;
+use super::driver::KArg;
 use super::kernels;
+use super::tensors::{ActBuf, CudaAct, CudaKv};
 use crate::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Query rows per block (flash_attention.cu's BQ).
 const TILE_ROWS: usize = 64;
@@ -65,24 +68,24 @@ impl Cuda {
             return Err(Error::Unsupported(format!("CUDA flash attention: {heads} heads, {} rows", q.rows)));
         }
         let func = self.function(kernels::file("flash_attention.cu"), &[format!("HD={hd}")], "flash_prefill")?;
-        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-        let p0 = &st
-            .as_ref()
-            .ok_or_else(|| Error::Invalid("CUDA flash attention without a staged position".into()))?
-            .pos_dev;
+        let pos = self.steps.pos(self, "flash attention")?;
         let (m_i, heads_i, n_kv_i) = (q.rows as i32, heads as i32, n_kv as i32);
         let cfg = LaunchConfig {
             grid_dim: (q.rows.div_ceil(TILE_ROWS) as u32, heads as u32, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&func);
-        b.arg(qb).arg(&kv.k[layer]).arg(&kv.v[layer]).arg(ob).arg(&m_i).arg(&heads_i).arg(&n_kv_i).arg(p0);
-        // SAFETY: argument types and counts match flash_attention.cu's flash_prefill (compiled
-        // with HD = this cache's head_dim); q and out are [m, heads·hd] and the cache layer is
-        // [max_seq, n_kv·hd] (checked above), whole device allocations (16-byte aligned, as
-        // cp.async needs); the kernel reads cache rows below pos0 + m only, which the model
-        // keeps ≤ max_seq.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("flash_prefill launch"))
+        let args = [
+            self.arg(qb),
+            self.arg(&kv.k[layer]),
+            self.arg(&kv.v[layer]),
+            self.arg(ob),
+            KArg::I32(m_i),
+            KArg::I32(heads_i),
+            KArg::I32(n_kv_i),
+            pos,
+        ];
+        // Matches flash_attention.cu's flash_prefill; the cache holds pos0 + m positions.
+        self.launch(&func, cfg, &args, Order::Serial, "flash_prefill launch")
     }
 }

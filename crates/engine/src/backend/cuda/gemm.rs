@@ -12,11 +12,13 @@
 //! Refusals are errors, never a silent fallback: callers check [`Cuda::qgemm_supported`]
 //! first and use the GEMV otherwise (which is also the better choice for a few tokens).
 
-use super::device::{drv, ActBuf, Cuda, CudaAct, CudaMat};
+use super::context::Order;
+use super::device::Cuda;
+use super::driver::KArg;
 use super::kernels;
-use super::ops::push_scales;
+use super::tensors::{ActBuf, CudaAct, CudaMat};
 use crate::{Error, Result};
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
 /// Tokens per block (gemm.cu's BM).
 const TILE_TOKENS: usize = 64;
@@ -71,19 +73,17 @@ impl Cuda {
             return Err(Error::Unsupported(format!("CUDA qgemm: {} tokens in one call", x.rows)));
         }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&func);
-        b.arg(words);
-        push_scales(&mut b, scales);
-        push_scales(&mut b, biases);
-        b.arg(xb);
-        match &mut out.buf {
-            ActBuf::Bf16(o) => b.arg(o),
-            ActBuf::F32(o) => b.arg(o),
-        };
-        b.arg(&rows_i).arg(&cols_i).arg(&m_i);
-        // SAFETY: argument types and counts match gemm.cu's qgemm / qgemm_f32 (compiled with
-        // this weight's bits, group and scale dtype); shapes and cols % 32 checked above; the
-        // buffers are whole device allocations (16-byte aligned), as the kernel's vector loads need.
-        unsafe { b.launch(cfg) }.map(|_| ()).map_err(drv("qgemm launch"))
+        let args = [
+            self.arg(words),
+            scales.arg(self),
+            biases.arg(self),
+            self.arg(xb),
+            out.arg(self),
+            KArg::I32(rows_i),
+            KArg::I32(cols_i),
+            KArg::I32(m_i),
+        ];
+        // Matches gemm.cu's qgemm / qgemm_f32 for the output's dtype; shapes checked above.
+        self.launch(&func, cfg, &args, Order::Serial, "qgemm launch")
     }
 }

@@ -1,30 +1,48 @@
-//! CUDA backend (issue 3, in progress): kernels as `.cu` sources compiled at run time by
+//! CUDA backend: kernels as `.cu` sources (crates/engine/kernels/) compiled at run time by
 //! NVRTC for the device's architecture and cached on disk; bf16 activations with f32
-//! accumulation; bf16 KV cache. cudarc loads libcuda and libnvrtc dynamically, so the binary
-//! builds and runs where no CUDA is installed.
+//! accumulation, an f32 residual stream, a bf16 KV cache. cudarc loads libcuda and libnvrtc
+//! dynamically, so the binary builds and runs where no CUDA is installed.
+//!
+//! Layout, each module using only those above it:
+//! - driver, config, kernels, nvrtc, trace: vocabulary, `CudaConfig`, the kernel sources
+//!   and their variants, run-time compilation, the kernel timeline;
+//! - context: the device, the kernel cache and the one typed launch API (`Context::launch`);
+//! - tensors: weights, activations and the KV cache on the device;
+//! - scratch, steps: buffers kept for captured graphs; staging, graph capture and replay;
+//! - device: `Cuda`, the above put together;
+//! - gemv, decode: the decode GEMV and the decode step (decode.rs reads top to bottom);
+//! - prefill, gemm, flash, elementwise, sampling: the other phases' ops;
+//! - ops: `Backend for Cuda`.
 
 // Kernel launches take long positional argument lists; a binding that shadows an unrelated
 // one (a warp count by a pointer, once) passes every CPU check and fails only on a GPU.
 #![deny(clippy::shadow_unrelated)]
 
-mod attn_block;
-mod attn_decode;
-pub mod device;
-pub mod ffn;
+mod config;
+mod context;
+mod decode;
+mod device;
+mod driver;
+mod elementwise;
 mod flash;
-mod fused;
 mod gemm;
-mod gemv_ring;
-mod head;
+mod gemv;
 pub mod kernels;
-mod megakernel;
 pub mod nvrtc;
-pub mod ops;
-pub mod probe;
-mod staged;
+mod ops;
+mod prefill;
+mod sampling;
+mod scratch;
+mod steps;
+mod tensors;
 mod trace;
 
-pub use device::{Cuda, CudaAct, CudaKv, CudaMat};
+pub use config::CudaConfig;
+pub use device::Cuda;
+pub use tensors::{ActBuf, CudaAct, CudaKv, CudaMat, DevScales};
+/// The launch API, for crates/lab's probes (cargo feature `lab`).
+#[cfg(feature = "lab")]
+pub use {context::Context, context::Order, driver::KArg};
 
 use crate::{Error, Result};
 

@@ -15,30 +15,16 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("affine.cuh", include_str!("../../../kernels/affine.cuh")),
     ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
     ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
-    ("mbarrier.cuh", include_str!("../../../kernels/mbarrier.cuh")),
-    ("gemv_ring.cuh", include_str!("../../../kernels/gemv_ring.cuh")),
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
-    ("decode_layers.cuh", include_str!("../../../kernels/decode_layers.cuh")),
-    ("ffn_splitk.cuh", include_str!("../../../kernels/ffn_splitk.cuh")),
-    ("ffn_layer_end.cuh", include_str!("../../../kernels/ffn_layer_end.cuh")),
-    ("attention_block.cuh", include_str!("../../../kernels/attention_block.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
     ("argmax.cuh", include_str!("../../../kernels/argmax.cuh")),
     ("x_stage.cuh", include_str!("../../../kernels/x_stage.cuh")),
 ];
 
-/// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel
-/// text of the same name (a development knob: kernel variants can be tried on a GPU
-/// machine without rebuilding the binary). Read once; the cache key covers the text used.
-fn kernel_dir() -> Option<&'static PathBuf> {
-    static DIR: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
-    DIR.get_or_init(|| std::env::var_os("FERROLM_KERNEL_DIR").map(PathBuf::from)).as_ref()
-}
-
 /// The text of kernel file or header `name`: the override directory's copy when there is
 /// one, else the built-in text.
 pub fn source(name: &str, builtin: &'static str) -> std::borrow::Cow<'static, str> {
-    match kernel_dir().and_then(|d| std::fs::read_to_string(d.join(name)).ok()) {
+    match crate::env::kernel_dir().and_then(|d| std::fs::read_to_string(d.join(name)).ok()) {
         Some(s) => s.into(),
         None => builtin.into(),
     }

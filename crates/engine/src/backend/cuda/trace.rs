@@ -1,6 +1,6 @@
 //! A timeline of the decode kernels, for finding where a step's time goes between and
 //! inside kernels (Nsight Compute serializes kernels, so it cannot show PDL overlap, and the
-//! GPU machine has no Nsight Systems). `FERROLM_TRACE=<file>`: kernels are compiled with
+//! GPU machine has no Nsight Systems). `CudaConfig::trace` (`FERROLM_TRACE=<file>`): kernels are compiled with
 //! TRACE=1 (trace.cuh) and sampled blocks of the traced kernels record, in one device buffer,
 //! when they start, when their `pdl_wait` returns and when they end (%globaltimer ns, with
 //! the launch's %gridid, SM and block). The buffer is written to the file when the device is
@@ -8,7 +8,7 @@
 //! one atomic per sampled block and event, so traced runs are a little slower: a tool for
 //! where the time goes, not for tokens/s.
 
-use super::device::drv;
+use super::driver::drv;
 use crate::Result;
 use cudarc::driver::{CudaModule, CudaSlice, CudaStream, DevicePtr};
 use std::path::PathBuf;
@@ -28,20 +28,19 @@ pub(crate) struct Trace {
 }
 
 impl Trace {
-    /// The trace asked for by `FERROLM_TRACE`, if any.
-    pub(crate) fn from_env(stream: &Arc<CudaStream>) -> Result<Option<Trace>> {
-        let Some(path) = std::env::var_os("FERROLM_TRACE").filter(|p| !p.is_empty()) else { return Ok(None) };
+    /// A trace to be written to `path`.
+    pub(crate) fn new(stream: &Arc<CudaStream>, path: &std::path::Path) -> Result<Trace> {
         let mut buf = stream.alloc_zeros::<u64>(2 + 2 * CAP as usize).map_err(drv("allocating the trace buffer"))?;
         stream.memcpy_htod(&[CAP], &mut buf.slice_mut(1..2)).map_err(drv("initializing the trace buffer"))?;
-        eprintln!("ferrolm: tracing decode kernels into {} (FERROLM_TRACE)", PathBuf::from(&path).display());
-        Ok(Some(Trace { buf, path: path.into(), pending: Mutex::new(Vec::new()) }))
+        eprintln!("ferrolm: tracing decode kernels into {}", path.display());
+        Ok(Trace { buf, path: path.to_path_buf(), pending: Mutex::new(Vec::new()) })
     }
 
-    /// The defines every kernel is compiled with while tracing: TRACE=1, and with
-    /// `FERROLM_TRACE_ALL=1` TRACE_ALL=1 (every block, and an end per warp: trace.cuh).
-    pub(crate) fn defines() -> Vec<String> {
+    /// The defines every kernel is compiled with while tracing: TRACE=1, and with `all`
+    /// (`CudaConfig::trace_all`) TRACE_ALL=1 (every block, and an end per warp: trace.cuh).
+    pub(crate) fn defines(all: bool) -> Vec<String> {
         let mut d = vec!["TRACE=1".to_string()];
-        if std::env::var("FERROLM_TRACE_ALL").is_ok_and(|v| v == "1") {
+        if all {
             d.push("TRACE_ALL=1".into());
         }
         d

@@ -1,12 +1,15 @@
 //! The synchronization probe (kernels/sync_probe.cu): what a grid barrier, a phase's x
 //! staging after one, a cluster barrier and a cluster exchange cost on this device, the
-//! numbers a persistent decode kernel's design rests on (docs/perf.md, session 7).
+//! numbers a persistent decode kernel's design rests on (docs/perf-log.md, session 7);
+//! the weight-stream probe (kernels/stream_probe.cu) and the PDL release probe. Moved out
+//! of the engine (crates/engine/src/backend/cuda/probe.rs) into the lab: methods of `Lab`,
+//! launching through the engine's `Context::launch`.
 
-use super::device::{drv, Cuda, KArg};
-use super::kernels;
-use crate::{Error, Result};
+use crate::{drv, kernels, Lab};
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use cudarc::driver::{DevicePtr, LaunchConfig};
+use ferrolm::backend::cuda::{KArg, Order};
+use ferrolm::{Error, Result};
 
 /// One synchronization primitive, repeated by every block of the probe.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +39,7 @@ pub fn probe_value(p: usize, i: usize) -> f32 {
     ((i + p) % 5) as f32 - 2.0
 }
 
-impl Cuda {
+impl Lab<'_> {
     /// Time `rounds` rounds of `probe`: (one launch of rounds + 1 − one of 1) / rounds, the
     /// median of three, so launch costs cancel.
     pub fn sync_probe(&self, probe: SyncProbe, rounds: usize) -> Result<ProbeRun> {
@@ -52,7 +55,7 @@ impl Cuda {
         if cluster > 1 && (!self.clusters || !2048usize.is_multiple_of(cluster as usize) || cluster > 16) {
             return Err(Error::Unsupported(format!("sync probe: clusters of {cluster} on this device")));
         }
-        let f = self.function(kernels::file("sync_probe.cu"), &[], "sync_probe")?;
+        let f = self.function(kernels::sync_probe(), &[], "sync_probe")?;
         // More than half an SM's shared memory: one block per SM.
         let smem = 120 * 1024;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
@@ -78,8 +81,8 @@ impl Cuda {
             let c = LaunchConfig { grid_dim: (1, 1, blocks as u32), block_dim: (256, 1, 1), shared_mem_bytes: smem };
             let t = std::time::Instant::now();
             match cluster {
-                1 => self.launch(&f, c, &args, "sync probe launch")?,
-                cs => self.launch_clustered(&f, c, &args, "sync probe launch", cs)?,
+                1 => self.launch(&f, c, &args, Order::Overlap, "sync probe launch")?,
+                cs => self.launch(&f, c, &args, Order::OverlapClustered(cs), "sync probe launch")?,
             }
             self.stream.synchronize().map_err(drv("sync probe"))?;
             Ok(t.elapsed().as_secs_f64() * 1e6)
@@ -344,7 +347,7 @@ fn stream_word(i: usize) -> u32 {
     (i as u32).wrapping_mul(2_654_435_761) ^ (i >> 13) as u32
 }
 
-impl Cuda {
+impl Lab<'_> {
     /// Time the weight stream: (one launch of tokens + 1 − one of 1) / tokens, median of
     /// three, so launch costs cancel; one block of 8 consumer warps and a producer warp per SM.
     /// `weights` is made on first use (or when a layout outgrows it) and kept for later runs.
@@ -468,7 +471,7 @@ impl Cuda {
         let mut xvec = self.stream.alloc_zeros::<u64>(2 * XW * blocks).map_err(drv("stream probe vectors"))?;
         let mut trace_d =
             self.stream.alloc_zeros::<u64>(blocks * (TRACE_MAX * REC + ENDS)).map_err(drv("stream probe trace"))?;
-        let f = self.function(kernels::file("stream_probe.cu"), &[], "stream_probe")?;
+        let f = self.function(kernels::stream_probe(), &[], "stream_probe")?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
             .map_err(drv("stream probe attributes"))?;
         // 8 consumer warps and the producer warp (SP_NW + 1), one block per SM.
@@ -529,8 +532,8 @@ impl Cuda {
             ];
             let t = std::time::Instant::now();
             match p.cluster {
-                0 => self.launch(&f, c, &args, "stream probe launch")?,
-                cs => self.launch_clustered(&f, c, &args, "stream probe launch", cs as u32)?,
+                0 => self.launch(&f, c, &args, Order::Overlap, "stream probe launch")?,
+                cs => self.launch(&f, c, &args, Order::OverlapClustered(cs as u32), "stream probe launch")?,
             }
             self.stream.synchronize().map_err(drv("stream probe"))?;
             Ok(t.elapsed().as_secs_f64() * 1e6)
@@ -616,7 +619,7 @@ pub struct ReleaseRun {
     pub landed_after_us: f64,
 }
 
-impl Cuda {
+impl Lab<'_> {
     /// The PDL release when each dependent block has `loads` (≤ 16) 16-byte loads per
     /// thread of cold memory in flight, issued `lead_ns` before the primary ends; `l2`:
     /// L2 prefetches instead of loads. `rounds` launch pairs.
@@ -624,8 +627,8 @@ impl Cuda {
         if !self.pdl || loads > 16 {
             return Err(Error::Unsupported("PDL release probe: needs PDL (sm_90) and at most 16 loads".into()));
         }
-        let prim = self.function(kernels::file("sync_probe.cu"), &[], "pdl_primary")?;
-        let dep = self.function(kernels::file("sync_probe.cu"), &[], "pdl_dependent")?;
+        let prim = self.function(kernels::sync_probe(), &[], "pdl_primary")?;
+        let dep = self.function(kernels::sync_probe(), &[], "pdl_dependent")?;
         let blocks = self.sms;
         let per_round = blocks * 256 * 16; // uint4 per round: 64 KB per block
         let rotate = 16; // rounds of distinct memory (138 MB on 132 SMs, over twice L2): each round's loads are cold
@@ -642,6 +645,7 @@ impl Cuda {
                 &prim,
                 one,
                 &[KArg::Ptr(0), KArg::Ptr(ends.device_ptr(&self.stream).0)],
+                Order::Overlap,
                 "release probe clock",
             )?;
             let t = self.stream.clone_dtoh(&ends).map_err(drv("release probe clock"))?[0];
@@ -649,7 +653,8 @@ impl Cuda {
             let issue = end_ns - lead_ns;
             let junk_at = junk.device_ptr(&self.stream).0 + (16 * per_round * (r % rotate)) as u64;
             let c = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            self.launch(&prim, c, &[KArg::Ptr(end_ns), KArg::Ptr(ends.device_ptr(&self.stream).0)], "release probe")?;
+            let prim_args = [KArg::Ptr(end_ns), KArg::Ptr(ends.device_ptr(&self.stream).0)];
+            self.launch(&prim, c, &prim_args, Order::Overlap, "release probe")?;
             let args = [
                 KArg::Ptr(junk_at),
                 KArg::I32(loads as i32),
@@ -658,7 +663,7 @@ impl Cuda {
                 KArg::Ptr(times.device_ptr(&self.stream).0),
                 KArg::Ptr(out.device_ptr(&self.stream).0),
             ];
-            self.launch(&dep, c, &args, "release probe")?;
+            self.launch(&dep, c, &args, Order::Overlap, "release probe")?;
             self.stream.synchronize().map_err(drv("release probe"))?;
             if r == 0 {
                 continue; // compiled, loaded, warm

@@ -1,10 +1,10 @@
-// The weight stream of a persistent decode kernel, alone (backend/cuda/probe.rs;
-// cuda_parity's weight_stream_probe prints the table recorded in docs/perf.md): how close
+// The weight stream of a persistent decode kernel, alone (crates/lab/src/probe.rs; the lab's
+// `probes stream` prints the table recorded in docs/perf-log.md): how close
 // to copy bandwidth one block per SM can stream its share of a token's weights through a
 // shared-memory ring while its consumer warps stop at grid barriers between phases.
 //
 // Why: the op path's layer is five kernels, and each boundary holds its successor's loads
-// back (docs/perf.md, sessions 5–15: 23 µs per 1B layer against 8 µs of bytes). The design
+// back (docs/perf-log.md, sessions 5–15: 23 µs per 1B layer against 8 µs of bytes). The design
 // that can reach half of copy bandwidth streams weights independently of the phases: a
 // producer warp per SM issues bulk copies (TMA) of the SM's next weight bytes as soon as a
 // ring stage is free, barriers or not, so the copies run ahead across the consumers' grid
@@ -54,7 +54,7 @@
 // copies, stage g by lane g % producers (whether one thread's issuing caps an SM's rate).
 // `barrier` 3 (the host's `tagged`): an all-to-all exchange by tagged words instead of a
 // grid barrier (sp_tag_exchange), the hand-off a persistent kernel whose phases pass
-// vectors would make without a counter or fence (NCCL's LL protocol; docs/perf.md,
+// vectors would make without a counter or fence (NCCL's LL protocol; docs/perf-log.md,
 // session 20: between op-path kernels it lost to the PDL release).
 // `work` 3 (the host's `dots`, tagged exchanges or none): the consumers do a 4-bit GEMV's
 // math instead of the byte sum, so that the chain after an exchange is a real one (x

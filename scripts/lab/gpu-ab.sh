@@ -4,7 +4,7 @@
 # files replace the built-in ones of the same name), in alternating rounds so that drift
 # of the machine hits every variant alike. Prints one row per variant with each round's
 # decode tok/s and their median.
-#   usage: scripts/gpu-ab.sh BIN_DIR MODEL ROUNDS [VARIANT_DIR ...]
+#   usage: scripts/lab/gpu-ab.sh BIN_DIR MODEL ROUNDS [VARIANT_DIR ...]
 #   env:   BENCH_ARGS (default "--repeats 3"): the timed runs' bench arguments
 # A run that fails counts as 0 tok/s (its stderr is not kept; the warm-up's is shown).
 # The variants compile on first use (NVRTC), outside the timed runs: one untimed

@@ -1,6 +1,6 @@
 // What the synchronization a persistent decode kernel is built from costs on this GPU
-// (backend/cuda/probe.rs; cuda_parity's sync_primitive_costs prints the table recorded in
-// docs/perf.md). One block of 256 threads per SM (the host gives each more than half an
+// (crates/lab/src/probe.rs; the lab's `probes sync` prints the table recorded in
+// docs/perf-log.md). One block of 256 threads per SM (the host gives each more than half an
 // SM's shared memory), `iters` rounds of one primitive:
 //   mode 0  grid barrier: every block counts in on round `it`'s counter (red.release),
 //           thread 0 spins (ld.acquire) until all have, then a block barrier;

@@ -1,0 +1,60 @@
+//! The CUDA backend's configuration: one struct, passed to `Cuda::with_config`. `Default`
+//! is the measured best (docs/perf.md); `CudaConfig::from_env` (crate::env) applies the
+//! `FERROLM_*` overrides docs/knobs.md lists. Each switch names a design that stays tested
+//! against the other (gpu-check reruns the parity tests with it flipped).
+
+use std::path::PathBuf;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaConfig {
+    /// Launch decode kernels with programmatic dependent launch (sm_90+): each one's weight
+    /// loads overlap the previous kernel's tail. `FERROLM_PDL`.
+    pub pdl: bool,
+    /// The decode GEMV stages x as int16 with one scale per 32 values and multiplies with
+    /// DP2A; off: bf16 x and f32 math. `FERROLM_GEMV_XQ`.
+    pub gemv_int16_x: bool,
+    /// A GEMV adding into the residual at one row per warp (the 1B's down) runs at two rows
+    /// per warp over two K slices. `FERROLM_GEMV_KS`.
+    pub gemv_k_slices: bool,
+    /// The SwiGLU GEMV also writes down's input as the int16 image down's blocks copy in,
+    /// instead of each block quantizing it. `FERROLM_GEMV_STAGED`.
+    pub staged_x: bool,
+    /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
+    /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
+    pub head_argmax: bool,
+    /// Decode attention over short caches merges its splits through a thread-block
+    /// cluster's shared memory (sm_90+); off: through global memory. `FERROLM_ATTN_CLUSTER`.
+    pub attention_clusters: bool,
+    /// Most query heads of a GQA group one decode attention block serves (1 to 4).
+    /// `FERROLM_ATTN_QB`.
+    pub attention_query_heads: usize,
+    /// Greedy decode steps feed their token to the next step on the device, so the host
+    /// never holds the GPU back. `FERROLM_CUDA_FEED`.
+    pub feed_steps: bool,
+    /// Sampled steps take their top-k on the device and read back k pairs, not the logits.
+    /// `FERROLM_CUDA_TOPK`.
+    pub device_top_k: bool,
+    /// Record a kernel timeline of decode steps into this file (tools/profile/
+    /// trace_table.py reads it). `FERROLM_TRACE`.
+    pub trace: Option<PathBuf>,
+    /// With `trace`, record every kernel, not only decode steps'. `FERROLM_TRACE_ALL`.
+    pub trace_all: bool,
+}
+
+impl Default for CudaConfig {
+    fn default() -> Self {
+        CudaConfig {
+            pdl: true,
+            gemv_int16_x: true,
+            gemv_k_slices: true,
+            staged_x: true,
+            head_argmax: true,
+            attention_clusters: true,
+            attention_query_heads: 1,
+            feed_steps: true,
+            device_top_k: true,
+            trace: None,
+            trace_all: false,
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! The decode step: one token through a Llama-family layer in five launches, chained by
+//! programmatic dependent launch (each kernel's weight loads overlap the previous kernel's
+//! tail) and captured once per session into a CUDA graph that every later step replays
+//! (steps.rs).
+//!
+//! Budget (H200, the Llama-3.2-1B shape at 4 bits, 695.1 MB per token, docs/perf.md): half
+//! the measured copy bandwidth would be 325.9 µs per token, 18.0 µs per layer after the
+//! head and the embedding. Today a layer's path is ~26.8 µs (q/k/v 4.15, attention 6.28, o
+//! 4.51, gate/up 7.07, down 4.78 µs in the kernel timeline), 39% of copy bandwidth; with
+//! every layer weight free the same launches still take ~22 µs: dependent latency (the
+//! release, x from L2, the staging, the stores), not bytes, sets the pace.
+
+use super::context::Order;
+use super::device::Cuda;
+use super::driver::KArg;
+use super::gemv::{staged_x_fits, x_staging, GemvExtra, GemvIn, GemvOut, WARPS};
+use super::kernels;
+use super::tensors::{CudaAct, CudaKv, CudaMat};
+use crate::backend::{Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::config::RopeStyle;
+use crate::{Error, Result};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+use std::sync::atomic::Ordering::Relaxed;
+
+/// Cached positions per decode attention split: small, so even a short context spreads
+/// over many blocks (heads × splits), each a few loads deep.
+const DECODE_CHUNK: usize = 64;
+/// Most splits attention_decode.cu's merge holds (SPLITS_MAX there).
+const DECODE_SPLITS_MAX: usize = 1024;
+/// Most blocks of a decode attention cluster (8: the portable cluster size).
+const ATTN_CLUSTER_MAX: usize = 8;
+
+impl Cuda {
+    /// One layer for one token, top to bottom: x += o(attention(q, k, v)) with q/k/v from
+    /// rmsnorm(x), then x += down(silu(gate(n(x))) · up(n(x))). Where gemv.cu has no kernel
+    /// for a weight format (dense or mixed formats, inputs over 24K wide), that step runs
+    /// as the unfused ops instead, the same math.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn decode_layer(
+        &self,
+        w: &LayerWeights<'_, Cuda>,
+        x: &mut CudaAct,
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        shape: LayerShape,
+        s: LayerScratch<'_, Cuda>,
+    ) -> Result<()> {
+        let eps = shape.eps;
+        // 1. gemv_nb_r*: q, k, v = (wq, wk, wv)·rmsnorm(x), one launch for the three.
+        let qkv = [w.wq, w.wk, w.wv];
+        if !self.gemv(GemvIn::Norm(x, w.attn_norm, eps), &qkv, &mut [s.q, s.k, s.v], GemvOut::Store, GemvExtra::None)? {
+            self.rms_norm(x, w.attn_norm, eps, s.xn)?;
+            self.matmul_many(s.xn, &qkv, &mut [s.q, s.k, s.v])?;
+        }
+        // (Qwen2) add_bias ×3: the q/k/v biases.
+        if let Some([bq, bk, bv]) = w.qkv_bias {
+            self.add_bias(s.q, bq)?;
+            self.add_bias(s.k, bk)?;
+            self.add_bias(s.v, bv)?;
+        }
+        // 2. attention_decode: RoPE of q and the new k, the cache write, split-K attention
+        //    over the cache and the splits' merge.
+        self.attention_decode(s.q, (s.k, s.v), kv, layer, rope, s.att)?;
+        // 3. gemv_ba_r*: x += att·woᵀ.
+        if !self.gemv(GemvIn::Bf16(s.att), &[w.wo], &mut [&mut *x], GemvOut::Add, GemvExtra::None)? {
+            self.matmul(s.att, w.wo, s.o)?;
+            self.add(x, s.o)?;
+        }
+        // 4 and 5: the MLP.
+        let mlp = (w.w_gate, w.w_up, w.w_down);
+        self.decode_mlp(x, (w.mlp_norm, eps), mlp, (s.xn, s.gate, s.up, s.o), s.act)
+    }
+
+    /// A decode layer's MLP, x += down(silu(gate(n(x))) · up(n(x))) for one row, `act` the
+    /// SwiGLU output, xn, g, u and o scratch:
+    /// 4. gemv_nz_r4: act = silu(gate·n(x)) · (up·n(x)), also written as down's staged int16
+    ///    x image; 5. gemv_qa_r*: x += act·downᵀ, x copied in from the image; or, where
+    ///    staging does not apply, 4. gemv_ns_r4 and 5. gemv_ba_r*.
+    #[allow(clippy::type_complexity)]
+    pub fn decode_mlp(
+        &self,
+        x: &mut CudaAct,
+        (norm, eps): (&CudaSlice<f32>, f32),
+        (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
+        (xn, g, u, o): (&mut CudaAct, &mut CudaAct, &mut CudaAct, &mut CudaAct),
+        act: &mut CudaAct,
+    ) -> Result<()> {
+        if self.decode_mlp_staged(x, (norm, eps), (gate, up, down), &mut *u, &mut *act)? {
+            return Ok(());
+        }
+        let gate_up = [gate, up];
+        let swiglu = GemvOut::Swiglu;
+        if !self.gemv(GemvIn::Norm(x, norm, eps), &gate_up, &mut [&mut *act, &mut *u], swiglu, GemvExtra::None)? {
+            self.rms_norm(x, norm, eps, xn)?;
+            self.matmul_many(xn, &gate_up, &mut [&mut *g, &mut *u])?;
+            self.silu_mul(g, u, act)?;
+        }
+        if !self.gemv(GemvIn::Bf16(act), &[down], &mut [&mut *x], GemvOut::Add, GemvExtra::None)? {
+            self.matmul(act, down, o)?;
+            self.add(x, o)?;
+        }
+        Ok(())
+    }
+
+    /// Steps 4 and 5 with down's x staged by the SwiGLU launch (x_staged.cuh): down's blocks
+    /// copy the image in after their release instead of each quantizing the whole input.
+    /// Bit-identical to the unstaged launches. Only where down's own staging is heavy: each
+    /// of its threads would quantize at least two 8-value parts (the 1B's 8192-wide down,
+    /// +3%); SmolLM2's 1536-wide one lost 7% so (H200, docs/perf-log.md). False, nothing
+    /// launched, where it does not apply.
+    fn decode_mlp_staged(
+        &self,
+        x: &mut CudaAct,
+        (norm, eps): (&CudaSlice<f32>, f32),
+        (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
+        u: &mut CudaAct,
+        act: &mut CudaAct,
+    ) -> Result<bool> {
+        let ffn = gate.rows();
+        let one_format = match (gate, up, down) {
+            (
+                CudaMat::Affine { defines: g, .. },
+                CudaMat::Affine { defines: up, .. },
+                CudaMat::Affine { defines: d, .. },
+            ) => g == up && g == d,
+            _ => false,
+        };
+        let int16_x = self.cfg.gemv_int16_x;
+        if !self.cfg.staged_x || !one_format || !staged_x_fits(ffn, int16_x) || down.cols() != ffn {
+            return Ok(false);
+        }
+        if ffn < 16 * 32 * WARPS {
+            return Ok(false);
+        }
+        let image = self.scratch.staged_x(self, x_staging(ffn, int16_x).1)?;
+        let gate_up = [gate, up];
+        let norm_in = GemvIn::Norm(x, norm, eps);
+        if !self.gemv(norm_in, &gate_up, &mut [&mut *act, u], GemvOut::Swiglu, GemvExtra::StageInto(image))? {
+            return Ok(false);
+        }
+        // The SwiGLU launch wrote act too: should no staged down kernel fit, the plain one
+        // reads that.
+        let staged = GemvIn::Staged { image, cols: ffn };
+        if !self.gemv(staged, &[down], &mut [&mut *x], GemvOut::Add, GemvExtra::None)? {
+            let plain = self.gemv(GemvIn::Bf16(act), &[down], &mut [&mut *x], GemvOut::Add, GemvExtra::None)?;
+            if !plain {
+                return Err(Error::Invalid("CUDA decode MLP: down GEMV not covered after a staged SwiGLU".into()));
+            }
+        }
+        self.staged_x_launches.fetch_add(1, Relaxed);
+        Ok(true)
+    }
+
+    /// The head of a greedy step, gemv_nm_r4: logits = head·rmsnorm(x) for one row, stored,
+    /// and their argmax into out[0] (with `feed`, also the next fed step's token and
+    /// position), one launch: each warp keeps the best row it stored. The same reductions
+    /// and tie rule as sample.cu's argmax, so the same token. False, nothing launched,
+    /// where it does not apply.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn head_argmax(
+        &self,
+        x: &CudaAct,
+        norm: &CudaSlice<f32>,
+        eps: f32,
+        head: &CudaMat,
+        logits: &mut CudaAct,
+        out: &mut CudaAct,
+        feed: bool,
+    ) -> Result<bool> {
+        if !self.cfg.head_argmax || x.rows != 1 || logits.rows != 1 {
+            return Ok(false);
+        }
+        if !out.is_f32() {
+            return Err(Error::Invalid("CUDA argmax writes an f32 output".into()));
+        }
+        let [pv, pi, done, tok, pos, hist] = self.argmax_sink(feed)?;
+        let sink = [out.arg(self), pv, pi, done, tok, pos, hist];
+        let fused =
+            self.gemv(GemvIn::Norm(x, norm, eps), &[head], &mut [logits], GemvOut::Store, GemvExtra::Argmax(sink))?;
+        if fused {
+            self.head_argmax_launches.fetch_add(1, Relaxed);
+        }
+        Ok(fused)
+    }
+
+    /// attention_decode (one query row): RoPE of q and of the new k, the cache write of the
+    /// new k/v, attention over the cache and the split merge (through a cluster's shared
+    /// memory for short caches, global memory for deep ones). q, k, v unrotated.
+    pub(crate) fn attention_decode(
+        &self,
+        q: &CudaAct,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let heads = q.cols / kv.head_dim;
+        let n_kv = kv.width / kv.head_dim;
+        // Query heads per block: one by default. Up to 4 of a GQA group per block read each
+        // K/V row once for all of them, but give each lane 4× the scoring chain on a quarter
+        // of the blocks: one head per block measured faster at 2K, 8K and 16K cached (the
+        // group's blocks read the same rows at about the same time, from L2).
+        let group = heads / n_kv;
+        let qb = (1..=self.cfg.attention_query_heads).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
+        // Deep caches score a round's positions together (SCORE_BATCH): faster at 8K cached,
+        // slower at 512. Beside a q/k/v GEMV of at least half the SMs' blocks, a deep cache's
+        // kernel is the register-capped one (ATT_CAP): twice its blocks fit beside q/k/v's.
+        let deep = kv.max_seq > kernels::ATTN_DEEP_POSITIONS;
+        let qkv_rows = (heads + 2 * n_kv) * kv.head_dim;
+        let capped = deep && qb == 1 && qkv_rows / 32 >= self.sms / 2;
+        let defines = kernels::attention_decode_defines(qb, deep, capped);
+        let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode")?;
+        // Positions per split: 64, or more where the blocks would not all be resident at
+        // once (a second wave would start only as the first ends) or the merge's shared
+        // memory would overflow.
+        let resident = f.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).unwrap_or(3).max(1) as usize;
+        let max_splits = (resident * self.sms / (heads / qb)).clamp(1, DECODE_SPLITS_MAX);
+        let chunk = DECODE_CHUNK.max(kv.max_seq.div_ceil(max_splits));
+        let splits = kv.max_seq.div_ceil(chunk);
+        // Up to 8 · 128 positions: one cluster of up to 8 blocks per head merging through
+        // shared memory. Deeper caches keep one wave of single blocks merging through global
+        // memory (clusters there did not all fit one wave: 1B at 8191 cached 28 → 54 µs).
+        let clustered = self.clusters && self.cfg.attention_clusters && !deep && splits > 1;
+        let (cs, splits, chunk) = match clustered {
+            true => {
+                let cs = ATTN_CLUSTER_MAX.min(splits);
+                (cs, cs, kv.max_seq.div_ceil(cs))
+            }
+            false => (1, splits, chunk),
+        };
+        let freqs = self.scratch.rope_freqs(self, rope)?;
+        let [ml, acc, done] = self.scratch.attention(self, heads, splits, kv.head_dim)?;
+        let pos = self.steps.pos(self, "attention")?;
+        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
+        args.extend([
+            freqs,
+            KArg::F32(rope.linear),
+            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            ml,
+            acc,
+            out.arg(self),
+            done,
+            KArg::I32(heads as i32),
+            KArg::I32(n_kv as i32),
+            KArg::I32(kv.head_dim as i32),
+            KArg::I32(qb as i32),
+            pos,
+            KArg::I32(chunk as i32),
+            KArg::I32(cs as i32),
+        ]);
+        let c = LaunchConfig {
+            grid_dim: ((heads / qb) as u32, 1, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Matches attention_decode.cu; scratch sized [heads, splits] for this cache, `done`
+        // (one counter per block column) zeroed at allocation and reset by the kernel.
+        let order = if cs > 1 { Order::OverlapClustered(cs as u32) } else { Order::Overlap };
+        self.launch(&f, c, &args, order, "attention_decode launch")
+    }
+
+    /// q, k, v and layer's K and V caches: the first arguments of rope_kv and
+    /// attention_decode.
+    pub(crate) fn qkv_cache_args(
+        &self,
+        q: &CudaAct,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &CudaKv,
+        layer: usize,
+    ) -> [KArg; 5] {
+        [q.arg(self), k.arg(self), v.arg(self), self.arg(&kv.k[layer]), self.arg(&kv.v[layer])]
+    }
+}

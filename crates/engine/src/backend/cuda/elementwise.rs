@@ -1,0 +1,132 @@
+//! The single-kernel ops every phase uses: embedding lookup, RMSNorm, biases, RoPE, the
+//! SwiGLU product, residual adds, and the KV cache write (kernels/rmsnorm.cu, rope.cu,
+//! elementwise.cu, affine.cu's and dense.cu's embed, attention.cu's kv_write).
+
+use super::context::Order;
+use super::device::Cuda;
+use super::driver::KArg;
+use super::kernels;
+use super::tensors::{ActBuf, CudaAct, CudaKv, CudaMat};
+use crate::backend::Rope;
+use crate::config::RopeStyle;
+use crate::{Error, Result};
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+pub(crate) fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid.0.max(1), grid.1.max(1), 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+/// Grid for a grid-stride element-wise kernel over n elements.
+pub(crate) fn elems(n: usize) -> (u32, u32) {
+    ((n.div_ceil(256)).min(4096) as u32, 1)
+}
+
+impl Cuda {
+    /// One of the kernels compiled without defines, from `file`.
+    pub(crate) fn plain_kernel(&self, file: &str, func: &str) -> Result<cudarc::driver::CudaFunction> {
+        self.function(kernels::file(file), &[], func)
+    }
+
+    /// `Backend::embed`: out[i] = table[staged token i] into the f32 residual stream. The
+    /// affine embed waits (PDL) before it reads the token: a run of fed steps in one graph
+    /// overlaps each step's start with the last one's head.
+    pub(crate) fn embed_rows(&self, table: &CudaMat, tokens: usize, out: &mut CudaAct) -> Result<()> {
+        let (ids, _) = self.steps.inputs(self, tokens, "embed")?;
+        if !out.is_f32() {
+            return Err(Error::Invalid("CUDA embed writes the f32 residual stream".into()));
+        }
+        let cols = KArg::I32(table.cols() as i32);
+        let c = cfg((tokens as u32, 1), 256);
+        match table {
+            CudaMat::Affine { words, scales, biases, f, .. } => {
+                let args = [self.arg(words), scales.arg(self), biases.arg(self), ids, out.arg(self), cols];
+                self.launch(&f[2], c, &args, Order::Overlap, "embed launch")
+            }
+            CudaMat::Dense { w, f, .. } => {
+                let args = [self.arg(w), ids, out.arg(self), cols];
+                self.launch(&f[2], c, &args, Order::Serial, "embed launch")
+            }
+        }
+    }
+
+    /// `Backend::rms_norm`, per row of f32 or bf16 x into bf16.
+    pub(crate) fn rms_norm_rows(&self, x: &CudaAct, w: &CudaSlice<f32>, eps: f32, out: &mut CudaAct) -> Result<()> {
+        let name = if x.is_f32() { "rmsnorm" } else { "rmsnorm_bf16" };
+        let f = self.plain_kernel("rmsnorm.cu", name)?;
+        let args = [x.arg(self), self.arg(w), self.arg(out.bf16_mut()), KArg::I32(x.cols as i32), KArg::F32(eps)];
+        self.launch(&f, cfg((x.rows as u32, 1), 256), &args, Order::Serial, "rmsnorm launch")
+    }
+
+    /// `Backend::add_bias`: x[i] += b per row.
+    pub(crate) fn add_bias_rows(&self, x: &mut CudaAct, bias: &CudaSlice<f32>) -> Result<()> {
+        let f = self.plain_kernel("elementwise.cu", "add_bias")?;
+        let n = x.rows * x.cols;
+        let args = [self.arg(x.bf16_mut()), self.arg(bias), KArg::I32(x.cols as i32), KArg::I32(n as i32)];
+        self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "add_bias launch")
+    }
+
+    /// `Backend::rope` at the staged position.
+    pub(crate) fn rope_rows(&self, x: &mut CudaAct, n_heads: usize, rope: &Rope) -> Result<()> {
+        let freqs = self.scratch.rope_freqs(self, rope)?;
+        let f = self.plain_kernel("rope.cu", "rope")?;
+        let pos = self.steps.pos(self, "rope")?;
+        let inter = i32::from(rope.style == RopeStyle::Interleaved);
+        let n = x.rows * x.cols / 2;
+        let args = [
+            self.arg(x.bf16_mut()),
+            freqs,
+            KArg::I32(x.rows as i32),
+            KArg::I32(n_heads as i32),
+            KArg::I32((x.cols / n_heads) as i32),
+            pos,
+            KArg::F32(rope.linear),
+            KArg::I32(inter),
+        ];
+        self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "rope launch")
+    }
+
+    /// `Backend::silu_mul`: out = silu(gate) · up.
+    pub(crate) fn silu_mul_rows(&self, gate: &CudaAct, up: &CudaAct, out: &mut CudaAct) -> Result<()> {
+        let f = self.plain_kernel("elementwise.cu", "silu_mul")?;
+        let n = gate.rows * gate.cols;
+        let args = [gate.arg(self), up.arg(self), self.arg(out.bf16_mut()), KArg::I32(n as i32)];
+        self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "silu_mul launch")
+    }
+
+    /// `Backend::add`: x += y (x f32 or bf16, y bf16).
+    pub(crate) fn add_rows(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {
+        let n = x.rows * x.cols;
+        let name = if x.is_f32() { "add_f32_bf16" } else { "add_inplace" };
+        let f = self.plain_kernel("elementwise.cu", name)?;
+        let args = [x.arg(self), self.arg(y.bf16()), KArg::I32(n as i32)];
+        self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "add launch")
+    }
+
+    /// k/v rows into layer's cache at the staged position (pos0 + rows ≤ max_seq is checked
+    /// by the model).
+    pub(crate) fn kv_write(&self, k: &CudaAct, v: &CudaAct, kv: &mut CudaKv, layer: usize) -> Result<()> {
+        let f = self.plain_kernel("attention.cu", "kv_write")?;
+        let pos = self.steps.pos(self, "attention")?;
+        let args = [
+            self.arg(&kv.k[layer]),
+            self.arg(&kv.v[layer]),
+            self.arg(k.bf16()),
+            self.arg(v.bf16()),
+            KArg::I32(k.rows as i32),
+            KArg::I32(kv.width as i32),
+            pos,
+        ];
+        self.launch(&f, cfg(elems(k.rows * kv.width), 256), &args, Order::Serial, "kv_write launch")
+    }
+
+    /// Rows `[first, rows)` of x as a new activation.
+    pub(crate) fn copy_rows(&self, x: &CudaAct, first: usize) -> Result<CudaAct> {
+        use super::driver::drv;
+        let (s, e) = (first * x.cols, x.rows * x.cols);
+        let buf = match &x.buf {
+            ActBuf::Bf16(b) => ActBuf::Bf16(self.stream.clone_dtod(&b.slice(s..e)).map_err(drv("copying rows"))?),
+            ActBuf::F32(b) => ActBuf::F32(self.stream.clone_dtod(&b.slice(s..e)).map_err(drv("copying rows"))?),
+        };
+        Ok(CudaAct { rows: x.rows - first, cols: x.cols, buf })
+    }
+}

@@ -1,0 +1,163 @@
+//! Prefill ops (many rows): matmuls on the tensor-core GEMM (gemm.rs) from a few tiles'
+//! worth of tokens and on the row GEMV (affine.cu's qmv, dense.cu's dmv) below, RoPE with
+//! the cache write in one launch, and attention over the cache (flash.rs, or split-K with
+//! its merge for head dims flash attention is not compiled for).
+
+use super::context::Order;
+use super::device::Cuda;
+use super::driver::KArg;
+use super::elementwise::cfg;
+use super::kernels;
+use super::tensors::{CudaAct, CudaKv, CudaMat};
+use crate::backend::Rope;
+use crate::config::RopeStyle;
+use crate::{Error, Result};
+use cudarc::driver::LaunchConfig;
+
+/// Cached positions per attention split.
+const ATTN_CHUNK: usize = 256;
+
+/// Activation rows from which a matmul runs on tensor cores (below, the GEMV reads the
+/// weights fewer times than the GEMM's fixed 64-token tiles waste).
+const GEMM_MIN_ROWS: usize = 16;
+
+impl Cuda {
+    /// `Backend::matmul` for any number of rows: out = x·wᵀ.
+    pub(crate) fn matmul_rows(&self, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
+        if x.cols != w.cols() || out.cols != w.rows() || out.rows != x.rows {
+            return Err(Error::Invalid(format!(
+                "CUDA matmul shapes: x [{}, {}], w [{}, {}], out [{}, {}]",
+                x.rows,
+                x.cols,
+                w.rows(),
+                w.cols(),
+                out.rows,
+                out.cols
+            )));
+        }
+        if x.rows >= GEMM_MIN_ROWS && self.qgemm_supported(w) {
+            return self.qgemm(x, w, out);
+        }
+        let xb = self.arg(x.bf16());
+        let f32_out = out.is_f32();
+        let (rows, cols, m) = (KArg::I32(w.rows() as i32), KArg::I32(w.cols() as i32), KArg::I32(x.rows as i32));
+        // Eight activation rows per block from four rows on, so each weight chunk is read
+        // m/8 times.
+        let multi = x.rows >= 4 && matches!(w, CudaMat::Affine { .. });
+        let ty = if multi { x.rows.div_ceil(8) } else { x.rows };
+        let c = cfg((w.rows().div_ceil(4) as u32, ty as u32), 128);
+        match w {
+            CudaMat::Affine { words, scales, biases, f, .. } => {
+                // f = [qmv, qmv_f32, embed, qmv8, qmv8_f32]
+                let k = &f[usize::from(f32_out) + if multi { 3 } else { 0 }];
+                let args = [self.arg(words), scales.arg(self), biases.arg(self), xb, out.arg(self), rows, cols, m];
+                self.launch(k, c, &args, Order::Serial, "matmul launch")
+            }
+            CudaMat::Dense { w, f, .. } => {
+                // f = [dmv, dmv_f32, dembed]
+                let args = [self.arg(w), xb, out.arg(self), rows, cols];
+                self.launch(&f[usize::from(f32_out)], c, &args, Order::Serial, "matmul launch")
+            }
+        }
+    }
+
+    /// RoPE on q and k plus the cache write of k and v, one launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn rope_kv(
+        &self,
+        q: &mut CudaAct,
+        k: &CudaAct,
+        v: &CudaAct,
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        heads: usize,
+    ) -> Result<()> {
+        let freqs = self.scratch.rope_freqs(self, rope)?;
+        let f = self.plain_kernel("attention.cu", "rope_kv")?;
+        let pos = self.steps.pos(self, "rope")?;
+        let n = q.rows * (q.cols / 2 + kv.width / 2 + kv.width);
+        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
+        args.extend([
+            freqs,
+            KArg::I32(q.rows as i32),
+            KArg::I32(heads as i32),
+            KArg::I32((kv.width / kv.head_dim) as i32),
+            KArg::I32(kv.head_dim as i32),
+            pos,
+            KArg::F32(rope.linear),
+            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+        ]);
+        let c = cfg((n.div_ceil(256).min(4096) as u32, 1), 256);
+        // Matches attention.cu's rope_kv; pos0 + rows ≤ max_seq is checked by the model.
+        self.launch(&f, c, &args, Order::Overlap, "rope_kv launch")
+    }
+
+    /// Causal attention of q over the cache (this call's rows already written): split-K
+    /// partials and their merge. The split count follows the cache size, so decode at depth
+    /// fills the GPU with heads × splits blocks.
+    pub(crate) fn attention_cached(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
+        let pos = self.steps.pos(self, "attention")?;
+        let hd = kv.head_dim;
+        let heads = q.cols / hd;
+        let splits = kv.max_seq.div_ceil(ATTN_CHUNK);
+        let slots = q.rows * heads * splits;
+        let ml = self.zeros::<f32>(2 * slots, "allocating attention scratch")?;
+        let acc = self.zeros::<f32>(slots * hd, "allocating attention scratch")?;
+        let a = self.plain_kernel("attention.cu", "attention_split")?;
+        let args = [
+            q.arg(self),
+            self.arg(&kv.k[layer]),
+            self.arg(&kv.v[layer]),
+            self.arg(&ml),
+            self.arg(&acc),
+            KArg::I32(heads as i32),
+            KArg::I32((kv.width / hd) as i32),
+            KArg::I32(hd as i32),
+            pos,
+            KArg::I32(ATTN_CHUNK as i32),
+        ];
+        let c = LaunchConfig {
+            grid_dim: (heads as u32, q.rows as u32, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Matches attention.cu's attention_split; scratch sized [m, heads, splits].
+        self.launch(&a, c, &args, Order::Serial, "attention launch")?;
+        let mg = self.plain_kernel("attention.cu", "attention_merge")?;
+        let merge_args = [
+            self.arg(&ml),
+            self.arg(&acc),
+            self.arg(out.bf16()),
+            KArg::I32(heads as i32),
+            KArg::I32(hd as i32),
+            KArg::I32(splits as i32),
+        ];
+        let merge_grid = cfg((heads as u32, q.rows as u32), hd as u32);
+        self.launch(&mg, merge_grid, &merge_args, Order::Serial, "attention merge launch")?;
+        // The scratch is freed when this returns: cudarc frees it stream-ordered, after the
+        // merge has read it.
+        Ok(())
+    }
+
+    /// The prefill half of `Backend::rope_attention`: RoPE with the cache write, then
+    /// flash attention (or the split-K kernels for other head dims).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn prefill_attention(
+        &self,
+        q: &mut CudaAct,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: &Rope,
+        n_heads: usize,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
+        if kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim) {
+            self.flash_prefill(q, kv, layer, out)
+        } else {
+            self.attention_cached(q, kv, layer, out)
+        }
+    }
+}

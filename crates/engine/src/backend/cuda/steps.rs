@@ -1,0 +1,306 @@
+//! A forward call's inputs on the device and the decode steps' CUDA graphs: the token ids
+//! and start position staged in pinned memory and copied by the call itself (so a captured
+//! step replays with new values), each step captured once under its session's key and
+//! replayed, fed steps (each greedy step's argmax becomes the next one's input on the
+//! device), and the queued reads of the tokens fed steps chose.
+
+use super::context::Context;
+use super::driver::{drv, KArg};
+use crate::{Error, Result};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PinnedHostSlice};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+use std::sync::Mutex;
+
+/// Fed steps' tokens the device keeps (sample.cu's FEED_HIST): the host reads a run of
+/// steps' tokens while later steps run, at most two runs (2·FEED_STEPS_MAX steps) behind.
+pub(crate) const FEED_HIST: usize = 64;
+const _: () = assert!(2 * crate::backend::FEED_STEPS_MAX <= FEED_HIST);
+
+/// Where a queued read of fed steps' tokens lands: a pinned (cached: the host reads it)
+/// copy of the whole token history (256 bytes: one copy, where the run's slice of it may
+/// wrap; entries that later steps write meanwhile are not read), the run's first position
+/// and length, the event its copy records and the event that marks its steps done on the
+/// main stream.
+struct ReadSlot {
+    hist: PinnedHostSlice<i32>,
+    run: (usize, usize),
+    copied: CudaEvent,
+    done: CudaEvent,
+}
+
+/// A captured graph, owned behind `Steps::graphs`' mutex.
+struct Graph(CudaGraph);
+// SAFETY: CUDA graph handles may be used from any thread once the context is bound (cudarc
+// binds it on every call); ferrolm only touches them under `Steps::graphs`' mutex.
+unsafe impl Send for Graph {}
+
+/// The staged inputs of a forward call.
+struct Staged {
+    cap: usize,
+    tok_host: PinnedHostSlice<i32>,
+    tok_dev: CudaSlice<i32>,
+    pos_host: PinnedHostSlice<i32>,
+    pos_dev: CudaSlice<i32>,
+    /// The tokens fed steps chose, at their position modulo FEED_HIST (sample.cu's argmax).
+    hist_dev: CudaSlice<i32>,
+    /// Recorded after each direct upload of the staged values; `stage` waits for it.
+    uploaded: CudaEvent,
+    /// A fed step's token and position, kept while its capture's dry pass runs.
+    fed_kept: CudaSlice<i32>,
+}
+
+#[derive(Default)]
+pub(crate) struct Steps {
+    staged: Mutex<Option<Staged>>,
+    /// Captured decode steps by session key, and how many were captured (tests check reuse).
+    graphs: Mutex<HashMap<u64, Graph>>,
+    captures: AtomicUsize,
+    /// Set while a fed step is queued or captured: its token and position are on the
+    /// device already, so `begin` copies nothing.
+    feeding: AtomicBool,
+    reads: Mutex<Vec<ReadSlot>>,
+}
+
+impl Steps {
+    /// Decode steps captured so far (each a graph instantiated).
+    pub(crate) fn captures(&self) -> usize {
+        self.captures.load(Relaxed)
+    }
+
+    /// The device addresses of the staged (token ids, position): what the ops read.
+    /// `tokens` is how many ids the caller reads.
+    pub(crate) fn inputs(&self, ctx: &Context, tokens: usize, what: &str) -> Result<(KArg, KArg)> {
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st
+            .as_ref()
+            .filter(|s| s.cap >= tokens)
+            .ok_or_else(|| Error::Invalid(format!("CUDA {what} without staged tokens")))?;
+        Ok((ctx.arg(&s.tok_dev), ctx.arg(&s.pos_dev)))
+    }
+
+    /// The staged position's device address.
+    pub(crate) fn pos(&self, ctx: &Context, what: &str) -> Result<KArg> {
+        self.inputs(ctx, 0, what).map(|(_, p)| p)
+    }
+
+    /// Where a fed step's argmax writes the next step's input: (token, position, token
+    /// history).
+    pub(crate) fn feed_args(&self, ctx: &Context) -> Result<[KArg; 3]> {
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_ref().ok_or_else(|| Error::Invalid("CUDA fed argmax without a staged step".into()))?;
+        Ok([ctx.arg(&s.tok_dev), ctx.arg(&s.pos_dev), ctx.arg(&s.hist_dev)])
+    }
+
+    /// Write tokens and pos0 into the pinned staging buffers (growing them, and dropping
+    /// captured graphs that point at the old ones, when a call has more tokens).
+    fn stage(&self, ctx: &Context, tokens: &[u32], pos0: usize) -> Result<()> {
+        let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        if st.as_ref().is_none_or(|s| s.cap < tokens.len()) {
+            // A queued read (a speculative step's, never taken) may still copy from the old
+            // token history on the read stream: let it finish before the history is freed.
+            ctx.read_stream.synchronize().map_err(drv("waiting for queued reads"))?;
+            let cap = tokens.len().next_power_of_two().max(128);
+            // SAFETY: written below before any copy reads it.
+            let tok_host = unsafe { ctx.ctx.alloc_pinned::<i32>(cap) }.map_err(drv("allocating pinned memory"))?;
+            // SAFETY: as above.
+            let pos_host = unsafe { ctx.ctx.alloc_pinned::<i32>(1) }.map_err(drv("allocating pinned memory"))?;
+            let uploaded = ctx.ctx.new_event(None).map_err(drv("creating an event"))?;
+            let staged = Staged {
+                cap,
+                tok_host,
+                tok_dev: ctx.zeros(cap, "allocating token ids")?,
+                pos_host,
+                pos_dev: ctx.zeros(1, "allocating the position")?,
+                hist_dev: ctx.zeros(FEED_HIST, "allocating the token history")?,
+                uploaded,
+                fed_kept: ctx.zeros(2, "allocating a fed step's kept input")?,
+            };
+            self.graphs.lock().unwrap_or_else(|e| e.into_inner()).clear();
+            *st = Some(staged);
+        }
+        let s = st.as_mut().expect("set above");
+        // The last direct upload (not a graph's) may still be queued: it reads these
+        // buffers when it runs. cudarc's own tracking of that is off (Context::new).
+        s.uploaded.synchronize().map_err(drv("waiting for the last upload"))?;
+        let th = s.tok_host.as_mut_slice().map_err(drv("writing token ids"))?;
+        for (d, &t) in th.iter_mut().zip(tokens) {
+            *d = t as i32;
+        }
+        s.pos_host.as_mut_slice().map_err(drv("writing the position"))?[0] = pos0 as i32;
+        Ok(())
+    }
+
+    /// Enqueue the staged values' copies to the device.
+    fn upload_staged(&self, ctx: &Context) -> Result<()> {
+        let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_mut().ok_or_else(|| Error::Invalid("CUDA forward without staged tokens".into()))?;
+        ctx.stream.memcpy_htod(&s.tok_host, &mut s.tok_dev).map_err(drv("copying token ids"))?;
+        ctx.stream.memcpy_htod(&s.pos_host, &mut s.pos_dev).map_err(drv("copying the position"))?;
+        // Not inside a capture: the event would then mark a graph node, not this upload.
+        if !ctx.capturing.load(Relaxed) {
+            s.uploaded.record(&ctx.stream).map_err(drv("recording the upload"))?;
+        }
+        Ok(())
+    }
+
+    /// Keep (`restore` false) or put back (true) the device's token and position of a fed
+    /// step whose input only the device has (the previous fed step's argmax wrote it): its
+    /// capture's dry pass must not advance them. Queued on the stream, in order.
+    fn keep_fed_input(&self, ctx: &Context, restore: bool) -> Result<()> {
+        let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_mut().ok_or_else(|| Error::Invalid("a fed decode step without staged buffers".into()))?;
+        let what = || drv("keeping a fed step's input");
+        let (tok, pos, kept) = (&mut s.tok_dev, &mut s.pos_dev, &mut s.fed_kept);
+        match restore {
+            false => {
+                ctx.stream.memcpy_dtod(&tok.slice(0..1), &mut kept.slice_mut(0..1)).map_err(what())?;
+                ctx.stream.memcpy_dtod(&pos.slice(0..1), &mut kept.slice_mut(1..2)).map_err(what())
+            }
+            true => {
+                ctx.stream.memcpy_dtod(&kept.slice(0..1), &mut tok.slice_mut(0..1)).map_err(what())?;
+                ctx.stream.memcpy_dtod(&kept.slice(1..2), &mut pos.slice_mut(0..1)).map_err(what())
+            }
+        }
+    }
+
+    /// Capture `f`'s launches as the graph for `key`, keep it and launch it once.
+    fn capture_and_launch(&self, ctx: &Context, key: u64, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        ctx.stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(drv("starting capture"))?;
+        ctx.capturing.store(true, Relaxed);
+        let r = f();
+        ctx.capturing.store(false, Relaxed);
+        let g = ctx.stream.end_capture(CUgraphInstantiate_flags(0));
+        r?;
+        let g = g
+            .map_err(drv("capturing the decode step"))?
+            .ok_or_else(|| Error::Invalid("CUDA capture produced no graph".into()))?;
+        g.launch().map_err(drv("launching the decode graph"))?;
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).insert(key, Graph(g));
+        self.captures.fetch_add(1, Relaxed);
+        Ok(())
+    }
+
+    /// `Backend::begin`: stage and copy this call's tokens and position, unless a fed step's
+    /// are on the device already or a capture (whose `step` staged them) only needs the copies.
+    pub(crate) fn begin(&self, ctx: &Context, tokens: &[u32], pos0: usize) -> Result<()> {
+        if self.feeding.load(Relaxed) {
+            return Ok(());
+        }
+        if !ctx.capturing.load(Relaxed) {
+            self.stage(ctx, tokens, pos0)?;
+        }
+        self.upload_staged(ctx)
+    }
+
+    /// `Backend::step`: replay the step captured under `key`, or a dry pass of `f` (buffers
+    /// and kernels made outside the graph), then its capture.
+    pub(crate) fn step(
+        &self,
+        ctx: &Context,
+        key: u64,
+        tokens: &[u32],
+        pos0: usize,
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        // Stage first: a new staging buffer drops stale graphs before we look one up.
+        self.stage(ctx, tokens, pos0)?;
+        if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return g.0.launch().map_err(drv("replaying the decode graph"));
+        }
+        ctx.dry_pass(f)?;
+        self.capture_and_launch(ctx, key, f)
+    }
+
+    pub(crate) fn forget(&self, key: u64) {
+        self.graphs.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
+    }
+
+    /// `Backend::step_fed`.
+    pub(crate) fn step_fed(
+        &self,
+        ctx: &Context,
+        key: u64,
+        token: Option<u32>,
+        pos0: usize,
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let captured = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&key);
+        // Staging waits for the previous upload from the pinned buffer to finish.
+        if let Some(t) = token {
+            self.stage(ctx, &[t], pos0)?;
+            self.upload_staged(ctx)?;
+        }
+        self.feeding.store(true, Relaxed);
+        let r = match (captured, token) {
+            (true, _) => self.graphs.lock().unwrap_or_else(|e| e.into_inner())[&key]
+                .0
+                .launch()
+                .map_err(drv("replaying the fed decode graph")),
+            // As in `step`, a dry pass before the capture; the input goes back before the
+            // capture runs: the host's, or (a run fed by the one before it) the device's
+            // own, kept before the pass.
+            (false, Some(_)) => ctx
+                .dry_pass(f)
+                .and_then(|()| self.upload_staged(ctx))
+                .and_then(|()| self.capture_and_launch(ctx, key, f)),
+            (false, None) => self
+                .keep_fed_input(ctx, false)
+                .and_then(|()| ctx.dry_pass(f))
+                .and_then(|()| self.keep_fed_input(ctx, true))
+                .and_then(|()| self.capture_and_launch(ctx, key, f)),
+        };
+        self.feeding.store(false, Relaxed);
+        r
+    }
+
+    /// `Backend::queue_read`. The fed steps' argmax also wrote their tokens to the device
+    /// history at their positions, which the steps after them do not touch for FEED_HIST − n
+    /// steps. The whole history is copied (256 bytes, one copy however the run wraps) on
+    /// the read stream once these steps are done, and the main stream goes straight on to
+    /// the next steps (a copy queued between two steps' graphs delayed the second by its
+    /// latency).
+    pub(crate) fn queue_read(&self, ctx: &Context, pos: usize, n: usize, slot: usize) -> Result<()> {
+        if n == 0 || n > crate::backend::FEED_STEPS_MAX {
+            return Err(Error::Invalid(format!(
+                "a queued read of {n} fed steps (1 to {} at once)",
+                crate::backend::FEED_STEPS_MAX
+            )));
+        }
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let hist =
+            &st.as_ref().ok_or_else(|| Error::Invalid("CUDA queued read without a staged step".into()))?.hist_dev;
+        let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        while reads.len() <= slot {
+            // Cached (not write-combined) pinned memory: the host reads it. SAFETY: written by
+            // the copy below before `take_read` reads it.
+            let copy = unsafe { ctx.ctx.alloc_pinned_with_flags::<i32>(FEED_HIST, 0) }
+                .map_err(drv("allocating pinned memory"))?;
+            // Spinning events: the host waits for each step's token, so wake-up latency counts.
+            let copied = ctx.ctx.new_event(None).map_err(drv("creating an event"))?;
+            let done = ctx.ctx.new_event(None).map_err(drv("creating an event"))?;
+            reads.push(ReadSlot { hist: copy, run: (0, 0), copied, done });
+        }
+        // cudarc's own event tracking is off (Context::new): these events order the copy
+        // after the steps, and mark its completion for take_read.
+        let r = &mut reads[slot];
+        r.run = (pos, n);
+        r.done.record(&ctx.stream).map_err(drv("queueing a read"))?;
+        ctx.read_stream.wait(&r.done).map_err(drv("queueing a read"))?;
+        ctx.read_stream.memcpy_dtoh(hist, &mut r.hist).map_err(drv("queueing a read"))?;
+        r.copied.record(&ctx.read_stream).map_err(drv("queueing a read"))
+    }
+
+    /// `Backend::take_read`.
+    pub(crate) fn take_read(&self, slot: usize) -> Result<Vec<u32>> {
+        let reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        let r = reads.get(slot).ok_or_else(|| Error::Invalid(format!("read slot {slot} was never queued")))?;
+        r.copied.synchronize().map_err(drv("waiting for a queued read"))?;
+        let hist = r.hist.as_slice().map_err(drv("reading a queued read"))?;
+        let (pos, n) = r.run;
+        Ok((pos..pos + n).map(|p| hist[p % FEED_HIST] as u32).collect())
+    }
+}

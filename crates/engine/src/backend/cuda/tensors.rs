@@ -1,0 +1,208 @@
+//! The device forms of weights, activations and the KV cache, and their uploads.
+
+use super::context::Context;
+use super::driver::KArg;
+use super::kernels;
+use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
+use crate::{Error, Result};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
+use half::bf16;
+
+/// Scales or biases on the device, in their source precision.
+pub enum DevScales {
+    Half(CudaSlice<u16>),
+    F32(CudaSlice<f32>),
+}
+
+pub enum CudaMat {
+    Affine {
+        rows: usize,
+        cols: usize,
+        words: CudaSlice<u32>,
+        scales: DevScales,
+        biases: DevScales,
+        /// [qmv, qmv_f32, embed, qmv8, qmv8_f32]
+        f: [CudaFunction; 5],
+        bits: u32,
+        group: usize,
+        /// The -D defines this weight's kernels are compiled with (bits, group, scale dtype).
+        defines: Vec<String>,
+    },
+    /// bf16 weights; f = [dmv, dmv_f32, dembed]
+    Dense { rows: usize, cols: usize, w: CudaSlice<u16>, f: [CudaFunction; 3] },
+}
+
+impl CudaMat {
+    pub fn rows(&self) -> usize {
+        match self {
+            CudaMat::Affine { rows, .. } | CudaMat::Dense { rows, .. } => *rows,
+        }
+    }
+    pub fn cols(&self) -> usize {
+        match self {
+            CudaMat::Affine { cols, .. } | CudaMat::Dense { cols, .. } => *cols,
+        }
+    }
+}
+
+pub enum ActBuf {
+    Bf16(CudaSlice<u16>),
+    F32(CudaSlice<f32>),
+}
+
+/// Activations `[rows, cols]`: bf16 (f32 for logits).
+pub struct CudaAct {
+    pub rows: usize,
+    pub cols: usize,
+    pub buf: ActBuf,
+}
+
+impl CudaAct {
+    pub(crate) fn bf16(&self) -> &CudaSlice<u16> {
+        match &self.buf {
+            ActBuf::Bf16(b) => b,
+            ActBuf::F32(_) => panic!("CUDA op given f32 activations where bf16 are required"),
+        }
+    }
+    pub(crate) fn bf16_mut(&mut self) -> &mut CudaSlice<u16> {
+        match &mut self.buf {
+            ActBuf::Bf16(b) => b,
+            ActBuf::F32(_) => panic!("CUDA op given f32 activations where bf16 are required"),
+        }
+    }
+}
+
+/// bf16 KV cache: per layer `[max_seq, n_kv·hd]` for K and for V.
+pub struct CudaKv {
+    pub max_seq: usize,
+    pub width: usize,
+    pub head_dim: usize,
+    pub k: Vec<CudaSlice<u16>>,
+    pub v: Vec<CudaSlice<u16>>,
+}
+
+impl DevScales {
+    pub(crate) fn arg(&self, ctx: &Context) -> KArg {
+        KArg::Ptr(match self {
+            DevScales::Half(v) => v.device_ptr(&ctx.stream).0,
+            DevScales::F32(v) => v.device_ptr(&ctx.stream).0,
+        })
+    }
+}
+
+impl CudaAct {
+    pub(crate) fn arg(&self, ctx: &Context) -> KArg {
+        KArg::Ptr(match &self.buf {
+            ActBuf::Bf16(v) => v.device_ptr(&ctx.stream).0,
+            ActBuf::F32(v) => v.device_ptr(&ctx.stream).0,
+        })
+    }
+    pub(crate) fn is_f32(&self) -> bool {
+        matches!(self.buf, ActBuf::F32(_))
+    }
+}
+
+impl Context {
+    fn scales(&self, s: &Scales) -> Result<DevScales> {
+        Ok(match s {
+            Scales::F16(v) => DevScales::Half(self.upload(bytemuck::cast_slice::<_, u16>(v), "uploading scales")?),
+            Scales::BF16(v) => DevScales::Half(self.upload(bytemuck::cast_slice::<_, u16>(v), "uploading scales")?),
+            Scales::F32(v) => DevScales::F32(self.upload(v, "uploading scales")?),
+        })
+    }
+
+    pub fn matrix(&self, w: Weight) -> Result<CudaMat> {
+        match w {
+            Weight::Affine(a) => self.affine(&a),
+            Weight::Dense(d) => self.dense(&d),
+        }
+    }
+
+    fn affine(&self, a: &AffineTensor) -> Result<CudaMat> {
+        // 3/5/6-bit streams cross word boundaries and have no kernels yet: they run as
+        // 8-bit (exact, same scales; more bytes per weight), said once per process.
+        if [3, 5, 6].contains(&a.bits) && kernels::AFFINE_GROUPS.contains(&a.group) {
+            static NOTE: std::sync::Once = std::sync::Once::new();
+            NOTE.call_once(|| {
+                eprintln!("ferrolm: CUDA runs 3/5/6-bit weights as 8-bit (same values, more bytes per weight)")
+            });
+            return self.affine(&a.widen(8)?);
+        }
+        if !kernels::AFFINE_BITS.contains(&a.bits) || !kernels::AFFINE_GROUPS.contains(&a.group) {
+            return Err(Error::Unsupported(format!(
+                "{}-bit weights with group {} on CUDA (supported: 2–8 bits, groups 16–128)",
+                a.bits, a.group
+            )));
+        }
+        // 16-byte chunks of a row must hold whole values: cols·bits a multiple of 128.
+        if !(a.cols * a.bits as usize).is_multiple_of(128) {
+            return Err(Error::Unsupported(format!("CUDA GEMV needs cols·bits divisible by 128 (cols {})", a.cols)));
+        }
+        // One scale type per kernel: where scales and biases differ (legacy blocks whose
+        // −k·d overflowed f16 keep f32 biases) both go up as f32, exactly.
+        let (scales, biases) = if a.scales.dtype() == a.biases.dtype() {
+            (a.scales.clone(), a.biases.clone())
+        } else {
+            (Scales::F32(a.scales.to_f32_vec()), Scales::F32(a.biases.to_f32_vec()))
+        };
+        let defines = kernels::affine_defines(a.bits, a.group, scales.dtype());
+        let file = kernels::file("affine.cu");
+        let f = [
+            self.function(file, &defines, "qmv")?,
+            self.function(file, &defines, "qmv_f32")?,
+            self.function(file, &defines, "embed")?,
+            self.function(file, &defines, "qmv8")?,
+            self.function(file, &defines, "qmv8_f32")?,
+        ];
+        Ok(CudaMat::Affine {
+            rows: a.rows,
+            cols: a.cols,
+            words: self.upload(&a.packed, "uploading weights")?,
+            scales: self.scales(&scales)?,
+            biases: self.scales(&biases)?,
+            f,
+            bits: a.bits,
+            group: a.group,
+            defines,
+        })
+    }
+
+    fn dense(&self, d: &DenseTensor) -> Result<CudaMat> {
+        if !d.cols.is_multiple_of(8) {
+            return Err(Error::Unsupported(format!("dense CUDA GEMV needs cols divisible by 8 (cols {})", d.cols)));
+        }
+        let bits: Vec<u16> = match &d.data {
+            DenseData::BF16(v) => bytemuck::cast_slice(v).to_vec(),
+            _ => d.to_f32_vec().into_iter().map(|x| bf16::from_f32(x).to_bits()).collect(),
+        };
+        let file = kernels::file("dense.cu");
+        let f = [
+            self.function(file, &[], "dmv")?,
+            self.function(file, &[], "dmv_f32")?,
+            self.function(file, &[], "dembed")?,
+        ];
+        Ok(CudaMat::Dense { rows: d.rows, cols: d.cols, w: self.upload(&bits, "uploading weights")?, f })
+    }
+}
+
+impl Context {
+    /// bf16 activations holding `data` (rounded to bf16), for tests and tools.
+    pub fn act_from(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaAct> {
+        let bits: Vec<u16> = data.iter().map(|&x| bf16::from_f32(x).to_bits()).collect();
+        Ok(CudaAct { rows, cols, buf: ActBuf::Bf16(self.upload(&bits, "uploading activations")?) })
+    }
+    /// f32 activations holding `data` (the residual stream's precision).
+    pub fn act_from_f32(&self, rows: usize, cols: usize, data: &[f32]) -> Result<CudaAct> {
+        Ok(CudaAct { rows, cols, buf: ActBuf::F32(self.upload(data, "uploading activations")?) })
+    }
+    /// Activations filled with NaN, so elements a kernel fails to write show up.
+    pub fn act_poisoned(&self, rows: usize, cols: usize, f32_out: bool) -> Result<CudaAct> {
+        let n = rows * cols;
+        let buf = if f32_out {
+            ActBuf::F32(self.upload(&vec![f32::NAN; n], "poisoning")?)
+        } else {
+            ActBuf::Bf16(self.upload(&vec![0x7fc0u16; n], "poisoning")?)
+        };
+        Ok(CudaAct { rows, cols, buf })
+    }
+}

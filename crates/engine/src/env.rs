@@ -1,0 +1,75 @@
+//! The one place ferrolm reads `FERROLM_*` environment variables; docs/knobs.md lists each
+//! with its default and meaning. Everything else takes these values as arguments or from
+//! the config structs filled here (`CudaConfig::from_env`).
+
+use crate::backend::cuda::CudaConfig;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
+/// A switch that is on unless set to "0".
+fn on_unless_zero(name: &str, default: bool) -> bool {
+    var(name).map_or(default, |v| v != "0")
+}
+
+/// `FERROLM_HOME`: models and the kernel cache (default `~/.cache/ferrolm`).
+pub fn home() -> PathBuf {
+    if let Some(h) = std::env::var_os("FERROLM_HOME") {
+        return PathBuf::from(h);
+    }
+    let base = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    base.join(".cache").join("ferrolm")
+}
+
+/// `FERROLM_KERNEL_DIR`: a directory whose `.cu`/`.cuh` files replace the built-in kernel
+/// text of the same name (kernel variants tried on a GPU machine without rebuilding the
+/// binary: scripts/lab/gpu-ab.sh). Read once.
+pub fn kernel_dir() -> Option<&'static PathBuf> {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| std::env::var_os("FERROLM_KERNEL_DIR").map(PathBuf::from)).as_ref()
+}
+
+/// `FERROLM_SESSION_POOL`: finished sessions' parts (each a whole KV cache) a model keeps
+/// for the next session: 2; 0 keeps none (every session captures its own steps).
+pub fn session_pool() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| var("FERROLM_SESSION_POOL").and_then(|v| v.parse().ok()).unwrap_or(2))
+}
+
+/// `FERROLM_FEED_STEPS`: greedy decode steps one fed run captures and queues at once (1 to
+/// `FEED_STEPS_MAX`): 8.
+pub fn feed_steps() -> usize {
+    static N: OnceLock<usize> = OnceLock::new();
+    *N.get_or_init(|| {
+        var("FERROLM_FEED_STEPS")
+            .and_then(|v| v.parse().ok())
+            .filter(|n| (1..=crate::backend::FEED_STEPS_MAX).contains(n))
+            .unwrap_or(8)
+    })
+}
+
+impl CudaConfig {
+    /// The defaults, with each knob docs/knobs.md lists overridden where its variable is
+    /// set.
+    pub fn from_env() -> CudaConfig {
+        let d = CudaConfig::default();
+        CudaConfig {
+            pdl: on_unless_zero("FERROLM_PDL", d.pdl),
+            gemv_int16_x: on_unless_zero("FERROLM_GEMV_XQ", d.gemv_int16_x),
+            gemv_k_slices: on_unless_zero("FERROLM_GEMV_KS", d.gemv_k_slices),
+            staged_x: on_unless_zero("FERROLM_GEMV_STAGED", d.staged_x),
+            head_argmax: on_unless_zero("FERROLM_HEAD_ARGMAX", d.head_argmax),
+            attention_clusters: on_unless_zero("FERROLM_ATTN_CLUSTER", d.attention_clusters),
+            attention_query_heads: var("FERROLM_ATTN_QB")
+                .and_then(|v| v.parse().ok())
+                .map_or(d.attention_query_heads, |n: usize| n.clamp(1, 4)),
+            feed_steps: on_unless_zero("FERROLM_CUDA_FEED", d.feed_steps),
+            device_top_k: on_unless_zero("FERROLM_CUDA_TOPK", d.device_top_k),
+            trace: std::env::var_os("FERROLM_TRACE").filter(|p| !p.is_empty()).map(PathBuf::from),
+            trace_all: var("FERROLM_TRACE_ALL").is_some_and(|v| v == "1"),
+        }
+    }
+}
