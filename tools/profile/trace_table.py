@@ -41,9 +41,9 @@ def kernel_name(file_id, line, cache={}):
         except OSError:
             src = []
         # A kernel defined by a macro records the line where the macro is used.
-        m = re.search(r"\b(GEMV_RING_KERNELS|GEMV_KERNELS)\((\d+)\)", src[line - 1]) if 0 < line <= len(src) else None
+        m = re.search(r"\bGEMV_KERNELS\((\d+)\)", src[line - 1]) if 0 < line <= len(src) else None
         if m:
-            cache[(file_id, line)] = f"{'ring ' if 'RING' in m.group(1) else ''}gemv r{m.group(2)} ({name}:{line})"
+            cache[(file_id, line)] = f"gemv r{m.group(1)} ({name}:{line})"
             return cache[(file_id, line)]
         # Other kernel families expanded on one line (GEMV_KS_KERNELS, GEMV_STAGED_KERNELS, …).
         m = re.match(r"\s*(GEMV_\w+_KERNELS)\s*$", src[line - 1]) if 0 < line <= len(src) else None

@@ -47,7 +47,7 @@
 #define NSUB (VPC / SUBG)             // group segments per chunk
 #define PPS (SUBG / 8)                // x parts per segment
 #ifndef NW
-#define NW 8                          // warps per block (FERROLM_GEMV_WARPS: 8, or 4 or 16)
+#define NW 8                          // warps per block (8 measured best; a variant may define NW)
 #endif
 #ifndef LIF
 #define LIF 8                         // 16-byte weight loads per lane per tile (half per matrix for SwiGLU)

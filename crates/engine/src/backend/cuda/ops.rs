@@ -98,8 +98,10 @@ impl Backend for Cuda {
         if self.gemv(GemvIn::Bf16(x), ws, outs, GemvOut::Store, GemvExtra::None)? {
             return Ok(());
         }
+        // Matrices of different formats (mixed-bit models): one launch each, one row still
+        // on the decode GEMV.
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
-            self.matmul_rows(x, w, o)?;
+            self.matmul(x, w, o)?;
         }
         Ok(())
     }
