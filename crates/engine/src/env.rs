@@ -73,3 +73,15 @@ impl CudaConfig {
         }
     }
 }
+
+/// The test suite's `FERROLM_MODELS`: where its models are (scripts/fetch-test-models.sh
+/// puts them there); default `$FERROLM_HOME/models`.
+pub fn test_models_dir() -> PathBuf {
+    std::env::var_os("FERROLM_MODELS").map(PathBuf::from).unwrap_or_else(|| home().join("models"))
+}
+
+/// The MLX convert check's `FERROLM_MLX_SCHEME` (a quantization applied before writing,
+/// e.g. `mixed:4,8`) and `FERROLM_MLX_OUT` (where it writes; scripts/mlx-check.sh).
+pub fn mlx_check() -> (Option<String>, Option<PathBuf>) {
+    (var("FERROLM_MLX_SCHEME"), std::env::var_os("FERROLM_MLX_OUT").map(PathBuf::from))
+}

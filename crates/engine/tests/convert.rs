@@ -612,14 +612,12 @@ fn smollm2_gguf_to_mlx_dir() {
         return;
     }
     let mut src = formats::load(&gguf, false).unwrap();
-    if let Ok(s) = std::env::var("FERROLM_MLX_SCHEME") {
+    let (scheme, out) = ferrolm::env::mlx_check();
+    if let Some(s) = scheme {
         apply(&mut src, &QuantScheme::parse(&s).unwrap(), false).unwrap();
     }
     let tmp = tempfile::tempdir().unwrap();
-    let out = match std::env::var("FERROLM_MLX_OUT") {
-        Ok(p) => std::path::PathBuf::from(p),
-        Err(_) => tmp.path().join("smollm2-mlx"),
-    };
+    let out = out.unwrap_or_else(|| tmp.path().join("smollm2-mlx"));
     write_mlx_dir(&src, &out, &placeholder_tokenizer(), false).unwrap();
     let back = load_dir(&out, false).unwrap();
     assert_eq!(back.config.rope_style, RopeStyle::Half);

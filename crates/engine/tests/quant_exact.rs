@@ -141,10 +141,7 @@ fn fingerprint(values: &[f32]) -> u64 {
 }
 
 fn models_dir() -> PathBuf {
-    match std::env::var_os("FERROLM_MODELS") {
-        Some(d) => PathBuf::from(d),
-        None => ferrolm::hub::home().join("models"),
-    }
+    ferrolm::env::test_models_dir()
 }
 
 #[test]

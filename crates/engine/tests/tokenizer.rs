@@ -13,10 +13,7 @@ use std::sync::OnceLock;
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 fn models_dir() -> PathBuf {
-    match std::env::var_os("FERROLM_MODELS") {
-        Some(d) => PathBuf::from(d),
-        None => ferrolm::hub::home().join("models"),
-    }
+    ferrolm::env::test_models_dir()
 }
 
 fn goldens() -> PathBuf {
