@@ -240,6 +240,28 @@ impl Context {
         }
     }
 
+    /// Whether `Order::Overlap` launches use PDL here.
+    #[cfg(feature = "lab")]
+    pub fn pdl(&self) -> bool {
+        self.pdl
+    }
+
+    /// How many clusters of `cluster` blocks of `f` (launched as `c` with
+    /// `Order::OverlapClustered(cluster)`, its dynamic shared memory attribute already set)
+    /// the device runs at once. Not every GPC holds a whole number of clusters: on the
+    /// H200, 15 clusters of 8 fit, not 16. For crates/lab's persistent probes.
+    #[cfg(feature = "lab")]
+    pub fn max_active_clusters(&self, f: &CudaFunction, c: LaunchConfig, cluster: u32) -> Result<usize> {
+        let mut attrs = self.launch_attrs(&c, Order::OverlapClustered(cluster));
+        let config = self.launch_config(&c, &mut attrs);
+        let mut n: std::ffi::c_int = 0;
+        self.ctx.bind_to_thread().map_err(drv("cluster occupancy"))?;
+        // SAFETY: config and attrs are live for the call; n is written by the driver.
+        let r = unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &config) };
+        r.result().map_err(drv("cluster occupancy"))?;
+        Ok(n.max(0) as usize)
+    }
+
     pub fn upload<T: DeviceRepr>(&self, v: &[T], what: &str) -> Result<CudaSlice<T>> {
         self.stream.clone_htod(v).map_err(drv(what))
     }
