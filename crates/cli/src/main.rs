@@ -69,7 +69,17 @@ fn main() {
     let cli = Cli::parse();
     // Run the command on a worker of the pool: parallel regions then start from inside the
     // pool instead of waking it from outside, which costs ~10 µs per region on few cores.
-    let pool = match rayon::ThreadPoolBuilder::new().num_threads(cli.threads.unwrap_or(0)).build() {
+    // At most the machine's cores: more only adds waiting (and `--threads 100000` would
+    // spawn them all).
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let threads = match cli.threads {
+        Some(n) if n > cores => {
+            eprintln!("ferrolm: --threads {n} capped at this machine's {cores} cores");
+            cores
+        }
+        t => t.unwrap_or(0),
+    };
+    let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
         Ok(p) => p,
         Err(e) => {
             eprintln!("error: thread pool: {e}");

@@ -28,9 +28,7 @@ pub struct TokenizeArgs {
 fn read_text(text: Option<String>, file: Option<PathBuf>) -> Result<String> {
     match (text, file) {
         (Some(t), _) => Ok(t),
-        (None, Some(f)) => {
-            std::fs::read_to_string(&f).with_context(|| format!("{}: cannot read as UTF-8 text", f.display()))
-        }
+        (None, Some(f)) => Ok(ferrolm::files::read_text(&f)?),
         (None, None) => bail!("give --text or --file"),
     }
 }

@@ -293,3 +293,13 @@ fn bench_reports_json_greedy_and_sampled() {
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--repeats"), "{}", stderr(&o));
 }
+
+/// `--threads` past the machine's cores is capped (and said), not spawned.
+#[test]
+fn threads_are_capped_by_the_machine() {
+    let model = smollm2();
+    let o = run(&["--threads", "100000", "tokenize", "--model", model.to_str().unwrap(), "--text", "Hello"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--threads 100000 capped"), "{}", stderr(&o));
+    assert!(stdout(&o).starts_with('['), "{}", stdout(&o));
+}

@@ -90,6 +90,16 @@ impl ModelConfig {
         if !self.head_dim.is_multiple_of(2) {
             return bad(format!("head_dim {} is odd", self.head_dim));
         }
+        let positive = |x: f32| x.is_finite() && x > 0.0;
+        if !positive(self.rope_theta) {
+            return bad(format!("RoPE base (rope_theta) {} is not a finite positive number", self.rope_theta));
+        }
+        if !positive(self.rms_eps) {
+            return bad(format!("rms_norm_eps {} is not a finite positive number", self.rms_eps));
+        }
+        if !positive(self.rope_linear) {
+            return bad(format!("RoPE linear scaling factor {} is not a finite positive number", self.rope_linear));
+        }
         Ok(())
     }
 
@@ -147,7 +157,7 @@ impl ModelConfig {
 
     /// From a Hugging Face / MLX `config.json`.
     pub fn from_hf_json(path: &Path) -> Result<ModelConfig> {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        let text = crate::files::read_text(path)?;
         let j: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| Error::format(path, format!("invalid JSON: {e}")))?;
         let src = path.display().to_string();
@@ -171,10 +181,28 @@ impl ModelConfig {
         };
         let hidden = u("hidden_size")?;
         let n_heads = u("num_attention_heads")?;
+        // Transformers 5 keeps the RoPE base and scaling in `rope_parameters` (one object,
+        // or one per attention kind); older configs in `rope_theta` and `rope_scaling`.
+        let rope_params = j.get("rope_parameters").filter(|v| v.is_object()).map(|p| match p.get("full_attention") {
+            Some(full) if full.is_object() => full,
+            _ => p,
+        });
+        let rope_theta = match (j.get("rope_theta"), rope_params.and_then(|p| p.get("rope_theta"))) {
+            (Some(t), _) if !t.is_null() => t.as_f64(),
+            (_, Some(t)) => t.as_f64(),
+            _ => Some(10000.0),
+        };
+        let rope_theta = rope_theta.ok_or_else(|| Error::format(path, "rope_theta: not a number"))? as f32;
         let mut llama3_scaling = None;
         let mut rope_linear = 1.0;
-        if let Some(rs) = j.get("rope_scaling").filter(|v| !v.is_null()) {
-            let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(|v| v.as_str()).unwrap_or("");
+        let scaling = j.get("rope_scaling").filter(|v| !v.is_null());
+        // A `rope_parameters` without a type is the default rotation.
+        let (scaling, untyped) = match scaling {
+            Some(rs) => (Some(rs), ""),
+            None => (rope_params, "default"),
+        };
+        if let Some(rs) = scaling {
+            let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(|v| v.as_str()).unwrap_or(untyped);
             let g = |k: &str, d: f64| rs.get(k).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
             match ty {
                 "llama3" => {
@@ -201,7 +229,7 @@ impl ModelConfig {
             vocab: u("vocab_size")?,
             max_ctx: u("max_position_embeddings").unwrap_or(4096),
             rms_eps: f("rms_norm_eps", 1e-5),
-            rope_theta: f("rope_theta", 10000.0),
+            rope_theta,
             rope_style: RopeStyle::Half,
             llama3_scaling,
             rope_linear,

@@ -4,6 +4,7 @@ pub mod backend;
 pub mod config;
 pub mod env;
 pub mod error;
+pub mod files;
 pub mod formats;
 pub mod generate;
 pub mod hub;

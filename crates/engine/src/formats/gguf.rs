@@ -187,7 +187,7 @@ impl<'a> Reader<'a> {
 impl GgufFile {
     pub fn open(path: impl AsRef<Path>) -> Result<GgufFile> {
         let path = path.as_ref();
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        let file = crate::files::open(path)?;
         // SAFETY: the map is read-only; ferrolm never writes model files while they are loaded.
         let mmap = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         let mut r = Reader { buf: &mmap, pos: 0, path };

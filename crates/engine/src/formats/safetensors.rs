@@ -60,10 +60,14 @@ impl QuantConfig {
         let obj =
             q.as_object().ok_or_else(|| Error::format(file, format!("quantization: expected an object, got {q}")))?;
         let default = if obj.contains_key("bits") || obj.contains_key("group_size") {
-            Some(params(q, "quantization", file)?)
+            Some(params(q, "quantization", file, MLX_AFFINE_DEFAULT)?)
         } else {
+            check_mode(q, "quantization", file)?;
             None
         };
+        // Per-module entries that leave bits or group_size null (mlx-lm's mixed predicates
+        // write `"group_size": null`) take the checkpoint's default.
+        let inherit = default.unwrap_or(MLX_AFFINE_DEFAULT);
         let mut overrides = BTreeMap::new();
         for (k, v) in obj {
             if matches!(k.as_str(), "bits" | "group_size" | "mode") {
@@ -71,7 +75,7 @@ impl QuantConfig {
             }
             let p = match v {
                 Value::Bool(false) => None,
-                Value::Object(_) => Some(params(v, &format!("quantization.{k}"), file)?),
+                Value::Object(_) => Some(params(v, &format!("quantization.{k}"), file, inherit)?),
                 // Unknown scalar keys (e.g. a future flag) do not name a module; skip them.
                 _ => continue,
             };
@@ -94,19 +98,31 @@ impl QuantConfig {
     }
 }
 
-/// `{"group_size": g, "bits": b, "mode"?: "affine"}` → (b, g); errors name `field`.
-fn params(v: &Value, field: &str, file: &Path) -> Result<QuantParams> {
-    if let Some(mode) = v.get("mode").and_then(|m| m.as_str()) {
-        if mode != "affine" {
-            return Err(Error::Unsupported(format!("{}: {field}.mode {mode:?} (only affine)", file.display())));
-        }
+/// mlx-lm's affine defaults (bits, group), for a `quantization` block whose fields are
+/// null or absent.
+const MLX_AFFINE_DEFAULT: QuantParams = (4, 64);
+
+/// A `mode` other than affine (mxfp4, nvfp4, …) is refused, naming the module.
+fn check_mode(v: &Value, field: &str, file: &Path) -> Result<()> {
+    match v.get("mode") {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(m)) if m == "affine" => Ok(()),
+        Some(m) => Err(Error::Unsupported(format!(
+            "{}: {field}.mode {m} is not supported (ferrolm loads affine quantization only)",
+            file.display()
+        ))),
     }
-    let get = |k: &str| {
-        v.get(k)
-            .and_then(|x| x.as_u64())
-            .ok_or_else(|| Error::format(file, format!("{field}.{k}: missing or not an integer")))
+}
+
+/// `{"group_size": g, "bits": b, "mode"?: "affine"}` → (b, g), a null or absent field
+/// taking `inherit`'s; errors name `field`.
+fn params(v: &Value, field: &str, file: &Path, inherit: QuantParams) -> Result<QuantParams> {
+    check_mode(v, field, file)?;
+    let get = |k: &str, d: u64| match v.get(k) {
+        None | Some(Value::Null) => Ok(d),
+        Some(x) => x.as_u64().ok_or_else(|| Error::format(file, format!("{field}.{k}: {x} is not an integer"))),
     };
-    Ok((get("bits")? as u32, get("group_size")? as usize))
+    Ok((get("bits", u64::from(inherit.0))? as u32, get("group_size", inherit.1 as u64)? as usize))
 }
 
 /// Canonical name for a checkpoint name; `None` for tensors to drop (precomputed RoPE
@@ -171,13 +187,12 @@ struct Raw<'a> {
 /// Open a Hugging Face or MLX model directory.
 pub fn load_dir(dir: &Path, progress: bool) -> Result<ModelSource> {
     let config_path = dir.join("config.json");
-    if !config_path.is_file() {
+    if !config_path.exists() {
         return Err(Error::format(dir, "config.json is missing"));
     }
     let mut config = ModelConfig::from_hf_json(&config_path)?;
-    let cfg_json: Value =
-        serde_json::from_str(&std::fs::read_to_string(&config_path).map_err(|e| Error::io(&config_path, e))?)
-            .map_err(|e| Error::format(&config_path, format!("invalid JSON: {e}")))?;
+    let cfg_json: Value = serde_json::from_str(&crate::files::read_text(&config_path)?)
+        .map_err(|e| Error::format(&config_path, format!("invalid JSON: {e}")))?;
     let quant = QuantConfig::from_config(&cfg_json, &config_path)?;
     let synthetic = match cfg_json.get(SYNTHETIC_KEY) {
         None | Some(Value::Null) => None,
@@ -190,7 +205,7 @@ pub fn load_dir(dir: &Path, progress: bool) -> Result<ModelSource> {
     let (files, index) = weight_files(dir)?;
     let mut shards = Vec::with_capacity(files.len());
     for path in files {
-        let f = std::fs::File::open(&path).map_err(|e| Error::io(&path, e))?;
+        let f = crate::files::open(&path)?;
         // SAFETY: read-only private mapping; the checkpoint must not be modified while loading.
         let mmap = unsafe { Mmap::map(&f) }.map_err(|e| Error::io(&path, e))?;
         shards.push(Shard { path, mmap });
@@ -308,7 +323,7 @@ fn tensor_err(path: &Path, name: &str, msg: String) -> Error {
 fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<BTreeMap<String, String>>)> {
     let index_path = dir.join("model.safetensors.index.json");
     if index_path.is_file() {
-        let text = std::fs::read_to_string(&index_path).map_err(|e| Error::io(&index_path, e))?;
+        let text = crate::files::read_text(&index_path)?;
         let j: Value =
             serde_json::from_str(&text).map_err(|e| Error::format(&index_path, format!("invalid JSON: {e}")))?;
         let map = j
@@ -325,7 +340,7 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<BTreeMap<String, Str
         files.dedup();
         let mut paths = Vec::with_capacity(files.len());
         for f in files {
-            let p = dir.join(&f);
+            let p = shard_path(dir, &f, &index_path)?;
             if !p.is_file() {
                 return Err(Error::format(&index_path, format!("shard {f} is listed but missing")));
             }
@@ -347,6 +362,20 @@ fn weight_files(dir: &Path) -> Result<(Vec<PathBuf>, Option<BTreeMap<String, Str
     }
     paths.sort();
     Ok((paths, None))
+}
+
+/// A shard the index names, inside the model directory: a plain file name (no directory,
+/// `..` or absolute path), so that a hostile index cannot make ferrolm read other files.
+/// (Symlinked shards, as the Hugging Face cache makes them, are fine: only the name counts.)
+fn shard_path(dir: &Path, name: &str, index_path: &Path) -> Result<PathBuf> {
+    let mut parts = Path::new(name).components();
+    match (parts.next(), parts.next()) {
+        (Some(std::path::Component::Normal(_)), None) => Ok(dir.join(name)),
+        _ => Err(Error::format(
+            index_path,
+            format!("weight_map names the shard {name:?}, which is not a file name in the model directory"),
+        )),
+    }
 }
 
 /// Every tensor the index lists must be in the file it names (a stale index is an error,

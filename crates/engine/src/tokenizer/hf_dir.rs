@@ -16,11 +16,7 @@ pub(super) struct DirParts {
 
 /// A JSON file that may be absent; present but malformed is an error naming it.
 fn read_json(path: &Path) -> Result<Option<Value>> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(Error::io(path, e)),
-    };
+    let Some(text) = crate::files::read_text_if_present(path)? else { return Ok(None) };
     serde_json::from_str(&text).map(Some).map_err(|e| Error::format(path, format!("not valid JSON: {e}")))
 }
 
@@ -59,7 +55,7 @@ fn template_from_config(cfg: &Value, path: &Path) -> Result<Option<String>> {
 
 pub(super) fn read(dir: &Path) -> Result<DirParts> {
     let tj = dir.join("tokenizer.json");
-    let bytes = std::fs::read(&tj).map_err(|e| Error::io(&tj, e))?;
+    let bytes = crate::files::read(&tj, crate::files::TEXT_LIMIT)?;
     let hf = tokenizers::Tokenizer::from_bytes(&bytes)
         .map_err(|e| Error::format(&tj, format!("not a valid tokenizer.json: {e}")))?;
 
@@ -71,9 +67,9 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
 
     // transformers ≥ 4.43 saves the template beside the config; that file wins.
     let jinja = dir.join("chat_template.jinja");
-    let chat_template = match std::fs::read_to_string(&jinja) {
-        Ok(t) => Some(t),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => match template_from_config(&cfg, &cfg_path)? {
+    let chat_template = match crate::files::read_text_if_present(&jinja)? {
+        Some(t) => Some(t),
+        None => match template_from_config(&cfg, &cfg_path)? {
             Some(t) => Some(t),
             None => {
                 let p = dir.join("chat_template.json");
@@ -83,7 +79,6 @@ pub(super) fn read(dir: &Path) -> Result<DirParts> {
                 }
             }
         },
-        Err(e) => return Err(Error::io(&jinja, e)),
     };
 
     // A special token by name: tokenizer_config, then special_tokens_map, then the model's

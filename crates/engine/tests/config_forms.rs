@@ -1,0 +1,137 @@
+//! The config.json forms current tools write: Transformers 5's `rope_parameters` (the RoPE
+//! base and scaling live only there), mlx-lm 0.32's per-module quantization entries with
+//! null `group_size` / `bits` (they inherit the default), quantization modes other than
+//! affine (refused, naming the module), and RoPE bases and epsilons that are not finite
+//! positive numbers (refused, naming the field).
+
+use ferrolm::config::ModelConfig;
+use ferrolm::formats::safetensors::QuantConfig;
+use serde_json::{json, Value};
+use std::path::Path;
+
+/// A small Llama config.json with `extra`'s fields merged in (null removes a field).
+fn config(extra: Value) -> Value {
+    let mut j = json!({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 256,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5
+    });
+    for (k, v) in extra.as_object().unwrap() {
+        match v {
+            Value::Null => j.as_object_mut().unwrap().remove(k),
+            _ => j.as_object_mut().unwrap().insert(k.clone(), v.clone()),
+        };
+    }
+    j
+}
+
+fn load(j: &Value) -> ferrolm::Result<ModelConfig> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    std::fs::write(&path, j.to_string()).unwrap();
+    ModelConfig::from_hf_json(&path)
+}
+
+#[test]
+fn transformers5_rope_parameters_give_the_base_and_scaling() {
+    let c = load(&config(json!({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}))).unwrap();
+    assert_eq!(c.rope_theta, 500000.0);
+    assert_eq!(c.llama3_scaling, None);
+    let llama3 = json!({"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192
+    }});
+    let c = load(&config(llama3)).unwrap();
+    assert_eq!(c.rope_theta, 500000.0);
+    let s = c.llama3_scaling.expect("llama3 scaling from rope_parameters");
+    assert_eq!((s.factor, s.original_max_position), (32.0, 8192.0));
+    let linear = json!({"rope_parameters": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}});
+    let c = load(&config(linear)).unwrap();
+    assert_eq!((c.rope_theta, c.rope_linear), (1e6, 2.0));
+    // Per attention kind (Gemma 3's form): the full-attention layers' parameters.
+    let kinds = json!({"rope_parameters": {
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}
+    }});
+    assert_eq!(load(&config(kinds)).unwrap().rope_theta, 1e6);
+    // The older fields still work, and without either the base is Hugging Face's 10000.
+    assert_eq!(load(&config(json!({"rope_theta": 250000.0}))).unwrap().rope_theta, 250000.0);
+    assert_eq!(load(&config(json!({}))).unwrap().rope_theta, 10000.0);
+    let err = load(&config(json!({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}))).unwrap_err();
+    assert!(err.to_string().contains("yarn"), "{err}");
+}
+
+#[test]
+fn rope_bases_and_epsilons_must_be_finite_and_positive() {
+    for (extra, field) in [
+        (json!({"rope_theta": 0.0}), "rope_theta"),
+        (json!({"rope_theta": -10000.0}), "rope_theta"),
+        (json!({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}), "rope_theta"),
+        (json!({"rms_norm_eps": 0.0}), "rms_norm_eps"),
+        (json!({"rms_norm_eps": -1e-6}), "rms_norm_eps"),
+        (json!({"rope_scaling": {"rope_type": "linear", "factor": 0.0}}), "scaling factor"),
+        (json!({"rope_theta": "big"}), "rope_theta"),
+    ] {
+        let err = load(&config(extra.clone())).expect_err(&extra.to_string()).to_string();
+        assert!(err.contains(field), "{extra}: {err}");
+    }
+}
+
+fn quant(j: Value) -> ferrolm::Result<Option<QuantConfig>> {
+    QuantConfig::from_config(&json!({ "quantization": j }), Path::new("config.json"))
+}
+
+#[test]
+fn mlx_null_group_size_and_bits_inherit_the_default() {
+    // What `mlx_lm convert -q --quant-predicate mixed_4_6` writes.
+    let q = quant(json!({
+        "group_size": 64, "bits": 4, "mode": "affine",
+        "model.layers.0.mlp.down_proj": {"group_size": null, "bits": 6},
+        "model.layers.0.self_attn.v_proj": {"bits": 6, "group_size": null, "mode": "affine"},
+        "model.layers.1.mlp.down_proj": {"group_size": 32, "bits": null},
+        "lm_head": false
+    }))
+    .unwrap()
+    .unwrap();
+    assert_eq!(q.default, Some((4, 64)));
+    assert_eq!(q.overrides["model.layers.0.mlp.down_proj"], Some((6, 64)));
+    assert_eq!(q.overrides["model.layers.0.self_attn.v_proj"], Some((6, 64)));
+    assert_eq!(q.overrides["model.layers.1.mlp.down_proj"], Some((4, 32)));
+    assert_eq!(q.overrides["lm_head"], None);
+    // A null default is mlx-lm's own (group 64).
+    let q = quant(json!({"group_size": null, "bits": 8})).unwrap().unwrap();
+    assert_eq!(q.default, Some((8, 64)));
+}
+
+#[test]
+fn quantization_modes_other_than_affine_are_refused_by_name() {
+    let err = quant(json!({"group_size": 32, "bits": 4, "mode": "mxfp4"})).unwrap_err().to_string();
+    assert!(err.contains("quantization.mode") && err.contains("mxfp4"), "{err}");
+    let err = quant(json!({
+        "group_size": 64, "bits": 4,
+        "model.layers.3.mlp.up_proj": {"group_size": 32, "bits": 4, "mode": "nvfp4"}
+    }))
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("quantization.model.layers.3.mlp.up_proj.mode") && err.contains("nvfp4"), "{err}");
+    let err = quant(json!({"group_size": 64, "bits": "four"})).unwrap_err().to_string();
+    assert!(err.contains("quantization.bits"), "{err}");
+}
+
+/// A sharded checkpoint's index may only name plain file names in the model directory:
+/// `../x`, absolute paths and subdirectories are refused before any file is opened.
+#[test]
+fn safetensors_index_shards_stay_inside_the_model_directory() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().join("model");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), config(json!({})).to_string()).unwrap();
+    let outside = root.path().join("outside.safetensors");
+    std::fs::write(&outside, b"not read").unwrap();
+    for shard in ["../outside.safetensors", outside.to_str().unwrap(), "sub/model.safetensors"] {
+        let index = json!({"weight_map": {"model.embed_tokens.weight": shard}});
+        std::fs::write(dir.join("model.safetensors.index.json"), index.to_string()).unwrap();
+        let err = ferrolm::formats::safetensors::load_dir(&dir, false).map(|_| ()).unwrap_err().to_string();
+        assert!(err.contains("not a file name in the model directory"), "{shard}: {err}");
+    }
+}
