@@ -99,7 +99,13 @@ fn main() {
     if let Err(e) = r {
         // One line: the chain of causes, outermost first.
         let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-        eprintln!("error: {}", msg.join(": "));
+        eprintln!("error: {}", printable(&msg.join(": ")));
         std::process::exit(1);
     }
+}
+
+/// `s` with control characters escaped (`\u{1b}`): names and messages that come from files
+/// are printed, and an escape sequence or a newline in them must not reach the terminal raw.
+pub fn printable(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }

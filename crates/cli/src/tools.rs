@@ -114,8 +114,9 @@ fn human(bytes: u64) -> String {
 pub fn inspect(a: InspectArgs) -> Result<()> {
     let (src, tok) = load::source(a.model.as_deref())?;
     let c = &src.config;
-    println!("model        {} ({})", src.path.display(), src.format);
+    println!("model        {} ({})", crate::printable(&src.path.display().to_string()), src.format);
     if let Some(name) = &src.synthetic {
+        let name = crate::printable(name);
         println!("             SYNTHETIC weights ({name}): random, not a trained model; say so with any number measured on it");
     }
     println!(
@@ -141,7 +142,7 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         e.1 += bytes;
         println!(
             "{:<48} {:>14} {:>14} {:>10}",
-            name,
+            crate::printable(name),
             format!("[{}, {}]", w.rows(), w.cols()),
             w.describe(),
             human(bytes)

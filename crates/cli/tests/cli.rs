@@ -303,3 +303,23 @@ fn threads_are_capped_by_the_machine() {
     assert!(stderr(&o).contains("--threads 100000 capped"), "{}", stderr(&o));
     assert!(stdout(&o).starts_with('['), "{}", stdout(&o));
 }
+
+/// Control characters in names ferrolm prints (here an escape sequence and a newline in a
+/// model's file name) reach the terminal escaped: in `inspect`'s output, and in the one
+/// error line when the file is bad.
+#[test]
+fn control_characters_are_printed_escaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("evil\x1b[2J\nname.gguf");
+    std::fs::copy(smollm2(), &model).unwrap();
+    let o = run(&["inspect", model.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(!out.contains('\x1b') && out.contains("evil\\u{1b}[2J\\nname.gguf"), "{out}");
+    std::fs::write(&model, b"GGUF garbage").unwrap();
+    let o = run(&["inspect", model.to_str().unwrap()]);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(!err.contains('\x1b') && err.contains("evil\\u{1b}[2J\\nname.gguf"), "{err}");
+    assert_eq!(err.lines().count(), 1, "one error line: {err}");
+}

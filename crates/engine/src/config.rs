@@ -84,6 +84,24 @@ impl ModelConfig {
         if self.hidden == 0 || self.n_layers == 0 || self.n_heads == 0 || self.vocab == 0 || self.ffn == 0 {
             return bad(format!("config has a zero dimension: {self:?}"));
         }
+        // Bounds far above any real model (Llama 3.1 405B: 126 layers, hidden 16384, ffn
+        // 53248; Gemma 3: vocab 262144), checked before anything is allocated from them.
+        for (field, value, max) in [
+            ("layer count", self.n_layers, 1 << 10),
+            ("hidden size", self.hidden, 1 << 16),
+            ("attention heads", self.n_heads, 1 << 10),
+            ("head_dim", self.head_dim, 1 << 10),
+            ("feed-forward size", self.ffn, 1 << 20),
+            ("vocabulary size", self.vocab, 1 << 22),
+            ("context length", self.max_ctx, 1 << 24),
+        ] {
+            if value > max {
+                return bad(format!("{field} {value} is beyond any model ferrolm runs (at most {max})"));
+            }
+        }
+        if self.head_dim == 0 {
+            return bad("head_dim is 0".into());
+        }
         if self.n_kv_heads == 0 || !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return bad(format!("n_heads {} is not a multiple of n_kv_heads {}", self.n_heads, self.n_kv_heads));
         }

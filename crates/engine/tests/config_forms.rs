@@ -135,3 +135,22 @@ fn safetensors_index_shards_stay_inside_the_model_directory() {
         assert!(err.contains("not a file name in the model directory"), "{shard}: {err}");
     }
 }
+
+/// Absurd hyperparameters are refused, naming the field and value, before anything is
+/// allocated from them.
+#[test]
+fn absurd_hyperparameters_are_refused_by_name() {
+    for (extra, want) in [
+        (json!({"num_hidden_layers": 100000}), "layer count 100000"),
+        (json!({"hidden_size": 1u64 << 40}), "hidden size 1099511627776"),
+        (json!({"num_attention_heads": 1u64 << 20, "num_key_value_heads": 1}), "attention heads 1048576"),
+        (json!({"head_dim": 1u64 << 20}), "head_dim 1048576"),
+        (json!({"head_dim": 0}), "head_dim is 0"),
+        (json!({"intermediate_size": 1u64 << 34}), "feed-forward size 17179869184"),
+        (json!({"vocab_size": 1u64 << 30}), "vocabulary size 1073741824"),
+        (json!({"max_position_embeddings": 1u64 << 40}), "context length 1099511627776"),
+    ] {
+        let err = load(&config(extra.clone())).expect_err(&extra.to_string()).to_string();
+        assert!(err.contains(want), "{extra}: {err}");
+    }
+}
