@@ -204,23 +204,17 @@ fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
     strftime(&fmt, now)
 }
 
+/// Instructions a chat template may run for one rendering: real templates take a few
+/// hundred per message; a template that loops without end runs out in well under a second.
+const TEMPLATE_FUEL: u64 = 20_000_000;
+/// Bytes a rendered prompt may have.
+const TEMPLATE_OUTPUT_MAX: usize = 64 << 20;
+
 pub(super) fn apply(tok: &Tokenizer, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
     let src = tok
         .chat_template
         .as_deref()
         .ok_or_else(|| Error::Invalid(format!("{}: the model has no chat template", tok.source)))?;
-    let err = |e: minijinja::Error| {
-        // `{:#}` adds minijinja's pointer into the template source.
-        Error::format(&tok.source, format!("chat template: {e:#}"))
-    };
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-    env.add_filter("tojson", tojson);
-    env.add_function("raise_exception", raise_exception);
-    env.add_function("strftime_now", strftime_now);
-    let tmpl = env.template_from_str(src).map_err(err)?;
     let s = &tok.specials;
     let ctx = minijinja::context! {
         messages => Value::from_serialize(messages),
@@ -230,7 +224,50 @@ pub(super) fn apply(tok: &Tokenizer, messages: &[ChatMessage], add_generation_pr
         unk_token => s.unk.clone(),
         pad_token => s.pad.clone(),
     };
-    tmpl.render(ctx).map_err(err)
+    render(src, ctx).map_err(|e| Error::format(&tok.source, format!("chat template: {e}")))
+}
+
+/// Render a model's template as transformers does, within `TEMPLATE_FUEL` instructions and
+/// `TEMPLATE_OUTPUT_MAX` bytes of output.
+fn render(src: &str, ctx: Value) -> std::result::Result<String, String> {
+    // `{:#}` adds minijinja's pointer into the template source.
+    let err = |e: minijinja::Error| match e.kind() {
+        ErrorKind::OutOfFuel => format!("runs more than {TEMPLATE_FUEL} instructions (an endless loop?)"),
+        _ => format!("{e:#}"),
+    };
+    let mut env = Environment::new();
+    env.set_trim_blocks(true);
+    env.set_lstrip_blocks(true);
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_filter("tojson", tojson);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    let tmpl = env.template_from_str(src).map_err(err)?;
+    let mut out = CappedOutput(Vec::new());
+    let rendered = tmpl.render_captured_to(ctx, &mut out).map(|_| ());
+    match rendered {
+        Ok(_) => String::from_utf8(out.0).map_err(|_| "rendered invalid UTF-8".to_string()),
+        Err(_) if out.0.len() > TEMPLATE_OUTPUT_MAX => Err(format!("renders more than {TEMPLATE_OUTPUT_MAX} bytes")),
+        Err(e) => Err(err(e)),
+    }
+}
+
+/// A writer that fails once more than `TEMPLATE_OUTPUT_MAX` bytes are written to it.
+struct CappedOutput(Vec<u8>);
+
+impl std::io::Write for CappedOutput {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + b.len() > TEMPLATE_OUTPUT_MAX {
+            self.0.extend_from_slice(b);
+            return Err(std::io::Error::other("template output past its limit"));
+        }
+        self.0.extend_from_slice(b);
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -249,6 +286,21 @@ mod tests {
         );
         assert_eq!(strftime("%-d %B", t).unwrap(), "29 February");
         assert!(strftime("%Q", t).is_err());
+    }
+
+    /// Hostile templates end with an error naming the limit: one that loops without end
+    /// (out of fuel) and one that writes without end (past the output cap); a normal one
+    /// renders.
+    #[test]
+    fn templates_render_within_limits() {
+        let ctx = minijinja::context! { messages => vec!["hi"] };
+        let t = std::time::Instant::now();
+        let e = render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", ctx.clone());
+        assert!(e.unwrap_err().contains("instructions"), "an endless loop runs out of fuel");
+        assert!(t.elapsed().as_secs() < 30, "fuel ran for {:?}", t.elapsed());
+        let big = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}";
+        assert!(render(big, ctx.clone()).unwrap_err().contains("bytes"), "100 MB of output is refused");
+        assert_eq!(render("{{ messages[0] }}!", ctx).unwrap(), "hi!");
     }
 
     #[test]
