@@ -323,3 +323,86 @@ fn control_characters_are_printed_escaped() {
     assert!(!err.contains('\x1b') && err.contains("evil\\u{1b}[2J\\nname.gguf"), "{err}");
     assert_eq!(err.lines().count(), 1, "one error line: {err}");
 }
+
+/// The conventions users bring from llama.cpp and mlx-lm: the prompt from a file or stdin,
+/// `--stop` strings (not printed, matched across tokens), `--ignore-eos`, `--seed -1`, and
+/// clear errors for `--seed -5`, `--system` without `--chat`, `--ctx` out of range; a
+/// generation cut by the context says so.
+#[test]
+fn generate_follows_common_cli_conventions() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    let greedy = ["--temperature", "0", "--device", "cpu"];
+    let ask = |extra: &[&str]| {
+        let mut args = vec!["generate", "--model", m, "--chat", "-n", "24"];
+        args.extend(greedy);
+        args.extend(extra);
+        run(&args)
+    };
+    let base = ask(&["--prompt", "What is the capital of France?"]);
+    assert!(base.status.success() && stdout(&base).contains("Paris"), "{}", stderr(&base));
+    // --prompt-file and --prompt - give the same answer as --prompt.
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("q.txt");
+    std::fs::write(&f, "What is the capital of France?").unwrap();
+    let o = ask(&["--prompt-file", f.to_str().unwrap()]);
+    assert_eq!(stdout(&o), stdout(&base), "{}", stderr(&o));
+    let mut child = bin()
+        .args(["generate", "--model", m, "--chat", "-n", "24", "--prompt", "-"])
+        .args(greedy)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"What is the capital of France?").unwrap();
+    let o = child.wait_with_output().unwrap();
+    assert_eq!(stdout(&o), stdout(&base), "{}", stderr(&o));
+    // --stop: the text before it, never the stop string itself.
+    let o = ask(&["--prompt", "What is the capital of France?", "--stop", "Paris"]);
+    let (full, cut) = (stdout(&base), stdout(&o));
+    assert!(o.status.success() && !cut.contains("Paris"), "{cut}");
+    assert!(full.starts_with(cut.trim_end()), "{cut:?} is not the start of {full:?}");
+    // --ignore-eos: all 24 tokens, where the answer alone ends sooner.
+    let decoded = |o: &Output| stderr(o).split("decode ").nth(1).and_then(|t| t.split(' ').next()).unwrap().to_string();
+    assert_ne!(decoded(&base), "24", "{}", stderr(&base));
+    let o = ask(&["--prompt", "What is the capital of France?", "--ignore-eos"]);
+    assert_eq!(decoded(&o), "24", "{}", stderr(&o));
+    // Seeds: -1 is a fresh one; other negatives are errors.
+    let o = run(&["generate", "--model", m, "--prompt", "Hi", "-n", "2", "--seed", "-1", "--device", "cpu"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = run(&["generate", "--model", m, "--prompt", "Hi", "-n", "2", "--seed", "-5"]);
+    assert!(o.status.code() == Some(1) && stderr(&o).contains("--seed -5"), "{}", stderr(&o));
+    // --system needs --chat; --ctx must fit the model.
+    let o = run(&["generate", "--model", m, "--prompt", "Hi", "--system", "be brief"]);
+    assert!(o.status.code() == Some(2) && stderr(&o).contains("--chat"), "{}", stderr(&o));
+    for ctx in ["0", "100000"] {
+        let o = run(&["generate", "--model", m, "--prompt", "Hi", "--ctx", ctx]);
+        assert!(o.status.code() == Some(1) && stderr(&o).contains(&format!("--ctx {ctx}")), "{}", stderr(&o));
+    }
+    // A generation the context cuts short says so.
+    let o =
+        run(&["generate", "--model", m, "--prompt", "Once upon a time", "--ctx", "16", "-n", "100", "--device", "cpu"]);
+    assert!(o.status.success() && stderr(&o).contains("context of 16 tokens is full"), "{}", stderr(&o));
+}
+
+/// The chat REPL answers `/help` and refuses unknown slash commands instead of sending them
+/// to the model.
+#[test]
+fn chat_answers_help_and_refuses_unknown_commands() {
+    let m = smollm2();
+    let mut child = bin()
+        .args(["chat", "--model", m.to_str().unwrap(), "--device", "cpu"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(&mut child.stdin.take().unwrap(), b"/frobnicate\n/help\n/exit\n").unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("unknown command /frobnicate"), "{err}");
+    assert!(err.matches("/reset clears the conversation").count() >= 2, "/help answered: {err}");
+    assert!(stdout(&o).is_empty(), "nothing was sent to the model: {}", stdout(&o));
+}
