@@ -99,6 +99,61 @@ fn perplexity_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: Perplexity
 pub struct InspectArgs {
     /// A .gguf file, an MLX or HF directory, or a Hugging Face repo id (default: SmolLM2).
     model: Option<String>,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Sort key for tensor names in natural order: `layers.2` before `layers.10`.
+fn natural_key(name: &str) -> Vec<(String, u64)> {
+    let mut key = Vec::new();
+    let mut rest = name;
+    while !rest.is_empty() {
+        let text_len = rest.find(|c: char| c.is_ascii_digit()).unwrap_or(rest.len());
+        let (text, tail) = rest.split_at(text_len);
+        let num_len = tail.find(|c: char| !c.is_ascii_digit()).unwrap_or(tail.len());
+        let (num, after) = tail.split_at(num_len);
+        key.push((text.to_string(), num.parse().unwrap_or(u64::MAX)));
+        rest = after;
+    }
+    key
+}
+
+/// `inspect --json`: the model, its config, every tensor and the tokenizer's facts.
+fn inspect_json(
+    src: &ferrolm::formats::ModelSource,
+    tok: &ferrolm::tokenizer::Tokenizer,
+    names: &[&String],
+) -> Result<()> {
+    let c = &src.config;
+    let tensors: Vec<serde_json::Value> = names
+        .iter()
+        .map(|n| {
+            let w = &src.tensors[*n];
+            serde_json::json!({"name": n, "shape": [w.rows(), w.cols()], "format": w.describe(), "bytes": w.byte_size()})
+        })
+        .collect();
+    let j = serde_json::json!({
+        "model": src.path.display().to_string(),
+        "format": src.format,
+        "synthetic": src.synthetic,
+        "config": {
+            "arch": format!("{:?}", c.arch), "hidden": c.hidden, "layers": c.n_layers, "heads": c.n_heads,
+            "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn": c.ffn, "vocab": c.vocab, "ctx": c.max_ctx,
+            "rms_eps": c.rms_eps, "rope_theta": c.rope_theta, "rope_style": format!("{:?}", c.rope_style),
+            "rope_linear": c.rope_linear, "llama3_scaling": c.llama3_scaling.is_some(),
+            "tied_embeddings": c.tie_embeddings, "qkv_bias": c.qkv_bias,
+        },
+        "tensors": tensors,
+        "bytes_in_memory": names.iter().map(|n| src.tensors[*n].byte_size()).sum::<usize>(),
+        "bytes_on_disk": src.file_bytes,
+        "tokenizer": {
+            "vocab": tok.vocab_size(), "bos": tok.bos_token(), "add_bos": tok.add_bos_default(),
+            "stop_ids": tok.stop_ids(), "chat_template": tok.chat_template().is_some(),
+        },
+    });
+    println!("{}", serde_json::to_string_pretty(&j)?);
+    Ok(())
 }
 
 fn human(bytes: u64) -> String {
@@ -113,6 +168,11 @@ fn human(bytes: u64) -> String {
 
 pub fn inspect(a: InspectArgs) -> Result<()> {
     let (src, tok) = load::source(a.model.as_deref())?;
+    let mut names: Vec<&String> = src.tensors.keys().collect();
+    names.sort_by_cached_key(|n| natural_key(n));
+    if a.json {
+        return inspect_json(&src, &tok, &names);
+    }
     let c = &src.config;
     println!("model        {} ({})", crate::printable(&src.path.display().to_string()), src.format);
     if let Some(name) = &src.synthetic {
@@ -134,7 +194,8 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
     println!("\n{:<48} {:>14} {:>14} {:>10}", "tensor", "shape", "format", "bytes");
     let mut total = 0u64;
     let mut by_format = std::collections::BTreeMap::<String, (usize, u64)>::new();
-    for (name, w) in &src.tensors {
+    for name in names {
+        let w = &src.tensors[name];
         let bytes = w.byte_size() as u64;
         total += bytes;
         let e = by_format.entry(w.describe()).or_default();

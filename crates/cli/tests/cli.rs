@@ -406,3 +406,22 @@ fn chat_answers_help_and_refuses_unknown_commands() {
     assert!(err.matches("/reset clears the conversation").count() >= 2, "/help answered: {err}");
     assert!(stdout(&o).is_empty(), "nothing was sent to the model: {}", stdout(&o));
 }
+
+/// `inspect --json` is one JSON object with the config, every tensor and the tokenizer's
+/// facts; tensors are listed in natural layer order (2 before 10), in the table too.
+#[test]
+fn inspect_json_and_natural_layer_order() {
+    let m = smollm2();
+    let o = run(&["inspect", "--json", m.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(j["config"]["layers"], 30);
+    assert_eq!(j["tokenizer"]["vocab"], 49152);
+    let names: Vec<&str> = j["tensors"].as_array().unwrap().iter().map(|t| t["name"].as_str().unwrap()).collect();
+    assert_eq!(names.len(), 272);
+    let at = |n: &str| names.iter().position(|x| *x == n).unwrap();
+    assert!(at("model.layers.2.input_layernorm.weight") < at("model.layers.10.input_layernorm.weight"));
+    let table = stdout(&run(&["inspect", m.to_str().unwrap()]));
+    let pos = |n: &str| table.find(n).unwrap();
+    assert!(pos("model.layers.2.input_layernorm.weight") < pos("model.layers.10.input_layernorm.weight"));
+}
