@@ -273,7 +273,7 @@ impl Context {
 
     /// A device buffer as a kernel argument.
     pub fn arg<T>(&self, s: &CudaSlice<T>) -> KArg {
-        super::driver::dev(&self.stream, s)
+        KArg::Ptr(cudarc::driver::DevicePtr::device_ptr(s, &self.stream).0)
     }
 
     /// Device-to-device copy bandwidth: median of 5 copies of up to 4 GiB (a quarter of free

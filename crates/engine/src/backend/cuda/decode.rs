@@ -32,9 +32,10 @@ const ATTN_CLUSTER_MAX: usize = 8;
 
 impl Cuda {
     /// One layer for one token, top to bottom: x += o(attention(q, k, v)) with q/k/v from
-    /// rmsnorm(x), then x += down(silu(gate(n(x))) · up(n(x))). Where gemv.cu has no kernel
-    /// for a weight format (dense or mixed formats, inputs over 24K wide), that step runs
-    /// as the unfused ops instead, the same math.
+    /// rmsnorm(x), then x += down(silu(gate(n(x))) · up(n(x))). The GEMV steps are the
+    /// backend's one-row ops (ops.rs): where gemv.cu has no kernel for a weight format
+    /// (dense or mixed formats, inputs over 24K wide) they run as the unfused ops, the same
+    /// math.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn decode_layer(
         &self,
@@ -48,11 +49,7 @@ impl Cuda {
     ) -> Result<()> {
         let eps = shape.eps;
         // 1. gemv_nb_r*: q, k, v = (wq, wk, wv)·rmsnorm(x), one launch for the three.
-        let qkv = [w.wq, w.wk, w.wv];
-        if !self.gemv(GemvIn::Norm(x, w.attn_norm, eps), &qkv, &mut [s.q, s.k, s.v], GemvOut::Store, GemvExtra::None)? {
-            self.rms_norm(x, w.attn_norm, eps, s.xn)?;
-            self.matmul_many(s.xn, &qkv, &mut [s.q, s.k, s.v])?;
-        }
+        self.norm_matmul_many(x, w.attn_norm, eps, s.xn, &[w.wq, w.wk, w.wv], &mut [s.q, s.k, s.v])?;
         // (Qwen2) add_bias ×3: the q/k/v biases.
         if let Some([bq, bk, bv]) = w.qkv_bias {
             self.add_bias(s.q, bq)?;
@@ -63,10 +60,7 @@ impl Cuda {
         //    over the cache and the splits' merge.
         self.attention_decode(s.q, (s.k, s.v), kv, layer, rope, s.att)?;
         // 3. gemv_ba_r*: x += att·woᵀ.
-        if !self.gemv(GemvIn::Bf16(s.att), &[w.wo], &mut [&mut *x], GemvOut::Add, GemvExtra::None)? {
-            self.matmul(s.att, w.wo, s.o)?;
-            self.add(x, s.o)?;
-        }
+        self.matmul_add(s.att, w.wo, x, s.o)?;
         // 4 and 5: the MLP.
         let mlp = (w.w_gate, w.w_up, w.w_down);
         self.decode_mlp(x, (w.mlp_norm, eps), mlp, (s.xn, s.gate, s.up, s.o), s.act)
@@ -89,18 +83,8 @@ impl Cuda {
         if self.decode_mlp_staged(x, (norm, eps), (gate, up, down), &mut *u, &mut *act)? {
             return Ok(());
         }
-        let gate_up = [gate, up];
-        let swiglu = GemvOut::Swiglu;
-        if !self.gemv(GemvIn::Norm(x, norm, eps), &gate_up, &mut [&mut *act, &mut *u], swiglu, GemvExtra::None)? {
-            self.rms_norm(x, norm, eps, xn)?;
-            self.matmul_many(xn, &gate_up, &mut [&mut *g, &mut *u])?;
-            self.silu_mul(g, u, act)?;
-        }
-        if !self.gemv(GemvIn::Bf16(act), &[down], &mut [&mut *x], GemvOut::Add, GemvExtra::None)? {
-            self.matmul(act, down, o)?;
-            self.add(x, o)?;
-        }
-        Ok(())
+        self.norm_swiglu(x, norm, eps, xn, gate, up, g, u, act)?;
+        self.matmul_add(act, down, x, o)
     }
 
     /// Steps 4 and 5 with down's x staged by the SwiGLU launch (x_staged.cuh): down's blocks

@@ -2,7 +2,7 @@
 //! typed kernel argument.
 
 use crate::Error;
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DriverError};
+use cudarc::driver::DriverError;
 
 /// Maps a driver error to ferrolm's, naming what was being done (out of memory said so).
 pub(crate) fn drv(what: &str) -> impl FnOnce(DriverError) -> Error + '_ {
@@ -19,9 +19,4 @@ pub enum KArg {
     Ptr(u64),
     I32(i32),
     F32(f32),
-}
-
-/// A device buffer as a kernel argument.
-pub(crate) fn dev<T>(stream: &CudaStream, s: &CudaSlice<T>) -> KArg {
-    KArg::Ptr(s.device_ptr(stream).0)
 }

@@ -70,6 +70,15 @@ impl CudaAct {
             ActBuf::F32(_) => panic!("CUDA op given f32 activations where bf16 are required"),
         }
     }
+    pub(crate) fn arg(&self, ctx: &Context) -> KArg {
+        KArg::Ptr(match &self.buf {
+            ActBuf::Bf16(v) => v.device_ptr(&ctx.stream).0,
+            ActBuf::F32(v) => v.device_ptr(&ctx.stream).0,
+        })
+    }
+    pub(crate) fn is_f32(&self) -> bool {
+        matches!(self.buf, ActBuf::F32(_))
+    }
 }
 
 /// bf16 KV cache: per layer `[max_seq, n_kv·hd]` for K and for V.
@@ -87,18 +96,6 @@ impl DevScales {
             DevScales::Half(v) => v.device_ptr(&ctx.stream).0,
             DevScales::F32(v) => v.device_ptr(&ctx.stream).0,
         })
-    }
-}
-
-impl CudaAct {
-    pub(crate) fn arg(&self, ctx: &Context) -> KArg {
-        KArg::Ptr(match &self.buf {
-            ActBuf::Bf16(v) => v.device_ptr(&ctx.stream).0,
-            ActBuf::F32(v) => v.device_ptr(&ctx.stream).0,
-        })
-    }
-    pub(crate) fn is_f32(&self) -> bool {
-        matches!(self.buf, ActBuf::F32(_))
     }
 }
 
