@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference goldens for SmolLM2-135M-Instruct (Q4_1 GGUF) from Hugging Face Transformers.
+"""Reference goldens for a GGUF model (SmolLM2-135M-Instruct, Gemma 3 270M) from Hugging Face Transformers.
 
 Purpose
 -------
@@ -15,8 +15,9 @@ metadata), and records:
   ``margin`` (top-1 minus top-2 logit; identical in log-prob units).
   Tokenization follows ferrolm's perplexity: prose/code/facts are plain text
   with special-token parsing OFF; the chat text is parsed WITH special tokens.
-  No BOS is prepended (the GGUF says ``add_bos_token = false`` and the tokenizer
-  adds none by default).
+  BOS is prepended where the tokenizer adds one by default (Gemma: yes; SmolLM2's
+  GGUF says ``add_bos_token = false``). Chat texts are tokenized as
+  ``apply_chat_template`` does: the template writes its own BOS, nothing is added.
 * ``perplexity``: exp(mean nll) for each text.
 * ``greedy``: five chat prompts rendered with ``apply_chat_template(...,
   add_generation_prompt=True)``, tokenized with special tokens parsed, then
@@ -37,6 +38,14 @@ How to run
     python3 tools/oracle/hf_golden.py \
         [--model /root/.cache/ferrolm/models/SmolLM2-135M-Instruct.Q4_1.gguf] \
         [--out crates/engine/tests/goldens/smollm2_hf.json]
+    python3 tools/oracle/hf_golden.py \
+        --model /root/.cache/ferrolm/models/gemma-3-270m-q4_k_m.gguf \
+        --chat-template gemma3 --expect "" --long \
+        --out crates/engine/tests/goldens/gemma3_hf.json
+
+``--chat-template gemma3`` gives the tokenizer Gemma 3's published chat format, for
+GGUFs that carry no template (this one); ``--expect ""`` skips the coherence check
+(the 270M GGUF is the pretrained model, not the instruction-tuned one).
 
 Takes ~1-2 minutes on one CPU thread. Re-running produces identical output
 except for ``metadata.date``.
@@ -60,6 +69,28 @@ DEFAULT_OUT = os.path.join(
     "..", "..", "crates", "engine", "tests", "goldens", "smollm2_hf.json",
 )
 N_NEW = 48
+
+# Gemma 3's chat format as Google publishes it in tokenizer_config.json (string contents):
+# the system message prefixes the first user turn, the assistant's role is "model".
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = '' -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = 'model' -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+TEMPLATES = {"gemma3": GEMMA3_TEMPLATE}
 
 PROSE = (
     "The history of the lighthouse is closely tied to the history of seafaring itself. "
@@ -203,6 +234,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--out", default=DEFAULT_OUT)
+    ap.add_argument("--chat-template", choices=sorted(TEMPLATES), help="for a GGUF without one")
+    ap.add_argument("--expect", default="Paris", help="word the sanity reply must hold ('' skips)")
+    ap.add_argument("--long", action="store_true",
+                    help="add a ~1000-token text (past Gemma 3's 512-position sliding window)")
     args = ap.parse_args()
 
     torch.set_num_threads(1)
@@ -213,20 +248,25 @@ def main():
     import gguf
 
     tok, model = load(args.model)
+    if args.chat_template:
+        tok.chat_template = TEMPLATES[args.chat_template]
     eos_id = tok.eos_token_id
     bos_id = tok.bos_token_id
+    # Whether the tokenizer adds BOS by default; nothing else may be added.
+    plain = tok("hello", add_special_tokens=False).input_ids
+    add_bos = tok("hello").input_ids != plain
+    assert tok("hello").input_ids == ([bos_id] if add_bos else []) + plain, "tokenizer adds more than BOS"
 
-    # Sanity: the tokenizer must not add BOS by default, and the model must answer coherently.
-    assert tok("hello").input_ids == tok("hello", add_special_tokens=False).input_ids, "tokenizer adds specials"
+    # Sanity: the model must answer coherently.
     sanity_prompt = tok.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True, tokenize=False,
     )
-    s_ids = tok(sanity_prompt).input_ids
+    s_ids = tok(sanity_prompt, add_special_tokens=False).input_ids
     s_cont, _, _ = greedy(model, s_ids, 12, eos_id)
     s_text = tok.decode(s_cont)
     print("sanity reply:", repr(s_text), file=sys.stderr)
-    assert "Paris" in s_text, "model output is not coherent; GGUF load is broken"
+    assert args.expect in s_text, "model output is not coherent; GGUF load is broken"
 
     chat_text = tok.apply_chat_template(CHAT_MESSAGES, add_generation_prompt=False, tokenize=False)
     texts_spec = [
@@ -235,11 +275,16 @@ def main():
         ("facts", FACTS, False),
         ("chat", chat_text, True),
     ]
+    if args.long:
+        # Twice the three plain texts: the second copy can be predicted from the first,
+        # more than a sliding window back, only through the global layers.
+        texts_spec.append(("long", ("\n\n".join([PROSE, CODE, FACTS]) + "\n\n") * 2, False))
 
     texts, perplexity = [], {}
     for name, text, parse_special in texts_spec:
-        ids = tok(text, split_special_tokens=not parse_special).input_ids
-        assert bos_id not in ids[:1] or parse_special, (name, "unexpected BOS")
+        # Plain texts as the tokenizer encodes them by default; the chat text as
+        # apply_chat_template does (its template writes any BOS).
+        ids = tok(text, split_special_tokens=not parse_special, add_special_tokens=not parse_special).input_ids
         stats, ppl = teacher_forcing(model, ids)
         perplexity[name] = r6(ppl)
         texts.append({
@@ -258,7 +303,7 @@ def main():
         prompt = tok.apply_chat_template(
             [{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False
         )
-        p_ids = tok(prompt).input_ids
+        p_ids = tok(prompt, add_special_tokens=False).input_ids
         cont, margins, first_eos = greedy(model, p_ids, N_NEW, eos_id)
         greedy_out.append({
             "name": name,
@@ -288,7 +333,8 @@ def main():
             "date": datetime.date.today().isoformat(),
             "bos_token_id": bos_id,
             "eos_token_id": eos_id,
-            "add_bos": False,
+            "add_bos": add_bos,
+            "chat_template": args.chat_template,
             "float_rounding": "6 significant digits",
             "nll_definition": "nll[i] = -log_softmax(logits[i])[ids[i+1]], logits from ids[..=i] with full causal context",
             "margin_definition": "top1 logit - top2 logit (same in log-prob units)",

@@ -169,7 +169,7 @@ fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
         }
         msgs.push(ChatMessage { role: "user".into(), content: prompt });
         let text = l.tokenizer.apply_chat_template(&msgs, true)?;
-        l.tokenizer.encode(&text, true)?
+        l.tokenizer.encode_chat(&text)?
     } else if a.special {
         // As the model's own tokenizer would: special tokens parsed, BOS as it adds it.
         l.tokenizer.encode(&prompt, true)?
@@ -253,7 +253,7 @@ fn chat_on<B: Backend>(l: load::Loaded<B>, a: ChatArgs) -> Result<()> {
         }
         msgs.push(ChatMessage { role: "user".into(), content: text.to_string() });
         let prompt = l.tokenizer.apply_chat_template(&msgs, true)?;
-        let ids = l.tokenizer.encode(&prompt, true)?;
+        let ids = l.tokenizer.encode_chat(&prompt)?;
         let mut dec = StreamDecoder::new(&l.tokenizer);
         let mut reply_ids = Vec::new();
         let mut stdout = std::io::stdout().lock();

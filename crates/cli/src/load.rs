@@ -6,12 +6,12 @@ use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::Cuda;
 use ferrolm::backend::Backend;
 use ferrolm::formats::{self, ModelSource};
-use ferrolm::model::Llama;
+use ferrolm::model::Decoder;
 use ferrolm::tokenizer::Tokenizer;
 use std::io::IsTerminal;
 
 pub struct Loaded<B: Backend> {
-    pub model: Llama<B>,
+    pub model: Decoder<B>,
     pub tokenizer: Tokenizer,
     pub file_bytes: u64,
     /// The shape's name when the weights are synthetic (random).
@@ -79,11 +79,11 @@ pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
     let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
     Ok(match dev {
         None => {
-            AnyModel::Cpu(Box::new(Loaded { model: Llama::load(Cpu, &mut src)?, tokenizer, file_bytes, synthetic }))
+            AnyModel::Cpu(Box::new(Loaded { model: Decoder::load(Cpu, &mut src)?, tokenizer, file_bytes, synthetic }))
         }
         Some(c) => {
             let model =
-                Llama::load(c, &mut src).map_err(|e| anyhow::anyhow!("{e} (use --device cpu to run on the CPU)"))?;
+                Decoder::load(c, &mut src).map_err(|e| anyhow::anyhow!("{e} (use --device cpu to run on the CPU)"))?;
             AnyModel::Cuda(Box::new(Loaded { model, tokenizer, file_bytes, synthetic }))
         }
     })

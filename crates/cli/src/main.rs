@@ -104,8 +104,4 @@ fn main() {
     }
 }
 
-/// `s` with control characters escaped (`\u{1b}`): names and messages that come from files
-/// are printed, and an escape sequence or a newline in them must not reach the terminal raw.
-pub fn printable(s: &str) -> String {
-    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
-}
+pub use ferrolm::files::printable;

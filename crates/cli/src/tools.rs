@@ -3,6 +3,7 @@
 use crate::{load, ModelArg};
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use ferrolm::config::{Activation, AttnKind};
 use ferrolm::formats::mlx_write::{tokenizer_files, write_mlx_dir};
 use ferrolm::formats::synthetic;
 use ferrolm::quant::scheme::{self, QuantScheme};
@@ -142,7 +143,11 @@ fn inspect_json(
             "kv_heads": c.n_kv_heads, "head_dim": c.head_dim, "ffn": c.ffn, "vocab": c.vocab, "ctx": c.max_ctx,
             "rms_eps": c.rms_eps, "rope_theta": c.rope_theta, "rope_style": format!("{:?}", c.rope_style),
             "rope_linear": c.rope_linear, "llama3_scaling": c.llama3_scaling.is_some(),
-            "tied_embeddings": c.tie_embeddings, "qkv_bias": c.qkv_bias,
+            "tied_embeddings": c.tie_embeddings, "qkv_bias": c.qkv_bias, "qk_norm": c.qk_norm,
+            "post_norms": c.post_norms, "activation": activation(c.activation), "embed_scale": c.embed_scale,
+            "attn_scale": c.attn_scale(), "sliding_window": c.sliding_window,
+            "rope_local_theta": c.rope_local_theta,
+            "layer_attention": (0..c.n_layers).map(|i| c.layer_kind(i).name()).collect::<Vec<_>>(),
         },
         "tensors": tensors,
         "bytes_in_memory": names.iter().map(|n| src.tensors[*n].byte_size()).sum::<usize>(),
@@ -154,6 +159,37 @@ fn inspect_json(
     });
     println!("{}", serde_json::to_string_pretty(&j)?);
     Ok(())
+}
+
+fn activation(a: Activation) -> &'static str {
+    match a {
+        Activation::Silu => "SwiGLU",
+        Activation::GeluTanh => "GeGLU (tanh gelu)",
+    }
+}
+
+/// Each layer's attention kind, as runs: "layers 0-4 sliding (window 512, RoPE base 10000),
+/// 5 full, ...".
+fn layer_attention(c: &ferrolm::config::ModelConfig) -> String {
+    let mut runs: Vec<(usize, usize, AttnKind)> = Vec::new();
+    for i in 0..c.n_layers {
+        match runs.last_mut() {
+            Some((_, end, k)) if *k == c.layer_kind(i) => *end = i,
+            _ => runs.push((i, i, c.layer_kind(i))),
+        }
+    }
+    let runs: Vec<String> = runs
+        .into_iter()
+        .map(|(a, b, k)| if a == b { format!("{a} {}", k.name()) } else { format!("{a}-{b} {}", k.name()) })
+        .collect();
+    let mut s = format!("layers {}", runs.join(", "));
+    if c.layer_kinds.contains(&AttnKind::Sliding) {
+        s += &format!("; window {}", c.sliding_window);
+        if let Some(t) = c.rope_local_theta {
+            s += &format!(", sliding layers' RoPE base {t}");
+        }
+    }
+    s
 }
 
 fn human(bytes: u64) -> String {
@@ -191,6 +227,15 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         c.hidden, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab, c.max_ctx
     );
     println!("             rms_eps {}  tied embeddings {}  qkv bias {}", c.rms_eps, c.tie_embeddings, c.qkv_bias);
+    println!(
+        "blocks       {}  q/k norms {}  post-norms {}  embedding scale {}  query scale {}",
+        activation(c.activation),
+        c.qk_norm,
+        c.post_norms,
+        c.embed_scale,
+        c.attn_scale()
+    );
+    println!("attention    {}", layer_attention(c));
     println!("\n{:<48} {:>14} {:>14} {:>10}", "tensor", "shape", "format", "bytes");
     let mut total = 0u64;
     let mut by_format = std::collections::BTreeMap::<String, (usize, u64)>::new();
@@ -231,8 +276,9 @@ pub struct ConvertArgs {
     #[arg(long, short, required_unless_present = "synthetic", conflicts_with = "synthetic")]
     input: Option<String>,
     /// Instead of --input: seeded random weights in the shape of a real model (smollm2-135m,
-    /// llama-3.2-1b, llama-3.1-8b, minicpm5-1b) with SmolLM2's tokenizer padded to its
-    /// vocabulary, to measure speed at sizes we cannot download. The text is gibberish.
+    /// llama-3.2-1b, llama-3.1-8b, minicpm5-1b, gemma-3-270m, gemma-3-1b, qwen3-0.6b) with
+    /// SmolLM2's tokenizer padded to its vocabulary, to measure speed at sizes we cannot
+    /// download. The text is gibberish.
     #[arg(long, value_name = "NAME")]
     synthetic: Option<String>,
     /// Seed of the --synthetic weights (default 0): the same seed gives the same bytes.

@@ -92,7 +92,8 @@ extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_
     qmv_body<true, 8>(w, s, b, x, y, rows, cols, m);
 }
 
-// out[t, :] = dequantized row tokens[t] of the table (f32: the residual stream).
+// out[t, :] = dequantized row tokens[t] of the table · scale (f32: the residual stream;
+// scale is Gemma's √hidden, 1 elsewhere).
 // grid m, block 256. Each thread takes whole u32 words of the row (32/BITS values, within
 // one group: GROUP is a multiple), so a row of up to 256 words (2048 values at 4 bits)
 // is one round of loads: decode's first launch is on the step's critical path, and the
@@ -100,7 +101,7 @@ extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_
 // a 1B step; trace, docs/perf-log.md).
 extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __restrict__ scales,
                                  const scale_t* __restrict__ biases, const int* __restrict__ tokens,
-                                 float* __restrict__ out, int cols) {
+                                 float* __restrict__ out, int cols, float scale) {
     TRACE_KERNEL();
     // A decode step's first kernel. Launched with PDL: in a run of fed steps captured as
     // one graph (generate.rs) the previous kernel is the last step's head, whose argmax
@@ -123,10 +124,10 @@ extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __res
 #pragma unroll
         for (int j = 0; j < VPW; j += 4) {
             float4 v;
-            v.x = sc * (float)((q >> ((j + 0) * BITS)) & MASK) + bi;
-            v.y = sc * (float)((q >> ((j + 1) * BITS)) & MASK) + bi;
-            v.z = sc * (float)((q >> ((j + 2) * BITS)) & MASK) + bi;
-            v.w = sc * (float)((q >> ((j + 3) * BITS)) & MASK) + bi;
+            v.x = (sc * (float)((q >> ((j + 0) * BITS)) & MASK) + bi) * scale;
+            v.y = (sc * (float)((q >> ((j + 1) * BITS)) & MASK) + bi) * scale;
+            v.z = (sc * (float)((q >> ((j + 2) * BITS)) & MASK) + bi) * scale;
+            v.w = (sc * (float)((q >> ((j + 3) * BITS)) & MASK) + bi) * scale;
             o[(i * VPW + j) / 4] = v;
         }
     }

@@ -20,7 +20,8 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
 }
 
 // Flash-decoding split-K: grid (heads, m, splits), block 128. Split s covers cached
-// positions [s·chunk, (s+1)·chunk) of query row t (causal length *pos0 + t + 1); its 4 warps
+// positions [s·chunk, (s+1)·chunk) of query row t (causal length *pos0 + t + 1; a window > 0
+// keeps only its last `window` positions); scores are scaled by `scale`. Its 4 warps
 // take every 4th position with an online softmax each, merged in warp order, and the split
 // writes its running max, sum and unnormalized accumulator to scratch. Splits past the
 // length write an empty partial. The split count is fixed by the cache size, so a captured
@@ -28,15 +29,15 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
 extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
                                            const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
                                            float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                           const int* __restrict__ pos0p, int chunk) {
+                                           const int* __restrict__ pos0p, int chunk, float scale, int window) {
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
     int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int kvh = h / (heads / n_kv), width = n_kv * hd, per = hd / 32;
     int len = *pos0p + t + 1;
     int p0 = sp * chunk, p1 = min(len, p0 + chunk);
+    if (window > 0) p0 = max(p0, len - window);
     long slot = ((long)t * heads + h) * splits + sp;
-    float scale = rsqrtf((float)hd);
     const bf16_t* qh = q + ((long)t * heads + h) * hd;
     float qv[MAXD], acc[MAXD];
 #pragma unroll

@@ -97,7 +97,8 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
                                        bf16_t* __restrict__ vc, const float* __restrict__ inv_freq, float linear,
                                        int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
                                        bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd,
-                                       int qb, int pos0, int chunk, int cs, int bx, int sp, int splits, Wait wait) {
+                                       int qb, int pos0, int chunk, int cs, int bx, int sp, int splits, float scale,
+                                       int window, Wait wait) {
     __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
     __shared__ float s_pm[QB_MAX], s_pl[QB_MAX], s_po[QB_MAX * 256];             // qb · hd ≤ 1024
     __shared__ int last;
@@ -107,6 +108,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     int h0 = bx * qb;
     int kvh = h0 / (heads / n_kv), width = n_kv * hd;
     int p0 = sp * chunk, p1 = min(pos0 + 1, p0 + chunk);
+    if (window > 0) p0 = max(p0, pos0 + 1 - window);  // a sliding-window layer's first position
     int pc = min(p1, pos0);  // cached positions of this split: [p0, pc)
 #if ATT_DIRECT
     // The direct merge writes into rank 0's shared memory, which needs rank 0 started: this
@@ -144,7 +146,6 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         vnr = *reinterpret_cast<const uint4*>(v_new + kvh * hd + gl * 8);
         unpack_bf16x8(vnr, vn);
     }
-    float scale = rsqrtf((float)hd);
     float qv[QB_MAX][8], acc[QB_MAX][8], m[QB_MAX], l[QB_MAX];
 #pragma unroll
     for (int j = 0; j < QB_MAX; j++) {

@@ -35,9 +35,9 @@ extern "C" __global__ void dmv_f32(const bf16_t* w, const bf16_t* x, float* y, i
     dmv_body<true>(w, x, y, rows, cols);
 }
 
-// out[t, :] = w[tokens[t], :] as f32 (the residual stream).
+// out[t, :] = w[tokens[t], :] · scale as f32 (the residual stream).
 extern "C" __global__ void dembed(const bf16_t* __restrict__ w, const int* __restrict__ tokens,
-                                  float* __restrict__ out, int cols) {
+                                  float* __restrict__ out, int cols, float scale) {
     const bf16_t* r = w + (size_t)tokens[blockIdx.x] * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)blockIdx.x * cols + i] = bf2f(r[i]);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)blockIdx.x * cols + i] = bf2f(r[i]) * scale;
 }

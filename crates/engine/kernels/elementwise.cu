@@ -1,5 +1,5 @@
-// Element-wise ops on bf16 activations (f32 math): residual add, SwiGLU, bias add.
-// CPU references: backend/cpu/ops.rs add, silu_mul, add_bias.
+// Element-wise ops on bf16 activations (f32 math): residual add, SwiGLU/GeGLU, bias add.
+// CPU references: backend/cpu/ops.rs add, glu, add_bias.
 #include "common.cuh"
 
 extern "C" __global__ void add_inplace(bf16_t* __restrict__ x, const bf16_t* __restrict__ y, int n) {
@@ -18,6 +18,17 @@ extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate, const bf16_
         float g = bf2f(gate[i]);
         out[i] = f2bf(g / (1.f + __expf(-g)) * bf2f(up[i]));
     }
+}
+
+// gelu's tanh approximation (PyTorch's gelu(approximate="tanh")).
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+}
+
+extern "C" __global__ void gelu_mul(const bf16_t* __restrict__ gate, const bf16_t* __restrict__ up,
+                                    bf16_t* __restrict__ out, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = f2bf(gelu_tanh(bf2f(gate[i])) * bf2f(up[i]));
 }
 
 // x[r, c] += b[c] for an [rows, cols] activation.

@@ -3,8 +3,9 @@
 //
 // q [m, heads·HD] bf16 at absolute positions pos0.. (pos0 read from device memory); the bf16
 // cache [max_seq, n_kv·HD] per layer already holds this call's keys/values (kv_write ran
-// first). Query row t of head h sees cached positions 0..=pos0+t of kv head h/(heads/n_kv).
-// out [m, heads·HD] bf16. Scale 1/sqrt(HD); f32 scores, softmax and accumulators; the
+// first). Query row t of head h sees cached positions 0..=pos0+t of kv head h/(heads/n_kv)
+// (with a window > 0, only the last `window` of them: a sliding-window layer).
+// out [m, heads·HD] bf16. Scores scaled by `scale`; f32 scores, softmax and accumulators; the
 // probabilities go to the P·V product as bf16.
 //
 // Grid (ceil(m/BQ), heads), block 128 = 4 warps. A block owns BQ = 64 query rows (latest
@@ -13,12 +14,14 @@
 // tiles of BKV positions run from 0 to the block's causal end kend = pos0 + min(m, q0+BQ):
 //   wait for K tile; barrier; start the V tile's copy (cp.async)
 //   S = Q·Kᵀ (mma), causal mask (key > pos0+t → −inf) where the tile crosses the diagonal,
+//   and the window's (key ≤ pos0+t−window → −inf) where it crosses a window's start,
 //   online softmax (row max over the quad of lanes holding a row), O *= correction
 //   wait for V tile; barrier; start the next K tile's copy
 //   O += P·V (mma), P taken straight from S's accumulator registers as bf16 A fragments
 // so each copy overlaps the other half's math. Positions ≥ kend are zero-filled in shared
 // memory, not read (they may lie past the cache). A warp skips the math of tiles wholly
-// after its last row's diagonal (the block still loads them for its other warps).
+// after its last row's diagonal or before its first row's window (the block still loads
+// them for its other warps); tiles before every row's window are not loaded.
 // Shared rows are padded by 8 bf16 (16 B): consecutive rows start 4 banks apart, so the 8
 // row addresses of each ldmatrix phase hit all 32 banks once.
 //
@@ -86,7 +89,8 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
                                                                const bf16_t* __restrict__ kc,
                                                                const bf16_t* __restrict__ vc,
                                                                bf16_t* __restrict__ out, int m, int heads, int n_kv,
-                                                               const int* __restrict__ pos0p) {
+                                                               const int* __restrict__ pos0p, float scale,
+                                                               int window) {
     __shared__ __align__(16) bf16_t sk[BKV * STR];
     __shared__ __align__(16) bf16_t sv[BKV * STR];
     const int h = blockIdx.y;
@@ -102,7 +106,11 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
     const int lim_a = pos0 + ra, lim_b = lim_a + 8;    // their last visible key
     const int wfirst = pos0 + q0 + warp * 16;  // the warp's first row's last visible key
     const int wlast = wfirst + 15;             // and its last row's
-    const float sl2 = 1.4426950408889634f / sqrtf((float)HD);   // scale · log2(e): exp via exp2
+    const float sl2 = 1.4426950408889634f * scale;   // scale · log2(e): exp via exp2
+    // The window: each row's first visible key, the warp's lowest, the block's first tile.
+    const int lo_a = window > 0 ? lim_a - window + 1 : 0, lo_b = window > 0 ? lim_b - window + 1 : 0;
+    const int wlow = window > 0 ? wfirst - window + 1 : 0, whigh = window > 0 ? wlast - window + 1 : 0;
+    const int tile0 = window > 0 ? max(0, pos0 + q0 - window + 1) / BKV : 0;
 
     // Q fragments for HD/16 chunks of 16 d (rows ≥ m read as zero).
     u32 qf[HD / 16][4];
@@ -132,13 +140,14 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
     const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * STR + (lane >> 4) * 8;
     const u32 sk_base = smem_u32(sk) + 2 * k_off, sv_base = smem_u32(sv) + 2 * v_off;
 
-    load_tile(sk, kc, 0, kend, width, kvh);
-    for (int it = 0; it < ntiles; it++) {
+    load_tile(sk, kc, tile0 * BKV, kend, width, kvh);
+    for (int it = tile0; it < ntiles; it++) {
         const int kv0 = it * BKV;
         cp_async_wait_all();
         __syncthreads();   // K tile in; every warp is done with the previous V tile
         load_tile(sv, vc, kv0, kend, width, kvh);
-        const bool active = kv0 <= wlast;   // warp-uniform: some row of the warp sees this tile
+        // warp-uniform: some row of the warp sees this tile
+        const bool active = kv0 <= wlast && kv0 + BKV - 1 >= wlow;
         u32 pf[BKV / 16][4];                // P as A fragments, per 16-key chunk
         if (active) {
             float s[BKV / 8][4];
@@ -154,14 +163,15 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
                     mma_bf16(s[j], qf[kk + 1], b2, b3);
                 }
             }
-            if (kv0 + BKV - 1 > wfirst) {   // the tile crosses the diagonal of some row
+            // the tile crosses the diagonal or the window's start of some row
+            if (kv0 + BKV - 1 > wfirst || kv0 < whigh) {
 #pragma unroll
                 for (int j = 0; j < BKV / 8; j++) {
 #pragma unroll
                     for (int e = 0; e < 2; e++) {
                         int key = kv0 + j * 8 + 2 * c + e;
-                        if (key > lim_a) s[j][e] = -INFINITY;
-                        if (key > lim_b) s[j][2 + e] = -INFINITY;
+                        if (key > lim_a || key < lo_a) s[j][e] = -INFINITY;
+                        if (key > lim_b || key < lo_b) s[j][2 + e] = -INFINITY;
                     }
                 }
             }

@@ -27,3 +27,18 @@ extern "C" __global__ void rmsnorm(const float* x, const float* w, bf16_t* out, 
 extern "C" __global__ void rmsnorm_bf16(const bf16_t* x, const float* w, bf16_t* out, int cols, float eps) {
     rmsnorm_body(x, w, out, cols, eps);
 }
+
+// The q/k norms: each hd-wide head of a bf16 activation normalized in place, one block per
+// head (rows · heads blocks). Each value is read and written by the same thread, the
+// writes after the block's sum.
+extern "C" __global__ void rmsnorm_heads(bf16_t* x, const float* __restrict__ w, int hd, float eps) {
+    __shared__ float red[32];
+    bf16_t* xr = x + (size_t)blockIdx.x * hd;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
+        float v = bf2f(xr[i]);
+        ss += v * v;
+    }
+    float r = rsqrtf(block_sum(ss, red) / hd + eps);
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) xr[i] = f2bf(w[i] * (bf2f(xr[i]) * r));
+}

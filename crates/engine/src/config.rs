@@ -11,6 +11,39 @@ pub enum Arch {
     Llama,
     /// Qwen2: Llama with q/k/v biases.
     Qwen2,
+    /// Qwen3: Llama with RMSNorm on each q/k head (no biases).
+    Qwen3,
+    /// Gemma 3 (text): embeddings scaled by √hidden, (1 + w) norm gains, norms before and
+    /// after attention and the MLP, q/k norms, a GeGLU MLP, sliding-window and global layers
+    /// with their own RoPE bases.
+    Gemma3,
+}
+
+/// What the gated MLP applies to its gate before multiplying by up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// silu(g) = g·σ(g) (SwiGLU: Llama, Qwen).
+    Silu,
+    /// The tanh approximation of gelu (GeGLU: Gemma's `gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// Which positions a layer's queries attend to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnKind {
+    /// Every earlier position.
+    Full,
+    /// The last `sliding_window` positions (the query's own included).
+    Sliding,
+}
+
+impl AttnKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            AttnKind::Full => "full",
+            AttnKind::Sliding => "sliding",
+        }
+    }
 }
 
 /// How RoPE pairs dimensions. GGUF's llama conversion permutes q/k rows so ggml rotates
@@ -49,6 +82,26 @@ pub struct ModelConfig {
     pub rope_linear: f32,
     pub tie_embeddings: bool,
     pub qkv_bias: bool,
+    /// RMSNorm over each q and k head (head_dim gains) before RoPE: Qwen3, Gemma 3.
+    pub qk_norm: bool,
+    /// Gemma's norm gains: tensors hold w and the norm multiplies by 1 + w (Hugging Face
+    /// and MLX files; a GGUF holds 1 + w and its importer subtracts the 1).
+    pub norm_plus_one: bool,
+    /// RMSNorms on the attention and MLP outputs before the residual adds, and a separate
+    /// norm before the MLP (Gemma 3).
+    pub post_norms: bool,
+    pub activation: Activation,
+    /// The embedding rows are multiplied by this (Gemma: √hidden).
+    pub embed_scale: f32,
+    /// Queries are scaled by query_pre_attn_scalar^-½ (Gemma); None = head_dim^-½.
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Positions a sliding-window layer attends to, its own included (0: none).
+    pub sliding_window: usize,
+    /// Each layer's attention kind; empty = every layer full.
+    pub layer_kinds: Vec<AttnKind>,
+    /// RoPE base of the sliding-window layers, which use no scaling (Gemma 3's local base);
+    /// None = the global rotation.
+    pub rope_local_theta: Option<f32>,
 }
 
 /// A Llama with no shape yet (all dimensions 0, which `validate` rejects) and Hugging Face's
@@ -73,6 +126,15 @@ impl Default for ModelConfig {
             rope_linear: 1.0,
             tie_embeddings: false,
             qkv_bias: false,
+            qk_norm: false,
+            norm_plus_one: false,
+            post_norms: false,
+            activation: Activation::Silu,
+            embed_scale: 1.0,
+            query_pre_attn_scalar: None,
+            sliding_window: 0,
+            layer_kinds: Vec::new(),
+            rope_local_theta: None,
         }
     }
 }
@@ -81,8 +143,16 @@ impl ModelConfig {
     /// Check the shape is self-consistent; errors name the field.
     pub fn validate(&self, src: &str) -> Result<()> {
         let bad = |m: String| Err(Error::format(src, m));
-        if self.hidden == 0 || self.n_layers == 0 || self.n_heads == 0 || self.vocab == 0 || self.ffn == 0 {
-            return bad(format!("config has a zero dimension: {self:?}"));
+        for (field, value) in [
+            ("hidden size", self.hidden),
+            ("layer count", self.n_layers),
+            ("attention heads", self.n_heads),
+            ("vocabulary size", self.vocab),
+            ("feed-forward size", self.ffn),
+        ] {
+            if value == 0 {
+                return bad(format!("{field} is 0"));
+            }
         }
         // Bounds far above any real model (Llama 3.1 405B: 126 layers, hidden 16384, ffn
         // 53248; Gemma 3: vocab 262144), checked before anything is allocated from them.
@@ -118,7 +188,46 @@ impl ModelConfig {
         if !positive(self.rope_linear) {
             return bad(format!("RoPE linear scaling factor {} is not a finite positive number", self.rope_linear));
         }
+        if !positive(self.embed_scale) {
+            return bad(format!("embedding scale {} is not a finite positive number", self.embed_scale));
+        }
+        if let Some(s) = self.query_pre_attn_scalar.filter(|&s| !positive(s)) {
+            return bad(format!("query_pre_attn_scalar {s} is not a finite positive number"));
+        }
+        if let Some(t) = self.rope_local_theta.filter(|&t| !positive(t)) {
+            return bad(format!("local RoPE base {t} is not a finite positive number"));
+        }
+        if !self.layer_kinds.is_empty() && self.layer_kinds.len() != self.n_layers {
+            return bad(format!("{} layer types for {} layers", self.layer_kinds.len(), self.n_layers));
+        }
+        if self.layer_kinds.contains(&AttnKind::Sliding) && self.sliding_window == 0 {
+            return bad("sliding-window layers with a window of 0 positions".into());
+        }
+        if self.sliding_window > 1 << 24 {
+            return bad(format!(
+                "sliding window {} is beyond any model ferrolm runs (at most {})",
+                self.sliding_window,
+                1 << 24
+            ));
+        }
         Ok(())
+    }
+
+    /// Layer i's attention kind.
+    pub fn layer_kind(&self, i: usize) -> AttnKind {
+        self.layer_kinds.get(i).copied().unwrap_or(AttnKind::Full)
+    }
+
+    /// The factor queries are scaled by before the softmax.
+    pub fn attn_scale(&self) -> f32 {
+        1.0 / self.query_pre_attn_scalar.unwrap_or(self.head_dim as f32).sqrt()
+    }
+
+    /// Gemma 3's layer pattern: every `period`-th layer global, the others sliding.
+    pub fn interleaved_kinds(n_layers: usize, period: usize) -> Vec<AttnKind> {
+        (0..n_layers)
+            .map(|i| if period > 0 && (i + 1) % period == 0 { AttnKind::Full } else { AttnKind::Sliding })
+            .collect()
     }
 
     pub fn from_gguf(g: &GgufFile) -> Result<ModelConfig> {
@@ -126,10 +235,12 @@ impl ModelConfig {
         let (arch, rope_style) = match arch_name {
             "llama" | "mistral" | "minicpm5" => (Arch::Llama, RopeStyle::Interleaved),
             "qwen2" => (Arch::Qwen2, RopeStyle::Half),
+            "qwen3" => (Arch::Qwen3, RopeStyle::Half),
+            "gemma3" => (Arch::Gemma3, RopeStyle::Half),
             other => {
                 return Err(Error::format(
                     &g.path,
-                    format!("general.architecture {other:?} is not supported (llama, mistral, qwen2)"),
+                    format!("general.architecture {other:?} is not supported (llama, mistral, qwen2, qwen3, gemma3)"),
                 ))
             }
         };
@@ -150,10 +261,11 @@ impl ModelConfig {
                 return Err(Error::Unsupported(format!("{}: rope scaling type {other:?}", g.path.display())))
             }
         };
-        let cfg = ModelConfig {
+        let n_layers = g.req_u64(&k("block_count"))? as usize;
+        let mut cfg = ModelConfig {
             arch,
             hidden,
-            n_layers: g.req_u64(&k("block_count"))? as usize,
+            n_layers,
             n_heads,
             n_kv_heads,
             head_dim,
@@ -168,9 +280,37 @@ impl ModelConfig {
             rope_linear,
             tie_embeddings: g.tensor("output.weight").is_none(),
             qkv_bias: arch == Arch::Qwen2,
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            ..Default::default()
         };
+        if arch == Arch::Gemma3 {
+            // llama.cpp's rules, which its GGUFs rely on: queries are scaled by head_dim^-½
+            // except in the 27B (62 layers), whose query_pre_attn_scalar is hidden / heads.
+            let scalar = (n_layers == 62).then(|| (hidden / n_heads.max(1)) as f32);
+            cfg = cfg.gemma3(g.opt_u64(&k("attention.sliding_window"))?.unwrap_or(0) as usize, scalar);
+        }
         cfg.validate(&g.path.display().to_string())?;
         Ok(cfg)
+    }
+
+    /// This shape as Gemma 3: its fixed traits, its sliding window and query_pre_attn_scalar,
+    /// every sixth layer global and a local RoPE base of 10000 (what its configs and
+    /// llama.cpp assume when they say nothing else).
+    pub fn gemma3(self, window: usize, query_pre_attn_scalar: Option<f32>) -> ModelConfig {
+        ModelConfig {
+            arch: Arch::Gemma3,
+            qk_norm: true,
+            norm_plus_one: true,
+            post_norms: true,
+            activation: Activation::GeluTanh,
+            embed_scale: (self.hidden as f32).sqrt(),
+            sliding_window: window,
+            query_pre_attn_scalar,
+            layer_kinds: ModelConfig::interleaved_kinds(self.n_layers, 6),
+            rope_local_theta: Some(10000.0),
+            rope_style: RopeStyle::Half,
+            ..self
+        }
     }
 
     /// From a Hugging Face / MLX `config.json`.
@@ -190,11 +330,36 @@ impl ModelConfig {
         let arch = match model_type {
             "llama" | "mistral" | "minicpm5" | "smollm2" => Arch::Llama,
             "qwen2" => Arch::Qwen2,
+            "qwen3" => Arch::Qwen3,
+            "gemma3_text" => Arch::Gemma3,
+            "gemma3" => {
+                return Err(Error::Unsupported(format!(
+                    "{src}: model_type \"gemma3\" is Gemma 3 with its vision tower; ferrolm runs the text-only \"gemma3_text\" checkpoints"
+                )))
+            }
             other => {
                 return Err(Error::format(
                     path,
-                    format!("model_type {other:?} is not supported (llama, mistral, qwen2)"),
+                    format!("model_type {other:?} is not supported (llama, mistral, qwen2, qwen3, gemma3_text)"),
                 ))
+            }
+        };
+        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if j.get(key).is_some_and(|v| !v.is_null()) {
+                return Err(Error::Unsupported(format!("{src}: {key} (logit soft-capping, Gemma 2)")));
+            }
+        }
+        if j.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true) && arch != Arch::Gemma3 {
+            return Err(Error::Unsupported(format!(
+                "{src}: use_sliding_window (Qwen's sliding window on upper layers)"
+            )));
+        }
+        let activation = match j.get("hidden_activation").or_else(|| j.get("hidden_act")).and_then(|v| v.as_str()) {
+            None if arch == Arch::Gemma3 => Activation::GeluTanh,
+            None | Some("silu") | Some("swish") => Activation::Silu,
+            Some("gelu_pytorch_tanh") => Activation::GeluTanh,
+            Some(other) => {
+                return Err(Error::Unsupported(format!("{src}: MLP activation {other:?} (silu, gelu_pytorch_tanh)")))
             }
         };
         let hidden = u("hidden_size")?;
@@ -205,6 +370,20 @@ impl ModelConfig {
             Some(full) if full.is_object() => full,
             _ => p,
         });
+        // Gemma 3's sliding layers have a base of their own (Transformers 4:
+        // rope_local_base_freq; 5: rope_parameters.sliding_attention).
+        let local_params = j.get("rope_parameters").and_then(|p| p.get("sliding_attention")).filter(|v| v.is_object());
+        if let Some(ty) =
+            local_params.and_then(|p| p.get("rope_type")).and_then(|v| v.as_str()).filter(|t| *t != "default")
+        {
+            return Err(Error::Unsupported(format!("{src}: rope type {ty:?} on sliding-window layers")));
+        }
+        let rope_local_theta = match (j.get("rope_local_base_freq"), local_params.and_then(|p| p.get("rope_theta"))) {
+            (Some(t), _) if !t.is_null() => t.as_f64(),
+            (_, Some(t)) => t.as_f64(),
+            _ if arch == Arch::Gemma3 => Some(10000.0),
+            _ => None,
+        };
         let rope_theta = match (j.get("rope_theta"), rope_params.and_then(|p| p.get("rope_theta"))) {
             (Some(t), _) if !t.is_null() => t.as_f64(),
             (_, Some(t)) => t.as_f64(),
@@ -236,10 +415,12 @@ impl ModelConfig {
                 other => return Err(Error::Unsupported(format!("{src}: rope_scaling type {other:?}"))),
             }
         }
-        let cfg = ModelConfig {
+        let n_layers = u("num_hidden_layers")?;
+        let gemma = arch == Arch::Gemma3;
+        let mut cfg = ModelConfig {
             arch,
             hidden,
-            n_layers: u("num_hidden_layers")?,
+            n_layers,
             n_heads,
             n_kv_heads: u("num_key_value_heads").unwrap_or(n_heads),
             head_dim: u("head_dim").unwrap_or(hidden / n_heads.max(1)),
@@ -251,9 +432,24 @@ impl ModelConfig {
             rope_style: RopeStyle::Half,
             llama3_scaling,
             rope_linear,
-            tie_embeddings: j.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+            // Gemma's configs leave it out: tied by default.
+            tie_embeddings: j.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(gemma),
             qkv_bias: arch == Arch::Qwen2 || j.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false),
+            qk_norm: matches!(arch, Arch::Qwen3 | Arch::Gemma3),
+            activation,
+            ..Default::default()
         };
+        let window = j.get("sliding_window").and_then(|v| v.as_u64()).map(|w| w as usize);
+        if gemma {
+            let scalar = j.get("query_pre_attn_scalar").and_then(|v| v.as_f64()).unwrap_or(256.0) as f32;
+            cfg = cfg.gemma3(window.unwrap_or(4096), Some(scalar));
+            cfg.activation = activation;
+            cfg.rope_local_theta = rope_local_theta.map(|t| t as f32);
+        }
+        cfg.layer_kinds = layer_kinds(&j, n_layers, window.is_some(), gemma).map_err(|m| Error::format(path, m))?;
+        if !gemma {
+            cfg.sliding_window = window.filter(|_| cfg.layer_kinds.contains(&AttnKind::Sliding)).unwrap_or(0);
+        }
         cfg.validate(&src)?;
         Ok(cfg)
     }
@@ -271,6 +467,44 @@ impl ModelConfig {
             })
             .collect()
     }
+
+    /// The sliding-window layers' own inverse frequencies (no scaling), where they have a
+    /// base of their own.
+    pub fn rope_local_inv_freq(&self) -> Option<Vec<f32>> {
+        let base = self.rope_local_theta? as f64;
+        let d = self.head_dim as f64;
+        Some((0..self.head_dim / 2).map(|i| (1.0 / base.powf(2.0 * i as f64 / d)) as f32).collect())
+    }
+}
+
+/// Each layer's attention kind from a config.json: `layer_types` where given, else Gemma 3's
+/// `sliding_window_pattern` (default 6), else every layer sliding when there is a
+/// `sliding_window` (Mistral), else none.
+fn layer_kinds(
+    j: &serde_json::Value,
+    n_layers: usize,
+    windowed: bool,
+    gemma: bool,
+) -> std::result::Result<Vec<AttnKind>, String> {
+    if let Some(types) = j.get("layer_types").filter(|v| !v.is_null()) {
+        let types = types.as_array().ok_or("layer_types: not a list")?;
+        return types
+            .iter()
+            .map(|t| match t.as_str() {
+                Some("full_attention") => Ok(AttnKind::Full),
+                Some("sliding_attention") => Ok(AttnKind::Sliding),
+                _ => Err(format!(
+                    "layer_types: {} is not full_attention or sliding_attention",
+                    crate::files::printable(&t.to_string())
+                )),
+            })
+            .collect();
+    }
+    if gemma {
+        let period = j.get("sliding_window_pattern").and_then(|v| v.as_u64()).unwrap_or(6) as usize;
+        return Ok(ModelConfig::interleaved_kinds(n_layers, period));
+    }
+    Ok(if windowed { vec![AttnKind::Sliding; n_layers] } else { Vec::new() })
 }
 
 fn llama3_scale(freq: f64, s: &Llama3Scaling) -> f64 {

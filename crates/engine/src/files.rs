@@ -11,6 +11,12 @@ use std::path::Path;
 /// `--file`): far above any real one (Qwen's tokenizer.json is 7 MB).
 pub const TEXT_LIMIT: u64 = 256 << 20;
 
+/// `s` with control characters escaped (`\u{1b}`): names and messages that come from files
+/// are printed, and an escape sequence or a newline in them must not reach the terminal raw.
+pub fn printable(s: &str) -> String {
+    s.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
+}
+
 /// `path` is a regular file (symlinks followed); else an error naming what it is.
 pub fn check_regular(path: &Path) -> Result<std::fs::Metadata> {
     let m = std::fs::metadata(path).map_err(|e| Error::io(path, e))?;

@@ -2,13 +2,13 @@
 //! chat turns, and the sample loop shared by `generate`, `chat` and `bench`.
 
 use crate::backend::Backend;
-use crate::model::{Llama, Logits};
+use crate::model::{Decoder, Logits};
 use crate::sample::Sampler;
 use crate::{Error, Result};
 use std::time::Instant;
 
 pub struct Session<'m, B: Backend> {
-    pub model: &'m Llama<B>,
+    pub model: &'m Decoder<B>,
     /// Always Some but in `drop`, which hands it to the model's session pool.
     kv: Option<B::Kv>,
     /// Decode logits `[1, V]`, kept on the device across steps (a captured step writes here).
@@ -47,7 +47,7 @@ impl GenStats {
     }
 }
 
-/// What a finished session leaves to the next one of the same capacity (`Llama`'s session
+/// What a finished session leaves to the next one of the same capacity (`Decoder`'s session
 /// pool): its cache, its step buffers and its id, so the backend's captured decode steps,
 /// which point at those buffers and are keyed by that id, replay for the next session
 /// instead of being captured again. On CUDA a capture (a dry pass, the capture, the graph's
@@ -78,7 +78,7 @@ fn feed_steps() -> usize {
 impl<'m, B: Backend> Session<'m, B> {
     /// A session with an empty cache of `max_seq` positions (capped by the model's context):
     /// a finished session's parts of that capacity if the model keeps one, else new ones.
-    pub fn new(model: &'m Llama<B>, max_seq: usize) -> Result<Self> {
+    pub fn new(model: &'m Decoder<B>, max_seq: usize) -> Result<Self> {
         let max_seq = max_seq.min(model.cfg.max_ctx).max(1);
         let pooled = {
             let mut pool = model.session_pool.lock().unwrap_or_else(|e| e.into_inner());
@@ -447,7 +447,7 @@ pub struct Perplexity {
     pub argmax: Vec<u32>,
 }
 
-pub fn perplexity<B: Backend>(model: &Llama<B>, tokens: &[u32], ctx: usize) -> Result<Perplexity> {
+pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize) -> Result<Perplexity> {
     if ctx < 2 {
         return Err(Error::Invalid(format!("--ctx {ctx}: need at least 2 tokens per chunk")));
     }

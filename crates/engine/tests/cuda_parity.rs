@@ -9,9 +9,9 @@
 
 use ferrolm::backend::cpu::{Cpu, CpuAct};
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
-use ferrolm::backend::{Backend, Rope};
-use ferrolm::config::RopeStyle;
-use ferrolm::model::{Llama, Logits};
+use ferrolm::backend::{Attend, Backend, Rope};
+use ferrolm::config::{Activation, RopeStyle};
+use ferrolm::model::{Decoder, Logits};
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 use std::sync::OnceLock;
 
@@ -89,6 +89,7 @@ fn attention_both(
     (heads, n_kv, hd): (usize, usize, usize),
     m: usize,
     pos: usize,
+    attend: Attend,
 ) -> (ferrolm::backend::cuda::CudaAct, Vec<f32>, ferrolm::backend::cuda::CudaAct) {
     let (g, c) = (gpu(), Cpu);
     let q = bf(&r.v(m * heads * hd, 1.0));
@@ -98,9 +99,10 @@ fn attention_both(
     let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
     g.begin(&[], pos).unwrap();
     let (kg, vg) = (g.act_from(m, n_kv * hd, &k).unwrap(), g.act_from(m, n_kv * hd, &v).unwrap());
-    g.attention(&qg, &kg, &vg, kvg, 0, pos, &mut og).unwrap();
+    g.attention(&qg, &kg, &vg, kvg, 0, pos, attend, &mut og).unwrap();
     let mut oc = c.act(m, heads * hd).unwrap();
-    c.attention(&cpu(m, heads * hd, q), &cpu(m, n_kv * hd, k), &cpu(m, n_kv * hd, v), kvc, 0, pos, &mut oc).unwrap();
+    let (qc, kc, vc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k), cpu(m, n_kv * hd, v));
+    c.attention(&qc, &kc, &vc, kvc, 0, pos, attend, &mut oc).unwrap();
     (og, oc.data, qg)
 }
 
@@ -125,7 +127,14 @@ fn ops_match_cpu() {
     let mut og = g.act_poisoned(m, d, false).unwrap();
     g.rms_norm(&g.act_from_f32(m, d, &xf).unwrap(), &g.vector(w.clone()).unwrap(), 1e-5, &mut og).unwrap();
     check("rmsnorm f32 in", &g.read_rows(&og, 0).unwrap(), &oc.data, 1e-2);
-    // add, silu_mul, add_bias
+    // q/k head norms (in place, heads of 64)
+    let wh = r.v(64, 1.0);
+    let mut hg = g.act_from(m, d, &x).unwrap();
+    g.rms_norm_heads(&mut hg, &g.vector(wh.clone()).unwrap(), 1e-6).unwrap();
+    let mut hc = xc.clone();
+    c.rms_norm_heads(&mut hc, &wh, 1e-6).unwrap();
+    check("rms_norm_heads", &g.read_rows(&hg, 0).unwrap(), &hc.data, 1e-2);
+    // add, glu (SwiGLU, GeGLU), add_bias
     let y = bf(&r.v(m * d, 1.0));
     let mut ag = g.act_from(m, d, &x).unwrap();
     g.add(&mut ag, &g.act_from(m, d, &y).unwrap()).unwrap();
@@ -137,11 +146,13 @@ fn ops_match_cpu() {
     let mut ac = cpu(m, d, xf.clone());
     c.add(&mut ac, &cpu(m, d, y.clone())).unwrap();
     check("add f32 += bf16", &g.read_rows(&ag, 0).unwrap(), &ac.data, 1e-6);
-    let mut sg = g.act_poisoned(m, d, false).unwrap();
-    g.silu_mul(&xg, &g.act_from(m, d, &y).unwrap(), &mut sg).unwrap();
-    let mut sc = c.act(m, d).unwrap();
-    c.silu_mul(&xc, &cpu(m, d, y.clone()), &mut sc).unwrap();
-    check("silu_mul", &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let mut sg = g.act_poisoned(m, d, false).unwrap();
+        g.glu(&xg, &g.act_from(m, d, &y).unwrap(), act, &mut sg).unwrap();
+        let mut sc = c.act(m, d).unwrap();
+        c.glu(&xc, &cpu(m, d, y.clone()), act, &mut sc).unwrap();
+        check(&format!("glu {act:?}"), &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+    }
     let bias = r.v(d, 0.5);
     let mut bg = g.act_from(m, d, &x).unwrap();
     g.add_bias(&mut bg, &g.vector(bias.clone()).unwrap()).unwrap();
@@ -198,12 +209,15 @@ fn matmuls_and_embeddings_match_cpu() {
             }
         }
         let toks = [3u32, 0, 199, 42];
-        let mut eg = g.act_poisoned(4, k, true).unwrap();
-        g.begin(&toks, 0).unwrap();
-        g.embed(&wg, &toks, &mut eg).unwrap();
-        let mut ec = c.act(4, k).unwrap();
-        c.embed(&w, &toks, &mut ec).unwrap();
-        check(&format!("embed {name}"), &g.read_rows(&eg, 0).unwrap(), &ec.data, 1e-6);
+        // Plain, and scaled as Gemma's are (√640).
+        for scale in [1.0, 25.298_22] {
+            let mut eg = g.act_poisoned(4, k, true).unwrap();
+            g.begin(&toks, 0).unwrap();
+            g.embed(&wg, &toks, scale, &mut eg).unwrap();
+            let mut ec = c.act(4, k).unwrap();
+            c.embed(&w, &toks, scale, &mut ec).unwrap();
+            check(&format!("embed {name} ×{scale}"), &g.read_rows(&eg, 0).unwrap(), &ec.data, 1e-6);
+        }
     }
 }
 
@@ -219,7 +233,8 @@ fn attention_matches_cpu_prefill_and_decode() {
             let mut kvc = c.kv_cache(&cfg, cache).unwrap();
             let mut pos = 0;
             for m in steps {
-                let (og, want, _) = attention_both(&mut r, &mut kvg, &mut kvc, (heads, n_kv, hd), m, pos);
+                let attend = Attend::causal(hd);
+                let (og, want, _) = attention_both(&mut r, &mut kvg, &mut kvc, (heads, n_kv, hd), m, pos, attend);
                 check(
                     &format!("attention {heads}/{n_kv}x{hd} cache{cache} m{m} pos{pos}"),
                     &g.read_rows(&og, 0).unwrap(),
@@ -232,17 +247,17 @@ fn attention_matches_cpu_prefill_and_decode() {
     }
 }
 
-fn smollm2() -> (Llama<Cpu>, Llama<Cuda>, ferrolm::tokenizer::Tokenizer) {
+fn smollm2() -> (Decoder<Cpu>, Decoder<Cuda>, ferrolm::tokenizer::Tokenizer) {
     let path = ferrolm::hub::default_model().expect("SmolLM2 in the model cache");
     let (mut a, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
-    (Llama::load(Cpu, &mut a).unwrap(), smollm2_cuda(CudaConfig::from_env()), tok)
+    (Decoder::load(Cpu, &mut a).unwrap(), smollm2_cuda(CudaConfig::from_env()), tok)
 }
 
 /// SmolLM2 on a CUDA device with `cfg`.
-fn smollm2_cuda(cfg: CudaConfig) -> Llama<Cuda> {
+fn smollm2_cuda(cfg: CudaConfig) -> Decoder<Cuda> {
     let path = ferrolm::hub::default_model().expect("SmolLM2 in the model cache");
     let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
-    Llama::load(Cuda::with_config(0, cfg).unwrap(), &mut b).unwrap()
+    Decoder::load(Cuda::with_config(0, cfg).unwrap(), &mut b).unwrap()
 }
 
 #[test]
@@ -504,7 +519,7 @@ fn kl_and_agreement(p: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, usize, usize) {
 
 /// SmolLM2 decode steps fed the same tokens after a ~300-token prompt (so attention has
 /// several splits and their merge), replaying captured graphs: the logits of each step.
-fn decode_steps<B: Backend>(m: &Llama<B>, tok: &ferrolm::tokenizer::Tokenizer) -> Vec<Vec<f32>> {
+fn decode_steps<B: Backend>(m: &Decoder<B>, tok: &ferrolm::tokenizer::Tokenizer) -> Vec<Vec<f32>> {
     let text = "The quick brown fox jumps over the lazy dog while the cat sleeps in the warm sun. ".repeat(16);
     let ids = tok.encode(&text, true).unwrap();
     assert!(ids.len() > 256, "prompt of {} tokens", ids.len());
@@ -551,7 +566,7 @@ fn config_switches_keep_decode_correct() {
     eprintln!("SmolLM2 decode, default vs CPU: mean KL {kl:.2e}, argmax {agree}/{counted}");
     assert!(kl <= 2e-3 && agree == counted, "default: mean KL {kl}, argmax {agree}/{counted}");
     // Greedy steps: the head's fused argmax (on by default) picks the separate argmax's tokens.
-    let greedy = |m: &Llama<Cuda>| {
+    let greedy = |m: &Decoder<Cuda>| {
         let ids = tok.encode("The capital of France is", true).unwrap();
         let mut s = ferrolm::generate::Session::new(m, 128).unwrap();
         let (l, _) = s.feed(&ids).unwrap();
@@ -577,16 +592,25 @@ fn rope_attention_matches_cpu() {
     // the last one (deep: many splits); shorter ones into one cluster per head, merged in
     // rank 0's shared memory (directly for head dims up to 128; 256 the two-level way),
     // including splits with no position yet (the decode-only tail from position 0).
+    // The last cases are sliding-window layers (Gemma 3's 270M shape among them) with their
+    // own query scale: windows shorter than a prefill chunk, than a split, and crossing
+    // splits, clusters and flash tiles.
+    let causal = |hd: usize| Attend::causal(hd);
+    let window = |w: usize, scale: f32| Attend { scale, window: Some(w) };
     let cases = [
-        (9, 3, 64, RopeStyle::Half, 8192, &[300, 1, 1, 5700, 1, 1][..]),
-        (32, 8, 64, RopeStyle::Interleaved, 1100, short),
-        (16, 2, 128, RopeStyle::Half, 1100, short),
-        (32, 8, 64, RopeStyle::Half, 640, short),
-        (16, 2, 128, RopeStyle::Interleaved, 1024, short),
-        (8, 8, 32, RopeStyle::Half, 512, tail),
-        (4, 2, 256, RopeStyle::Half, 512, tail),
+        (9, 3, 64, RopeStyle::Half, 8192, &[300, 1, 1, 5700, 1, 1][..], causal(64)),
+        (32, 8, 64, RopeStyle::Interleaved, 1100, short, causal(64)),
+        (16, 2, 128, RopeStyle::Half, 1100, short, causal(128)),
+        (32, 8, 64, RopeStyle::Half, 640, short, causal(64)),
+        (16, 2, 128, RopeStyle::Interleaved, 1024, short, causal(128)),
+        (8, 8, 32, RopeStyle::Half, 512, tail, causal(32)),
+        (4, 2, 256, RopeStyle::Half, 512, tail, causal(256)),
+        (4, 1, 256, RopeStyle::Half, 1100, &[600, 1, 1, 300, 1][..], window(512, 0.0625)),
+        (9, 3, 64, RopeStyle::Half, 8192, &[300, 1, 1, 5700, 1, 1][..], window(1000, 0.2)),
+        (16, 2, 128, RopeStyle::Interleaved, 640, short, window(37, 0.1)),
+        (8, 8, 32, RopeStyle::Half, 512, tail, window(5, 0.3)),
     ];
-    for (heads, n_kv, hd, style, cache, steps) in cases {
+    for (heads, n_kv, hd, style, cache, steps, attend) in cases {
         let cfg = attn_cfg(heads, n_kv, hd, 2, style);
         let rope = Rope { inv_freq: cfg.rope_inv_freq(), style, linear: 1.0 };
         let mut kvg = g.kv_cache(&cfg, cache).unwrap();
@@ -600,13 +624,12 @@ fn rope_attention_matches_cpu() {
             g.begin(&[], pos).unwrap();
             let (mut qg, mut kg) = (g.act_from(m, heads * hd, &q).unwrap(), g.act_from(m, n_kv * hd, &k).unwrap());
             let vg = g.act_from(m, n_kv * hd, &v).unwrap();
-            g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, pos, &rope, (heads, n_kv), &mut og).unwrap();
+            g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, pos, &rope, (heads, n_kv), attend, &mut og).unwrap();
             let mut oc = c.act(m, heads * hd).unwrap();
-            let (mut qc, mut kc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k));
-            c.rope_attention(&mut qc, &mut kc, &cpu(m, n_kv * hd, v), &mut kvc, 1, pos, &rope, (heads, n_kv), &mut oc)
-                .unwrap();
+            let (mut qc, mut kc, vc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k), cpu(m, n_kv * hd, v));
+            c.rope_attention(&mut qc, &mut kc, &vc, &mut kvc, 1, pos, &rope, (heads, n_kv), attend, &mut oc).unwrap();
             check(
-                &format!("rope_attention {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos}"),
+                &format!("rope_attention {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos} {attend:?}"),
                 &g.read_rows(&og, 0).unwrap(),
                 &oc.data,
                 1e-2,
@@ -691,7 +714,7 @@ fn kernel_trace_records_decode_steps() {
     {
         let cuda = Cuda::with_config(0, CudaConfig { trace: Some(path.clone()), ..CudaConfig::default() });
         let (mut w, tok) = ferrolm::formats::load_with_tokenizer(&path_mb, false).unwrap();
-        let mg = Llama::load(cuda.unwrap(), &mut w).unwrap();
+        let mg = Decoder::load(cuda.unwrap(), &mut w).unwrap();
         ids = tok.encode("The capital of France is", true).unwrap();
         let mut s = Session::new(&mg, 128).unwrap();
         let (l, _) = s.feed(&ids).unwrap();

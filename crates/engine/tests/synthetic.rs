@@ -10,7 +10,7 @@ use ferrolm::config::{Arch, ModelConfig, RopeStyle};
 use ferrolm::formats::mlx_write::{hf_config_json, tokenizer_files, write_mlx_dir};
 use ferrolm::formats::synthetic::{self, build, build_config, pad_tokenizer};
 use ferrolm::formats::{self, names, ModelSource};
-use ferrolm::model::{Llama, Logits};
+use ferrolm::model::{Decoder, Logits};
 use ferrolm::quant::scheme::{apply, QuantScheme};
 use ferrolm::quant::Weight;
 use ferrolm::tokenizer::{ChatMessage, Tokenizer};
@@ -191,7 +191,7 @@ fn prompt(vocab: usize, n: usize) -> Vec<u32> {
 fn check_activations(label: &str, mut src: ModelSource) {
     let cfg = src.config.clone();
     let tokens = prompt(cfg.vocab, 12);
-    let model = Llama::load(Cpu, &mut src).unwrap();
+    let model = Decoder::load(Cpu, &mut src).unwrap();
     let run = |which| {
         let mut kv = model.new_cache(tokens.len()).unwrap();
         model.forward(&tokens, 0, &mut kv, which).unwrap()

@@ -4,7 +4,7 @@
 pub mod cpu;
 pub mod cuda;
 
-use crate::config::ModelConfig;
+use crate::config::{Activation, ModelConfig};
 use crate::quant::Weight;
 use crate::Result;
 
@@ -17,7 +17,7 @@ pub struct Rope {
     pub linear: f32,
 }
 
-/// One Llama-family decoder layer's weights.
+/// One decoder layer's weights. Norm gains are the factors applied (Gemma's 1 + w).
 pub struct LayerWeights<'a, B: Backend> {
     pub attn_norm: &'a B::Vector,
     pub wq: &'a B::Mat,
@@ -25,11 +25,43 @@ pub struct LayerWeights<'a, B: Backend> {
     pub wv: &'a B::Mat,
     /// q/k/v biases (Qwen2).
     pub qkv_bias: Option<[&'a B::Vector; 3]>,
+    /// RMSNorm gains `[hd]` of each q and k head, applied before RoPE (Qwen3, Gemma 3).
+    pub qk_norm: Option<[&'a B::Vector; 2]>,
     pub wo: &'a B::Mat,
+    /// RMSNorm of the attention output before the residual add (Gemma 3).
+    pub post_attn_norm: Option<&'a B::Vector>,
     pub mlp_norm: &'a B::Vector,
     pub w_gate: &'a B::Mat,
     pub w_up: &'a B::Mat,
     pub w_down: &'a B::Mat,
+    /// RMSNorm of the MLP output before the residual add (Gemma 3).
+    pub post_mlp_norm: Option<&'a B::Vector>,
+}
+
+impl<B: Backend> LayerWeights<'_, B> {
+    /// Whether the layer is a plain Llama one: no q/k norms and no post-norms.
+    pub fn is_llama(&self) -> bool {
+        self.qk_norm.is_none() && self.post_attn_norm.is_none() && self.post_mlp_norm.is_none()
+    }
+}
+
+/// How a layer's queries attend: the factor scores are scaled by, and for a sliding-window
+/// layer how many positions each query sees (its own included).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Attend {
+    pub scale: f32,
+    pub window: Option<usize>,
+}
+
+impl Attend {
+    /// Full causal attention scaled by head_dim^-½.
+    pub fn causal(head_dim: usize) -> Attend {
+        Attend { scale: 1.0 / (head_dim as f32).sqrt(), window: None }
+    }
+    /// The first position a query at `pos` attends to.
+    pub fn first(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
 }
 
 /// A layer's scratch activations for m rows: xn `[m, d]` normed, q `[m, h·hd]`, k and v
@@ -46,12 +78,15 @@ pub struct LayerScratch<'a, B: Backend> {
     pub act: &'a mut B::Act,
 }
 
-/// What a layer's ops need beyond its weights: query and kv heads, the norms' epsilon.
+/// What a layer's ops need beyond its weights: query and kv heads, the norms' epsilon, the
+/// MLP's activation and how the queries attend.
 #[derive(Clone, Copy, Debug)]
 pub struct LayerShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub eps: f32,
+    pub act: Activation,
+    pub attend: Attend,
 }
 
 /// Largest k `Backend::top_k` takes (the CUDA kernel's limit is only the output size; this
@@ -141,10 +176,13 @@ pub trait Backend: Sync {
     fn take_read(&self, _slot: usize) -> Result<Vec<u32>> {
         Err(crate::Error::Invalid(format!("the {} backend does not queue reads", self.name())))
     }
-    /// out[i] = table[tokens[i]] (out is the f32 residual stream)
-    fn embed(&self, table: &Self::Mat, tokens: &[u32], out: &mut Self::Act) -> Result<()>;
+    /// out[i] = table[tokens[i]] · scale (out is the f32 residual stream)
+    fn embed(&self, table: &Self::Mat, tokens: &[u32], scale: f32, out: &mut Self::Act) -> Result<()>;
     /// out = x / rms(x) · w, per row.
     fn rms_norm(&self, x: &Self::Act, w: &Self::Vector, eps: f32, out: &mut Self::Act) -> Result<()>;
+    /// x = x / rms(x) · w in place over each head of each row (head width w.len()): the
+    /// q/k norms.
+    fn rms_norm_heads(&self, x: &mut Self::Act, w: &Self::Vector, eps: f32) -> Result<()>;
     /// out = x · wᵀ  (x `[m, in]`, out `[m, out]`).
     fn matmul(&self, x: &Self::Act, w: &Self::Mat, out: &mut Self::Act) -> Result<()>;
     /// outs[i] = x · ws[i]ᵀ for several matrices sharing the input (q/k/v, gate/up), so a
@@ -155,7 +193,8 @@ pub trait Backend: Sync {
     /// Rotate each head of each row; row i sits at position pos0 + i.
     fn rope(&self, x: &mut Self::Act, n_heads: usize, pos0: usize, rope: &Rope) -> Result<()>;
     /// Write k/v rows at positions pos0.. of `layer` into the cache, then causal attention
-    /// of q over positions 0..=pos. q `[m, n_heads·hd]`, k/v `[m, n_kv·hd]`.
+    /// of q over positions `attend.first(pos)..=pos`, scores scaled by `attend.scale`.
+    /// q `[m, n_heads·hd]`, k/v `[m, n_kv·hd]`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
         &self,
@@ -165,10 +204,11 @@ pub trait Backend: Sync {
         kv: &mut Self::Kv,
         layer: usize,
         pos0: usize,
+        attend: Attend,
         out: &mut Self::Act,
     ) -> Result<()>;
-    /// out = silu(gate) · up
-    fn silu_mul(&self, gate: &Self::Act, up: &Self::Act, out: &mut Self::Act) -> Result<()>;
+    /// out = act(gate) · up (SwiGLU, GeGLU)
+    fn glu(&self, gate: &Self::Act, up: &Self::Act, act: Activation, out: &mut Self::Act) -> Result<()>;
     /// x += y
     fn add(&self, x: &mut Self::Act, y: &Self::Act) -> Result<()>;
     /// Fused forms of the sequences a layer runs. The defaults compose the ops above (the
@@ -189,28 +229,42 @@ pub trait Backend: Sync {
         self.rms_norm(x, norm, eps, xn)?;
         self.matmul_many(xn, ws, outs)
     }
-    /// out = silu(xn·gateᵀ) · (xn·upᵀ) with xn = rms_norm(x); xn, g and u are scratch.
+    /// out = act(xn·gateᵀ) · (xn·upᵀ) with xn = rms_norm(x); xn, g and u are scratch.
     #[allow(clippy::too_many_arguments)]
-    fn norm_swiglu(
+    fn norm_glu(
         &self,
         x: &Self::Act,
-        norm: &Self::Vector,
-        eps: f32,
+        (norm, eps): (&Self::Vector, f32),
         xn: &mut Self::Act,
-        gate: &Self::Mat,
-        up: &Self::Mat,
+        (gate, up): (&Self::Mat, &Self::Mat),
+        act: Activation,
         g: &mut Self::Act,
         u: &mut Self::Act,
         out: &mut Self::Act,
     ) -> Result<()> {
         self.rms_norm(x, norm, eps, xn)?;
         self.matmul_many(xn, &[gate, up], &mut [g, u])?;
-        self.silu_mul(g, u, out)
+        self.glu(g, u, act, out)
     }
     /// x += y·wᵀ (x the f32 residual stream); tmp is scratch `[m, out]`.
     fn matmul_add(&self, y: &Self::Act, w: &Self::Mat, x: &mut Self::Act, tmp: &mut Self::Act) -> Result<()> {
         self.matmul(y, w, tmp)?;
         self.add(x, tmp)
+    }
+    /// x += rms_norm(y·wᵀ) (Gemma's post-norms); tmp and tmp2 are scratch `[m, out]`.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_norm_add(
+        &self,
+        y: &Self::Act,
+        w: &Self::Mat,
+        (norm, eps): (&Self::Vector, f32),
+        x: &mut Self::Act,
+        tmp: &mut Self::Act,
+        tmp2: &mut Self::Act,
+    ) -> Result<()> {
+        self.matmul(y, w, tmp)?;
+        self.rms_norm(tmp, norm, eps, tmp2)?;
+        self.add(x, tmp2)
     }
     /// RoPE on q (n_heads) and k (n_kv heads) at positions pos0.., then `attention`.
     /// Afterwards q and k hold either the rotated or the original values (a backend may
@@ -226,14 +280,15 @@ pub trait Backend: Sync {
         pos0: usize,
         rope: &Rope,
         (n_heads, n_kv): (usize, usize),
+        attend: Attend,
         out: &mut Self::Act,
     ) -> Result<()> {
         self.rope(q, n_heads, pos0, rope)?;
         self.rope(k, n_kv, pos0, rope)?;
-        self.attention(q, k, v, kv, layer, pos0, out)
+        self.attention(q, k, v, kv, layer, pos0, attend, out)
     }
     /// One layer for one token (x `[1, d]`) at the staged position: the same math as
-    /// the model's ops (`model::llama::layer_ops`, the default). A backend overrides it with
+    /// the model's ops (`model::decoder::layer_ops`, the default). A backend overrides it with
     /// its decode step (CUDA: decode.rs's five launches).
     #[allow(clippy::too_many_arguments)]
     fn decode_layer(
@@ -250,7 +305,7 @@ pub trait Backend: Sync {
     where
         Self: Sized,
     {
-        crate::model::llama::layer_ops(self, w, x, kv, layer, pos0, rope, shape, s)
+        crate::model::decoder::layer_ops(self, w, x, kv, layer, pos0, rope, shape, s)
     }
     /// The head of a greedy decode step: logits = head·n(x) for one row (n the RMSNorm with
     /// `norm`, xn scratch), then their argmax into out[0] (`argmax`, or `argmax_fed` when

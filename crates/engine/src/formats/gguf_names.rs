@@ -3,13 +3,15 @@
 
 use super::gguf::GgufFile;
 use super::{ModelSource, TensorMap, TokenizerSource};
-use crate::config::ModelConfig;
+use crate::config::{Arch, ModelConfig};
 use crate::quant::ggml;
+use crate::quant::{DenseData, DenseTensor, Weight};
 use crate::{Error, Result};
 use std::path::Path;
 
-/// Canonical name for a ggml tensor name; `None` for tensors the model does not use.
-pub fn canonical(name: &str) -> Option<String> {
+/// Canonical name for a ggml tensor name of a model of `arch`; `None` for tensors the model
+/// does not use.
+pub fn canonical(name: &str, arch: Arch) -> Option<String> {
     let fixed = match name {
         "token_embd.weight" => Some("model.embed_tokens.weight"),
         "output_norm.weight" => Some("model.norm.weight"),
@@ -32,7 +34,14 @@ pub fn canonical(name: &str) -> Option<String> {
         "attn_k.bias" => "self_attn.k_proj.bias",
         "attn_v.bias" => "self_attn.v_proj.bias",
         "attn_output.weight" => "self_attn.o_proj.weight",
+        "attn_q_norm.weight" => "self_attn.q_norm.weight",
+        "attn_k_norm.weight" => "self_attn.k_norm.weight",
+        // Gemma's norm after attention, then its own before the MLP; Llama's pre-MLP norm
+        // has the name of the first.
+        "post_attention_norm.weight" => "post_attention_layernorm.weight",
+        "ffn_norm.weight" if arch == Arch::Gemma3 => "pre_feedforward_layernorm.weight",
         "ffn_norm.weight" => "post_attention_layernorm.weight",
+        "post_ffw_norm.weight" => "post_feedforward_layernorm.weight",
         "ffn_gate.weight" => "mlp.gate_proj.weight",
         "ffn_up.weight" => "mlp.up_proj.weight",
         "ffn_down.weight" => "mlp.down_proj.weight",
@@ -53,13 +62,16 @@ pub fn from_file(g: &GgufFile, progress: bool) -> Result<ModelSource> {
     let bar = crate::progress::bar(progress, total, "loading");
     let mut tensors = TensorMap::new();
     for t in &g.tensors {
-        let Some(name) = canonical(&t.name) else {
+        let Some(name) = canonical(&t.name, config.arch) else {
             bar.inc(t.len as u64);
             continue;
         };
         let (rows, cols) = t.matrix_shape();
-        let w = ggml::import(t.ty, g.data(t), rows, cols)
+        let mut w = ggml::import(t.ty, g.data(t), rows, cols)
             .map_err(|e| Error::format(path, format!("tensor {}: {e}", t.name)))?;
+        if config.norm_plus_one && name.ends_with("norm.weight") {
+            w = unit_offset_removed(w);
+        }
         g.release(t);
         tensors.insert(name, w);
         bar.inc(t.len as u64);
@@ -74,4 +86,12 @@ pub fn from_file(g: &GgufFile, progress: bool) -> Result<ModelSource> {
         file_bytes: g.file_size() as u64,
         synthetic: None,
     })
+}
+
+/// A Gemma norm gain as its GGUF stores it (1 + w, llama.cpp's conversion adds the 1) back
+/// to the canonical w.
+fn unit_offset_removed(w: Weight) -> Weight {
+    let (rows, cols) = (w.rows(), w.cols());
+    let data = w.to_f32_vec().into_iter().map(|g| g - 1.0).collect();
+    Weight::Dense(DenseTensor { rows, cols, data: DenseData::F32(data) })
 }

@@ -16,7 +16,7 @@
 
 use super::safetensors::{is_matrix_name, QuantConfig, QuantParams, SYNTHETIC_KEY};
 use super::{names, ModelSource};
-use crate::config::{Arch, ModelConfig, RopeStyle};
+use crate::config::{Arch, AttnKind, ModelConfig, RopeStyle};
 use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
@@ -217,6 +217,8 @@ pub fn hf_config_json(cfg: &ModelConfig, quant: Option<&QuantConfig>) -> std::re
         Arch::Llama if cfg.qkv_bias => return Err("a llama model with only q/k/v biases has no mlx-lm form".into()),
         Arch::Llama => ("llama", "LlamaForCausalLM"),
         Arch::Qwen2 => ("qwen2", "Qwen2ForCausalLM"),
+        Arch::Qwen3 => ("qwen3", "Qwen3ForCausalLM"),
+        Arch::Gemma3 => ("gemma3_text", "Gemma3ForCausalLM"),
     };
     if cfg.arch == Arch::Qwen2 && cfg.head_dim * cfg.n_heads != cfg.hidden {
         return Err(format!(
@@ -240,6 +242,30 @@ pub fn hf_config_json(cfg: &ModelConfig, quant: Option<&QuantConfig>) -> std::re
         "tie_word_embeddings": cfg.tie_embeddings,
         "hidden_act": "silu",
     });
+    if cfg.arch == Arch::Gemma3 {
+        j["hidden_activation"] = json!("gelu_pytorch_tanh");
+        j.as_object_mut().map(|o| o.remove("hidden_act"));
+        j["query_pre_attn_scalar"] = num(cfg.query_pre_attn_scalar.unwrap_or(cfg.head_dim as f32));
+        j["rope_local_base_freq"] = num(cfg.rope_local_theta.unwrap_or(cfg.rope_theta));
+    }
+    if !cfg.layer_kinds.is_empty() {
+        j["sliding_window"] = json!(cfg.sliding_window);
+        let types: Vec<&str> = cfg
+            .layer_kinds
+            .iter()
+            .map(|k| match k {
+                AttnKind::Full => "full_attention",
+                AttnKind::Sliding => "sliding_attention",
+            })
+            .collect();
+        j["layer_types"] = json!(types);
+        // mlx-lm's gemma3_text reads the period of the global layers.
+        if let Some(p) =
+            (1..=cfg.n_layers).find(|&p| ModelConfig::interleaved_kinds(cfg.n_layers, p) == cfg.layer_kinds)
+        {
+            j["sliding_window_pattern"] = json!(p);
+        }
+    }
     if let Some(s) = &cfg.llama3_scaling {
         j["rope_scaling"] = json!({
             "rope_type": "llama3",

@@ -162,8 +162,16 @@ pub fn expected_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
             v.push((l("self_attn.k_proj.bias"), vec![kv]));
             v.push((l("self_attn.v_proj.bias"), vec![kv]));
         }
+        if cfg.qk_norm {
+            v.push((l("self_attn.q_norm.weight"), vec![cfg.head_dim]));
+            v.push((l("self_attn.k_norm.weight"), vec![cfg.head_dim]));
+        }
         v.push((l("self_attn.o_proj.weight"), vec![h, q]));
         v.push((l("post_attention_layernorm.weight"), vec![h]));
+        if cfg.post_norms {
+            v.push((l("pre_feedforward_layernorm.weight"), vec![h]));
+            v.push((l("post_feedforward_layernorm.weight"), vec![h]));
+        }
         v.push((l("mlp.gate_proj.weight"), vec![cfg.ffn, h]));
         v.push((l("mlp.up_proj.weight"), vec![cfg.ffn, h]));
         v.push((l("mlp.down_proj.weight"), vec![h, cfg.ffn]));

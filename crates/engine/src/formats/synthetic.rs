@@ -33,7 +33,7 @@
 
 use super::safetensors::expected_shapes;
 use super::{names, ModelSource, TensorMap, TokenizerSource};
-use crate::config::{Llama3Scaling, ModelConfig};
+use crate::config::{Arch, Llama3Scaling, ModelConfig};
 use crate::quant::affine::{check_scheme, quantize_group, set_q};
 use crate::quant::scheme::QuantScheme;
 use crate::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Scales, Weight};
@@ -45,7 +45,8 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use std::path::PathBuf;
 
-const NAMES: [&str; 4] = ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "minicpm5-1b"];
+const NAMES: [&str; 7] =
+    ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "minicpm5-1b", "gemma-3-270m", "gemma-3-1b", "qwen3-0.6b"];
 
 /// Std of the logits the output head is scaled for (see the module doc).
 const LOGIT_STD: f32 = 2.5;
@@ -112,6 +113,54 @@ pub fn config(name: &str) -> Result<ModelConfig> {
             max_ctx: 131072,
             rope_theta: 500000.0,
             llama3_scaling: llama3(8.0),
+            ..base
+        },
+        // google/gemma-3-270m(-it) and google/gemma-3-1b(-it)
+        "gemma-3-270m" => ModelConfig {
+            hidden: 640,
+            n_layers: 18,
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: 256,
+            ffn: 2048,
+            vocab: 262144,
+            max_ctx: 32768,
+            rms_eps: 1e-6,
+            rope_theta: 1000000.0,
+            tie_embeddings: true,
+            ..base
+        }
+        .gemma3(512, Some(256.0)),
+        "gemma-3-1b" => ModelConfig {
+            hidden: 1152,
+            n_layers: 26,
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: 256,
+            ffn: 6912,
+            vocab: 262144,
+            max_ctx: 32768,
+            rms_eps: 1e-6,
+            rope_theta: 1000000.0,
+            tie_embeddings: true,
+            ..base
+        }
+        .gemma3(512, Some(256.0)),
+        // Qwen/Qwen3-0.6B
+        "qwen3-0.6b" => ModelConfig {
+            arch: Arch::Qwen3,
+            hidden: 1024,
+            n_layers: 28,
+            n_heads: 16,
+            n_kv_heads: 8,
+            head_dim: 128,
+            ffn: 3072,
+            vocab: 151936,
+            max_ctx: 40960,
+            rms_eps: 1e-6,
+            rope_theta: 1000000.0,
+            tie_embeddings: true,
+            qk_norm: true,
             ..base
         },
         // MiniCPM5 1B: a plain Llama.
@@ -205,20 +254,22 @@ pub fn pad_tokenizer(base: &Tokenizer, vocab: usize) -> Result<Tokenizer> {
 enum Dist {
     /// N(0, std²)
     Normal(f32),
-    /// centre · (1 + N(0, GAIN_JITTER²))
-    Gain(f32),
+    /// centre · (1 + N(0, GAIN_JITTER²)) − offset (offset 1 for Gemma's gains, stored as w
+    /// for a gain of 1 + w)
+    Gain(f32, f32),
 }
 
 fn dist(name: &str, rows: usize, cols: usize, cfg: &ModelConfig) -> Dist {
     let fan_in = 1.0 / (cols as f32).sqrt();
+    let offset = if cfg.norm_plus_one { 1.0 } else { 0.0 };
     if name == names::NORM && cfg.tie_embeddings {
         // The head is the embedding: scale its input so the logits still have LOGIT_STD.
-        Dist::Gain(LOGIT_STD / (EMBED_STD * (cfg.hidden as f32).sqrt()))
+        Dist::Gain(LOGIT_STD / (EMBED_STD * (cfg.hidden as f32).sqrt()), offset)
     } else if name.ends_with(".bias") {
         // q/k/v biases (Qwen2-style shapes): small, like the embeddings.
         Dist::Normal(EMBED_STD)
     } else if rows == 1 {
-        Dist::Gain(1.0)
+        Dist::Gain(1.0, offset)
     } else if name == names::EMBED {
         Dist::Normal(EMBED_STD)
     } else if name == names::LM_HEAD {
@@ -271,7 +322,7 @@ impl Spec<'_> {
         rng.set_word_pos(2 * first as u128);
         let (mean, std) = match self.dist {
             Dist::Normal(s) => (0.0, s),
-            Dist::Gain(c) => (c, c * GAIN_JITTER),
+            Dist::Gain(c, offset) => (c - offset, c * GAIN_JITTER),
         };
         // In batches: a bulk fill is a copy out of ChaCha's buffer, next_u64 a branch per value.
         let mut buf = [0u64; 256];

@@ -1,5 +1,5 @@
 //! Model architectures, written once against the backend ops.
 
-pub mod llama;
+pub mod decoder;
 
-pub use llama::{Llama, Logits};
+pub use decoder::{Decoder, Logits};

@@ -22,6 +22,28 @@ const END_OF_TURN: &[&str] = &[
     "</s>",
 ];
 
+/// Gemma's chat format, for GGUFs of the Gemma family that carry no template (llama.cpp
+/// falls back to the same built-in format): a system message is prepended to the first user
+/// turn, the assistant's role is "model", turns end in <end_of_turn>.
+pub(super) const GEMMA_TEMPLATE: &str = r#"{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+{%- set prefix = messages[0]['content'] + '\n\n' -%}{%- set turns = messages[1:] -%}
+{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}
+{%- for m in turns -%}
+{%- if (m['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}
+{%- endif -%}
+{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' + (prefix if loop.first else '') }}
+{{- m['content'] | trim }}<end_of_turn>
+{% endfor -%}
+{%- if add_generation_prompt -%}<start_of_turn>model
+{% endif -%}"#;
+
+/// The built-in template for a GGUF architecture that comes without one.
+pub(super) fn builtin_template(arch: &str) -> Option<&'static str> {
+    arch.starts_with("gemma").then_some(GEMMA_TEMPLATE)
+}
+
 /// EOS, the file's extra stop ids, and every end-of-turn marker the template uses (or, with
 /// no template, every one the vocabulary has).
 pub(super) fn stop_ids(

@@ -82,7 +82,11 @@ impl Tokenizer {
     pub fn from_gguf(g: &GgufFile) -> Result<Tokenizer> {
         let b = gguf_vocab::build(g)?;
         let template = match g.get("tokenizer.chat_template") {
-            None => None,
+            None => g
+                .get("general.architecture")
+                .and_then(|a| a.as_str())
+                .and_then(chat::builtin_template)
+                .map(String::from),
             Some(_) => Some(g.req_str("tokenizer.chat_template")?.to_string()),
         };
         Tokenizer::assemble(b.hf, g.path.display().to_string(), b.specials, &b.extra_stops, template)
@@ -147,6 +151,17 @@ impl Tokenizer {
             ids.extend(s.eos_id);
         }
         Ok(ids)
+    }
+
+    /// A rendered chat template's ids: special tokens parsed, nothing added (the template
+    /// writes its own BOS where the model wants one), as Transformers' apply_chat_template.
+    pub fn encode_chat(&self, text: &str) -> Result<Vec<u32>> {
+        let mut hf = self.hf();
+        hf.set_encode_special_tokens(false);
+        let enc = hf
+            .encode_fast(text, false)
+            .map_err(|e| Error::Invalid(format!("{}: encoding failed: {e}", self.source)))?;
+        Ok(enc.get_ids().to_vec())
     }
 
     /// Text of `ids`; special tokens are not printed.

@@ -7,6 +7,7 @@ use super::{bf, check, cpu, gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::Backend;
+use ferrolm::config::Activation;
 use ferrolm::quant::{AffineTensor, ScaleDtype, Weight};
 
 fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> (ferrolm::backend::cuda::CudaMat, Weight) {
@@ -55,9 +56,9 @@ fn decode_gemvs_at_1b_shapes_match_cpu() {
     // norm → gate/up → SwiGLU (one launch)
     let (wg, wu) = (mat(g, &mut r, f, d), mat(g, &mut r, f, d));
     let (mut gg, mut ug, mut sg) = (g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act_poisoned(1, f, false).unwrap());
-    g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &wg.0, &wu.0, &mut gg, &mut ug, &mut sg).unwrap();
+    g.norm_glu(&xg, (&ng, 1e-5), &mut xn, (&wg.0, &wu.0), Activation::Silu, &mut gg, &mut ug, &mut sg).unwrap();
     let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
-    c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc).unwrap();
+    c.norm_glu(&xc, (&norm, 1e-5), &mut xnc, (&wg.1, &wu.1), Activation::Silu, &mut gc, &mut uc, &mut sc).unwrap();
     check("1B norm→gate/up→SwiGLU", &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
 
     // down: GEMV + residual add
@@ -148,9 +149,9 @@ fn fused_decode_ops_case(r: &mut Rng, dims: (usize, usize, usize, usize), bits: 
     super::check(&format!("norm→head f32 {name}"), &g.read_rows(&hg, 0).unwrap(), &hc.data, 1e-2);
     // norm → gate/up → SwiGLU
     let (mut gg, mut ug, mut sg) = (g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act_poisoned(1, f, false).unwrap());
-    g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &wg.0, &wu.0, &mut gg, &mut ug, &mut sg).unwrap();
+    g.norm_glu(&xg, (&ng, 1e-5), &mut xn, (&wg.0, &wu.0), Activation::Silu, &mut gg, &mut ug, &mut sg).unwrap();
     let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
-    c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc).unwrap();
+    c.norm_glu(&xc, (&norm, 1e-5), &mut xnc, (&wg.1, &wu.1), Activation::Silu, &mut gc, &mut uc, &mut sc).unwrap();
     super::check(&format!("norm→swiglu {name}"), &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
     // GEMV + residual add (down: d × f, o: d × qd): compare the added part (the residual
     // itself is exact)
@@ -221,7 +222,7 @@ fn mlp_staged_x_is_bit_identical() {
             c.act(1, d).unwrap(),
             c.act(1, f).unwrap(),
         );
-        c.norm_swiglu(&xc, &norm, 1e-5, &mut xn, &wg, &wu, &mut gc, &mut uc, &mut ac).unwrap();
+        c.norm_glu(&xc, (&norm, 1e-5), &mut xn, (&wg, &wu), Activation::Silu, &mut gc, &mut uc, &mut ac).unwrap();
         c.matmul_add(&ac, &wd, &mut xc, &mut tmp).unwrap();
         let delta = |v: &[f32]| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
         super::check(&format!("staged MLP {name}"), &delta(&got_x), &delta(&xc.data), 1e-2);

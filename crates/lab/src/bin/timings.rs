@@ -20,8 +20,8 @@
 
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::{Cuda, CudaMat};
-use ferrolm::backend::{Backend, Rope};
-use ferrolm::config::RopeStyle;
+use ferrolm::backend::{Attend, Backend, Rope};
+use ferrolm::config::{Activation, RopeStyle};
 use ferrolm::quant::{AffineTensor, ScaleDtype, Weight};
 use ferrolm::Result;
 use ferrolm_lab::timing::{attn_cfg, bf, cpu, graph_time, report, stream_time, Checks, Rng};
@@ -162,14 +162,14 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
     // norm → gate/up → SwiGLU (one launch)
     let (wg, wu) = (mat(g, r, f, d)?, mat(g, r, f, d)?);
     let (mut gg, mut ug, mut sg) = (g.act(1, f)?, g.act(1, f)?, g.act_poisoned(1, f, false)?);
-    g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &wg.0, &wu.0, &mut gg, &mut ug, &mut sg)?;
+    g.norm_glu(&xg, (&ng, 1e-5), &mut xn, (&wg.0, &wu.0), Activation::Silu, &mut gg, &mut ug, &mut sg)?;
     let (mut gc, mut uc, mut sc) = (c.act(1, f)?, c.act(1, f)?, c.act(1, f)?);
-    c.norm_swiglu(&xc, &norm, 1e-5, &mut xnc, &wg.1, &wu.1, &mut gc, &mut uc, &mut sc)?;
+    c.norm_glu(&xc, (&norm, 1e-5), &mut xnc, (&wg.1, &wu.1), Activation::Silu, &mut gc, &mut uc, &mut sc)?;
     checks.check("1B norm→gate/up→SwiGLU", &g.read_rows(&sg, 0)?, &sc.data, 1e-2);
     let (cg, cu) = (copies(g, &wg.1, n)?, copies(g, &wu.1, n)?);
     let us = graph_time(g, 48, &mut |i| {
         let j = i % n;
-        g.norm_swiglu(&xg, &ng, 1e-5, &mut xn, &cg[j], &cu[j], &mut gg, &mut ug, &mut sg)
+        g.norm_glu(&xg, (&ng, 1e-5), &mut xn, (&cg[j], &cu[j]), Activation::Silu, &mut gg, &mut ug, &mut sg)
     })?;
     report("1B norm→gate/up 2×8192×2048 →SwiGLU", us, bytes(&[&wg.1, &wu.1]));
 
@@ -200,9 +200,9 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
             let j = i % n;
             let [q, k, v] = &mut og[..] else { unreachable!() };
             g.norm_matmul_many(&resid, &ng, 1e-5, &mut xn, &[&cq[j], &ck[j], &cv[j]], &mut [q, k, v])?;
-            g.rope_attention(q, k, v, &mut kv, j, pos, &rope, (heads, n_kv), &mut att)?;
+            g.rope_attention(q, k, v, &mut kv, j, pos, &rope, (heads, n_kv), Attend::causal(hd), &mut att)?;
             g.matmul_add(&att, &co[j], &mut resid, &mut tmp)?;
-            g.norm_swiglu(&resid, &ng, 1e-5, &mut xn, &cg[j], &cu[j], &mut gg, &mut ug, &mut sg)?;
+            g.norm_glu(&resid, (&ng, 1e-5), &mut xn, (&cg[j], &cu[j]), Activation::Silu, &mut gg, &mut ug, &mut sg)?;
             g.matmul_add(&sg, &cd[j], &mut resid, &mut tmp)
         })?;
         let layer_bytes = bytes(&[&wq.1, &wk.1, &wv.1, &wo.1, &wg.1, &wu.1, &wd.1]);
@@ -236,7 +236,18 @@ fn decode_attention(lab: &mut Session) -> Result<()> {
         let mut out = g.act(1, heads * hd)?;
         g.begin(&[], pos)?;
         let us = graph_time(g, 48, &mut |i| {
-            g.rope_attention(&mut q, &mut k, &v, &mut kv, i % n, pos, &rope, (heads, n_kv), &mut out)
+            g.rope_attention(
+                &mut q,
+                &mut k,
+                &v,
+                &mut kv,
+                i % n,
+                pos,
+                &rope,
+                (heads, n_kv),
+                Attend::causal(hd),
+                &mut out,
+            )
         })?;
         let bytes = 2 * (pos + 1) * n_kv * hd * 2;
         println!(
@@ -287,12 +298,12 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
         // Parity at depth 0: the split-K op writes the cache, flash reads it; the CPU
         // attends the same rows.
         g.begin(&[], 0)?;
-        g.attention(&q, &k, &v, &mut kv, 0, 0, &mut out)?;
-        g.flash_prefill(&q, &kv, 0, &mut out)?;
+        g.attention(&q, &k, &v, &mut kv, 0, 0, Attend::causal(hd), &mut out)?;
+        g.flash_prefill(&q, &kv, 0, Attend::causal(hd), &mut out)?;
         let mut kvc = c.kv_cache(&cfg, m)?;
         let mut oc = c.act(m, heads * hd)?;
         let (qc, kc, vc) = (cpu(m, heads * hd, qv), cpu(m, n_kv * hd, kvv), cpu(m, n_kv * hd, vv));
-        c.attention(&qc, &kc, &vc, &mut kvc, 0, 0, &mut oc)?;
+        c.attention(&qc, &kc, &vc, &mut kvc, 0, 0, Attend::causal(hd), &mut oc)?;
         lab.checks.check(
             &format!("flash_prefill {heads}/{n_kv}x{hd} m{m} pos0"),
             &g.read_rows(&out, 0)?,
@@ -301,8 +312,9 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
         );
         for pos in depths {
             g.begin(&[], pos)?;
-            let split = stream_time(g, 20, &mut || g.attention(&q, &k, &v, &mut kv, 0, pos, &mut out))?;
-            let flash = stream_time(g, 20, &mut || g.flash_prefill(&q, &kv, 0, &mut out))?;
+            let split =
+                stream_time(g, 20, &mut || g.attention(&q, &k, &v, &mut kv, 0, pos, Attend::causal(hd), &mut out))?;
+            let flash = stream_time(g, 20, &mut || g.flash_prefill(&q, &kv, 0, Attend::causal(hd), &mut out))?;
             println!("attention {heads}/{n_kv}x{hd} m{m} pos{pos}: split-K {split:.3} ms, flash {flash:.3} ms");
         }
     }

@@ -1,40 +1,39 @@
-//! Causal attention over the dense bf16 KV cache, f32 math, GQA.
+//! Causal attention over the dense bf16 KV cache, f32 math, GQA, optionally windowed.
 //!
 //! Parallel over (query row, head). Each task streams the cached keys of its kv head once
 //! (scores), softmaxes in f32, then streams the values once.
 
+use crate::backend::Attend;
 use crate::kv::dense::DenseKv;
 use half::bf16;
 use rayon::prelude::*;
 
 /// q `[m, n_heads·hd]` at positions pos0..pos0+m; the cache already holds 0..pos0+m.
-/// out `[m, n_heads·hd]`.
-#[allow(clippy::too_many_arguments)]
+/// Row t attends to positions attend.first(pos0 + t)..=pos0 + t. out `[m, n_heads·hd]`.
 pub fn attention<'a>(
     q: &[f32],
-    m: usize,
-    n_heads: usize,
-    hd: usize,
+    (m, n_heads, hd): (usize, usize, usize),
     kv: &'a DenseKv,
     layer: usize,
     pos0: usize,
+    attend: Attend,
     out: &mut [f32],
 ) {
     assert_eq!(out.len(), m * n_heads * hd, "attention: out is not [{m}, {n_heads}·{hd}]");
     let n_kv = kv.width / hd;
     let group = n_heads / n_kv;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = attend.scale;
     let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
     let simd = super::simd::has_avx2() && hd.is_multiple_of(8);
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (t, h) = (idx / n_heads, idx % n_heads);
         let kvh = h / group;
-        let len = pos0 + t + 1;
+        let (first, len) = (attend.first(pos0 + t), pos0 + t + 1);
         let qh = &q[t * n_heads * hd + h * hd..][..hd];
         let row = |c: &'a [bf16], p: usize| -> &'a [bf16] { &c[p * kv.width + kvh * hd..][..hd] };
-        let mut scores = Vec::with_capacity(len);
+        let mut scores = Vec::with_capacity(len - first);
         let mut max = f32::NEG_INFINITY;
-        for p in 0..len {
+        for p in first..len {
             let kr = row(kc, p);
             let s = if simd {
                 // SAFETY: AVX2+FMA present; both are hd long, hd a multiple of 8.
@@ -51,7 +50,7 @@ pub fn attention<'a>(
             sum += *s;
         }
         o.fill(0.0);
-        for (p, &w) in scores.iter().enumerate() {
+        for (p, &w) in (first..len).zip(&scores) {
             let (w, vr) = (w / sum, row(vc, p));
             if simd {
                 // SAFETY: as above.

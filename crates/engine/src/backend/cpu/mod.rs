@@ -6,8 +6,8 @@ pub mod matmul;
 pub mod ops;
 pub mod simd;
 
-use super::{check_top_k, Backend, Rope};
-use crate::config::ModelConfig;
+use super::{check_top_k, Attend, Backend, Rope};
+use crate::config::{Activation, ModelConfig};
 use crate::kv::dense::DenseKv;
 use crate::quant::Weight;
 use crate::Result;
@@ -49,12 +49,21 @@ impl Backend for Cpu {
     fn kv_capacity(&self, kv: &DenseKv) -> usize {
         kv.max_seq
     }
-    fn embed(&self, table: &Weight, tokens: &[u32], out: &mut CpuAct) -> Result<()> {
-        ops::embed(table, tokens, &mut out.data);
+    fn embed(&self, table: &Weight, tokens: &[u32], scale: f32, out: &mut CpuAct) -> Result<()> {
+        ops::embed(table, tokens, scale, &mut out.data);
         Ok(())
     }
     fn rms_norm(&self, x: &CpuAct, w: &Vec<f32>, eps: f32, out: &mut CpuAct) -> Result<()> {
         ops::rms_norm(&x.data, w, eps, &mut out.data);
+        Ok(())
+    }
+    fn rms_norm_heads(&self, x: &mut CpuAct, w: &Vec<f32>, eps: f32) -> Result<()> {
+        let x = &mut x.data;
+        let mut row = vec![0f32; w.len()];
+        for head in x.chunks_exact_mut(w.len()) {
+            row.copy_from_slice(head);
+            ops::rms_norm(&row, w, eps, head);
+        }
         Ok(())
     }
     fn matmul(&self, x: &CpuAct, w: &Weight, out: &mut CpuAct) -> Result<()> {
@@ -82,15 +91,16 @@ impl Backend for Cpu {
         kv: &mut DenseKv,
         layer: usize,
         pos0: usize,
+        attend: Attend,
         out: &mut CpuAct,
     ) -> Result<()> {
         kv.write(layer, pos0, &k.data, &v.data);
         let hd = kv.head_dim;
-        attention::attention(&q.data, q.rows, q.cols / hd, hd, kv, layer, pos0, &mut out.data);
+        attention::attention(&q.data, (q.rows, q.cols / hd, hd), kv, layer, pos0, attend, &mut out.data);
         Ok(())
     }
-    fn silu_mul(&self, gate: &CpuAct, up: &CpuAct, out: &mut CpuAct) -> Result<()> {
-        ops::silu_mul(&gate.data, &up.data, &mut out.data);
+    fn glu(&self, gate: &CpuAct, up: &CpuAct, act: Activation, out: &mut CpuAct) -> Result<()> {
+        ops::glu(&gate.data, &up.data, act, &mut out.data);
         Ok(())
     }
     fn add(&self, x: &mut CpuAct, y: &CpuAct) -> Result<()> {

@@ -1,7 +1,7 @@
-//! Element-wise and per-row CPU ops: RMSNorm, RoPE, SwiGLU, residual add, embedding gather.
+//! Element-wise and per-row CPU ops: RMSNorm, RoPE, SwiGLU/GeGLU, residual add, embedding gather.
 
 use crate::backend::Rope;
-use crate::config::RopeStyle;
+use crate::config::{Activation, RopeStyle};
 use crate::quant::Weight;
 
 /// out = x · rsqrt(mean(x²) + eps) · w, per row of width w.len() (f32 throughout, as HF).
@@ -42,11 +42,26 @@ pub fn rope(x: &mut [f32], row_width: usize, n_heads: usize, pos0: usize, rope: 
     }
 }
 
-/// out = silu(gate) · up
-pub fn silu_mul(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// out = act(gate) · up
+pub fn glu(gate: &[f32], up: &[f32], act: Activation, out: &mut [f32]) {
+    let f = match act {
+        Activation::Silu => silu,
+        Activation::GeluTanh => gelu_tanh,
+    };
     for ((o, &g), &u) in out.iter_mut().zip(gate).zip(up) {
-        *o = g / (1.0 + (-g).exp()) * u;
+        *o = f(g) * u;
     }
+}
+
+pub fn silu(g: f32) -> f32 {
+    g / (1.0 + (-g).exp())
+}
+
+/// gelu's tanh approximation, ½·g·(1 + tanh(√(2/π)·(g + 0.044715·g³))), as PyTorch's
+/// `gelu(approximate="tanh")`.
+pub fn gelu_tanh(g: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * g * (1.0 + (SQRT_2_OVER_PI * (g + 0.044715 * g * g * g)).tanh())
 }
 
 pub fn add(x: &mut [f32], y: &[f32]) {
@@ -62,10 +77,13 @@ pub fn add_bias(x: &mut [f32], b: &[f32]) {
     }
 }
 
-/// out[i] = table[tokens[i]] (dequantized row).
-pub fn embed(table: &Weight, tokens: &[u32], out: &mut [f32]) {
+/// out[i] = table[tokens[i]] · scale (dequantized row).
+pub fn embed(table: &Weight, tokens: &[u32], scale: f32, out: &mut [f32]) {
     let d = table.cols();
     for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(d)) {
         table.row_f32(t as usize, row);
+        if scale != 1.0 {
+            row.iter_mut().for_each(|v| *v *= scale);
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! The decode step: one token through a Llama-family layer in five launches, chained by
+//! The decode step: one token through a decoder layer in five launches (a Llama one), chained by
 //! programmatic dependent launch (each kernel's weight loads overlap the previous kernel's
 //! tail) and captured once per session into a CUDA graph that every later step replays
 //! (steps.rs).
@@ -16,8 +16,8 @@ use super::driver::KArg;
 use super::gemv::{staged_x_fits, x_staging, GemvExtra, GemvIn, GemvOut, WARPS};
 use super::kernels;
 use super::tensors::{CudaAct, CudaKv, CudaMat};
-use crate::backend::{Backend, LayerScratch, LayerShape, LayerWeights, Rope};
-use crate::config::RopeStyle;
+use crate::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::config::{Activation, RopeStyle};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
@@ -35,7 +35,7 @@ impl Cuda {
     /// rmsnorm(x), then x += down(silu(gate(n(x))) · up(n(x))). The GEMV steps are the
     /// backend's one-row ops (ops.rs): where gemv.cu has no kernel for a weight format
     /// (dense or mixed formats, inputs over 24K wide) they run as the unfused ops, the same
-    /// math.
+    /// math. Qwen3's and Gemma's extra norms and Gemma's GeGLU run as their own launches.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn decode_layer(
         &self,
@@ -56,14 +56,29 @@ impl Cuda {
             self.add_bias(s.k, bk)?;
             self.add_bias(s.v, bv)?;
         }
+        // (Qwen3, Gemma 3) rmsnorm_heads ×2: the q/k norms.
+        if let Some([qn, kn]) = w.qk_norm {
+            self.rms_norm_heads_rows(s.q, qn, eps)?;
+            self.rms_norm_heads_rows(s.k, kn, eps)?;
+        }
         // 2. attention_decode: RoPE of q and the new k, the cache write, split-K attention
         //    over the cache and the splits' merge.
-        self.attention_decode(s.q, (s.k, s.v), kv, layer, rope, s.att)?;
-        // 3. gemv_ba_r*: x += att·woᵀ.
-        self.matmul_add(s.att, w.wo, x, s.o)?;
+        self.attention_decode(s.q, (s.k, s.v), kv, layer, (rope, shape.attend), s.att)?;
+        // 3. gemv_ba_r*: x += att·woᵀ (Gemma: the output normed first).
+        match w.post_attn_norm {
+            Some(pn) => self.matmul_norm_add(s.att, w.wo, (pn, eps), x, s.o, s.xn)?,
+            None => self.matmul_add(s.att, w.wo, x, s.o)?,
+        }
         // 4 and 5: the MLP.
         let mlp = (w.w_gate, w.w_up, w.w_down);
-        self.decode_mlp(x, (w.mlp_norm, eps), mlp, (s.xn, s.gate, s.up, s.o), s.act)
+        if w.post_mlp_norm.is_none() && shape.act == Activation::Silu {
+            return self.decode_mlp(x, (w.mlp_norm, eps), mlp, (s.xn, s.gate, s.up, s.o), s.act);
+        }
+        self.norm_glu(x, (w.mlp_norm, eps), s.xn, (w.w_gate, w.w_up), shape.act, s.gate, s.up, s.act)?;
+        match w.post_mlp_norm {
+            Some(pn) => self.matmul_norm_add(s.act, w.w_down, (pn, eps), x, s.o, s.xn),
+            None => self.matmul_add(s.act, w.w_down, x, s.o),
+        }
     }
 
     /// A decode layer's MLP, x += down(silu(gate(n(x))) · up(n(x))) for one row, `act` the
@@ -83,7 +98,7 @@ impl Cuda {
         if self.decode_mlp_staged(x, (norm, eps), (gate, up, down), &mut *u, &mut *act)? {
             return Ok(());
         }
-        self.norm_swiglu(x, norm, eps, xn, gate, up, g, u, act)?;
+        self.norm_glu(x, (norm, eps), xn, (gate, up), Activation::Silu, g, u, act)?;
         self.matmul_add(act, down, x, o)
     }
 
@@ -177,7 +192,7 @@ impl Cuda {
         (k, v): (&CudaAct, &CudaAct),
         kv: &mut CudaKv,
         layer: usize,
-        rope: &Rope,
+        (rope, attend): (&Rope, Attend),
         out: &mut CudaAct,
     ) -> Result<()> {
         let heads = q.cols / kv.head_dim;
@@ -233,6 +248,8 @@ impl Cuda {
             pos,
             KArg::I32(chunk as i32),
             KArg::I32(cs as i32),
+            KArg::F32(attend.scale),
+            KArg::I32(super::prefill::window_arg(attend)?),
         ]);
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),

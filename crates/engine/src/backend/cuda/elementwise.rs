@@ -1,5 +1,5 @@
-//! The single-kernel ops every phase uses: embedding lookup, RMSNorm, biases, RoPE, the
-//! SwiGLU product, residual adds, and the KV cache write (kernels/rmsnorm.cu, rope.cu,
+//! The single-kernel ops every phase uses: embedding lookup, RMSNorm (of rows and of q/k
+//! heads), biases, RoPE, the SwiGLU/GeGLU product, residual adds, and the KV cache write (kernels/rmsnorm.cu, rope.cu,
 //! elementwise.cu, affine.cu's and dense.cu's embed, attention.cu's kv_write).
 
 use super::context::Order;
@@ -8,7 +8,7 @@ use super::driver::KArg;
 use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaKv, CudaMat};
 use crate::backend::Rope;
-use crate::config::RopeStyle;
+use crate::config::{Activation, RopeStyle};
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -30,7 +30,7 @@ impl Cuda {
     /// `Backend::embed`: out[i] = table[staged token i] into the f32 residual stream. The
     /// affine embed waits (PDL) before it reads the token: a run of fed steps in one graph
     /// overlaps each step's start with the last one's head.
-    pub(crate) fn embed_rows(&self, table: &CudaMat, tokens: usize, out: &mut CudaAct) -> Result<()> {
+    pub(crate) fn embed_rows(&self, table: &CudaMat, tokens: usize, scale: f32, out: &mut CudaAct) -> Result<()> {
         let (ids, _) = self.steps.inputs(self, tokens, "embed")?;
         if !out.is_f32() {
             return Err(Error::Invalid("CUDA embed writes the f32 residual stream".into()));
@@ -39,11 +39,12 @@ impl Cuda {
         let c = cfg((tokens as u32, 1), 256);
         match table {
             CudaMat::Affine { words, scales, biases, f, .. } => {
-                let args = [self.arg(words), scales.arg(self), biases.arg(self), ids, out.arg(self), cols];
+                let args =
+                    [self.arg(words), scales.arg(self), biases.arg(self), ids, out.arg(self), cols, KArg::F32(scale)];
                 self.launch(&f[2], c, &args, Order::Overlap, "embed launch")
             }
             CudaMat::Dense { w, f, .. } => {
-                let args = [self.arg(w), ids, out.arg(self), cols];
+                let args = [self.arg(w), ids, out.arg(self), cols, KArg::F32(scale)];
                 self.launch(&f[2], c, &args, Order::Serial, "embed launch")
             }
         }
@@ -55,6 +56,18 @@ impl Cuda {
         let f = self.plain_kernel("rmsnorm.cu", name)?;
         let args = [x.arg(self), self.arg(w), self.arg(out.bf16_mut()), KArg::I32(x.cols as i32), KArg::F32(eps)];
         self.launch(&f, cfg((x.rows as u32, 1), 256), &args, Order::Serial, "rmsnorm launch")
+    }
+
+    /// `Backend::rms_norm_heads`: each `w.len()`-wide head of bf16 x normalized in place.
+    pub(crate) fn rms_norm_heads_rows(&self, x: &mut CudaAct, w: &CudaSlice<f32>, eps: f32) -> Result<()> {
+        let hd = w.len();
+        if hd == 0 || !x.cols.is_multiple_of(hd) {
+            return Err(Error::Invalid(format!("head norm of width {hd} over rows of {}", x.cols)));
+        }
+        let f = self.plain_kernel("rmsnorm.cu", "rmsnorm_heads")?;
+        let heads = (x.rows * x.cols / hd) as u32;
+        let args = [self.arg(x.bf16_mut()), self.arg(w), KArg::I32(hd as i32), KArg::F32(eps)];
+        self.launch(&f, cfg((heads, 1), 256), &args, Order::Serial, "rmsnorm_heads launch")
     }
 
     /// `Backend::add_bias`: x[i] += b per row.
@@ -85,12 +98,16 @@ impl Cuda {
         self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "rope launch")
     }
 
-    /// `Backend::silu_mul`: out = silu(gate) · up.
-    pub(crate) fn silu_mul_rows(&self, gate: &CudaAct, up: &CudaAct, out: &mut CudaAct) -> Result<()> {
-        let f = self.plain_kernel("elementwise.cu", "silu_mul")?;
+    /// `Backend::glu`: out = act(gate) · up.
+    pub(crate) fn glu_rows(&self, gate: &CudaAct, up: &CudaAct, act: Activation, out: &mut CudaAct) -> Result<()> {
+        let name = match act {
+            Activation::Silu => "silu_mul",
+            Activation::GeluTanh => "gelu_mul",
+        };
+        let f = self.plain_kernel("elementwise.cu", name)?;
         let n = gate.rows * gate.cols;
         let args = [gate.arg(self), up.arg(self), self.arg(out.bf16_mut()), KArg::I32(n as i32)];
-        self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "silu_mul launch")
+        self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "glu launch")
     }
 
     /// `Backend::add`: x += y (x f32 or bf16, y bf16).

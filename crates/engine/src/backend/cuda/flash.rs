@@ -15,6 +15,7 @@ use super::device::Cuda;
 use super::driver::KArg;
 use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaKv};
+use crate::backend::Attend;
 use crate::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -25,9 +26,17 @@ const THREADS: u32 = 128;
 
 impl Cuda {
     /// out = causal attention of q `[m, heads·hd]` (rows at positions pos0.., pos0 as staged by
-    /// `begin`) over layer `layer` of `kv`, which must already hold positions 0..pos0+m;
+    /// `begin`; `attend`'s scale and window) over layer `layer` of `kv`, which must already
+    /// hold positions 0..pos0+m;
     /// out bf16 `[m, heads·hd]`. Query head h reads kv head h / (heads / n_kv).
-    pub fn flash_prefill(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
+    pub fn flash_prefill(
+        &self,
+        q: &CudaAct,
+        kv: &CudaKv,
+        layer: usize,
+        attend: Attend,
+        out: &mut CudaAct,
+    ) -> Result<()> {
         let hd = kv.head_dim;
         if !kernels::FLASH_HEAD_DIMS.contains(&hd) {
             return Err(Error::Unsupported(format!(
@@ -84,6 +93,8 @@ impl Cuda {
             KArg::I32(heads_i),
             KArg::I32(n_kv_i),
             pos,
+            KArg::F32(attend.scale),
+            KArg::I32(super::prefill::window_arg(attend)?),
         ];
         // Matches flash_attention.cu's flash_prefill; the cache holds pos0 + m positions.
         self.launch(&func, cfg, &args, Order::Serial, "flash_prefill launch")

@@ -6,8 +6,8 @@ use super::device::Cuda;
 use super::driver::drv;
 use super::gemv::{GemvExtra, GemvIn, GemvOut};
 use super::tensors::{ActBuf, CudaAct, CudaKv, CudaMat};
-use crate::backend::{Backend, LayerScratch, LayerShape, LayerWeights, Rope};
-use crate::config::ModelConfig;
+use crate::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::config::{Activation, ModelConfig};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
 
@@ -81,11 +81,14 @@ impl Backend for Cuda {
     fn take_read(&self, slot: usize) -> Result<Vec<u32>> {
         self.steps.take_read(slot)
     }
-    fn embed(&self, table: &CudaMat, tokens: &[u32], out: &mut CudaAct) -> Result<()> {
-        self.embed_rows(table, tokens.len(), out)
+    fn embed(&self, table: &CudaMat, tokens: &[u32], scale: f32, out: &mut CudaAct) -> Result<()> {
+        self.embed_rows(table, tokens.len(), scale, out)
     }
     fn rms_norm(&self, x: &CudaAct, w: &Self::Vector, eps: f32, out: &mut CudaAct) -> Result<()> {
         self.rms_norm_rows(x, w, eps, out)
+    }
+    fn rms_norm_heads(&self, x: &mut CudaAct, w: &Self::Vector, eps: f32) -> Result<()> {
+        self.rms_norm_heads_rows(x, w, eps)
     }
     /// One row on the decode GEMV (gemv_bb / gemv_bf), else prefill.rs.
     fn matmul(&self, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
@@ -119,10 +122,11 @@ impl Backend for Cuda {
         kv: &mut CudaKv,
         layer: usize,
         _pos0: usize,
+        attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
         self.kv_write(k, v, kv, layer)?;
-        self.attention_cached(q, kv, layer, out)
+        self.attention_cached(q, kv, layer, attend, out)
     }
     #[allow(clippy::too_many_arguments)]
     fn rope_attention(
@@ -135,12 +139,13 @@ impl Backend for Cuda {
         _pos0: usize,
         rope: &Rope,
         (n_heads, _n_kv): (usize, usize),
+        attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
         match q.rows {
             // RoPE and the cache write happen inside (q and k stay unrotated).
-            1 => self.attention_decode(q, (k, v), kv, layer, rope, out),
-            _ => self.prefill_attention(q, (k, v), kv, layer, rope, n_heads, out),
+            1 => self.attention_decode(q, (k, v), kv, layer, (rope, attend), out),
+            _ => self.prefill_attention(q, (k, v), kv, layer, rope, n_heads, attend, out),
         }
     }
     /// One row: the norm folded into the decode GEMV (gemv_nb / gemv_nf).
@@ -160,27 +165,28 @@ impl Backend for Cuda {
         self.rms_norm(x, norm, eps, xn)?;
         self.matmul_many(xn, ws, outs)
     }
-    /// One row: gemv_ns (the norm folded in, SwiGLU in the store).
+    /// One row with SwiGLU: gemv_ns (the norm folded in, SwiGLU in the store); otherwise
+    /// the gate and up products (one row: gemv_nb, the norm folded in), then `glu`.
     #[allow(clippy::too_many_arguments)]
-    fn norm_swiglu(
+    fn norm_glu(
         &self,
         x: &CudaAct,
-        norm: &Self::Vector,
-        eps: f32,
+        (norm, eps): (&Self::Vector, f32),
         xn: &mut CudaAct,
-        gate: &CudaMat,
-        up: &CudaMat,
+        (gate, up): (&CudaMat, &CudaMat),
+        act: Activation,
         g: &mut CudaAct,
         u: &mut CudaAct,
         out: &mut CudaAct,
     ) -> Result<()> {
         let norm_in = GemvIn::Norm(x, norm, eps);
-        if self.gemv(norm_in, &[gate, up], &mut [&mut *out, &mut *u], GemvOut::Swiglu, GemvExtra::None)? {
+        let fused = act == Activation::Silu
+            && self.gemv(norm_in, &[gate, up], &mut [&mut *out, &mut *u], GemvOut::Swiglu, GemvExtra::None)?;
+        if fused {
             return Ok(());
         }
-        self.rms_norm(x, norm, eps, xn)?;
-        self.matmul_many(xn, &[gate, up], &mut [g, u])?;
-        self.silu_mul(g, u, out)
+        self.norm_matmul_many(x, norm, eps, xn, &[gate, up], &mut [&mut *g, &mut *u])?;
+        self.glu_rows(g, u, act, out)
     }
     /// One row: gemv_ba (the add in the store).
     fn matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
@@ -233,8 +239,8 @@ impl Backend for Cuda {
         crate::backend::check_top_k(x.cols, k, out.cols)?;
         self.top_k_f32(x, k, inv_t, out)
     }
-    fn silu_mul(&self, gate: &CudaAct, up: &CudaAct, out: &mut CudaAct) -> Result<()> {
-        self.silu_mul_rows(gate, up, out)
+    fn glu(&self, gate: &CudaAct, up: &CudaAct, act: Activation, out: &mut CudaAct) -> Result<()> {
+        self.glu_rows(gate, up, act, out)
     }
     fn add(&self, x: &mut CudaAct, y: &CudaAct) -> Result<()> {
         self.add_rows(x, y)

@@ -9,7 +9,7 @@ use super::driver::KArg;
 use super::elementwise::cfg;
 use super::kernels;
 use super::tensors::{CudaAct, CudaKv, CudaMat};
-use crate::backend::Rope;
+use crate::backend::{Attend, Rope};
 use crate::config::RopeStyle;
 use crate::{Error, Result};
 use cudarc::driver::LaunchConfig;
@@ -96,7 +96,14 @@ impl Cuda {
     /// Causal attention of q over the cache (this call's rows already written): split-K
     /// partials and their merge. The split count follows the cache size, so decode at depth
     /// fills the GPU with heads × splits blocks.
-    pub(crate) fn attention_cached(&self, q: &CudaAct, kv: &CudaKv, layer: usize, out: &mut CudaAct) -> Result<()> {
+    pub(crate) fn attention_cached(
+        &self,
+        q: &CudaAct,
+        kv: &CudaKv,
+        layer: usize,
+        attend: Attend,
+        out: &mut CudaAct,
+    ) -> Result<()> {
         let pos = self.steps.pos(self, "attention")?;
         let hd = kv.head_dim;
         let heads = q.cols / hd;
@@ -116,6 +123,8 @@ impl Cuda {
             KArg::I32(hd as i32),
             pos,
             KArg::I32(ATTN_CHUNK as i32),
+            KArg::F32(attend.scale),
+            KArg::I32(window_arg(attend)?),
         ];
         let c = LaunchConfig {
             grid_dim: (heads as u32, q.rows as u32, splits as u32),
@@ -151,13 +160,25 @@ impl Cuda {
         layer: usize,
         rope: &Rope,
         n_heads: usize,
+        attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
         self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
         if kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim) {
-            self.flash_prefill(q, kv, layer, out)
+            self.flash_prefill(q, kv, layer, attend, out)
         } else {
-            self.attention_cached(q, kv, layer, out)
+            self.attention_cached(q, kv, layer, attend, out)
         }
+    }
+}
+
+/// A kernel's window argument: the positions a sliding-window query sees, 0 for all.
+pub(crate) fn window_arg(attend: Attend) -> Result<i32> {
+    match attend.window {
+        None => Ok(0),
+        Some(w) => i32::try_from(w)
+            .ok()
+            .filter(|&w| w > 0)
+            .ok_or_else(|| crate::Error::Unsupported(format!("a sliding window of {w} positions on CUDA"))),
     }
 }

@@ -1,24 +1,30 @@
-//! The Llama family: Llama 2/3, SmolLM2, MiniCPM5 (plain Llama), Mistral, Qwen2 (q/k/v
-//! biases). One forward pass, top to bottom. Shapes: m = tokens in this call, d = hidden,
-//! h/kvh = query/kv heads, hd = head dim, f = ffn width, V = vocab.
+//! The decoder family: Llama 2/3, SmolLM2, MiniCPM5 (plain Llama), Mistral, Qwen2 (q/k/v
+//! biases), Qwen3 (q/k norms), Gemma 3 (q/k norms, post-norms, GeGLU, scaled embeddings,
+//! sliding-window layers with their own RoPE base). One forward pass, top to bottom.
+//! Shapes: m = tokens in this call, d = hidden, h/kvh = query/kv heads, hd = head dim,
+//! f = ffn width, V = vocab.
 
-use crate::backend::{Backend, LayerScratch, LayerShape, LayerWeights, Rope};
-use crate::config::ModelConfig;
+use crate::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::config::{AttnKind, ModelConfig};
 use crate::formats::{names, ModelSource};
 use crate::quant::Weight;
 use crate::{Error, Result};
 
 pub struct Layer<B: Backend> {
-    attn_norm: B::Vector,         // [d]
-    wq: B::Mat,                   // [h·hd, d]
-    wk: B::Mat,                   // [kvh·hd, d]
-    wv: B::Mat,                   // [kvh·hd, d]
-    bias: Option<[B::Vector; 3]>, // q/k/v biases (Qwen2)
-    wo: B::Mat,                   // [d, h·hd]
-    mlp_norm: B::Vector,          // [d]
-    w_gate: B::Mat,               // [f, d]
-    w_up: B::Mat,                 // [f, d]
-    w_down: B::Mat,               // [d, f]
+    attn_norm: B::Vector,              // [d]
+    wq: B::Mat,                        // [h·hd, d]
+    wk: B::Mat,                        // [kvh·hd, d]
+    wv: B::Mat,                        // [kvh·hd, d]
+    bias: Option<[B::Vector; 3]>,      // q/k/v biases (Qwen2)
+    qk_norm: Option<[B::Vector; 2]>,   // [hd] each (Qwen3, Gemma 3)
+    wo: B::Mat,                        // [d, h·hd]
+    post_attn_norm: Option<B::Vector>, // [d] (Gemma 3)
+    mlp_norm: B::Vector,               // [d]
+    w_gate: B::Mat,                    // [f, d]
+    w_up: B::Mat,                      // [f, d]
+    w_down: B::Mat,                    // [d, f]
+    post_mlp_norm: Option<B::Vector>,  // [d] (Gemma 3)
+    kind: AttnKind,
 }
 
 impl<B: Backend> Layer<B> {
@@ -29,16 +35,19 @@ impl<B: Backend> Layer<B> {
             wk: &self.wk,
             wv: &self.wv,
             qkv_bias: self.bias.as_ref().map(|[q, k, v]| [q, k, v]),
+            qk_norm: self.qk_norm.as_ref().map(|[q, k]| [q, k]),
             wo: &self.wo,
+            post_attn_norm: self.post_attn_norm.as_ref(),
             mlp_norm: &self.mlp_norm,
             w_gate: &self.w_gate,
             w_up: &self.w_up,
             w_down: &self.w_down,
+            post_mlp_norm: self.post_mlp_norm.as_ref(),
         }
     }
 }
 
-pub struct Llama<B: Backend> {
+pub struct Decoder<B: Backend> {
     pub cfg: ModelConfig,
     pub backend: B,
     embed: B::Mat, // [V, d]
@@ -46,6 +55,8 @@ pub struct Llama<B: Backend> {
     norm: B::Vector,         // [d]
     lm_head: Option<B::Mat>, // [V, d]; None = tied to embed
     rope: Rope,
+    /// The sliding-window layers' rotation, where it differs (Gemma 3's local base).
+    rope_local: Option<Rope>,
     /// Weight bytes one decode step reads (all matrices; the embedding table when tied).
     pub decode_weight_bytes: usize,
     /// The decode (one-token) buffers, kept between steps.
@@ -74,7 +85,7 @@ fn vector(w: Weight, name: &str, len: usize, src: &ModelSource) -> Result<Vec<f3
     Ok(v)
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// Take the weights out of `src` (canonical names) and hand them to the backend.
     pub fn load(backend: B, src: &mut ModelSource) -> Result<Self> {
         let cfg = src.config.clone();
@@ -96,9 +107,14 @@ impl<B: Backend> Llama<B> {
             }
             backend.matrix(w)
         };
+        // Norm gains as applied: Gemma's tensors hold w for a gain of 1 + w.
         let vec = |src: &mut ModelSource, name: &str, len: usize| -> Result<B::Vector> {
             let w = src.take(name)?;
-            backend.vector(vector(w, name, len, src)?)
+            let mut v = vector(w, name, len, src)?;
+            if cfg.norm_plus_one && name.ends_with("norm.weight") {
+                v.iter_mut().for_each(|g| *g += 1.0);
+            }
+            backend.vector(v)
         };
         let embed = mat(src, names::EMBED, cfg.vocab, d)?;
         let mut layers = Vec::with_capacity(cfg.n_layers);
@@ -113,17 +129,37 @@ impl<B: Backend> Llama<B> {
             } else {
                 None
             };
+            let qk_norm = match cfg.qk_norm {
+                true => {
+                    Some([vec(src, &n("self_attn.q_norm.weight"), hd)?, vec(src, &n("self_attn.k_norm.weight"), hd)?])
+                }
+                false => None,
+            };
+            // Gemma: post_attention_layernorm is the attention output's norm and the MLP has
+            // its own pre-norm; in Llama the same name is the MLP's pre-norm.
+            let (post_attn_norm, mlp_norm, post_mlp_norm) = match cfg.post_norms {
+                true => (
+                    Some(vec(src, &n("post_attention_layernorm.weight"), d)?),
+                    vec(src, &n("pre_feedforward_layernorm.weight"), d)?,
+                    Some(vec(src, &n("post_feedforward_layernorm.weight"), d)?),
+                ),
+                false => (None, vec(src, &n("post_attention_layernorm.weight"), d)?, None),
+            };
             layers.push(Layer {
                 attn_norm: vec(src, &n("input_layernorm.weight"), d)?,
                 wq: mat(src, &n("self_attn.q_proj.weight"), qd, d)?,
                 wk: mat(src, &n("self_attn.k_proj.weight"), kvd, d)?,
                 wv: mat(src, &n("self_attn.v_proj.weight"), kvd, d)?,
                 bias,
+                qk_norm,
                 wo: mat(src, &n("self_attn.o_proj.weight"), d, qd)?,
-                mlp_norm: vec(src, &n("post_attention_layernorm.weight"), d)?,
+                post_attn_norm,
+                mlp_norm,
                 w_gate: mat(src, &n("mlp.gate_proj.weight"), f, d)?,
                 w_up: mat(src, &n("mlp.up_proj.weight"), f, d)?,
                 w_down: mat(src, &n("mlp.down_proj.weight"), d, f)?,
+                post_mlp_norm,
+                kind: cfg.layer_kind(i),
             });
         }
         let norm = vec(src, names::NORM, d)?;
@@ -138,8 +174,10 @@ impl<B: Backend> Llama<B> {
             inv_freq.iter_mut().zip(factors).for_each(|(f, s)| *f /= s);
         }
         let rope = Rope { inv_freq, style: cfg.rope_style, linear: cfg.rope_linear };
+        let rope_local =
+            cfg.rope_local_inv_freq().map(|inv_freq| Rope { inv_freq, style: cfg.rope_style, linear: 1.0 });
         let decode_weight_bytes = read.get();
-        Ok(Llama {
+        Ok(Decoder {
             cfg,
             backend,
             embed,
@@ -147,6 +185,7 @@ impl<B: Backend> Llama<B> {
             norm,
             lm_head,
             rope,
+            rope_local,
             decode_weight_bytes,
             decode_work: std::sync::Mutex::new(Vec::new()),
             session_pool: std::sync::Mutex::new(Vec::new()),
@@ -256,9 +295,16 @@ impl<B: Backend> Llama<B> {
     ) -> Result<Option<Vec<f32>>> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
         let Work { x, xn, q, k, v, att, o, gate, up, act, last } = w;
-        b.embed(&self.embed, tokens, x)?;
-        let shape = LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps };
+        b.embed(&self.embed, tokens, c.embed_scale, x)?;
+        let full = Attend { scale: c.attn_scale(), window: None };
+        let shape =
+            LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps, act: c.activation, attend: full };
+        let sliding = LayerShape { attend: Attend { window: Some(c.sliding_window), ..full }, ..shape };
         for (li, l) in self.layers.iter().enumerate() {
+            let (shape, rope) = match l.kind {
+                AttnKind::Full => (shape, &self.rope),
+                AttnKind::Sliding => (sliding, self.rope_local.as_ref().unwrap_or(&self.rope)),
+            };
             if which == Logits::Hidden(li) {
                 return b.read_rows(x, 0).map(Some);
             }
@@ -276,8 +322,8 @@ impl<B: Backend> Llama<B> {
             match m {
                 // One token: the backend's decode step for a layer, the same math as
                 // layer_ops (CUDA: backend/cuda/decode.rs).
-                1 => b.decode_layer(&l.weights(), x, kv, li, pos0, &self.rope, shape, s)?,
-                _ => layer_ops(b, &l.weights(), x, kv, li, pos0, &self.rope, shape, s)?,
+                1 => b.decode_layer(&l.weights(), x, kv, li, pos0, rope, shape, s)?,
+                _ => layer_ops(b, &l.weights(), x, kv, li, pos0, rope, shape, s)?,
             }
         }
         // Only the rows whose logits are wanted go through the final norm and the head.
@@ -312,8 +358,10 @@ impl<B: Backend> Llama<B> {
 }
 
 /// One decoder layer as the backend's ops, for the m rows of the residual stream x at
-/// positions pos0..: x += o_proj(attention(rope(q), rope(k), v)) with q/k/v = proj(norm(x))
-/// (+ biases), then the SwiGLU MLP x += down(silu(gate(norm(x))) · up(norm(x))).
+/// positions pos0..: x += [post-norm] o_proj(attention(rope([norm] q), rope([norm] k), v))
+/// with q/k/v = proj(norm(x)) (+ biases), then the gated MLP
+/// x += [post-norm] down(act(gate(norm(x))) · up(norm(x))). The bracketed norms are
+/// Gemma's and Qwen3's.
 #[allow(clippy::too_many_arguments)]
 pub fn layer_ops<B: Backend>(
     b: &B,
@@ -327,16 +375,27 @@ pub fn layer_ops<B: Backend>(
     s: LayerScratch<'_, B>,
 ) -> Result<()> {
     let LayerScratch { xn, q, k, v, att, o, gate, up, act } = s;
-    b.norm_matmul_many(x, w.attn_norm, shape.eps, xn, &[w.wq, w.wk, w.wv], &mut [&mut *q, &mut *k, &mut *v])?;
+    let eps = shape.eps;
+    b.norm_matmul_many(x, w.attn_norm, eps, xn, &[w.wq, w.wk, w.wv], &mut [&mut *q, &mut *k, &mut *v])?;
     if let Some([bq, bk, bv]) = w.qkv_bias {
         b.add_bias(q, bq)?;
         b.add_bias(k, bk)?;
         b.add_bias(v, bv)?;
     }
-    b.rope_attention(q, k, v, kv, layer, pos0, rope, (shape.heads, shape.kv_heads), att)?;
-    b.matmul_add(att, w.wo, x, o)?;
-    b.norm_swiglu(x, w.mlp_norm, shape.eps, xn, w.w_gate, w.w_up, gate, up, act)?;
-    b.matmul_add(act, w.w_down, x, o)
+    if let Some([qn, kn]) = w.qk_norm {
+        b.rms_norm_heads(q, qn, eps)?;
+        b.rms_norm_heads(k, kn, eps)?;
+    }
+    b.rope_attention(q, k, v, kv, layer, pos0, rope, (shape.heads, shape.kv_heads), shape.attend, att)?;
+    match w.post_attn_norm {
+        Some(pn) => b.matmul_norm_add(att, w.wo, (pn, eps), x, o, xn)?,
+        None => b.matmul_add(att, w.wo, x, o)?,
+    }
+    b.norm_glu(x, (w.mlp_norm, eps), xn, (w.w_gate, w.w_up), shape.act, gate, up, act)?;
+    match w.post_mlp_norm {
+        Some(pn) => b.matmul_norm_add(act, w.w_down, (pn, eps), x, o, xn),
+        None => b.matmul_add(act, w.w_down, x, o),
+    }
 }
 
 /// One forward call's activations for m tokens.

