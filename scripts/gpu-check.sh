@@ -2,14 +2,15 @@
 # GPU parity suite and the headline benchmarks, on a machine with an NVIDIA GPU and no Rust
 # toolchain. Build the binaries elsewhere (x86-64) and bring them in BIN_DIR (default
 # gpu-bin/): `bash scripts/gpu-stage.sh` (its header gives the device calls). The SmolLM2
-# GGUF must be in $FERROLM_HOME/models (default ~/.cache/ferrolm/models).
+# and Gemma 3 270M GGUFs must be in $FERROLM_HOME/models (default ~/.cache/ferrolm/models).
 #   usage: scripts/gpu-check.sh [BIN_DIR]
 #   env:   LLAMA_BENCH  a llama.cpp CUDA llama-bench (docs/peers.md): run side by side
 #          GGUF_PY      llama.cpp's gguf-py directory, for tools/peers/synth_gguf.py (or the
 #                       `gguf` package installed); without either, no 1B/8B Q4_0 GGUFs
 #          OUT          where gpu-check.log goes (default /tmp)
 # Parity: the whole GPU test target (every CudaConfig switch included, as a test), then the
-# device top-k sampler against the host's. Benchmarks: SmolLM2-135M Q4_1, and synthetic
+# device top-k sampler against the host's. Benchmarks: SmolLM2-135M Q4_1, Gemma 3 270M
+# Q4_K_M, and synthetic
 # Llama-3.2-1B and Llama-3.1-8B shapes as Q4_0 GGUFs both engines load, each at depth 0 and
 # 8192 (SmolLM2: 7424, its context less the run). Under 5 minutes with the kernels cached.
 # Prints the parity lines and one table last; the full log goes to $OUT/gpu-check.log.
@@ -19,6 +20,7 @@ out=${OUT:-/tmp}
 log=$out/gpu-check.log
 here=$(cd "$(dirname "$0")/.." && pwd)
 model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf
+gemma=$(dirname "$model")/gemma-3-270m-q4_k_m.gguf
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 status=0
 # Every kernel variant compiled up front on all cores (cached in $FERROLM_HOME/kernels).
@@ -49,6 +51,8 @@ results=()
 bench() { "$bin/ferrolm" bench --device cuda --json --repeats 5 "$@" 2>>"$log" || echo '{}'; }
 results+=("ferrolm, SmolLM2-135M Q4_1|$(bench --model "$model")")
 results+=("ferrolm, SmolLM2-135M Q4_1, depth 7424|$(bench --model "$model" --depth 7424 --prompt-tokens 512)")
+results+=("ferrolm, Gemma 3 270M Q4_K_M|$(bench --model "$gemma")")
+results+=("ferrolm, Gemma 3 270M Q4_K_M, depth 8192|$(bench --model "$gemma" --depth 8192)")
 for g in "${ggufs[@]}"; do
   name=$(basename "$g" .gguf)
   results+=("ferrolm, $name|$(bench --model "$g")")
@@ -72,7 +76,7 @@ for arg in sys.argv[1:]:
 PY
 if [[ -n ${LLAMA_BENCH:-} ]]; then
   lb() { "$LLAMA_BENCH" -m "$1" -ngl 99 -fa 1 "${@:2}" -o json 2>>"$log" || echo '[]'; }
-  for m in "$model" "${ggufs[@]}"; do
+  for m in "$model" "$gemma" "${ggufs[@]}"; do
     python3 - "$(basename "$m")" "$(lb "$m" -p 512 -n 128 -r 5)" "$(lb "$m" -p 0 -n 128 -d 8192 -r 3)" <<'PY'
 import json, statistics, sys
 for js in sys.argv[2:]:

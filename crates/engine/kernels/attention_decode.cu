@@ -21,7 +21,7 @@
 // step) merges them in order with the whole block. Deterministic.
 //
 // The new position pos0 is not read from the cache: its k and v come from the q/k/v GEMV
-// (raw), k is rotated here, and it is scored last in its split by lane group 0. The first
+// (raw), k is normed (qn/kn: the q/k norms' gains, or null) and rotated here (q too), and it is scored last in its split by lane group 0. The first
 // block of each kv group in that split writes it to the cache for later steps.
 //
 // Where the time goes: at a few hundred cached positions a split is a chain of latencies
@@ -52,9 +52,10 @@ extern "C" __global__ void ATT_BOUNDS
                      bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const float* __restrict__ inv_freq,
                      float linear, int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
                      bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd, int qb,
-                     const int* __restrict__ pos0p, int chunk, int cs, float scale, int window) {
+                     const int* __restrict__ pos0p, int chunk, int cs, float scale, int window,
+                     const float* __restrict__ qn, const float* __restrict__ kn, float eps) {
     TRACE_KERNEL();
     pdl_trigger();
     attend(q, k_new, v_new, kc, vc, inv_freq, linear, interleaved, part_ml, part_acc, out, done, heads, n_kv, hd, qb,
-           *pos0p, chunk, cs, blockIdx.x, blockIdx.z, gridDim.z, scale, window, [] { pdl_wait(); });
+           *pos0p, chunk, cs, blockIdx.x, blockIdx.z, gridDim.z, scale, window, qn, kn, eps, [] { pdl_wait(); });
 }

@@ -91,6 +91,18 @@ struct Rope8 {
     }
 };
 
+// The q/k norm (Qwen3, Gemma 3) of the 8 values a lane holds of a head: the sum of squares
+// over the head's G lanes, then x · rsqrt(mean(x²) + eps) · w (rmsnorm.cu's rmsnorm_heads).
+__device__ __forceinline__ void head_norm(float (&v)[8], const float* __restrict__ w, float eps, int hd, int G) {
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; i++) ss += v[i] * v[i];
+    for (int o = G / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    float r = rsqrtf(ss / hd + eps);
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = w[i] * (v[i] * r);
+}
+
 template <class Wait>
 __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_new,
                                        const bf16_t* __restrict__ v_new, bf16_t* __restrict__ kc,
@@ -98,7 +110,8 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
                                        int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
                                        bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd,
                                        int qb, int pos0, int chunk, int cs, int bx, int sp, int splits, float scale,
-                                       int window, Wait wait) {
+                                       int window, const float* __restrict__ qn, const float* __restrict__ knw,
+                                       float eps, Wait wait) {
     __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
     __shared__ float s_pm[QB_MAX], s_pl[QB_MAX], s_po[QB_MAX * 256];             // qb · hd ≤ 1024
     __shared__ int last;
@@ -151,6 +164,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     for (int j = 0; j < QB_MAX; j++) {
         if (j < qb) {
             load_bf16x8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
+            if (qn) head_norm(qv[j], qn + gl * 8, eps, hd, G);
             rope.apply(qv[j], G, interleaved);
         }
 #pragma unroll
@@ -161,7 +175,10 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         m[j] = -INFINITY;
         l[j] = 0.f;
     }
-    if (has_new) rope.apply(kn, G, interleaved);
+    if (has_new) {
+        if (knw) head_norm(kn, knw + gl * 8, eps, hd, G);
+        rope.apply(kn, G, interleaved);
+    }
     // Score positions p (valid: this lane group's position is real) into the online softmax.
     auto score = [&](const float (&kf)[8], const float (&vf)[8], bool valid) {
 #pragma unroll

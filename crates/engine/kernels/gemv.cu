@@ -353,7 +353,7 @@ __device__ __forceinline__ void locate(int b, int b0, int b1, const Mat& m0, con
 // x read earlier by lane r, 3 SwiGLU bf16; `vals`, where given: each row's stored value
 // as f32 too, for stage_step; `scale`: what every sum is multiplied by first, the RMSNorm
 // factor stage_x deferred).
-template <int R, int OUT>
+template <int R, int OUT, bool GELU = false>
 __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[2][R], float resid, int lane,
                                            float* vals = nullptr, float scale = 1.f) {
 #pragma unroll
@@ -372,7 +372,10 @@ __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[
     else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = own;
     else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] = resid + own;
     else {
-        bf16_t h = f2bf(own / (1.f + __expf(-own)) * own1);
+        // SwiGLU, or GeGLU with gelu's tanh form (elementwise.cu's gelu_mul).
+        float act = GELU ? 0.5f * own * (1.f + tanhf(0.7978845608f * (own + 0.044715f * own * own * own)))
+                         : own / (1.f + __expf(-own));
+        bf16_t h = f2bf(act * own1);
         reinterpret_cast<bf16_t*>(a.o)[row] = h;
         if (vals) vals[lane] = bf2f(h);
     }
@@ -413,6 +416,7 @@ struct KernelSync {
 };
 
 // OUT: 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU (bf16 store of silu(mat0)·mat1).
+// OUT_K 6 and 7 are OUT_K 3 and 4 with GeGLU (gelu(mat0)·mat1) for SwiGLU.
 // KS > 1 (not SwiGLU): the KS warps of a row group split each row's chunks into KS
 // slices (host: chunks % (32·KS) == 0), so a block step is NW/KS·R rows. For a wide input
 // (down: 8192) at R = 2, KS = 2 a block still takes 8 rows, but each x chunk read from
@@ -427,8 +431,8 @@ struct KernelSync {
 template <int R, bool NORM, int OUT_K, class Sync = KernelSync, int KS = 1, bool PRE = false>
 __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
                                      Sync sync = Sync{}, ArgmaxSink am = {}) {
-    constexpr int OUT = OUT_K == 4 ? 3 : OUT_K == 5 ? 1 : OUT_K;
-    constexpr bool STAGE = OUT_K == 4, ARGMAX = OUT_K == 5;
+    constexpr int OUT = OUT_K == 4 || OUT_K >= 6 ? 3 : OUT_K == 5 ? 1 : OUT_K;
+    constexpr bool STAGE = OUT_K == 4 || OUT_K == 7, ARGMAX = OUT_K == 5, GELU = OUT_K >= 6;
     static_assert(!ARGMAX || KS == 1, "the argmax rows are whole rows");
     static_assert(!(STAGE || PRE) || XQ, "staged x is the int16 (XQ) layout");
     extern __shared__ uint4 xs[];
@@ -507,7 +511,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
             if (KS > 1) ks_merge<R, KS>(acc, ks, lane, parity ^= 1);
             if (STAGE) parity ^= 1;
             float* vals = STAGE ? stage_vals[parity] + (threadIdx.x >> 5) * R : nullptr;
-            if (ks == 0) store_rows<R, OUT>(a, row0, acc, resid, lane, vals, oscale);
+            if (ks == 0) store_rows<R, OUT, GELU>(a, row0, acc, resid, lane, vals, oscale);
             if constexpr (ARGMAX) {  // store_rows left every row's sum in every lane
 #pragma unroll
                 for (int r = 0; r < R; r++)
@@ -547,7 +551,8 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ba_r##R(GEMV_ARGS) { GEMV_CALL(R, false, 2, 1); } \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nb_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 0, 1); }  \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_nf_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 1, 1); }  \
-    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3, 1); }
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ns_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 3, 1); }  \
+    extern "C" __global__ void __launch_bounds__(32 * NW) gemv_ng_r##R(GEMV_ARGS) { GEMV_CALL(R, true, 6, 1); }
 // Down (adds, wide input) at R = 2 over two K slices: fused.rs picks it where each row has
 // a multiple of 64 chunks. Two K-sliced variants that spread q/k/v (nb, R = 4) and o (ba,
 // R = 4) over twice the blocks measured 1B 2 112 and 2 148 tok/s against 2 136 without

@@ -57,7 +57,7 @@ __device__ __forceinline__ void copy_staged(uint4* xs, const void* img, int cols
 }
 
 // The kernels (expanded by gemv.cu after gemv() and GEMV_ARGS / GEMV_CALL):
-// Staged x (x_staged.cuh): SwiGLU writing the down GEMV's image (nz, at gate/up's R = 4;
+// Staged x (x_staged.cuh): SwiGLU (GeGLU: ny) writing the down GEMV's image (nz, at gate/up's R = 4;
 // m2.o is the image), and down + add reading it (qa) at the rows per warp and K slices
 // fused.rs gives down.
 #define GEMV_PRE_CALL(R, KS)                                                                                   \
@@ -69,6 +69,7 @@ __device__ __forceinline__ void copy_staged(uint4* xs, const void* img, int cols
 #define NZ_MIN_BLOCKS (BITS == 2 ? 1 : 16 / NW)
 #define GEMV_STAGED_KERNELS                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW, NZ_MIN_BLOCKS) gemv_nz_r4(GEMV_ARGS) { GEMV_CALL(4, true, 4, 1); } \
+    extern "C" __global__ void __launch_bounds__(32 * NW, NZ_MIN_BLOCKS) gemv_ny_r4(GEMV_ARGS) { GEMV_CALL(4, true, 7, 1); } \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r1(GEMV_ARGS) { GEMV_PRE_CALL(1, 1); }             \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r2(GEMV_ARGS) { GEMV_PRE_CALL(2, 1); }             \
     extern "C" __global__ void __launch_bounds__(32 * NW) gemv_qa_r4(GEMV_ARGS) { GEMV_PRE_CALL(4, 1); }             \

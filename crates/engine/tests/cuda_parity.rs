@@ -21,6 +21,8 @@ mod decode;
 mod flash;
 #[path = "cuda_ops/gemm.rs"]
 mod gemm;
+#[path = "cuda_ops/gemma.rs"]
+mod gemma;
 #[path = "cuda_ops/models.rs"]
 mod models;
 

@@ -53,13 +53,16 @@ fn decode_gemvs_at_1b_shapes_match_cpu() {
     let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
     check("1B o + residual", &delta(g.read_rows(&rg, 0).unwrap()), &delta(rc.data), 1e-2);
 
-    // norm → gate/up → SwiGLU (one launch)
+    // norm → gate/up → SwiGLU or GeGLU (one launch)
     let (wg, wu) = (mat(g, &mut r, f, d), mat(g, &mut r, f, d));
-    let (mut gg, mut ug, mut sg) = (g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act_poisoned(1, f, false).unwrap());
-    g.norm_glu(&xg, (&ng, 1e-5), &mut xn, (&wg.0, &wu.0), Activation::Silu, &mut gg, &mut ug, &mut sg).unwrap();
-    let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
-    c.norm_glu(&xc, (&norm, 1e-5), &mut xnc, (&wg.1, &wu.1), Activation::Silu, &mut gc, &mut uc, &mut sc).unwrap();
-    check("1B norm→gate/up→SwiGLU", &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+    for act in [Activation::Silu, Activation::GeluTanh] {
+        let (mut gg, mut ug) = (g.act(1, f).unwrap(), g.act(1, f).unwrap());
+        let mut sg = g.act_poisoned(1, f, false).unwrap();
+        g.norm_glu(&xg, (&ng, 1e-5), &mut xn, (&wg.0, &wu.0), act, &mut gg, &mut ug, &mut sg).unwrap();
+        let (mut gc, mut uc, mut sc) = (c.act(1, f).unwrap(), c.act(1, f).unwrap(), c.act(1, f).unwrap());
+        c.norm_glu(&xc, (&norm, 1e-5), &mut xnc, (&wg.1, &wu.1), act, &mut gc, &mut uc, &mut sc).unwrap();
+        check(&format!("1B norm→gate/up→{act:?}"), &g.read_rows(&sg, 0).unwrap(), &sc.data, 1e-2);
+    }
 
     // down: GEMV + residual add
     let wd = mat(g, &mut r, d, f);
@@ -186,8 +189,9 @@ fn mlp_staged_x_is_bit_identical() {
         (576, 1536, 4, 64, ScaleDtype::BF16, false),
     ];
     let bits_of = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (d, f, bits, group, dt, staged_here) in shapes {
-        let name = format!("d{d} f{f} q{bits} g{group} {dt:?}");
+    let acts = [Activation::Silu, Activation::GeluTanh];
+    for ((d, f, bits, group, dt, staged_here), act) in shapes.into_iter().flat_map(|s| acts.map(|a| (s, a))) {
+        let name = format!("d{d} f{f} q{bits} g{group} {dt:?} {act:?}");
         let mut mat = |rows: usize, cols: usize| {
             Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, bits, group, dt).unwrap())
         };
@@ -200,19 +204,19 @@ fn mlp_staged_x_is_bit_identical() {
             let ng = g.vector(norm.clone()).unwrap();
             let before = g.staged_x_launches();
             let mut xg = g.act_from_f32(1, d, &x).unwrap();
-            let mut act = g.act_poisoned(1, f, false).unwrap();
+            let mut out = g.act_poisoned(1, f, false).unwrap();
             let (mut xn, mut gg, mut ug, mut tmp) =
                 (g.act(1, d).unwrap(), g.act(1, f).unwrap(), g.act(1, f).unwrap(), g.act(1, d).unwrap());
             let scratch = (&mut xn, &mut gg, &mut ug, &mut tmp);
-            g.decode_mlp(&mut xg, (&ng, 1e-5), (&wg, &wu, &wd), scratch, &mut act).unwrap();
+            g.decode_mlp(&mut xg, (&ng, 1e-5), (&wg, &wu, &wd), act, scratch, &mut out).unwrap();
             let taken = g.staged_x_launches() - before;
             assert_eq!(taken, usize::from(staged && staged_here), "{name}: staged path taken (asked: {staged})");
-            (g.read_rows(&xg, 0).unwrap(), g.read_rows(&act, 0).unwrap())
+            (g.read_rows(&xg, 0).unwrap(), g.read_rows(&out, 0).unwrap())
         };
         let (want_x, want_act) = run(false);
         let (got_x, got_act) = run(true);
         assert_eq!(bits_of(&got_x), bits_of(&want_x), "{name}: residual");
-        assert_eq!(bits_of(&got_act), bits_of(&want_act), "{name}: SwiGLU");
+        assert_eq!(bits_of(&got_act), bits_of(&want_act), "{name}: gated product");
         // And the CPU's MLP (the added part; the residual itself is exact).
         let mut xc = cpu(1, d, x.clone());
         let (mut xn, mut gc, mut uc, mut tmp, mut ac) = (
@@ -222,7 +226,7 @@ fn mlp_staged_x_is_bit_identical() {
             c.act(1, d).unwrap(),
             c.act(1, f).unwrap(),
         );
-        c.norm_glu(&xc, (&norm, 1e-5), &mut xn, (&wg, &wu), Activation::Silu, &mut gc, &mut uc, &mut ac).unwrap();
+        c.norm_glu(&xc, (&norm, 1e-5), &mut xn, (&wg, &wu), act, &mut gc, &mut uc, &mut ac).unwrap();
         c.matmul_add(&ac, &wd, &mut xc, &mut tmp).unwrap();
         let delta = |v: &[f32]| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
         super::check(&format!("staged MLP {name}"), &delta(&got_x), &delta(&xc.data), 1e-2);

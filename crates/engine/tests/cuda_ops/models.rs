@@ -55,10 +55,7 @@ fn cuda_agrees_with_cpu(name: &str, mc: &Decoder<Cpu>, mg: &Decoder<Cuda>, tok: 
         add(&lc, &mg.forward(&[t], p, &mut kg, Logits::Last).unwrap());
     }
     let (agreement, kl) = (a.1 as f64 / a.2 as f64, a.0 / a.3 as f64);
-    eprintln!(
-        "{name} CUDA vs CPU: argmax {}/{} = {agreement:.4}, mean KL {kl:.2e} over {} positions",
-        a.1, a.2, a.3
-    );
+    eprintln!("{name} CUDA vs CPU: argmax {}/{} = {agreement:.4}, mean KL {kl:.2e} over {} positions", a.1, a.2, a.3);
     assert!(agreement >= 0.98, "{name}: argmax agreement {agreement}");
     assert!(kl <= 2e-3, "{name}: mean KL {kl}");
     // same greedy text for the README prompt

@@ -22,6 +22,9 @@ use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
 
+/// The q and k norms' gains and their epsilon.
+pub(crate) type QkNorm<'a> = ([&'a CudaSlice<f32>; 2], f32);
+
 /// Cached positions per decode attention split: small, so even a short context spreads
 /// over many blocks (heads × splits), each a few loads deep.
 const DECODE_CHUNK: usize = 64;
@@ -56,14 +59,10 @@ impl Cuda {
             self.add_bias(s.k, bk)?;
             self.add_bias(s.v, bv)?;
         }
-        // (Qwen3, Gemma 3) rmsnorm_heads ×2: the q/k norms.
-        if let Some([qn, kn]) = w.qk_norm {
-            self.rms_norm_heads_rows(s.q, qn, eps)?;
-            self.rms_norm_heads_rows(s.k, kn, eps)?;
-        }
-        // 2. attention_decode: RoPE of q and the new k, the cache write, split-K attention
-        //    over the cache and the splits' merge.
-        self.attention_decode(s.q, (s.k, s.v), kv, layer, (rope, shape.attend), s.att)?;
+        // 2. attention_decode: the q/k norms (Qwen3, Gemma 3), RoPE of q and the new k, the
+        //    cache write, split-K attention over the cache and the splits' merge.
+        let qk_norm = w.qk_norm.map(|n| (n, eps));
+        self.attention_decode(s.q, (s.k, s.v), kv, layer, (rope, shape.attend, qk_norm), s.att)?;
         // 3. gemv_ba_r*: x += att·woᵀ (Gemma: the output normed first).
         match w.post_attn_norm {
             Some(pn) => self.matmul_norm_add(s.att, w.wo, (pn, eps), x, s.o, s.xn)?,
@@ -71,8 +70,8 @@ impl Cuda {
         }
         // 4 and 5: the MLP.
         let mlp = (w.w_gate, w.w_up, w.w_down);
-        if w.post_mlp_norm.is_none() && shape.act == Activation::Silu {
-            return self.decode_mlp(x, (w.mlp_norm, eps), mlp, (s.xn, s.gate, s.up, s.o), s.act);
+        if w.post_mlp_norm.is_none() {
+            return self.decode_mlp(x, (w.mlp_norm, eps), mlp, shape.act, (s.xn, s.gate, s.up, s.o), s.act);
         }
         self.norm_glu(x, (w.mlp_norm, eps), s.xn, (w.w_gate, w.w_up), shape.act, s.gate, s.up, s.act)?;
         match w.post_mlp_norm {
@@ -81,28 +80,29 @@ impl Cuda {
         }
     }
 
-    /// A decode layer's MLP, x += down(silu(gate(n(x))) · up(n(x))) for one row, `act` the
-    /// SwiGLU output, xn, g, u and o scratch:
-    /// 4. gemv_nz_r4: act = silu(gate·n(x)) · (up·n(x)), also written as down's staged int16
-    ///    x image; 5. gemv_qa_r*: x += act·downᵀ, x copied in from the image; or, where
-    ///    staging does not apply, 4. gemv_ns_r4 and 5. gemv_ba_r*.
-    #[allow(clippy::type_complexity)]
+    /// A decode layer's MLP, x += down(act(gate(n(x))) · up(n(x))) for one row (SwiGLU or
+    /// GeGLU), `out` the gated product, xn, g, u and o scratch:
+    /// 4. gemv_nz_r4 (GeGLU: ny): out = act(gate·n(x)) · (up·n(x)), also written as down's
+    ///    staged int16 x image; 5. gemv_qa_r*: x += out·downᵀ, x copied in from the image;
+    ///    or, where staging does not apply, 4. gemv_ns_r4 (ng) and 5. gemv_ba_r*.
+    #[allow(clippy::type_complexity, clippy::too_many_arguments)]
     pub fn decode_mlp(
         &self,
         x: &mut CudaAct,
         (norm, eps): (&CudaSlice<f32>, f32),
         (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
+        act: Activation,
         (xn, g, u, o): (&mut CudaAct, &mut CudaAct, &mut CudaAct, &mut CudaAct),
-        act: &mut CudaAct,
+        out: &mut CudaAct,
     ) -> Result<()> {
-        if self.decode_mlp_staged(x, (norm, eps), (gate, up, down), &mut *u, &mut *act)? {
+        if self.decode_mlp_staged(x, (norm, eps), (gate, up, down), act, &mut *u, &mut *out)? {
             return Ok(());
         }
-        self.norm_glu(x, (norm, eps), xn, (gate, up), Activation::Silu, g, u, act)?;
-        self.matmul_add(act, down, x, o)
+        self.norm_glu(x, (norm, eps), xn, (gate, up), act, g, u, out)?;
+        self.matmul_add(out, down, x, o)
     }
 
-    /// Steps 4 and 5 with down's x staged by the SwiGLU launch (x_staged.cuh): down's blocks
+    /// Steps 4 and 5 with down's x staged by the gate/up launch (x_staged.cuh): down's blocks
     /// copy the image in after their release instead of each quantizing the whole input.
     /// Bit-identical to the unstaged launches. Only where down's own staging is heavy: each
     /// of its threads would quantize at least two 8-value parts (the 1B's 8192-wide down,
@@ -113,8 +113,9 @@ impl Cuda {
         x: &mut CudaAct,
         (norm, eps): (&CudaSlice<f32>, f32),
         (gate, up, down): (&CudaMat, &CudaMat, &CudaMat),
+        act: Activation,
         u: &mut CudaAct,
-        act: &mut CudaAct,
+        out: &mut CudaAct,
     ) -> Result<bool> {
         let ffn = gate.rows();
         let one_format = match (gate, up, down) {
@@ -135,14 +136,14 @@ impl Cuda {
         let image = self.scratch.staged_x(self, x_staging(ffn, int16_x).1)?;
         let gate_up = [gate, up];
         let norm_in = GemvIn::Norm(x, norm, eps);
-        if !self.gemv(norm_in, &gate_up, &mut [&mut *act, u], GemvOut::Swiglu, GemvExtra::StageInto(image))? {
+        if !self.gemv(norm_in, &gate_up, &mut [&mut *out, u], GemvOut::Glu(act), GemvExtra::StageInto(image))? {
             return Ok(false);
         }
-        // The SwiGLU launch wrote act too: should no staged down kernel fit, the plain one
+        // The gated launch wrote out too: should no staged down kernel fit, the plain one
         // reads that.
         let staged = GemvIn::Staged { image, cols: ffn };
         if !self.gemv(staged, &[down], &mut [&mut *x], GemvOut::Add, GemvExtra::None)? {
-            let plain = self.gemv(GemvIn::Bf16(act), &[down], &mut [&mut *x], GemvOut::Add, GemvExtra::None)?;
+            let plain = self.gemv(GemvIn::Bf16(out), &[down], &mut [&mut *x], GemvOut::Add, GemvExtra::None)?;
             if !plain {
                 return Err(Error::Invalid("CUDA decode MLP: down GEMV not covered after a staged SwiGLU".into()));
             }
@@ -183,18 +184,29 @@ impl Cuda {
         Ok(fused)
     }
 
-    /// attention_decode (one query row): RoPE of q and of the new k, the cache write of the
-    /// new k/v, attention over the cache and the split merge (through a cluster's shared
-    /// memory for short caches, global memory for deep ones). q, k, v unrotated.
+    /// attention_decode (one query row): the q/k norms (gains and eps, where the layer has
+    /// them), RoPE of q and of the new k, the cache write of the new k/v, attention over the
+    /// cache and the split merge (through a cluster's shared memory for short caches, global
+    /// memory for deep ones). q, k, v unrotated.
     pub(crate) fn attention_decode(
         &self,
         q: &CudaAct,
         (k, v): (&CudaAct, &CudaAct),
         kv: &mut CudaKv,
         layer: usize,
-        (rope, attend): (&Rope, Attend),
+        (rope, attend, qk_norm): (&Rope, Attend, Option<QkNorm>),
         out: &mut CudaAct,
     ) -> Result<()> {
+        if let Some(([qn, kn], _)) = qk_norm {
+            if qn.len() != kv.head_dim || kn.len() != kv.head_dim {
+                return Err(Error::Invalid(format!(
+                    "q/k norms of {} and {} for head_dim {}",
+                    qn.len(),
+                    kn.len(),
+                    kv.head_dim
+                )));
+            }
+        }
         let heads = q.cols / kv.head_dim;
         let n_kv = kv.width / kv.head_dim;
         // Query heads per block: one by default. Up to 4 of a GQA group per block read each
@@ -251,6 +263,10 @@ impl Cuda {
             KArg::F32(attend.scale),
             KArg::I32(super::prefill::window_arg(attend)?),
         ]);
+        match qk_norm {
+            Some(([qn, kn], eps)) => args.extend([self.arg(qn), self.arg(kn), KArg::F32(eps)]),
+            None => args.extend([KArg::Ptr(0), KArg::Ptr(0), KArg::F32(0.0)]),
+        }
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),

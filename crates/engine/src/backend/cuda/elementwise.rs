@@ -70,6 +70,24 @@ impl Cuda {
         self.launch(&f, cfg((heads, 1), 256), &args, Order::Serial, "rmsnorm_heads launch")
     }
 
+    /// x += rmsnorm(y)·w per row: the f32 residual stream and a bf16 block output (Gemma's
+    /// post-norms, `Backend::matmul_norm_add`'s second half).
+    pub(crate) fn rms_norm_add_rows(&self, y: &CudaAct, w: &CudaSlice<f32>, eps: f32, x: &mut CudaAct) -> Result<()> {
+        if !x.is_f32() || y.is_f32() || x.rows != y.rows || x.cols != y.cols || w.len() != y.cols {
+            return Err(Error::Invalid(format!(
+                "CUDA norm-add of [{}, {}] into [{}, {}] with {} gains (bf16 into the f32 residual)",
+                y.rows,
+                y.cols,
+                x.rows,
+                x.cols,
+                w.len()
+            )));
+        }
+        let f = self.plain_kernel("rmsnorm.cu", "rmsnorm_add")?;
+        let args = [x.arg(self), self.arg(y.bf16()), self.arg(w), KArg::I32(y.cols as i32), KArg::F32(eps)];
+        self.launch(&f, cfg((y.rows as u32, 1), 256), &args, Order::Overlap, "rmsnorm_add launch")
+    }
+
     /// `Backend::add_bias`: x[i] += b per row.
     pub(crate) fn add_bias_rows(&self, x: &mut CudaAct, bias: &CudaSlice<f32>) -> Result<()> {
         let f = self.plain_kernel("elementwise.cu", "add_bias")?;

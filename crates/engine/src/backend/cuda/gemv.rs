@@ -1,12 +1,13 @@
 //! The decode GEMV (one token, kernels/gemv.cu): up to three matrices sharing an input in
-//! one launch (q/k/v), the RMSNorm folded into the load of its input, SwiGLU of gate and up
-//! in one launch, the residual add in the store, x staged once per persistent block as
+//! one launch (q/k/v), the RMSNorm folded into the load of its input, SwiGLU or GeGLU of
+//! gate and up in one launch, the residual add in the store, x staged once per persistent block as
 //! int16 for DP2A. Each kernel is named by input, output and rows per warp (`kernel`).
 
 use super::device::Cuda;
 use super::driver::KArg;
 use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaMat};
+use crate::config::Activation;
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
@@ -27,8 +28,8 @@ pub(crate) enum GemvOut {
     Store,
     /// Add into the f32 residual stream.
     Add,
-    /// silu(mat 0) · mat 1 into one bf16 output.
-    Swiglu,
+    /// act(mat 0) · mat 1 into one bf16 output (SwiGLU, GeGLU).
+    Glu(Activation),
 }
 
 /// What a launch does beyond its mode.
@@ -82,7 +83,11 @@ fn kernel(input: char, out: char, r: usize, ks: usize) -> Option<&'static str> {
         ('n', 's', 1, 1) => "gemv_ns_r1",
         ('n', 's', 2, 1) => "gemv_ns_r2",
         ('n', 's', 4, 1) => "gemv_ns_r4",
+        ('n', 'g', 1, 1) => "gemv_ng_r1",
+        ('n', 'g', 2, 1) => "gemv_ng_r2",
+        ('n', 'g', 4, 1) => "gemv_ng_r4",
         ('n', 'z', 4, 1) => "gemv_nz_r4",
+        ('n', 'y', 4, 1) => "gemv_ny_r4",
         ('n', 'm', 4, 1) => "gemv_nm_r4",
         ('q', 'a', 1, 1) => "gemv_qa_r1",
         ('q', 'a', 2, 1) => "gemv_qa_r2",
@@ -144,7 +149,7 @@ impl Cuda {
     /// docs/perf-log.md).
     fn gemv_shape(&self, mode: GemvOut, rows: usize, chunks: usize) -> (usize, usize) {
         let r = match mode {
-            GemvOut::Swiglu => 4,
+            GemvOut::Glu(_) => 4,
             GemvOut::Store => rows_per_warp(rows, chunks, LOADS),
             GemvOut::Add => spread_rows(rows, rows_per_warp(rows, chunks, LOADS), WARPS, self.sms),
         };
@@ -206,17 +211,18 @@ impl Cuda {
         if !in_ok || cols_in > MAX_COLS || mats.is_empty() || mats.len() > 3 || mats.len() != outs.len() {
             return Ok(None);
         }
+        let glu = matches!(mode, GemvOut::Glu(_));
         let Some(CudaMat::Affine { defines, bits, .. }) = mats.first().copied() else { return Ok(None) };
         for (m, o) in mats.iter().zip(outs.iter()) {
             let CudaMat::Affine { defines: d, cols, rows, .. } = m else { return Ok(None) };
             let out_ok = matches!(
                 (mode, &o.buf),
-                (GemvOut::Add, ActBuf::F32(_)) | (GemvOut::Store, _) | (GemvOut::Swiglu, ActBuf::Bf16(_))
+                (GemvOut::Add, ActBuf::F32(_)) | (GemvOut::Store, _) | (GemvOut::Glu(_), ActBuf::Bf16(_))
             );
             if d != defines || *cols != cols_in || o.rows != 1 || !out_ok {
                 return Ok(None);
             }
-            if mode != GemvOut::Swiglu && o.cols != *rows {
+            if !glu && o.cols != *rows {
                 return Err(Error::Invalid(format!("CUDA GEMV: output of {} columns for {rows} rows", o.cols)));
             }
         }
@@ -225,13 +231,10 @@ impl Cuda {
         if outs.iter().any(|o| o.is_f32() != f32_out) {
             return Ok(None);
         }
-        if mode == GemvOut::Swiglu
-            && (mats.len() != 2 || mats[0].rows() != mats[1].rows() || outs[0].cols != mats[0].rows())
-        {
+        if glu && (mats.len() != 2 || mats[0].rows() != mats[1].rows() || outs[0].cols != mats[0].rows()) {
             return Ok(None);
         }
-        let launched_rows: usize =
-            if mode == GemvOut::Swiglu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
+        let launched_rows: usize = if glu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
         let (r, ks) = self.gemv_shape(mode, launched_rows, cols_in * *bits as usize / 128);
         let in_kind = match input {
             GemvIn::Norm(..) => 'n',
@@ -240,9 +243,17 @@ impl Cuda {
         };
         let out_kind = match (mode, f32_out, extra) {
             (GemvOut::Store, true, GemvExtra::Argmax(_)) if mats.len() == 1 => 'm',
-            (GemvOut::Swiglu, _, GemvExtra::StageInto(_)) if launched_rows.is_multiple_of(WARPS * r) => 'z',
+            (GemvOut::Glu(Activation::Silu), _, GemvExtra::StageInto(_)) if launched_rows.is_multiple_of(WARPS * r) => {
+                'z'
+            }
+            (GemvOut::Glu(Activation::GeluTanh), _, GemvExtra::StageInto(_))
+                if launched_rows.is_multiple_of(WARPS * r) =>
+            {
+                'y'
+            }
             (_, _, GemvExtra::Argmax(_) | GemvExtra::StageInto(_)) => return Ok(None),
-            (GemvOut::Swiglu, ..) => 's',
+            (GemvOut::Glu(Activation::Silu), ..) => 's',
+            (GemvOut::Glu(Activation::GeluTanh), ..) => 'g',
             (GemvOut::Add, ..) => 'a',
             (GemvOut::Store, true, _) => 'f',
             (GemvOut::Store, false, _) => 'b',
@@ -269,7 +280,7 @@ impl Cuda {
                 _ => o.arg(self),
             };
             args.extend([self.arg(words), scales.arg(self), biases.arg(self), out, KArg::I32(n as i32)]);
-            if mode != GemvOut::Swiglu || i == 0 {
+            if !glu || i == 0 {
                 blocks += n.div_ceil(WARPS / ks * r);
             }
         }
@@ -306,7 +317,7 @@ mod tests {
         ]
         .concat();
         for i in ['b', 'n', 'q'] {
-            for o in ['b', 'f', 'a', 's', 'z', 'm'] {
+            for o in ['b', 'f', 'a', 's', 'g', 'z', 'y', 'm'] {
                 for (r, ks) in [(1, 1), (2, 1), (4, 1), (2, 2)] {
                     if let Some(name) = kernel(i, o, r, ks) {
                         let short = &name[5..];

@@ -144,7 +144,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         match q.rows {
             // RoPE and the cache write happen inside (q and k stay unrotated).
-            1 => self.attention_decode(q, (k, v), kv, layer, (rope, attend), out),
+            1 => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
             _ => self.prefill_attention(q, (k, v), kv, layer, rope, n_heads, attend, out),
         }
     }
@@ -165,8 +165,8 @@ impl Backend for Cuda {
         self.rms_norm(x, norm, eps, xn)?;
         self.matmul_many(xn, ws, outs)
     }
-    /// One row with SwiGLU: gemv_ns (the norm folded in, SwiGLU in the store); otherwise
-    /// the gate and up products (one row: gemv_nb, the norm folded in), then `glu`.
+    /// One row: gemv_ns / gemv_ng (the norm folded in, SwiGLU / GeGLU in the store); else
+    /// the gate and up products, then `glu`.
     #[allow(clippy::too_many_arguments)]
     fn norm_glu(
         &self,
@@ -180,9 +180,7 @@ impl Backend for Cuda {
         out: &mut CudaAct,
     ) -> Result<()> {
         let norm_in = GemvIn::Norm(x, norm, eps);
-        let fused = act == Activation::Silu
-            && self.gemv(norm_in, &[gate, up], &mut [&mut *out, &mut *u], GemvOut::Swiglu, GemvExtra::None)?;
-        if fused {
+        if self.gemv(norm_in, &[gate, up], &mut [&mut *out, &mut *u], GemvOut::Glu(act), GemvExtra::None)? {
             return Ok(());
         }
         self.norm_matmul_many(x, norm, eps, xn, &[gate, up], &mut [&mut *g, &mut *u])?;
@@ -195,6 +193,20 @@ impl Backend for Cuda {
         }
         self.matmul(y, w, tmp)?;
         self.add(x, tmp)
+    }
+    /// The product (one row: the decode GEMV's store), then rmsnorm_add: the norm and the
+    /// residual add in one launch.
+    fn matmul_norm_add(
+        &self,
+        y: &CudaAct,
+        w: &CudaMat,
+        (norm, eps): (&Self::Vector, f32),
+        x: &mut CudaAct,
+        tmp: &mut CudaAct,
+        _tmp2: &mut CudaAct,
+    ) -> Result<()> {
+        self.matmul(y, w, tmp)?;
+        self.rms_norm_add_rows(tmp, norm, eps, x)
     }
     #[allow(clippy::too_many_arguments)]
     fn decode_layer(
