@@ -142,16 +142,18 @@ pub(crate) fn x_staging(cols: usize, int16_x: bool) -> (bool, usize) {
 
 impl Cuda {
     /// Rows per warp and K slices of a GEMV of `mode` over `rows` output rows (SwiGLU: per
-    /// matrix) of `chunks` 16-byte chunks each. SwiGLU at 4: ptxas gives gemv_ns_r4 128
+    /// matrix) of `chunks` 16-byte chunks each. A one-matrix store spreads its rows as an
+    /// add does (Gemma's post-normed o, 640 rows: 1 742 → 1 770 tok/s), q/k/v do not
+    /// (SmolLM2's 960 rows spread: 2 381 → 2 227 tok/s; H200, docs/perf-log.md). SwiGLU at 4: ptxas gives gemv_ns_r4 128
     /// registers against 154 at r2, so two blocks fit per SM (1B +3%). An add at one row
     /// per warp over rows of a multiple of 64 chunks (the 1B's down) goes to 2 rows over
     /// two K slices: each x chunk read from shared memory serves 2 rows (1B +2.6%; H200,
     /// docs/perf-log.md).
-    fn gemv_shape(&self, mode: GemvOut, rows: usize, chunks: usize) -> (usize, usize) {
+    fn gemv_shape(&self, mode: GemvOut, matrices: usize, rows: usize, chunks: usize) -> (usize, usize) {
         let r = match mode {
             GemvOut::Glu(_) => 4,
-            GemvOut::Store => rows_per_warp(rows, chunks, LOADS),
-            GemvOut::Add => spread_rows(rows, rows_per_warp(rows, chunks, LOADS), WARPS, self.sms),
+            GemvOut::Store if matrices > 1 => rows_per_warp(rows, chunks, LOADS),
+            GemvOut::Store | GemvOut::Add => spread_rows(rows, rows_per_warp(rows, chunks, LOADS), WARPS, self.sms),
         };
         match (mode, r) {
             (GemvOut::Add, 1) if self.cfg.gemv_k_slices && chunks.is_multiple_of(64) => (2, 2),
@@ -235,7 +237,7 @@ impl Cuda {
             return Ok(None);
         }
         let launched_rows: usize = if glu { mats[0].rows() } else { mats.iter().map(|m| m.rows()).sum() };
-        let (r, ks) = self.gemv_shape(mode, launched_rows, cols_in * *bits as usize / 128);
+        let (r, ks) = self.gemv_shape(mode, mats.len(), launched_rows, cols_in * *bits as usize / 128);
         let in_kind = match input {
             GemvIn::Norm(..) => 'n',
             GemvIn::Bf16(_) => 'b',
