@@ -2,12 +2,18 @@
 # Prepare gpu-bin/ (git-ignored) for the GPU machine, whose calls carry at most 64 MiB each:
 #   gpu-bin/ferrolm, gpu-bin/cuda_parity   stripped x86-64 binaries (--profile gpu)
 #   gpu-bin/m1/smol.part1, gpu-bin/m2/smol.part2   the SmolLM2 GGUF in two parts
-# Then, in two device calls made back to back (a warm machine keeps /root for ~30 s):
+#   gpu-bin/g1 … g5/gemma.partN                     the Gemma 3 270M GGUF in five parts
+# Then, in device calls made back to back (a warm machine keeps /root for ~30 s):
 #   call 1, carry [gpu-bin/ferrolm, gpu-bin/cuda_parity, gpu-bin/m1]:
 #     mkdir -p /root/fh/models /root/gb && cp gpu-bin/m1/smol.part1 /root/fh/ && cp gpu-bin/ferrolm gpu-bin/cuda_parity /root/gb/
 #   call 2, carry [gpu-bin/m2]:
 #     cat /root/fh/smol.part1 gpu-bin/m2/smol.part2 > /root/fh/models/SmolLM2-135M-Instruct.Q4_1.gguf
+#   calls 3-6, carry [gpu-bin/gN] (N = 1 … 4): mkdir -p /root/g && cp gpu-bin/gN/* /root/g/
+#   call 7, carry [gpu-bin/g5]:
+#     cat /root/g/gemma.part? gpu-bin/g5/gemma.part4 > /root/fh/models/gemma-3-270m-q4_k_m.gguf
 #     FERROLM_HOME=/root/fh bash scripts/gpu-check.sh /root/gb
+# (`ferrolm kernels` started in the background in call 1, `setsid nohup … &`, has the
+# kernels compiled by call 7.)
 # A run on the synthetic 1B model alone needs one call: gpu-bin/tok/ holds a 1.7 MB GGUF with
 # SmolLM2's metadata and no tensors (tools/gpu/tokenizer_gguf.py), all `ferrolm convert
 # --synthetic` reads from the default model; carry [gpu-bin/ferrolm, gpu-bin/cuda_parity,
@@ -40,9 +46,14 @@ python3 -c 'import gguf' 2>/dev/null || python3 -m pip install --quiet --disable
 python3 tools/gpu/tokenizer_gguf.py "$model" "gpu-bin/tok/$(basename "$model")"
 head -c 41943040 "$model" > gpu-bin/m1/smol.part1
 tail -c +41943041 "$model" > gpu-bin/m2/smol.part2
+gemma=$(dirname "$model")/gemma-3-270m-q4_k_m.gguf
+[[ -f $gemma ]] || scripts/fetch-test-models.sh
+rm -rf gpu-bin/g[1-5] && mkdir -p gpu-bin/g1 gpu-bin/g2 gpu-bin/g3 gpu-bin/g4 gpu-bin/g5
+split -b 52000000 -d -a 1 "$gemma" gpu-bin/gemma.part
+for i in 0 1 2 3 4; do mv "gpu-bin/gemma.part$i" "gpu-bin/g$((i + 1))/"; done
 if [[ ${KERNEL_CACHE:-0} == 1 ]]; then
   source scripts/nvrtc-env.sh
   FERROLM_HOME=gpu-bin/khome target/gpu/ferrolm kernels --arch sm_90 --prune
   tar -C gpu-bin/khome -cf - kernels | xz -T0 -6 > gpu-bin/m2/kernels.tar.xz
 fi
-ls -la gpu-bin gpu-bin/m1 gpu-bin/m2 gpu-bin/tok
+ls -la gpu-bin gpu-bin/m1 gpu-bin/m2 gpu-bin/g[1-5] gpu-bin/tok

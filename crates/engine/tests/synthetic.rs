@@ -6,7 +6,7 @@
 //! fetched by `hub::default_model()` as the other tests do.
 
 use ferrolm::backend::cpu::Cpu;
-use ferrolm::config::{Arch, ModelConfig, RopeStyle};
+use ferrolm::config::{Activation, Arch, AttnKind, ModelConfig, RopeStyle};
 use ferrolm::formats::mlx_write::{hf_config_json, tokenizer_files, write_mlx_dir};
 use ferrolm::formats::synthetic::{self, build, build_config, pad_tokenizer};
 use ferrolm::formats::{self, names, ModelSource};
@@ -22,7 +22,8 @@ fn scheme(s: &str) -> QuantScheme {
 /// A named shape with fewer layers (and optionally a smaller vocabulary), for speed.
 fn reduced(name: &str, layers: usize, vocab: Option<usize>) -> ModelConfig {
     let c = synthetic::config(name).unwrap();
-    ModelConfig { n_layers: layers, vocab: vocab.unwrap_or(c.vocab), ..c }
+    let layer_kinds = c.layer_kinds.iter().take(layers).copied().collect();
+    ModelConfig { n_layers: layers, vocab: vocab.unwrap_or(c.vocab), layer_kinds, ..c }
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -60,24 +61,37 @@ fn same_tensors(a: &ModelSource, b: &ModelSource) -> Result<(), String> {
 
 #[test]
 fn configs_are_the_published_shapes() {
-    assert_eq!(synthetic::names(), ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "minicpm5-1b"]);
-    // name, hidden, layers, heads, kv heads, head_dim, ffn, vocab, ctx, tied, theta, eps, llama3 factor
+    let names =
+        ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "minicpm5-1b", "gemma-3-270m", "gemma-3-1b", "qwen3-0.6b"];
+    assert_eq!(synthetic::names(), names);
+    // name, arch, hidden, layers, heads, kv heads, head_dim, ffn, vocab, ctx, tied, theta, eps, llama3 factor
     #[rustfmt::skip]
     let want = [
-        ("smollm2-135m", 576, 30, 9, 3, 64, 1536, 49152, 8192, true, 100000.0, 1e-5, None),
-        ("llama-3.2-1b", 2048, 16, 32, 8, 64, 8192, 128256, 131072, true, 500000.0, 1e-5, Some(32.0)),
-        ("llama-3.1-8b", 4096, 32, 32, 8, 128, 14336, 128256, 131072, false, 500000.0, 1e-5, Some(8.0)),
-        ("minicpm5-1b", 1536, 24, 16, 2, 128, 4608, 130560, 32768, false, 5000000.0, 1e-6, None),
+        ("smollm2-135m", Arch::Llama, 576, 30, 9, 3, 64, 1536, 49152, 8192, true, 100000.0, 1e-5, None),
+        ("llama-3.2-1b", Arch::Llama, 2048, 16, 32, 8, 64, 8192, 128256, 131072, true, 500000.0, 1e-5, Some(32.0)),
+        ("llama-3.1-8b", Arch::Llama, 4096, 32, 32, 8, 128, 14336, 128256, 131072, false, 500000.0, 1e-5, Some(8.0)),
+        ("minicpm5-1b", Arch::Llama, 1536, 24, 16, 2, 128, 4608, 130560, 32768, false, 5000000.0, 1e-6, None),
+        ("gemma-3-270m", Arch::Gemma3, 640, 18, 4, 1, 256, 2048, 262144, 32768, true, 1e6, 1e-6, None),
+        ("gemma-3-1b", Arch::Gemma3, 1152, 26, 4, 1, 256, 6912, 262144, 32768, true, 1e6, 1e-6, None),
+        ("qwen3-0.6b", Arch::Qwen3, 1024, 28, 16, 8, 128, 3072, 151936, 40960, true, 1e6, 1e-6, None),
     ];
-    for (name, hidden, layers, heads, kv, hd, ffn, vocab, ctx, tied, theta, eps, factor) in want {
+    for (name, arch, hidden, layers, heads, kv, hd, ffn, vocab, ctx, tied, theta, eps, factor) in want {
         let c = synthetic::config(name).unwrap();
         assert_eq!(
             (c.arch, c.hidden, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.ffn, c.vocab, c.max_ctx),
-            (Arch::Llama, hidden, layers, heads, kv, hd, ffn, vocab, ctx),
+            (arch, hidden, layers, heads, kv, hd, ffn, vocab, ctx),
             "{name}"
         );
         assert_eq!((c.tie_embeddings, c.rope_theta, c.rms_eps), (tied, theta, eps), "{name}");
         assert_eq!((c.rope_style, c.rope_linear, c.qkv_bias), (RopeStyle::Half, 1.0, false), "{name}");
+        assert_eq!(c.qk_norm, arch != Arch::Llama, "{name}");
+        if arch == Arch::Gemma3 {
+            // every sixth layer global, window 512, local base 10000, queries by 256^-1/2
+            let globals: Vec<usize> = (0..layers).filter(|&i| c.layer_kind(i) == AttnKind::Full).collect();
+            assert_eq!(globals, (5..layers).step_by(6).collect::<Vec<_>>(), "{name}");
+            assert_eq!((c.sliding_window, c.rope_local_theta, c.attn_scale()), (512, Some(10000.0), 0.0625), "{name}");
+            assert_eq!((c.activation, c.norm_plus_one, c.post_norms), (Activation::GeluTanh, true, true), "{name}");
+        }
         assert_eq!(c.llama3_scaling.as_ref().map(|s| s.factor), factor, "{name}");
         if let Some(s) = &c.llama3_scaling {
             assert_eq!((s.low_freq_factor, s.high_freq_factor, s.original_max_position), (1.0, 4.0, 8192.0));
@@ -221,7 +235,9 @@ fn activations_stay_sane_through_every_layer() {
     // The whole smollm2-135m (30 layers, 4-bit), then the other shapes' layer geometry
     // (head_dim 128, GQA 32/8 and 16/2) with fewer layers and a smaller vocabulary.
     check_activations("smollm2-135m", build("smollm2-135m", &scheme("4"), 0, false).unwrap());
-    for (name, layers) in [("llama-3.2-1b", 4), ("minicpm5-1b", 4), ("llama-3.1-8b", 1)] {
+    // Gemma's 6 layers hold a global one; Qwen3's have q/k norms.
+    let shapes = [("llama-3.2-1b", 4), ("minicpm5-1b", 4), ("llama-3.1-8b", 1), ("gemma-3-1b", 6), ("qwen3-0.6b", 4)];
+    for (name, layers) in shapes {
         let cfg = reduced(name, layers, Some(8192));
         check_activations(name, build_config(name, &cfg, &scheme("4"), 0, false).unwrap());
     }

@@ -16,7 +16,9 @@
 //!   matters for tied models: otherwise the input token's own logit (|e_t|²) wins and
 //!   greedy decoding repeats the prompt's last token forever.
 //! - norm gains: their centre times 1 + N(0, 0.02²); biases (no named shape has them)
-//!   N(0, 0.02²).
+//!   N(0, 0.02²). Gemma's shapes scale the embedding rows by √hidden, so theirs are drawn
+//!   √hidden times smaller (the stream starts at the same 0.02), and their gain tensors
+//!   hold the gain less 1 (Gemma's convention).
 //!
 //! Quantized schemes draw the same bf16 values and quantize them with MLX's rule, row
 //! block by row block, straight into the packed form: the result is bit for bit what
@@ -262,16 +264,19 @@ enum Dist {
 fn dist(name: &str, rows: usize, cols: usize, cfg: &ModelConfig) -> Dist {
     let fan_in = 1.0 / (cols as f32).sqrt();
     let offset = if cfg.norm_plus_one { 1.0 } else { 0.0 };
+    // Gemma multiplies the embedding rows by √hidden: draw them that much smaller, so the
+    // stream starts at EMBED_STD as in every other shape.
+    let embed_std = EMBED_STD / cfg.embed_scale;
     if name == names::NORM && cfg.tie_embeddings {
         // The head is the embedding: scale its input so the logits still have LOGIT_STD.
-        Dist::Gain(LOGIT_STD / (EMBED_STD * (cfg.hidden as f32).sqrt()), offset)
+        Dist::Gain(LOGIT_STD / (embed_std * (cfg.hidden as f32).sqrt()), offset)
     } else if name.ends_with(".bias") {
         // q/k/v biases (Qwen2-style shapes): small, like the embeddings.
         Dist::Normal(EMBED_STD)
     } else if rows == 1 {
         Dist::Gain(1.0, offset)
     } else if name == names::EMBED {
-        Dist::Normal(EMBED_STD)
+        Dist::Normal(embed_std)
     } else if name == names::LM_HEAD {
         Dist::Normal(LOGIT_STD * fan_in)
     } else if name.ends_with("o_proj.weight") || name.ends_with("down_proj.weight") {
