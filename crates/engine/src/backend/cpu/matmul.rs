@@ -71,7 +71,7 @@ fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1:
     let simd = simd::has_avx2();
     let mut scales = vec![0f32; gpr];
     let mut biases = vec![0f32; gpr];
-    let mut q = if m > 1 || !(a.bits == 4 || a.bits == 8) { vec![0f32; k] } else { Vec::new() };
+    let mut q = if m > 1 || !simd { vec![0f32; k] } else { Vec::new() };
     let set = |i: usize, r: usize, v: f32| {
         // SAFETY: (i, r) is inside out's [m, n] and only this task writes rows r0..r1.
         unsafe { *out.0.add(i * n + r) = v }
@@ -82,21 +82,29 @@ fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1:
         row_scales(&a.biases, r * gpr, &mut biases, simd);
         let bias_term = |i: usize| -> f32 { dot(&biases, &xs[i * gpr..(i + 1) * gpr]) };
         // Decode: unpack and multiply in one pass, no scratch.
-        if m == 1 && simd && (a.bits == 4 || a.bits == 8) {
+        if m == 1 && simd {
             // SAFETY: AVX2+FMA present; lengths follow from the tensor's checked shape.
             let d = unsafe {
                 match a.bits {
+                    2 => simd::row_dot::<2>(words, x, &scales, g),
+                    3 => simd::row_dot::<3>(words, x, &scales, g),
                     4 => simd::row_dot::<4>(words, x, &scales, g),
+                    5 => simd::row_dot::<5>(words, x, &scales, g),
+                    6 => simd::row_dot::<6>(words, x, &scales, g),
                     _ => simd::row_dot::<8>(words, x, &scales, g),
                 }
             };
             set(0, r, d + bias_term(0));
             continue;
         }
-        // Prefill (or odd bit widths): unpack once, reuse for all m rows of x.
+        // Prefill: unpack once, reuse for all m rows of x.
         match a.bits {
             // SAFETY: as above.
+            2 if simd => unsafe { simd::unpack::<2>(words, &mut q) },
+            3 if simd => unsafe { simd::unpack::<3>(words, &mut q) },
             4 if simd => unsafe { simd::unpack::<4>(words, &mut q) },
+            5 if simd => unsafe { simd::unpack::<5>(words, &mut q) },
+            6 if simd => unsafe { simd::unpack::<6>(words, &mut q) },
             8 if simd => unsafe { simd::unpack::<8>(words, &mut q) },
             bits => q.iter_mut().enumerate().for_each(|(i, v)| *v = get_q(words, bits, i) as f32),
         }

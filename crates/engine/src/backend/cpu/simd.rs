@@ -1,7 +1,8 @@
 //! AVX2+FMA inner loops for the quantized matmul (x86-64), chosen at run time.
 //!
-//! Where the time goes in decode: each weight nibble is unpacked (broadcast word, variable
-//! shift, mask, int→float) and multiplied into 8 lanes; the group scale folds into a row
+//! Where the time goes in decode: each weight value is unpacked (broadcast word, variable
+//! shift, mask, int→float; 3/5/6/2-bit values from one unaligned u64 per 8) and multiplied
+//! into 8 lanes; the group scale folds into a row
 //! accumulator once per group, so there is one horizontal sum per output row.
 
 #[cfg(target_arch = "x86_64")]
@@ -31,23 +32,48 @@ unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// 8 consecutive q values (as f32) starting at value 8·i of a 4- or 8-bit row.
+/// 8 consecutive q values (as f32) starting at value 8·i of a row of `nbytes` bytes.
+/// 4 bits: one word, shifted per lane; 8 bits: 8 bytes widened. Any other width: the 8
+/// values are the BITS bytes at byte 8·i·BITS/8 of the LSB-first stream, read as one u64
+/// and shifted per lane in 64-bit halves (a value may cross a word), then masked.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn load8<const BITS: u32>(words: *const u32, i: usize) -> __m256 {
+unsafe fn load8<const BITS: u32>(words: *const u32, i: usize, nbytes: usize) -> __m256 {
     if BITS == 4 {
         let w = _mm256_set1_epi32(*words.add(i) as i32);
         let sh = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
         _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(15)))
-    } else {
+    } else if BITS == 8 {
         // 8-bit: the LSB-first u32 stream is a plain byte array.
         let b = _mm_loadl_epi64((words as *const u8).add(8 * i) as *const __m128i);
         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
+    } else {
+        let (byte, n) = (i * BITS as usize, BITS as usize);
+        let p = (words as *const u8).add(byte);
+        // The row's last block reads only its own bytes.
+        let u = if byte + 8 <= nbytes {
+            std::ptr::read_unaligned(p as *const u64)
+        } else {
+            let mut b = [0u8; 8];
+            std::ptr::copy_nonoverlapping(p, b.as_mut_ptr(), n);
+            u64::from_le_bytes(b)
+        };
+        let v = _mm256_set1_epi64x(u as i64);
+        let b = BITS as i64;
+        let lo = _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, b, 2 * b, 3 * b));
+        let hi = _mm256_srlv_epi64(v, _mm256_setr_epi64x(4 * b, 5 * b, 6 * b, 7 * b));
+        // The low 32 bits of each 64-bit lane: values 0-3 from lo, 4-7 from hi.
+        let idx = _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6);
+        let q = _mm256_blend_epi32::<0b1111_0000>(
+            _mm256_permutevar8x32_epi32(lo, idx),
+            _mm256_permutevar8x32_epi32(hi, idx),
+        );
+        _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32((1 << BITS) - 1)))
     }
 }
 
-/// Σ_g scale_g · Σ_{j∈g} q_j · x_j for one row (BITS ∈ {4, 8}); the bias term is added by
-/// the caller from precomputed group sums of x.
+/// Σ_g scale_g · Σ_{j∈g} q_j · x_j for one row (BITS 2-8); the bias term is added by the
+/// caller from precomputed group sums of x.
 ///
 /// # Safety
 /// CPU must support AVX2+FMA; `words` holds cols·BITS/32 words, `x` cols values,
@@ -56,7 +82,7 @@ unsafe fn load8<const BITS: u32>(words: *const u32, i: usize) -> __m256 {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn row_dot<const BITS: u32>(words: &[u32], x: &[f32], scales: &[f32], group: usize) -> f32 {
     let per_group = group / 8;
-    let (wp, xp) = (words.as_ptr(), x.as_ptr());
+    let (wp, xp, nb) = (words.as_ptr(), x.as_ptr(), 4 * words.len());
     let mut racc = _mm256_setzero_ps();
     for (g, &s) in scales.iter().enumerate() {
         let mut a0 = _mm256_setzero_ps();
@@ -64,8 +90,8 @@ pub unsafe fn row_dot<const BITS: u32>(words: &[u32], x: &[f32], scales: &[f32],
         let base = g * per_group;
         let mut i = 0;
         while i < per_group {
-            a0 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i), _mm256_loadu_ps(xp.add(8 * (base + i))), a0);
-            a1 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i + 1), _mm256_loadu_ps(xp.add(8 * (base + i + 1))), a1);
+            a0 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i, nb), _mm256_loadu_ps(xp.add(8 * (base + i))), a0);
+            a1 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i + 1, nb), _mm256_loadu_ps(xp.add(8 * (base + i + 1))), a1);
             i += 2;
         }
         racc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s), racc);
@@ -73,16 +99,16 @@ pub unsafe fn row_dot<const BITS: u32>(words: &[u32], x: &[f32], scales: &[f32],
     hsum(racc)
 }
 
-/// Unpack a 4- or 8-bit row into f32 (prefill reuses it for every token).
+/// Unpack a row (BITS 2-8) into f32 (prefill reuses it for every token).
 ///
 /// # Safety
 /// CPU must support AVX2; out.len() = cols, words.len() = cols·BITS/32.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn unpack<const BITS: u32>(words: &[u32], out: &mut [f32]) {
-    let (wp, op) = (words.as_ptr(), out.as_mut_ptr());
+    let (wp, op, nb) = (words.as_ptr(), out.as_mut_ptr(), 4 * words.len());
     for i in 0..out.len() / 8 {
-        _mm256_storeu_ps(op.add(8 * i), load8::<BITS>(wp, i));
+        _mm256_storeu_ps(op.add(8 * i), load8::<BITS>(wp, i, nb));
     }
 }
 
