@@ -84,7 +84,10 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
     let text: Vec<u32> = one.iter().cycle().take(a.depth + a.prompt_tokens).copied().collect();
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
     let kv_bytes = ctx * l.model.cfg.n_layers * l.model.cfg.n_kv_heads * l.model.cfg.head_dim * 2 * 2;
+    // A warm-up run, then the timed ones.
+    let bar = ferrolm::progress::count_bar(load::progress(), a.repeats as u64 + 1, "runs");
     for run in 0..=a.repeats {
+        bar.inc(1);
         let mut s = Session::new(&l.model, ctx)?;
         if a.depth > 0 {
             s.feed(&text[..a.depth])?; // the context, untimed
@@ -102,6 +105,7 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
             dec.push(st.decode_tps());
         }
     }
+    bar.finish_and_clear();
     let threads = rayon::current_num_threads();
     let (p, d) = (median(&mut pre), median(&mut dec));
     let rss = peak_rss();

@@ -80,7 +80,7 @@ fn perplexity_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: Perplexity
     }
     ids.extend(l.tokenizer.encode(&text, false)?);
     let t = std::time::Instant::now();
-    let p = ferrolm::generate::perplexity(&l.model, &ids, a.ctx)?;
+    let p = ferrolm::generate::perplexity(&l.model, &ids, a.ctx, load::progress())?;
     if a.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {

@@ -447,7 +447,9 @@ pub struct Perplexity {
     pub argmax: Vec<u32>,
 }
 
-pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize) -> Result<Perplexity> {
+/// Teacher-forced NLL of `tokens` in chunks of `ctx`, each from an empty cache; a progress
+/// bar over the tokens on stderr when `progress` (a terminal).
+pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize, progress: bool) -> Result<Perplexity> {
     if ctx < 2 {
         return Err(Error::Invalid(format!("--ctx {ctx}: need at least 2 tokens per chunk")));
     }
@@ -458,7 +460,9 @@ pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize) ->
     let vocab = model.cfg.vocab;
     let mut out = Perplexity { tokens: tokens.len(), ..Default::default() };
     let mut kv = model.new_cache(ctx)?;
+    let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");
     for chunk in tokens.chunks(ctx) {
+        bar.inc(chunk.len() as u64);
         if chunk.len() < 2 {
             break;
         }
@@ -472,6 +476,7 @@ pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize) ->
             out.argmax.push(crate::sample::argmax(row));
         }
     }
+    bar.finish_and_clear();
     let mean = out.nll.iter().map(|&v| v as f64).sum::<f64>() / out.nll.len() as f64;
     out.ppl = mean.exp();
     Ok(out)

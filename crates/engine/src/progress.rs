@@ -1,4 +1,5 @@
-//! Progress bars for load/convert (indicatif), hidden when not wanted or not a terminal.
+//! Progress bars (indicatif) for load, convert, perplexity and bench: hidden when not wanted
+//! (the caller passes whether stderr is a terminal).
 
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -9,6 +10,21 @@ pub fn bar(enabled: bool, total: u64, what: &str) -> ProgressBar {
     let b = ProgressBar::new(total);
     b.set_style(
         ProgressStyle::with_template("{msg} [{bar:30}] {bytes}/{total_bytes} ({eta})")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    b.set_message(what.to_string());
+    b
+}
+
+/// A bar counting `total` steps (tokens, runs) rather than bytes.
+pub fn count_bar(enabled: bool, total: u64, what: &str) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let b = ProgressBar::new(total);
+    b.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} ({eta})")
             .unwrap_or_else(|_| ProgressStyle::default_bar())
             .progress_chars("=> "),
     );
