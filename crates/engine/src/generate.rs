@@ -176,7 +176,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// back 8·k bytes instead of the vocabulary's logits.
     pub fn step_top_k(&mut self, token: u32, k: usize, inv_t: f32) -> Result<Vec<(u32, f32)>> {
         let b = &self.model.backend;
-        crate::backend::check_top_k(self.model.cfg.vocab, k, 2 * k)?;
+        crate::backend::check_top_k(self.model.logits_width(), k, 2 * k)?;
         if self.top_k.as_ref().is_none_or(|t| (t.0, t.1) != (k, inv_t.to_bits())) {
             // A new k or temperature is a new capture (both are baked into its launch).
             b.forget(self.key(StepEnd::TopK, 1));
@@ -297,7 +297,7 @@ impl<'m, B: Backend> Session<'m, B> {
     /// The decode step's logits and argmax buffers, made on first use.
     fn ensure_step_buffers(&mut self) -> Result<()> {
         if self.logits.is_none() {
-            self.logits = Some(self.model.backend.act_f32(1, self.model.cfg.vocab)?);
+            self.logits = Some(self.model.backend.act_f32(1, self.model.logits_width())?);
             self.argmax = Some(self.model.backend.act_f32(1, 1)?);
         }
         Ok(())
@@ -357,7 +357,8 @@ impl<'m, B: Backend> Session<'m, B> {
         // Top-k sampling needs only the k best: the device finds them, the host draws.
         let greedy = sampler.cfg.temperature == 0.0 && sampler.cfg.repetition_penalty == 1.0;
         let b = &self.model.backend;
-        let top_k = b.top_k_preferred() && sampler.top_k_on_device(self.model.cfg.vocab, crate::backend::TOP_K_MAX);
+        let top_k =
+            b.top_k_preferred() && sampler.top_k_on_device(self.model.logits_width(), crate::backend::TOP_K_MAX);
         if greedy && b.feeds_steps() && max_tokens > 0 {
             let first = sampler.sample(&mut logits, &history);
             self.generate_fed(first, max_tokens, stop, &mut st, &mut on_token)?;
@@ -457,7 +458,7 @@ pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize, pr
         return Err(Error::Invalid(format!("{} tokens: perplexity needs at least 2", tokens.len())));
     }
     let ctx = ctx.min(model.cfg.max_ctx);
-    let vocab = model.cfg.vocab;
+    let vocab = model.logits_width();
     let mut out = Perplexity { tokens: tokens.len(), ..Default::default() };
     let mut kv = model.new_cache(ctx)?;
     let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");

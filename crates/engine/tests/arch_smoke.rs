@@ -131,6 +131,7 @@ fn build(cfg: &ModelConfig, bits: Option<u32>, seed: u64) -> (ModelSource, Tenso
         tokenizer: TokenizerSource::Dir("none".into()),
         file_bytes: 0,
         synthetic: None,
+        tokenizer_vocab: None,
     };
     (src, reference)
 }
@@ -471,5 +472,46 @@ fn positions_before_the_window_are_not_attended() {
         for decode in [false, true] {
             assert_eq!(last(&a, decode) == last(&b, decode), same, "{kind:?} decode {decode}");
         }
+    }
+}
+
+/// A padded vocabulary (more embedding rows than the tokenizer has ids, as Qwen's): the
+/// head scores only the tokenizer's ids, with the same values the full head gives them,
+/// tied and untied, on the prefill and decode paths; generation never leaves them.
+#[test]
+fn a_padded_vocabulary_scores_only_the_tokenizers_ids() {
+    let tokens: Vec<u32> = vec![3, 17, 42, 5, 93, 1, 60]; // 93: a padded id as input is fine
+    for tied in [false, true] {
+        let cfg = ModelConfig { tie_embeddings: tied, ..base_cfg() };
+        let (mut full, _) = build(&cfg, Some(4), 21);
+        let (mut padded, _) = build(&cfg, Some(4), 21);
+        padded.tokenizer_vocab = Some(90);
+        let (full, padded) = (Decoder::load(Cpu, &mut full).unwrap(), Decoder::load(Cpu, &mut padded).unwrap());
+        assert_eq!((full.logits_width(), padded.logits_width()), (96, 90));
+        let logits = |m: &Decoder<Cpu>, decode: bool| {
+            let mut kv = m.new_cache(16).unwrap();
+            if !decode {
+                return m.forward(&tokens, 0, &mut kv, Logits::All).unwrap();
+            }
+            tokens.iter().enumerate().flat_map(|(p, &t)| m.forward(&[t], p, &mut kv, Logits::Last).unwrap()).collect()
+        };
+        for decode in [false, true] {
+            let (a, b) = (logits(&full, decode), logits(&padded, decode));
+            let cut: Vec<f32> = a.chunks(96).flat_map(|r| r[..90].to_vec()).collect();
+            assert_eq!(b, cut, "tied {tied} decode {decode}");
+        }
+        let mut s = Session::new(&padded, 32).unwrap();
+        let mut sampler = ferrolm::sample::Sampler::new(ferrolm::sample::SamplerConfig {
+            temperature: 5.0,
+            seed: 3,
+            ..Default::default()
+        });
+        let mut out = vec![];
+        s.generate(&tokens, 20, &mut sampler, &[], |t| {
+            out.push(t);
+            Ok(true)
+        })
+        .unwrap();
+        assert!(out.len() == 20 && out.iter().all(|&t| t < 90), "tied {tied}: {out:?}");
     }
 }

@@ -85,6 +85,7 @@ pub fn from_file(g: &GgufFile, progress: bool) -> Result<ModelSource> {
         tokenizer: TokenizerSource::Gguf(path.to_path_buf()),
         file_bytes: g.file_size() as u64,
         synthetic: None,
+        tokenizer_vocab: None,
     })
 }
 

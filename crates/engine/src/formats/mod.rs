@@ -43,6 +43,10 @@ pub struct ModelSource {
     /// from a directory whose config.json has `"ferrolm_synthetic": name`. Numbers measured
     /// on such a model must say so.
     pub synthetic: Option<String>,
+    /// The tokenizer's vocabulary size, where it is known and smaller than the embedding's
+    /// (a padded vocabulary, as Qwen checkpoints have): the head then scores only those ids,
+    /// so an id with no token is never sampled.
+    pub tokenizer_vocab: Option<usize>,
 }
 
 impl ModelSource {
@@ -69,10 +73,13 @@ pub fn load_with_tokenizer(path: &Path, progress: bool) -> Result<(ModelSource, 
         let mut g = gguf::GgufFile::open(path)?;
         let tok = crate::tokenizer::Tokenizer::from_gguf(&g)?;
         g.forget_tokenizer();
-        return Ok((gguf_names::from_file(&g, progress)?, tok));
+        let mut src = gguf_names::from_file(&g, progress)?;
+        src.tokenizer_vocab = Some(tok.vocab_size());
+        return Ok((src, tok));
     }
-    let src = load(path, progress)?;
+    let mut src = load(path, progress)?;
     let tok = crate::tokenizer::Tokenizer::load(&src.tokenizer)?;
+    src.tokenizer_vocab = Some(tok.vocab_size());
     Ok((src, tok))
 }
 

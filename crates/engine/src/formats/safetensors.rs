@@ -319,6 +319,7 @@ pub fn load_dir(dir: &Path, progress: bool) -> Result<ModelSource> {
         tokenizer: TokenizerSource::Dir(dir.to_path_buf()),
         file_bytes: total,
         synthetic,
+        tokenizer_vocab: None,
     })
 }
 

@@ -235,6 +235,7 @@ pub fn build_config(
         // Nothing is on disk; this is what writing it would take.
         file_bytes,
         synthetic: Some(label.to_string()),
+        tokenizer_vocab: None,
     })
 }
 

@@ -57,12 +57,28 @@ pub struct Decoder<B: Backend> {
     rope: Rope,
     /// The sliding-window layers' rotation, where it differs (Gemma 3's local base).
     rope_local: Option<Rope>,
+    /// Logits per position: the vocabulary, or the tokenizer's part of a padded one.
+    logits_width: usize,
     /// Weight bytes one decode step reads (all matrices; the embedding table when tied).
     pub decode_weight_bytes: usize,
     /// The decode (one-token) buffers, kept between steps.
     decode_work: std::sync::Mutex<Vec<Work<B>>>,
     /// Finished generation sessions' caches and step buffers, for the next (generate.rs).
     pub(crate) session_pool: std::sync::Mutex<Vec<crate::generate::SessionParts<B>>>,
+}
+
+/// The first `rows` rows of the head (the embedding when tied) of shape `shape`: a padded
+/// vocabulary's scored part.
+fn padded_head(src: &ModelSource, tied: bool, rows: usize, (vocab, d): (usize, usize)) -> Result<Weight> {
+    let name = if tied { names::EMBED } else { names::LM_HEAD };
+    let w = src.tensors.get(name).ok_or_else(|| Error::format(&src.path, format!("tensor {name} is missing")))?;
+    if (w.rows(), w.cols()) != (vocab, d) {
+        return Err(Error::format(
+            &src.path,
+            format!("tensor {name}: shape [{}, {}], expected [{vocab}, {d}]", w.rows(), w.cols()),
+        ));
+    }
+    w.first_rows(rows)
 }
 
 /// Which positions' logits a forward call returns.
@@ -94,9 +110,17 @@ impl<B: Backend> Decoder<B> {
         // Bytes a decode step reads: every matrix once (the embedding table only when it is
         // also the head), norm gains aside.
         let read = std::cell::Cell::new(0usize);
+        let tied = cfg.tie_embeddings || !src.tensors.contains_key(names::LM_HEAD);
+        // A padded vocabulary (more embedding rows than the tokenizer has ids, as Qwen's):
+        // the head scores only the tokenizer's ids, so no id without a token is sampled.
+        let logits_width = src.tokenizer_vocab.map_or(cfg.vocab, |n| n.clamp(1, cfg.vocab));
+        let padded_head = match logits_width < cfg.vocab {
+            true => Some(padded_head(src, tied, logits_width, (cfg.vocab, d))?),
+            false => None,
+        };
         let mat = |src: &mut ModelSource, name: &str, rows: usize, cols: usize| -> Result<B::Mat> {
             let w = src.take(name)?;
-            if name != names::EMBED || cfg.tie_embeddings || !src.tensors.contains_key(names::LM_HEAD) {
+            if name != names::EMBED || (tied && padded_head.is_none()) {
                 read.set(read.get() + w.byte_size());
             }
             if w.rows() != rows || w.cols() != cols {
@@ -163,9 +187,16 @@ impl<B: Backend> Decoder<B> {
             });
         }
         let norm = vec(src, names::NORM, d)?;
-        let lm_head = match src.tensors.contains_key(names::LM_HEAD) && !cfg.tie_embeddings {
-            true => Some(mat(src, names::LM_HEAD, cfg.vocab, d)?),
-            false => None,
+        let lm_head = match padded_head {
+            Some(w) => {
+                if !tied {
+                    src.take(names::LM_HEAD)?; // the full head, replaced by its first rows
+                }
+                read.set(read.get() + w.byte_size());
+                Some(backend.matrix(w)?)
+            }
+            None if !tied => Some(mat(src, names::LM_HEAD, cfg.vocab, d)?),
+            None => None,
         };
         let mut inv_freq = cfg.rope_inv_freq();
         // Llama 3 GGUFs store their frequency scaling as per-pair divisors.
@@ -186,10 +217,16 @@ impl<B: Backend> Decoder<B> {
             lm_head,
             rope,
             rope_local,
+            logits_width,
             decode_weight_bytes,
             decode_work: std::sync::Mutex::new(Vec::new()),
             session_pool: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    /// Logits per position (`cfg.vocab`, or the tokenizer's ids of a padded vocabulary).
+    pub fn logits_width(&self) -> usize {
+        self.logits_width
     }
 
     pub fn new_cache(&self, max_seq: usize) -> Result<B::Kv> {
@@ -206,7 +243,7 @@ impl<B: Backend> Decoder<B> {
                 return self.forward_into(tokens, pos0, kv, which, None).map(|v| v.unwrap_or_default())
             }
         };
-        let mut logits = self.backend.act_f32(rows, self.cfg.vocab)?; // [rows, V]
+        let mut logits = self.backend.act_f32(rows, self.logits_width)?; // [rows, V]
         self.forward_into(tokens, pos0, kv, which, Some(&mut logits))?;
         self.backend.read_rows(&logits, 0)
     }

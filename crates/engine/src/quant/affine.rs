@@ -90,6 +90,14 @@ impl Scales {
             Scales::F32(v) => out.copy_from_slice(&v[start..start + n]),
         }
     }
+    /// Values [0, n).
+    pub fn prefix(&self, n: usize) -> Scales {
+        match self {
+            Scales::F16(v) => Scales::F16(v[..n].to_vec()),
+            Scales::BF16(v) => Scales::BF16(v[..n].to_vec()),
+            Scales::F32(v) => Scales::F32(v[..n].to_vec()),
+        }
+    }
     pub fn to_f32_vec(&self) -> Vec<f32> {
         let mut out = vec![0.0; self.len()];
         self.read_into(0, &mut out);
@@ -188,6 +196,14 @@ impl AffineTensor {
             }
         }
         AffineTensor::new(self.rows, self.cols, bits, self.group, packed, self.scales.clone(), self.biases.clone())
+    }
+
+    /// Rows [0, n) as a tensor of their own (n ≤ rows).
+    pub fn first_rows(&self, n: usize) -> Result<AffineTensor> {
+        let n = n.min(self.rows);
+        let (w, g) = (n * self.words_per_row(), n * self.groups_per_row());
+        let packed = self.packed[..w].to_vec();
+        AffineTensor::new(n, self.cols, self.bits, self.group, packed, self.scales.prefix(g), self.biases.prefix(g))
     }
 
     /// Dequantize row `r` into `out` (len `cols`), f32.

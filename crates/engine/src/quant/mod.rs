@@ -94,6 +94,21 @@ impl Weight {
             Weight::Dense(t) => t.byte_size(),
         }
     }
+    /// Rows [0, n) as a weight of their own (n ≤ rows): the head of a padded vocabulary.
+    pub fn first_rows(&self, n: usize) -> crate::Result<Weight> {
+        Ok(match self {
+            Weight::Affine(t) => Weight::Affine(t.first_rows(n)?),
+            Weight::Dense(t) => {
+                let (n, c) = (n.min(t.rows), t.cols);
+                let data = match &t.data {
+                    DenseData::F32(v) => DenseData::F32(v[..n * c].to_vec()),
+                    DenseData::F16(v) => DenseData::F16(v[..n * c].to_vec()),
+                    DenseData::BF16(v) => DenseData::BF16(v[..n * c].to_vec()),
+                };
+                Weight::Dense(DenseTensor { rows: n, cols: c, data })
+            }
+        })
+    }
     /// Short description for `inspect`: "q4 g32 f16" or "bf16".
     pub fn describe(&self) -> String {
         match self {
