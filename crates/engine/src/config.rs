@@ -139,6 +139,20 @@ impl Default for ModelConfig {
     }
 }
 
+/// Most layers of any model ferrolm runs (Llama 3.1 405B has 126): checked as soon as the
+/// count is read, before per-layer tables are built from it.
+const MAX_LAYERS: usize = 1 << 10;
+
+fn check_layers(n: usize, src: &str) -> Result<usize> {
+    match n {
+        0 => Err(Error::format(src, "layer count is 0")),
+        n if n > MAX_LAYERS => {
+            Err(Error::format(src, format!("layer count {n} is beyond any model ferrolm runs (at most {MAX_LAYERS})")))
+        }
+        n => Ok(n),
+    }
+}
+
 impl ModelConfig {
     /// Check the shape is self-consistent; errors name the field.
     pub fn validate(&self, src: &str) -> Result<()> {
@@ -157,7 +171,7 @@ impl ModelConfig {
         // Bounds far above any real model (Llama 3.1 405B: 126 layers, hidden 16384, ffn
         // 53248; Gemma 3: vocab 262144), checked before anything is allocated from them.
         for (field, value, max) in [
-            ("layer count", self.n_layers, 1 << 10),
+            ("layer count", self.n_layers, MAX_LAYERS),
             ("hidden size", self.hidden, 1 << 16),
             ("attention heads", self.n_heads, 1 << 10),
             ("head_dim", self.head_dim, 1 << 10),
@@ -261,7 +275,7 @@ impl ModelConfig {
                 return Err(Error::Unsupported(format!("{}: rope scaling type {other:?}", g.path.display())))
             }
         };
-        let n_layers = g.req_u64(&k("block_count"))? as usize;
+        let n_layers = check_layers(g.req_u64(&k("block_count"))? as usize, &g.path.display().to_string())?;
         let mut cfg = ModelConfig {
             arch,
             hidden,
@@ -415,7 +429,7 @@ impl ModelConfig {
                 other => return Err(Error::Unsupported(format!("{src}: rope_scaling type {other:?}"))),
             }
         }
-        let n_layers = u("num_hidden_layers")?;
+        let n_layers = check_layers(u("num_hidden_layers")?, &src)?;
         let gemma = arch == Arch::Gemma3;
         let mut cfg = ModelConfig {
             arch,

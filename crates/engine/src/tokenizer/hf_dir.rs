@@ -53,11 +53,27 @@ fn template_from_config(cfg: &Value, path: &Path) -> Result<Option<String>> {
     }
 }
 
+/// `tokenizers`' parse of a tokenizer.json. Its deserializer panics on some malformed files
+/// (a `decoder` entry that is not an object): that is caught and becomes an error, and its
+/// panic message is kept off stderr (the hook is silenced for the parse).
+fn parse_tokenizer(bytes: &[u8]) -> std::result::Result<tokenizers::Tokenizer, String> {
+    let hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(|_| {}));
+    let r = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(bytes));
+    std::panic::set_hook(hook);
+    match r {
+        Ok(parsed) => parsed.map_err(|e| e.to_string()),
+        Err(p) => {
+            let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            Err(format!("the tokenizers library failed on it ({})", msg.unwrap_or_default()))
+        }
+    }
+}
+
 pub(super) fn read(dir: &Path) -> Result<DirParts> {
     let tj = dir.join("tokenizer.json");
     let bytes = crate::files::read(&tj, crate::files::TEXT_LIMIT)?;
-    let hf = tokenizers::Tokenizer::from_bytes(&bytes)
-        .map_err(|e| Error::format(&tj, format!("not a valid tokenizer.json: {e}")))?;
+    let hf = parse_tokenizer(&bytes).map_err(|e| Error::format(&tj, format!("not a valid tokenizer.json: {e}")))?;
 
     let cfg_path = dir.join("tokenizer_config.json");
     let cfg = read_json(&cfg_path)?.unwrap_or(Value::Null);
