@@ -101,15 +101,96 @@ fn vector(w: Weight, name: &str, len: usize, src: &ModelSource) -> Result<Vec<f3
     Ok(v)
 }
 
+/// Takes a model's weights out of its source and hands them to the backend, counting the
+/// bytes a decode step reads: every matrix once (the embedding table only when it is also
+/// the head), norm gains aside.
+struct Loader<'a, B: Backend> {
+    backend: &'a B,
+    cfg: &'a ModelConfig,
+    read: usize,
+    /// Whether the embedding table is read whole per step (it is the head).
+    embed_is_head: bool,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn mat(&mut self, src: &mut ModelSource, name: &str, rows: usize, cols: usize) -> Result<B::Mat> {
+        let w = src.take(name)?;
+        if name != names::EMBED || self.embed_is_head {
+            self.read += w.byte_size();
+        }
+        if w.rows() != rows || w.cols() != cols {
+            return Err(Error::format(
+                &src.path,
+                format!("tensor {name}: shape [{}, {}], expected [{rows}, {cols}]", w.rows(), w.cols()),
+            ));
+        }
+        self.backend.matrix(w)
+    }
+
+    /// A 1-D weight; norm gains as applied (Gemma's tensors hold w for a gain of 1 + w).
+    fn vec(&self, src: &mut ModelSource, name: &str, len: usize) -> Result<B::Vector> {
+        let w = src.take(name)?;
+        let mut v = vector(w, name, len, src)?;
+        if self.cfg.norm_plus_one && name.ends_with("norm.weight") {
+            v.iter_mut().for_each(|g| *g += 1.0);
+        }
+        self.backend.vector(v)
+    }
+
+    fn layer(&mut self, src: &mut ModelSource, i: usize) -> Result<Layer<B>> {
+        let c = self.cfg;
+        let (d, hd, f) = (c.hidden, c.head_dim, c.ffn);
+        let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
+        let n = |s: &str| names::layer(i, s);
+        let bias = match c.qkv_bias {
+            true => Some([
+                self.vec(src, &n("self_attn.q_proj.bias"), qd)?,
+                self.vec(src, &n("self_attn.k_proj.bias"), kvd)?,
+                self.vec(src, &n("self_attn.v_proj.bias"), kvd)?,
+            ]),
+            false => None,
+        };
+        let qk_norm = match c.qk_norm {
+            true => Some([
+                self.vec(src, &n("self_attn.q_norm.weight"), hd)?,
+                self.vec(src, &n("self_attn.k_norm.weight"), hd)?,
+            ]),
+            false => None,
+        };
+        // Gemma: post_attention_layernorm is the attention output's norm and the MLP has
+        // its own pre-norm; in Llama the same name is the MLP's pre-norm.
+        let (post_attn_norm, mlp_norm, post_mlp_norm) = match c.post_norms {
+            true => (
+                Some(self.vec(src, &n("post_attention_layernorm.weight"), d)?),
+                self.vec(src, &n("pre_feedforward_layernorm.weight"), d)?,
+                Some(self.vec(src, &n("post_feedforward_layernorm.weight"), d)?),
+            ),
+            false => (None, self.vec(src, &n("post_attention_layernorm.weight"), d)?, None),
+        };
+        Ok(Layer {
+            attn_norm: self.vec(src, &n("input_layernorm.weight"), d)?,
+            wq: self.mat(src, &n("self_attn.q_proj.weight"), qd, d)?,
+            wk: self.mat(src, &n("self_attn.k_proj.weight"), kvd, d)?,
+            wv: self.mat(src, &n("self_attn.v_proj.weight"), kvd, d)?,
+            bias,
+            qk_norm,
+            wo: self.mat(src, &n("self_attn.o_proj.weight"), d, qd)?,
+            post_attn_norm,
+            mlp_norm,
+            w_gate: self.mat(src, &n("mlp.gate_proj.weight"), f, d)?,
+            w_up: self.mat(src, &n("mlp.up_proj.weight"), f, d)?,
+            w_down: self.mat(src, &n("mlp.down_proj.weight"), d, f)?,
+            post_mlp_norm,
+            kind: c.layer_kind(i),
+        })
+    }
+}
+
 impl<B: Backend> Decoder<B> {
     /// Take the weights out of `src` (canonical names) and hand them to the backend.
     pub fn load(backend: B, src: &mut ModelSource) -> Result<Self> {
         let cfg = src.config.clone();
-        let (d, hd, f) = (cfg.hidden, cfg.head_dim, cfg.ffn);
-        let (qd, kvd) = (cfg.n_heads * hd, cfg.n_kv_heads * hd);
-        // Bytes a decode step reads: every matrix once (the embedding table only when it is
-        // also the head), norm gains aside.
-        let read = std::cell::Cell::new(0usize);
+        let d = cfg.hidden;
         let tied = cfg.tie_embeddings || !src.tensors.contains_key(names::LM_HEAD);
         // A padded vocabulary (more embedding rows than the tokenizer has ids, as Qwen's):
         // the head scores only the tokenizer's ids, so no id without a token is sampled.
@@ -118,86 +199,22 @@ impl<B: Backend> Decoder<B> {
             true => Some(padded_head(src, tied, logits_width, (cfg.vocab, d))?),
             false => None,
         };
-        let mat = |src: &mut ModelSource, name: &str, rows: usize, cols: usize| -> Result<B::Mat> {
-            let w = src.take(name)?;
-            if name != names::EMBED || (tied && padded_head.is_none()) {
-                read.set(read.get() + w.byte_size());
-            }
-            if w.rows() != rows || w.cols() != cols {
-                return Err(Error::format(
-                    &src.path,
-                    format!("tensor {name}: shape [{}, {}], expected [{rows}, {cols}]", w.rows(), w.cols()),
-                ));
-            }
-            backend.matrix(w)
-        };
-        // Norm gains as applied: Gemma's tensors hold w for a gain of 1 + w.
-        let vec = |src: &mut ModelSource, name: &str, len: usize| -> Result<B::Vector> {
-            let w = src.take(name)?;
-            let mut v = vector(w, name, len, src)?;
-            if cfg.norm_plus_one && name.ends_with("norm.weight") {
-                v.iter_mut().for_each(|g| *g += 1.0);
-            }
-            backend.vector(v)
-        };
-        let embed = mat(src, names::EMBED, cfg.vocab, d)?;
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for i in 0..cfg.n_layers {
-            let n = |s: &str| names::layer(i, s);
-            let bias = if cfg.qkv_bias {
-                Some([
-                    vec(src, &n("self_attn.q_proj.bias"), qd)?,
-                    vec(src, &n("self_attn.k_proj.bias"), kvd)?,
-                    vec(src, &n("self_attn.v_proj.bias"), kvd)?,
-                ])
-            } else {
-                None
-            };
-            let qk_norm = match cfg.qk_norm {
-                true => {
-                    Some([vec(src, &n("self_attn.q_norm.weight"), hd)?, vec(src, &n("self_attn.k_norm.weight"), hd)?])
-                }
-                false => None,
-            };
-            // Gemma: post_attention_layernorm is the attention output's norm and the MLP has
-            // its own pre-norm; in Llama the same name is the MLP's pre-norm.
-            let (post_attn_norm, mlp_norm, post_mlp_norm) = match cfg.post_norms {
-                true => (
-                    Some(vec(src, &n("post_attention_layernorm.weight"), d)?),
-                    vec(src, &n("pre_feedforward_layernorm.weight"), d)?,
-                    Some(vec(src, &n("post_feedforward_layernorm.weight"), d)?),
-                ),
-                false => (None, vec(src, &n("post_attention_layernorm.weight"), d)?, None),
-            };
-            layers.push(Layer {
-                attn_norm: vec(src, &n("input_layernorm.weight"), d)?,
-                wq: mat(src, &n("self_attn.q_proj.weight"), qd, d)?,
-                wk: mat(src, &n("self_attn.k_proj.weight"), kvd, d)?,
-                wv: mat(src, &n("self_attn.v_proj.weight"), kvd, d)?,
-                bias,
-                qk_norm,
-                wo: mat(src, &n("self_attn.o_proj.weight"), d, qd)?,
-                post_attn_norm,
-                mlp_norm,
-                w_gate: mat(src, &n("mlp.gate_proj.weight"), f, d)?,
-                w_up: mat(src, &n("mlp.up_proj.weight"), f, d)?,
-                w_down: mat(src, &n("mlp.down_proj.weight"), d, f)?,
-                post_mlp_norm,
-                kind: cfg.layer_kind(i),
-            });
-        }
-        let norm = vec(src, names::NORM, d)?;
+        let mut l = Loader { backend: &backend, cfg: &cfg, read: 0, embed_is_head: tied && padded_head.is_none() };
+        let embed = l.mat(src, names::EMBED, cfg.vocab, d)?;
+        let layers = (0..cfg.n_layers).map(|i| l.layer(src, i)).collect::<Result<Vec<_>>>()?;
+        let norm = l.vec(src, names::NORM, d)?;
         let lm_head = match padded_head {
             Some(w) => {
                 if !tied {
                     src.take(names::LM_HEAD)?; // the full head, replaced by its first rows
                 }
-                read.set(read.get() + w.byte_size());
+                l.read += w.byte_size();
                 Some(backend.matrix(w)?)
             }
-            None if !tied => Some(mat(src, names::LM_HEAD, cfg.vocab, d)?),
+            None if !tied => Some(l.mat(src, names::LM_HEAD, cfg.vocab, d)?),
             None => None,
         };
+        let decode_weight_bytes = l.read;
         let mut inv_freq = cfg.rope_inv_freq();
         // Llama 3 GGUFs store their frequency scaling as per-pair divisors.
         if let Some(w) = src.tensors.remove("rope_freqs") {
@@ -207,7 +224,6 @@ impl<B: Backend> Decoder<B> {
         let rope = Rope { inv_freq, style: cfg.rope_style, linear: cfg.rope_linear };
         let rope_local =
             cfg.rope_local_inv_freq().map(|inv_freq| Rope { inv_freq, style: cfg.rope_style, linear: 1.0 });
-        let decode_weight_bytes = read.get();
         Ok(Decoder {
             cfg,
             backend,
