@@ -27,3 +27,6 @@ cargo test --workspace --release "${features[@]}" --lib --bins "${tests[@]}"
 cargo test --workspace --release "${features[@]}" --doc
 cargo build --workspace --release "${features[@]}" --test cuda_parity
 scripts/mlx-check.sh
+# mlx-lm's own converter against ferrolm's NLL: an odd bit width and a mixed recipe (the
+# whole matrix of bits × groups × recipes: scripts/mlx-corpus.sh with no arguments).
+scripts/mlx-corpus.sh 3:32 mixed_4_6
