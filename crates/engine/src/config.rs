@@ -460,7 +460,10 @@ impl ModelConfig {
             cfg.activation = activation;
             cfg.rope_local_theta = rope_local_theta.map(|t| t as f32);
         }
-        cfg.layer_kinds = layer_kinds(&j, n_layers, window.is_some(), gemma).map_err(|m| Error::format(path, m))?;
+        // Only Mistral slides every layer by its `sliding_window`; Qwen's configs carry one
+        // with `use_sliding_window: false` (refused above when true).
+        let windowed = window.is_some() && model_type == "mistral";
+        cfg.layer_kinds = layer_kinds(&j, n_layers, windowed, gemma).map_err(|m| Error::format(path, m))?;
         if !gemma {
             cfg.sliding_window = window.filter(|_| cfg.layer_kinds.contains(&AttnKind::Sliding)).unwrap_or(0);
         }

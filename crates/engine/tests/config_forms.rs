@@ -154,3 +154,28 @@ fn absurd_hyperparameters_are_refused_by_name() {
         assert!(err.contains(want), "{extra}: {err}");
     }
 }
+
+/// A sliding window applies to every layer of a Mistral config that has one, and to no
+/// layer of a Qwen config whose `use_sliding_window` is false (Qwen2.5 writes both).
+#[test]
+fn sliding_windows_apply_where_the_config_means_them() {
+    use ferrolm::config::AttnKind;
+    let mistral = load(&config(json!({"model_type": "mistral", "sliding_window": 4096}))).unwrap();
+    assert_eq!((mistral.sliding_window, mistral.layer_kinds.clone()), (4096, vec![AttnKind::Sliding; 2]));
+    let none = load(&config(json!({"model_type": "mistral", "sliding_window": null}))).unwrap();
+    assert!(none.layer_kinds.is_empty() && none.sliding_window == 0);
+    let qwen = json!({"model_type": "qwen2", "sliding_window": 32768, "use_sliding_window": false});
+    let qwen = load(&config(qwen)).unwrap();
+    assert!(qwen.layer_kinds.is_empty() && qwen.sliding_window == 0, "{:?}", qwen.layer_kinds);
+    let e = load(&config(json!({"model_type": "qwen2", "use_sliding_window": true}))).unwrap_err().to_string();
+    assert!(e.contains("use_sliding_window"), "{e}");
+    // Gemma 3 from Transformers 5's fields.
+    let gemma = json!({
+        "model_type": "gemma3_text", "head_dim": 16, "sliding_window": 8, "query_pre_attn_scalar": 16,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_theta": 1e6}, "sliding_attention": {"rope_theta": 1e4}}
+    });
+    let g = load(&config(gemma)).unwrap();
+    assert_eq!(g.layer_kinds, vec![AttnKind::Sliding, AttnKind::Full]);
+    assert_eq!((g.sliding_window, g.rope_theta, g.rope_local_theta, g.attn_scale()), (8, 1e6, Some(1e4), 0.25));
+}
