@@ -313,3 +313,30 @@ fn written_directory_loads_back_and_runs() {
     let e = formats::load(&out, false).err().unwrap().to_string();
     assert!(e.contains("config.json") && e.contains("ferrolm_synthetic"), "{e}");
 }
+
+/// Gemma 3 and Qwen3 shapes written as MLX directories (config.json in mlx-lm's
+/// gemma3_text / qwen3 form, Gemma's norm gains stored less 1) load back as the same
+/// config and tensors, and the same logits.
+#[test]
+fn gemma_and_qwen3_shapes_round_trip_through_mlx_directories() {
+    let base = base_tokenizer();
+    for (name, layers) in [("gemma-3-1b", 6), ("qwen3-0.6b", 2)] {
+        let cfg = reduced(name, layers, Some(base.vocab_size()));
+        let src = build_config(name, &cfg, &scheme("4"), 1, false).unwrap();
+        let tok = pad_tokenizer(&base, cfg.vocab).unwrap();
+        let d = tempfile::tempdir().unwrap();
+        let out = d.path().join("m");
+        write_mlx_dir(&src, &out, &tokenizer_files(&tok).unwrap(), false).unwrap();
+        let mut back = formats::load(&out, false).unwrap();
+        assert_eq!(back.config, src.config, "{name}");
+        same_tensors(&src, &back).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let mut src = src;
+        let (a, b) = (Decoder::load(Cpu, &mut src).unwrap(), Decoder::load(Cpu, &mut back).unwrap());
+        let tokens = prompt(cfg.vocab, 9);
+        let logits = |m: &Decoder<Cpu>| {
+            let mut kv = m.new_cache(16).unwrap();
+            m.forward(&tokens, 0, &mut kv, Logits::All).unwrap()
+        };
+        assert_eq!(logits(&a), logits(&b), "{name}: logits");
+    }
+}
