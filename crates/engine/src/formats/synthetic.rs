@@ -118,36 +118,8 @@ pub fn config(name: &str) -> Result<ModelConfig> {
             ..base
         },
         // google/gemma-3-270m(-it) and google/gemma-3-1b(-it)
-        "gemma-3-270m" => ModelConfig {
-            hidden: 640,
-            n_layers: 18,
-            n_heads: 4,
-            n_kv_heads: 1,
-            head_dim: 256,
-            ffn: 2048,
-            vocab: 262144,
-            max_ctx: 32768,
-            rms_eps: 1e-6,
-            rope_theta: 1000000.0,
-            tie_embeddings: true,
-            ..base
-        }
-        .gemma3(512, Some(256.0)),
-        "gemma-3-1b" => ModelConfig {
-            hidden: 1152,
-            n_layers: 26,
-            n_heads: 4,
-            n_kv_heads: 1,
-            head_dim: 256,
-            ffn: 6912,
-            vocab: 262144,
-            max_ctx: 32768,
-            rms_eps: 1e-6,
-            rope_theta: 1000000.0,
-            tie_embeddings: true,
-            ..base
-        }
-        .gemma3(512, Some(256.0)),
+        "gemma-3-270m" => gemma3(640, 18, 2048),
+        "gemma-3-1b" => gemma3(1152, 26, 6912),
         // Qwen/Qwen3-0.6B
         "qwen3-0.6b" => ModelConfig {
             arch: Arch::Qwen3,
@@ -184,6 +156,26 @@ pub fn config(name: &str) -> Result<ModelConfig> {
         }
     };
     Ok(cfg)
+}
+
+/// A Gemma 3 text shape: 4 query heads and 1 kv head of 256, a 262 144-token tied
+/// vocabulary, 32K context, RoPE bases 1e6 and (sliding layers) 1e4, windows of 512.
+fn gemma3(hidden: usize, n_layers: usize, ffn: usize) -> ModelConfig {
+    ModelConfig {
+        hidden,
+        n_layers,
+        n_heads: 4,
+        n_kv_heads: 1,
+        head_dim: 256,
+        ffn,
+        vocab: 262144,
+        max_ctx: 32768,
+        rms_eps: 1e-6,
+        rope_theta: 1000000.0,
+        tie_embeddings: true,
+        ..ModelConfig::default()
+    }
+    .gemma3(512, Some(256.0))
 }
 
 /// Synthetic model `name` with every matrix in `scheme` (see the module doc).
