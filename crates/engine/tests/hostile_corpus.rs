@@ -330,3 +330,31 @@ fn mutated_tokenizers_and_templates() {
     }
     c.finish("tokenizer and templates", 90);
 }
+
+/// A SentencePiece vocabulary of long tokens (each of whose cuts the merge derivation would
+/// hash) builds in bounded time, and still encodes and decodes.
+#[test]
+fn a_vocabulary_of_long_tokens_builds_quickly() {
+    let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into(), "\u{2581}".into(), "a".into()];
+    tokens.extend((0..3000).map(|i| format!("{}{i}", "a".repeat(8000))));
+    let scores: Vec<f32> = (0..tokens.len()).map(|i| -(i as f32)).collect();
+    let mut w = ferrolm::formats::gguf_write::GgufWriter::new();
+    w.string("general.architecture", "llama")
+        .string("tokenizer.ggml.model", "llama")
+        .string_array("tokenizer.ggml.tokens", &tokens)
+        .f32_array("tokenizer.ggml.scores", &scores)
+        .u32("tokenizer.ggml.unknown_token_id", 0)
+        .u32("tokenizer.ggml.bos_token_id", 1)
+        .u32("tokenizer.ggml.eos_token_id", 2);
+    let dir = tempfile::tempdir().unwrap();
+    let path = write(dir.path(), "long.gguf", &w.to_bytes().unwrap());
+    let r = guarded(move || -> Result<(), String> {
+        let tok =
+            Tokenizer::from_gguf(&GgufFile::open(&path).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+        let ids = tok.encode("aaa a", false).map_err(|e| e.to_string())?;
+        assert!(!ids.is_empty());
+        assert_eq!(tok.decode(&[5]).map_err(|e| e.to_string())?.len(), 8001);
+        Ok(())
+    });
+    assert_eq!(r, Ok(Ok(())));
+}

@@ -327,10 +327,18 @@ fn sentencepiece(g: &GgufFile, tokens: &[&str], unk: Option<u32>, gemma: bool) -
     Ok(hf)
 }
 
+/// Longest token (in chars) that merges are derived for. Every cut of a token is hashed, so a
+/// token costs its length squared: a hostile vocabulary of long tokens would make the build
+/// take hours. Real SentencePiece vocabularies stay far below (Gemma 3's longest: 31 chars);
+/// a longer token stays in the vocabulary (encoded as itself where it is an added token,
+/// decoded always), only no merge produces it.
+const MERGE_PIECE_CHARS: usize = 128;
+
 /// Merges implied by a scored vocabulary: every way to cut a token into two tokens is a merge,
 /// ranked by the whole token's score (higher first), then by longer left and right pieces, then
 /// by vocabulary order. This is Hugging Face's rule (transformers `generate_merges`), so BPE
-/// here agrees with the tokenizer.json the model ships.
+/// here agrees with the tokenizer.json the model ships. Tokens over `MERGE_PIECE_CHARS`
+/// chars are left out.
 pub(super) fn merges_from_scores(tokens: &[&str], scores: &[f64]) -> Vec<(String, String)> {
     let mut ids: HashMap<&str, usize> = HashMap::with_capacity(tokens.len());
     for (i, t) in tokens.iter().enumerate() {
@@ -353,6 +361,9 @@ pub(super) fn merges_from_scores(tokens: &[&str], scores: &[f64]) -> Vec<(String
             continue; // a duplicate spelling: only its last id is a vocabulary entry
         }
         let nchars = t.chars().count();
+        if nchars > MERGE_PIECE_CHARS {
+            continue;
+        }
         for (k, (cut, _)) in t.char_indices().enumerate().skip(1) {
             let (l, r) = t.split_at(cut);
             if let (Some(&il), Some(&ir)) = (ids.get(l), ids.get(r)) {
