@@ -6,18 +6,24 @@
 __device__ __forceinline__ float ld(const float* p, int i) { return p[i]; }
 __device__ __forceinline__ float ld(const bf16_t* p, int i) { return bf2f(p[i]); }
 
+// rsqrt(mean(row²) + eps) over the block's n values of `row`, in every thread.
+template <typename T>
+__device__ __forceinline__ float inv_rms(const T* row, int n, float eps) {
+    __shared__ float red[32];
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        float v = ld(row, i);
+        ss += v * v;
+    }
+    return rsqrtf(block_sum(ss, red) / n + eps);
+}
+
 template <typename T>
 __device__ __forceinline__ void rmsnorm_body(const T* __restrict__ x, const float* __restrict__ w,
                                              bf16_t* __restrict__ out, int cols, float eps) {
-    __shared__ float red[32];
     const T* xr = x + (size_t)blockIdx.x * cols;
     bf16_t* orow = out + (size_t)blockIdx.x * cols;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = ld(xr, i);
-        ss += v * v;
-    }
-    float r = rsqrtf(block_sum(ss, red) / cols + eps);
+    float r = inv_rms(xr, cols, eps);
     for (int i = threadIdx.x; i < cols; i += blockDim.x) orow[i] = f2bf(w[i] * (ld(xr, i) * r));
 }
 
@@ -32,14 +38,8 @@ extern "C" __global__ void rmsnorm_bf16(const bf16_t* x, const float* w, bf16_t*
 // head (rows · heads blocks). Each value is read and written by the same thread, the
 // writes after the block's sum.
 extern "C" __global__ void rmsnorm_heads(bf16_t* x, const float* __restrict__ w, int hd, float eps) {
-    __shared__ float red[32];
     bf16_t* xr = x + (size_t)blockIdx.x * hd;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float v = bf2f(xr[i]);
-        ss += v * v;
-    }
-    float r = rsqrtf(block_sum(ss, red) / hd + eps);
+    float r = inv_rms(static_cast<const bf16_t*>(xr), hd, eps);
     for (int i = threadIdx.x; i < hd; i += blockDim.x) xr[i] = f2bf(w[i] * (bf2f(xr[i]) * r));
 }
 
@@ -51,14 +51,8 @@ extern "C" __global__ void rmsnorm_add(float* __restrict__ x, const bf16_t* __re
                                        int cols, float eps) {
     pdl_trigger();
     pdl_wait();
-    __shared__ float red[32];
     const bf16_t* yr = y + (size_t)blockIdx.x * cols;
     float* xr = x + (size_t)blockIdx.x * cols;
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-        float v = bf2f(yr[i]);
-        ss += v * v;
-    }
-    float r = rsqrtf(block_sum(ss, red) / cols + eps);
+    float r = inv_rms(yr, cols, eps);
     for (int i = threadIdx.x; i < cols; i += blockDim.x) xr[i] += w[i] * (bf2f(yr[i]) * r);
 }

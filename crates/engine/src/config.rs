@@ -473,14 +473,10 @@ impl ModelConfig {
 
     /// Inverse frequencies per rotated pair (head_dim/2 of them), with Llama 3 scaling applied.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
-        let d = self.head_dim as f64;
-        (0..self.head_dim / 2)
-            .map(|i| {
-                let f = 1.0 / (self.rope_theta as f64).powf(2.0 * i as f64 / d);
-                match &self.llama3_scaling {
-                    None => f as f32,
-                    Some(s) => llama3_scale(f, s) as f32,
-                }
+        inv_freq(self.rope_theta, self.head_dim)
+            .map(|f| match &self.llama3_scaling {
+                None => f as f32,
+                Some(s) => llama3_scale(f, s) as f32,
             })
             .collect()
     }
@@ -488,9 +484,7 @@ impl ModelConfig {
     /// The sliding-window layers' own inverse frequencies (no scaling), where they have a
     /// base of their own.
     pub fn rope_local_inv_freq(&self) -> Option<Vec<f32>> {
-        let base = self.rope_local_theta? as f64;
-        let d = self.head_dim as f64;
-        Some((0..self.head_dim / 2).map(|i| (1.0 / base.powf(2.0 * i as f64 / d)) as f32).collect())
+        Some(inv_freq(self.rope_local_theta?, self.head_dim).map(|f| f as f32).collect())
     }
 }
 
@@ -522,6 +516,12 @@ fn layer_kinds(
         return Ok(ModelConfig::interleaved_kinds(n_layers, period));
     }
     Ok(if windowed { vec![AttnKind::Sliding; n_layers] } else { Vec::new() })
+}
+
+/// RoPE's unscaled inverse frequencies base^(-2i/d), i < d/2, in f64.
+fn inv_freq(base: f32, head_dim: usize) -> impl Iterator<Item = f64> {
+    let d = head_dim as f64;
+    (0..head_dim / 2).map(move |i| 1.0 / (base as f64).powf(2.0 * i as f64 / d))
 }
 
 fn llama3_scale(freq: f64, s: &Llama3Scaling) -> f64 {

@@ -440,14 +440,23 @@ pub fn layer_ops<B: Backend>(
         b.rms_norm_heads(k, kn, eps)?;
     }
     b.rope_attention(q, k, v, kv, layer, pos0, rope, (shape.heads, shape.kv_heads), shape.attend, att)?;
-    match w.post_attn_norm {
-        Some(pn) => b.matmul_norm_add(att, w.wo, (pn, eps), x, o, xn)?,
-        None => b.matmul_add(att, w.wo, x, o)?,
-    }
+    project_add(b, (att, w.wo), w.post_attn_norm.map(|n| (n, eps)), x, (o, xn))?;
     b.norm_glu(x, (w.mlp_norm, eps), xn, (w.w_gate, w.w_up), shape.act, gate, up, act)?;
-    match w.post_mlp_norm {
-        Some(pn) => b.matmul_norm_add(act, w.w_down, (pn, eps), x, o, xn),
-        None => b.matmul_add(act, w.w_down, x, o),
+    project_add(b, (act, w.w_down), w.post_mlp_norm.map(|n| (n, eps)), x, (o, xn))
+}
+
+/// A block's output projection into the residual: x += y·wᵀ, RMS-normed first where the
+/// layer has a post-norm (Gemma). tmp and tmp2 are scratch `[m, out]`.
+pub fn project_add<B: Backend>(
+    b: &B,
+    (y, w): (&B::Act, &B::Mat),
+    post_norm: Option<(&B::Vector, f32)>,
+    x: &mut B::Act,
+    (tmp, tmp2): (&mut B::Act, &mut B::Act),
+) -> Result<()> {
+    match post_norm {
+        Some(norm) => b.matmul_norm_add(y, w, norm, x, tmp, tmp2),
+        None => b.matmul_add(y, w, x, tmp),
     }
 }
 

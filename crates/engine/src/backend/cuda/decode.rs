@@ -18,6 +18,7 @@ use super::kernels;
 use super::tensors::{CudaAct, CudaKv, CudaMat};
 use crate::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::{Activation, RopeStyle};
+use crate::model::decoder::project_add;
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
@@ -64,20 +65,14 @@ impl Cuda {
         let qk_norm = w.qk_norm.map(|n| (n, eps));
         self.attention_decode(s.q, (s.k, s.v), kv, layer, (rope, shape.attend, qk_norm), s.att)?;
         // 3. gemv_ba_r*: x += att·woᵀ (Gemma: the output normed first).
-        match w.post_attn_norm {
-            Some(pn) => self.matmul_norm_add(s.att, w.wo, (pn, eps), x, s.o, s.xn)?,
-            None => self.matmul_add(s.att, w.wo, x, s.o)?,
-        }
+        project_add(self, (s.att, w.wo), w.post_attn_norm.map(|n| (n, eps)), x, (s.o, s.xn))?;
         // 4 and 5: the MLP.
         let mlp = (w.w_gate, w.w_up, w.w_down);
         if w.post_mlp_norm.is_none() {
             return self.decode_mlp(x, (w.mlp_norm, eps), mlp, shape.act, (s.xn, s.gate, s.up, s.o), s.act);
         }
         self.norm_glu(x, (w.mlp_norm, eps), s.xn, (w.w_gate, w.w_up), shape.act, s.gate, s.up, s.act)?;
-        match w.post_mlp_norm {
-            Some(pn) => self.matmul_norm_add(s.act, w.w_down, (pn, eps), x, s.o, s.xn),
-            None => self.matmul_add(s.act, w.w_down, x, s.o),
-        }
+        project_add(self, (s.act, w.w_down), w.post_mlp_norm.map(|n| (n, eps)), x, (s.o, s.xn))
     }
 
     /// A decode layer's MLP, x += down(act(gate(n(x))) · up(n(x))) for one row (SwiGLU or
