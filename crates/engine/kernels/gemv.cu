@@ -2,6 +2,7 @@
 // decode step is a handful of launches per layer instead of a dozen:
 //   input   b: bf16 x                    n: the f32 residual stream, RMS-normalized (g·x
 //                                           staged, 1/rms applied to the row sums)
+//           p: n with a post-norm add still pending (x + rmsnorm(y)·w, Gemma 3's)
 //   output  b: bf16 store   f: f32 store   a: f32 add into the residual   s: SwiGLU of two
 //           matrices (gate = mat 0, up = mat 1), bf16 store
 // Up to three matrices share one launch (q/k/v): blocks are dealt out to them in order.
@@ -428,9 +429,10 @@ struct KernelSync {
 // the f32 store (OUT 1) of the head, whose argmax goes to `am` (argmax.cuh): each lane
 // keeps its warp's best row as the rows are stored, and the blocks' bests meet as
 // argmax_finish says, instead of a separate argmax launch reading the logits back.
-template <int R, bool NORM, int OUT_K, class Sync = KernelSync, int KS = 1, bool PRE = false>
+// POST: x has a pending post-norm add (x_stage.cuh's PostNorm), folded into the staging.
+template <int R, bool NORM, int OUT_K, class Sync = KernelSync, int KS = 1, bool PRE = false, bool POST = false>
 __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
-                                     Sync sync = Sync{}, ArgmaxSink am = {}) {
+                                     Sync sync = Sync{}, ArgmaxSink am = {}, PostNorm post = {}) {
     constexpr int OUT = OUT_K == 4 || OUT_K >= 6 ? 3 : OUT_K == 5 ? 1 : OUT_K;
     constexpr bool STAGE = OUT_K == 4 || OUT_K == 7, ARGMAX = OUT_K == 5, GELU = OUT_K >= 6;
     static_assert(!ARGMAX || KS == 1, "the argmax rows are whole rows");
@@ -465,7 +467,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     T next;
     next.fill(TileFromGlobal{a, m1, sh}, row0, cb + lane, sh);  // weights only: nothing writes them
     NormGains gains;
-    gains.load(nw, cols, NORM);  // nor the norm's gains
+    gains.load(nw, cols, NORM, POST ? post.w : nullptr);  // nor the norms' gains
     sync.wait();
     // OUT 2 adds into the residual: lane r < R reads its row's x now, beside the x staging,
     // and the next step's while this one computes, so the store at a step's end is not an
@@ -481,7 +483,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     if constexpr (PRE) copy_staged(xs, x, cols);
     else
 #endif
-        oscale = stage_x<NORM, true>(xs, x, nw, eps, cols, gains);
+        oscale = stage_x<NORM, true, POST>(xs, x, nw, eps, cols, gains, post);
     __shared__ float stage_vals[STAGE ? 2 : 1][STAGE ? NW * R : 1];  // stage_step's, by step parity
     float acc[2][R];
 #pragma unroll
@@ -571,9 +573,25 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
                                         x, nw, eps, cols, KernelSync{},                                           \
                                         ArgmaxSink{am_out, am_pv, am_pi, am_done, feed_tok, feed_pos, feed_hist}); \
     }
+// Input p: the residual with a pending post-norm add (Gemma 3's, decode.rs), bf16 store
+// (q/k/v) or GeGLU (gate/up); py the pending bf16 output, pw its gains, pout where the
+// completed residual goes.
+#define GEMV_POST_CALL(R, OUT)                                                                                     \
+    TRACE_KERNEL();                                                                                                \
+    gemv<R, true, OUT, KernelSync, 1, false, true>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1},               \
+                                                   Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols, KernelSync{},         \
+                                                   ArgmaxSink{}, PostNorm{py, pw, pout})
+#define GEMV_POST_KERNELS(R)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * NW)                                                          \
+        gemv_pb_r##R(GEMV_ARGS, const bf16_t* py, const float* pw, float* pout) { GEMV_POST_CALL(R, 0); }         \
+    extern "C" __global__ void __launch_bounds__(32 * NW)                                                          \
+        gemv_pg_r##R(GEMV_ARGS, const bf16_t* py, const float* pw, float* pout) { GEMV_POST_CALL(R, 6); }
 GEMV_KERNELS(1)
 GEMV_KERNELS(2)
 GEMV_KERNELS(4)
+GEMV_POST_KERNELS(1)
+GEMV_POST_KERNELS(2)
+GEMV_POST_KERNELS(4)
 GEMV_KS_KERNELS
 GEMV_ARGMAX_KERNELS
 #if XQ && NW >= 8  // a SwiGLU block step (NW·4 rows) must be whole 32-value x blocks

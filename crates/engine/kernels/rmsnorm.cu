@@ -43,16 +43,18 @@ extern "C" __global__ void rmsnorm_heads(bf16_t* x, const float* __restrict__ w,
     for (int i = threadIdx.x; i < hd; i += blockDim.x) xr[i] = f2bf(w[i] * (bf2f(xr[i]) * r));
 }
 
-// Gemma's post-norms: the f32 residual x += rmsnorm(y)·w for a bf16 block output y (the
-// attention's or the MLP's projection), one block per row: the norm and the add in one
-// launch, y normed in f32 without a bf16 round trip. Launched with PDL: y is the previous
-// kernel's output, so everything waits for it; the next kernel may start loading weights.
-extern "C" __global__ void rmsnorm_add(float* __restrict__ x, const bf16_t* __restrict__ y, const float* __restrict__ w,
-                                       int cols, float eps) {
+// Gemma's post-norms: the f32 residual out = x + rmsnorm(y)·w for a bf16 block output y
+// (the attention's or the MLP's projection), one block per row: the norm and the add in
+// one launch, y normed in f32 without a bf16 round trip. out may be x. Launched with PDL:
+// y is the previous kernel's output, so everything waits for it; the next kernel may start
+// loading weights.
+extern "C" __global__ void rmsnorm_add(float* out, const float* x, const bf16_t* __restrict__ y,
+                                       const float* __restrict__ w, int cols, float eps) {
     pdl_trigger();
     pdl_wait();
     const bf16_t* yr = y + (size_t)blockIdx.x * cols;
-    float* xr = x + (size_t)blockIdx.x * cols;
+    const float* xr = x + (size_t)blockIdx.x * cols;
+    float* orow = out + (size_t)blockIdx.x * cols;
     float r = inv_rms(yr, cols, eps);
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) xr[i] += w[i] * (bf2f(yr[i]) * r);
+    for (int i = threadIdx.x; i < cols; i += blockDim.x) orow[i] = xr[i] + w[i] * (bf2f(yr[i]) * r);
 }

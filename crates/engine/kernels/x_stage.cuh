@@ -89,14 +89,66 @@ __device__ __forceinline__ float sum_sq(float4 a) { return a.x * a.x + a.y * a.y
 // its input (nothing writes them), so staging a normalized x is one L2 round trip (x)
 // instead of two (x for the sum of squares, then the gains).
 struct NormGains {
-    float4 g[GP][2];
+    float4 g[GP][2], pg[GP][2];  // pg: the pending post-norm's gains (PostNorm)
     bool held;
 
-    __device__ __forceinline__ void load(const float* __restrict__ nw, int cols, bool norm) {
+    __device__ __forceinline__ void load(const float* __restrict__ nw, int cols, bool norm,
+                                         const float* __restrict__ pw = nullptr) {
         held = norm && cols / 8 <= GP * BLOCK_THREADS;
         if (held) load_parts(nw, cols / 8, g);
+        if (held && pw) load_parts(pw, cols / 8, pg);
     }
 };
+
+// A residual add still pending when a GEMV starts (Gemma's post-norms): the residual its
+// input x holds is x + rmsnorm(y)·w, y the bf16 output of the block before. Each block
+// forms it while staging; block 0 also writes it to `out` (not x: other blocks still read
+// x), the residual from here on. Needs the gains held (hidden ≤ 8·GP·threads).
+struct PostNorm {
+    const bf16_t* y;
+    const float* w;
+    float* out;
+};
+
+// x += w · (y · r), elementwise (rmsnorm_add's expression).
+__device__ __forceinline__ void add_scaled(float4& x, float4 w, float y0, float y1, float y2, float y3, float r) {
+    x.x += w.x * (y0 * r);
+    x.y += w.y * (y1 * r);
+    x.z += w.z * (y2 * r);
+    x.w += w.w * (y3 * r);
+}
+
+// xv += rmsnorm(y)·w for this thread's parts (rmsnorm_add's math, f32), written to post.out
+// by block 0. Every thread of the block calls this together (block_sum).
+__device__ __forceinline__ void add_post_norm(float4 (&xv)[GP][2], const PostNorm& post, const NormGains& pre,
+                                              int nparts, int cols, float eps, float* red) {
+    uint4 yv[GP];
+    float ss = 0.f;
+#pragma unroll
+    for (int u = 0; u < GP; u++) {
+        int i = u * BLOCK_THREADS + threadIdx.x;
+        if (i >= nparts) break;
+        yv[u] = reinterpret_cast<const uint4*>(post.y)[i];
+        float f[8];
+        unpack_bf16x8(yv[u], f);
+#pragma unroll
+        for (int k = 0; k < 8; k++) ss += f[k] * f[k];
+    }
+    float r = rsqrtf(block_sum(ss, red) / cols + eps);
+#pragma unroll
+    for (int u = 0; u < GP; u++) {
+        int i = u * BLOCK_THREADS + threadIdx.x;
+        if (i >= nparts) break;
+        float f[8];
+        unpack_bf16x8(yv[u], f);
+        add_scaled(xv[u][0], pre.pg[u][0], f[0], f[1], f[2], f[3], r);
+        add_scaled(xv[u][1], pre.pg[u][1], f[4], f[5], f[6], f[7], r);
+        if (blockIdx.x == 0) {
+            reinterpret_cast<float4*>(post.out)[2 * i] = xv[u][0];
+            reinterpret_cast<float4*>(post.out)[2 * i + 1] = xv[u][1];
+        }
+    }
+}
 
 // Stage x (cols values) into shared memory. NORM: x is the f32 residual, normalized by
 // r = rsqrt(mean(x²) + eps) and the gains nw (bf16-rounded, as the unfused rmsnorm kernel
@@ -106,9 +158,11 @@ struct NormGains {
 // block's sum of squares, whose warp partials meet in the staging's one barrier instead of
 // block_sum's two (the dot products are linear in x; the rounding differs from the CPU
 // path's bf16 of g·x·r by a bf16 rounding, well inside the parity bar).
-template <bool NORM, bool DEFER = false>
+//
+// POST: x is a residual with a pending post-norm add (PostNorm), added first.
+template <bool NORM, bool DEFER = false, bool POST = false>
 __device__ __forceinline__ float stage_x(uint4* xs, const void* x, const float* __restrict__ nw, float eps, int cols,
-                                         const NormGains& pre) {
+                                         const NormGains& pre, const PostNorm& post = {}) {
     int nparts = cols / 8;
     float r = 1.f;
     const float4* xf = reinterpret_cast<const float4*>(x);
@@ -117,6 +171,7 @@ __device__ __forceinline__ float stage_x(uint4* xs, const void* x, const float* 
         float4 xv[GP][2];
         float ss = 0.f;
         load_parts(reinterpret_cast<const float*>(x), nparts, xv);
+        if (POST) add_post_norm(xv, post, pre, nparts, cols, eps, red);
 #pragma unroll
         for (int u = 0; u < GP; u++) {
             if (u * BLOCK_THREADS + (int)threadIdx.x >= nparts) break;
@@ -145,6 +200,7 @@ __device__ __forceinline__ float stage_x(uint4* xs, const void* x, const float* 
         for (int w = 0; w < BLOCK_THREADS / 32; w++) t += red[w];
         return rsqrtf(t / cols + eps);
     }
+    if (POST) __trap();  // the host launches POST only where the gains are held
     if (NORM) {
         float ss = 0.f;
         for (int i0 = threadIdx.x; i0 < cols / 4; i0 += 4 * BLOCK_THREADS) {  // 4 loads in flight

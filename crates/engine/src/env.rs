@@ -61,6 +61,7 @@ impl CudaConfig {
             gemv_int16_x: on_unless_zero("FERROLM_GEMV_XQ", d.gemv_int16_x),
             gemv_k_slices: on_unless_zero("FERROLM_GEMV_KS", d.gemv_k_slices),
             staged_x: on_unless_zero("FERROLM_GEMV_STAGED", d.staged_x),
+            post_norm_fold: on_unless_zero("FERROLM_POST_NORM_FOLD", d.post_norm_fold),
             head_argmax: on_unless_zero("FERROLM_HEAD_ARGMAX", d.head_argmax),
             attention_clusters: on_unless_zero("FERROLM_ATTN_CLUSTER", d.attention_clusters),
             attention_query_heads: var("FERROLM_ATTN_QB")

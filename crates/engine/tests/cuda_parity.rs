@@ -193,10 +193,10 @@ fn matmuls_and_embeddings_match_cpu() {
             }
         }
     }
-    // 3/5/6-bit weights run widened to 8 bits
+    // 3-bit weights run widened to 4 bits, 5/6-bit to 8
     for (bits, group, dt) in [(3, 32, ScaleDtype::F16), (5, 64, ScaleDtype::BF16), (6, 16, ScaleDtype::F32)] {
         let a = AffineTensor::quantize(&wf, n, k, bits, group, dt).unwrap();
-        cases.push((format!("q{bits} g{group} {dt:?} (as 8-bit)"), Weight::Affine(a)));
+        cases.push((format!("q{bits} g{group} {dt:?} (widened)"), Weight::Affine(a)));
     }
     let dense = bf(&wf);
     let dense = DenseData::BF16(dense.iter().map(|&v| half::bf16::from_f32(v)).collect());

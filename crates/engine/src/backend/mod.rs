@@ -78,6 +78,31 @@ pub struct LayerScratch<'a, B: Backend> {
     pub act: &'a mut B::Act,
 }
 
+impl<B: Backend> LayerScratch<'_, B> {
+    /// The same buffers for one more call.
+    pub fn reborrow(&mut self) -> LayerScratch<'_, B> {
+        LayerScratch {
+            xn: &mut *self.xn,
+            q: &mut *self.q,
+            k: &mut *self.k,
+            v: &mut *self.v,
+            att: &mut *self.att,
+            o: &mut *self.o,
+            gate: &mut *self.gate,
+            up: &mut *self.up,
+            act: &mut *self.act,
+        }
+    }
+}
+
+/// One layer of a decode step: its weights, index (its KV cache), RoPE and shape.
+pub struct DecodeLayer<'a, B: Backend> {
+    pub weights: LayerWeights<'a, B>,
+    pub index: usize,
+    pub rope: &'a Rope,
+    pub shape: LayerShape,
+}
+
 /// What a layer's ops need beyond its weights: query and kv heads, the norms' epsilon, the
 /// MLP's activation and how the queries attend.
 #[derive(Clone, Copy, Debug)]
@@ -306,6 +331,27 @@ pub trait Backend: Sync {
         Self: Sized,
     {
         crate::model::decoder::layer_ops(self, w, x, kv, layer, pos0, rope, shape, s)
+    }
+    /// Layers one after another for one token (x `[1, d]`), each as `decode_layer`. A
+    /// backend may carry work from one layer into the next (CUDA: Gemma's post-norm adds
+    /// folded into the next GEMV); x holds the residual when it returns. `spare` is a second
+    /// `[1, d]` f32 buffer it may keep the residual in meanwhile.
+    fn decode_layers(
+        &self,
+        layers: &[DecodeLayer<'_, Self>],
+        (x, spare): (&mut Self::Act, &mut Self::Act),
+        kv: &mut Self::Kv,
+        pos0: usize,
+        mut s: LayerScratch<'_, Self>,
+    ) -> Result<()>
+    where
+        Self: Sized,
+    {
+        let _ = spare;
+        for l in layers {
+            self.decode_layer(&l.weights, x, kv, l.index, pos0, l.rope, l.shape, s.reborrow())?;
+        }
+        Ok(())
     }
     /// The head of a greedy decode step: logits = head·n(x) for one row (n the RMSNorm with
     /// `norm`, xn scratch), then their argmax into out[0] (`argmax`, or `argmax_fed` when

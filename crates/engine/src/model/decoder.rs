@@ -4,7 +4,7 @@
 //! Shapes: m = tokens in this call, d = hidden, h/kvh = query/kv heads, hd = head dim,
 //! f = ffn width, V = vocab.
 
-use crate::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::{AttnKind, ModelConfig};
 use crate::formats::{names, ModelSource};
 use crate::quant::Weight;
@@ -347,36 +347,47 @@ impl<B: Backend> Decoder<B> {
         w: &mut Work<B>,
     ) -> Result<Option<Vec<f32>>> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
-        let Work { x, xn, q, k, v, att, o, gate, up, act, last } = w;
+        let Work { x, spare, xn, q, k, v, att, o, gate, up, act, last } = w;
         b.embed(&self.embed, tokens, c.embed_scale, x)?;
         let full = Attend { scale: c.attn_scale(), window: None };
         let shape =
             LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps, act: c.activation, attend: full };
         let sliding = LayerShape { attend: Attend { window: Some(c.sliding_window), ..full }, ..shape };
-        for (li, l) in self.layers.iter().enumerate() {
-            let (shape, rope) = match l.kind {
-                AttnKind::Full => (shape, &self.rope),
-                AttnKind::Sliding => (sliding, self.rope_local.as_ref().unwrap_or(&self.rope)),
-            };
-            if which == Logits::Hidden(li) {
-                return b.read_rows(x, 0).map(Some);
-            }
-            let s = LayerScratch {
-                xn: &mut *xn,
-                q: &mut *q,
-                k: &mut *k,
-                v: &mut *v,
-                att: &mut *att,
-                o: &mut *o,
-                gate: &mut *gate,
-                up: &mut *up,
-                act: &mut *act,
-            };
-            match m {
-                // One token: the backend's decode step for a layer, the same math as
-                // layer_ops (CUDA: backend/cuda/decode.rs).
-                1 => b.decode_layer(&l.weights(), x, kv, li, pos0, rope, shape, s)?,
-                _ => layer_ops(b, &l.weights(), x, kv, li, pos0, rope, shape, s)?,
+        // The layers before the one whose input is wanted (Logits::Hidden), or all.
+        let stop = match which {
+            Logits::Hidden(li) => li.min(self.layers.len()),
+            _ => self.layers.len(),
+        };
+        let layers: Vec<DecodeLayer<'_, B>> = self.layers[..stop]
+            .iter()
+            .enumerate()
+            .map(|(li, l)| {
+                let (shape, rope) = match l.kind {
+                    AttnKind::Full => (shape, &self.rope),
+                    AttnKind::Sliding => (sliding, self.rope_local.as_ref().unwrap_or(&self.rope)),
+                };
+                DecodeLayer { weights: l.weights(), index: li, rope, shape }
+            })
+            .collect();
+        let mut s = LayerScratch {
+            xn: &mut *xn,
+            q: &mut *q,
+            k: &mut *k,
+            v: &mut *v,
+            att: &mut *att,
+            o: &mut *o,
+            gate: &mut *gate,
+            up: &mut *up,
+            act: &mut *act,
+        };
+        match (m, spare.as_mut()) {
+            // One token: the backend's decode step, the same math as layer_ops (CUDA:
+            // backend/cuda/decode.rs).
+            (1, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, pos0, s.reborrow())?,
+            _ => {
+                for l in &layers {
+                    layer_ops(b, &l.weights, x, kv, l.index, pos0, l.rope, l.shape, s.reborrow())?;
+                }
             }
         }
         // Only the rows whose logits are wanted go through the final norm and the head.
@@ -462,17 +473,18 @@ pub fn project_add<B: Backend>(
 
 /// One forward call's activations for m tokens.
 pub struct Work<B: Backend> {
-    x: B::Act,            // [m, d] residual stream, f32 on every backend
-    xn: B::Act,           // [m, d] normed
-    q: B::Act,            // [m, h·hd]
-    k: B::Act,            // [m, kvh·hd]
-    v: B::Act,            // [m, kvh·hd]
-    att: B::Act,          // [m, h·hd]
-    o: B::Act,            // [m, d]
-    gate: B::Act,         // [m, f]
-    up: B::Act,           // [m, f]
-    act: B::Act,          // [m, f]
-    last: Option<B::Act>, // [rows of logits, d] normed input of the head
+    x: B::Act,             // [m, d] residual stream, f32 on every backend
+    spare: Option<B::Act>, // [1, d] f32, decode_layers' second residual buffer (m = 1)
+    xn: B::Act,            // [m, d] normed
+    q: B::Act,             // [m, h·hd]
+    k: B::Act,             // [m, kvh·hd]
+    v: B::Act,             // [m, kvh·hd]
+    att: B::Act,           // [m, h·hd]
+    o: B::Act,             // [m, d]
+    gate: B::Act,          // [m, f]
+    up: B::Act,            // [m, f]
+    act: B::Act,           // [m, f]
+    last: Option<B::Act>,  // [rows of logits, d] normed input of the head
 }
 
 impl<B: Backend> Work<B> {
@@ -480,6 +492,7 @@ impl<B: Backend> Work<B> {
         let (d, qd, kvd) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         Ok(Work {
             x: b.act_f32(m, d)?,
+            spare: if m == 1 { Some(b.act_f32(1, d)?) } else { None },
             xn: b.act(m, d)?,
             q: b.act(m, qd)?,
             k: b.act(m, kvd)?,

@@ -181,7 +181,7 @@ impl AffineTensor {
 
     /// The same tensor with its q values re-packed at `bits` ≥ its own width: scales and
     /// biases unchanged, so it dequantizes to exactly the same values (a backend without a
-    /// kernel for 3/5/6-bit streams runs them as 8-bit).
+    /// kernel for 3/5/6-bit streams runs them as 4- or 8-bit).
     pub fn widen(&self, bits: u32) -> Result<AffineTensor> {
         if bits < self.bits {
             return Err(Error::Invalid(format!("widening {}-bit weights to {bits} bits", self.bits)));
@@ -352,10 +352,12 @@ mod tests {
         for bits in [2, 3, 4, 5, 6] {
             for group in [32, 64] {
                 let a = AffineTensor::quantize(&w, 8, 128, bits, group, ScaleDtype::F16).unwrap();
-                let b = a.widen(8).unwrap();
-                assert_eq!((b.bits, b.group), (8, group));
-                assert_eq!(a.dequantize(), b.dequantize(), "{bits}-bit g{group} widened to 8");
-                assert!(b.widen(4).is_err());
+                for to in [4, 8].into_iter().filter(|&to| to >= bits) {
+                    let b = a.widen(to).unwrap();
+                    assert_eq!((b.bits, b.group), (to, group));
+                    assert_eq!(a.dequantize(), b.dequantize(), "{bits}-bit g{group} widened to {to}");
+                    assert!(b.widen(to - 1).is_err());
+                }
             }
         }
     }

@@ -1,11 +1,12 @@
-//! A Gemma 3 layer (the 270M's shapes, 4-bit weights) through CUDA's decode path against the
-//! CPU's `layer_ops`: the q/k norms folded into decode attention, the post-norms as
-//! rmsnorm_add, GeGLU in the gate/up GEMV's store, a sliding window shorter than the
-//! context, and the prefill ops (m > 1) before it.
+//! Two Gemma 3 layers (the 270M's shapes, 4-bit weights) through CUDA's decode path against
+//! the CPU's `layer_ops`: the q/k norms folded into decode attention, the post-norm adds
+//! folded into the next GEMV's staging (gate/up, the second layer's q/k/v) with the last
+//! one after the layers, GeGLU in the gate/up GEMV's store, a sliding window shorter than
+//! the context, and the prefill ops (m > 1) before it.
 
 use super::{gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
-use ferrolm::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use ferrolm::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use ferrolm::config::{Activation, RopeStyle};
 use ferrolm::model::decoder::layer_ops;
 use ferrolm::quant::{AffineTensor, ScaleDtype, Weight};
@@ -54,17 +55,31 @@ fn scratch<B: Backend>(b: &B, m: usize) -> Vec<B::Act> {
     [D, HEADS * HD, HD, HD, HEADS * HD, D, FFN, FFN, FFN].iter().map(|&c| b.act(m, c).unwrap()).collect()
 }
 
-/// `layer_ops` (m > 1) or `decode_layer` (m = 1) on x at pos0.
-#[allow(clippy::too_many_arguments)]
-fn run<B: Backend>(b: &B, l: &Layer<B>, x: &mut B::Act, kv: &mut B::Kv, pos0: usize, rope: &Rope, shape: LayerShape) {
+/// The layers one after another on x at pos0: `layer_ops` (m > 1) or `decode_layers`
+/// (m = 1: on CUDA the post-norm adds carried from layer to layer).
+fn run<B: Backend>(
+    b: &B,
+    ls: &[Layer<B>],
+    x: &mut B::Act,
+    kv: &mut B::Kv,
+    pos0: usize,
+    rope: &Rope,
+    shape: LayerShape,
+) {
     let m = b.read_rows(x, 0).unwrap().len() / D;
     b.begin(&vec![0; m], pos0).unwrap();
     let mut s = scratch(b, m);
     let [xn, q, k, v, att, o, gate, up, act] = &mut s[..] else { unreachable!() };
-    let s = LayerScratch { xn, q, k, v, att, o, gate, up, act };
+    let mut s = LayerScratch { xn, q, k, v, att, o, gate, up, act };
+    let layers: Vec<DecodeLayer<'_, B>> =
+        ls.iter().enumerate().map(|(index, l)| DecodeLayer { weights: l.weights(), index, rope, shape }).collect();
     match m {
-        1 => b.decode_layer(&l.weights(), x, kv, 0, pos0, rope, shape, s).unwrap(),
-        _ => layer_ops(b, &l.weights(), x, kv, 0, pos0, rope, shape, s).unwrap(),
+        1 => b.decode_layers(&layers, (x, &mut b.act_f32(1, D).unwrap()), kv, pos0, s).unwrap(),
+        _ => {
+            for l in &layers {
+                layer_ops(b, &l.weights, x, kv, l.index, pos0, rope, shape, s.reborrow()).unwrap();
+            }
+        }
     }
 }
 
@@ -74,14 +89,19 @@ fn gemma3_layer_decode_matches_cpu() {
     let q4 = |r: &mut Rng, rows: usize, cols: usize| {
         Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, 4, 32, ScaleDtype::F16).unwrap())
     };
-    let mats: Vec<Weight> = [(HEADS * HD, D), (HD, D), (HD, D), (D, HEADS * HD), (FFN, D), (FFN, D), (D, FFN)]
-        .iter()
-        .map(|&(a, b)| q4(&mut r, a, b))
-        .collect();
-    let norms: Vec<Vec<f32>> =
-        [D, HD, HD, D, D, D].iter().map(|&n| r.v(n, 0.3).into_iter().map(|v| 1.0 + v).collect()).collect();
-    let (lg, lc) = (Layer::new(g, &norms, &mats), Layer::new(&c, &norms, &mats));
-    let cfg = super::attn_cfg(HEADS, 1, HD, 1, RopeStyle::Half);
+    let (mut lg, mut lc) = (vec![], vec![]);
+    for _ in 0..2 {
+        let mats: Vec<Weight> = [(HEADS * HD, D), (HD, D), (HD, D), (D, HEADS * HD), (FFN, D), (FFN, D), (D, FFN)]
+            .iter()
+            .map(|&(a, b)| q4(&mut r, a, b))
+            .collect();
+        let norms: Vec<Vec<f32>> =
+            [D, HD, HD, D, D, D].iter().map(|&n| r.v(n, 0.3).into_iter().map(|v| 1.0 + v).collect()).collect();
+        lg.push(Layer::new(g, &norms, &mats));
+        lc.push(Layer::new(&c, &norms, &mats));
+    }
+    let cfg = super::attn_cfg(HEADS, 1, HD, 2, RopeStyle::Half);
+    let folds = g.post_norm_folds();
     let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Half, linear: 1.0 };
     for window in [None, Some(9)] {
         let attend = Attend { scale: 0.0625, window };
@@ -96,9 +116,11 @@ fn gemma3_layer_decode_matches_cpu() {
             run(&c, &lc, &mut xc, &mut kvc, pos, &rope, shape);
             // The layer's update (the residual itself is exact).
             let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
-            let what = format!("Gemma 3 layer, window {window:?}, m{m} at {pos}");
+            let what = format!("Gemma 3 layers, window {window:?}, m{m} at {pos}");
             super::check(&what, &delta(g.read_rows(&xg, 0).unwrap()), &delta(xc.data), 2e-2);
             pos += m;
         }
     }
+    // Three folds a decode step (gate/up twice, the second layer's q/k/v), 12 steps per window.
+    assert_eq!(g.post_norm_folds() - folds, 2 * 12 * 3, "post-norm folds taken");
 }

@@ -89,15 +89,21 @@ fn smollm2_cuda_agrees_with_cpu() {
 
 /// Gemma 3 270M (Q4_K_M: its 5- and 6-bit tensors run widened to 8 bits): q/k norms,
 /// post-norms, GeGLU, sliding-window layers (the long text runs past the 512-position
-/// window, in prefill and in decode).
+/// window, in prefill and in decode); decode with the post-norm adds folded into the next
+/// GEMV (the default) and as launches of their own, each really taken.
 #[test]
 fn gemma3_cuda_agrees_with_cpu() {
     let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
     let (mut a, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
-    let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
     let mc = Decoder::load(Cpu, &mut a).unwrap();
-    let mg = Decoder::load(Cuda::with_config(0, CudaConfig::from_env()).unwrap(), &mut b).unwrap();
-    cuda_agrees_with_cpu("Gemma 3 270M", &mc, &mg, &tok, include_str!("../goldens/gemma3_hf.json"));
+    for fold in [true, false] {
+        let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
+        let cfg = CudaConfig { post_norm_fold: fold, ..CudaConfig::from_env() };
+        let mg = Decoder::load(Cuda::with_config(0, cfg).unwrap(), &mut b).unwrap();
+        let name = format!("Gemma 3 270M, post-norm fold {fold}");
+        cuda_agrees_with_cpu(&name, &mc, &mg, &tok, include_str!("../goldens/gemma3_hf.json"));
+        assert_eq!(mg.backend.post_norm_folds() > 0, fold, "{name}: folds {}", mg.backend.post_norm_folds());
+    }
 }
 
 /// Residual stream after each layer, CUDA vs CPU: where a divergence starts.

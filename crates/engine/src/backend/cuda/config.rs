@@ -19,6 +19,9 @@ pub struct CudaConfig {
     /// The SwiGLU GEMV also writes down's input as the int16 image down's blocks copy in,
     /// instead of each block quantizing it. `FERROLM_GEMV_STAGED`.
     pub staged_x: bool,
+    /// Gemma's post-norm adds (x += rmsnorm(y)·w after attention and MLP) are folded into
+    /// the next GEMV's input staging instead of a launch each. `FERROLM_POST_NORM_FOLD`.
+    pub post_norm_fold: bool,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
     pub head_argmax: bool,
@@ -48,6 +51,7 @@ impl Default for CudaConfig {
             gemv_int16_x: true,
             gemv_k_slices: true,
             staged_x: true,
+            post_norm_fold: true,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

@@ -1,4 +1,5 @@
-//! The decode step: one token through a decoder layer in five launches (a Llama one), chained by
+//! The decode step: one token through a decoder layer in five launches (a Llama one; a Gemma 3
+//! one too, its post-norm adds folded into the next GEMV's input), chained by
 //! programmatic dependent launch (each kernel's weight loads overlap the previous kernel's
 //! tail) and captured once per session into a CUDA graph that every later step replays
 //! (steps.rs).
@@ -16,7 +17,7 @@ use super::driver::KArg;
 use super::gemv::{staged_x_fits, x_staging, GemvExtra, GemvIn, GemvOut, WARPS};
 use super::kernels;
 use super::tensors::{CudaAct, CudaKv, CudaMat};
-use crate::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::{Activation, RopeStyle};
 use crate::model::decoder::project_add;
 use crate::{Error, Result};
@@ -34,7 +35,107 @@ const DECODE_SPLITS_MAX: usize = 1024;
 /// Most blocks of a decode attention cluster (8: the portable cluster size).
 const ATTN_CLUSTER_MAX: usize = 8;
 
+/// A post-norm add carried into the next launch: the residual is `x + rmsnorm(o)·gain`
+/// with o the scratch output of the last GEMV (decode_layers).
+type Pending<'a> = Option<&'a CudaSlice<f32>>;
+
 impl Cuda {
+    /// A decode step's layers. Gemma 3's (post-norms after attention and MLP) run as five
+    /// launches each instead of seven: a post-norm add is not a launch of its own but
+    /// folded into the next GEMV's input staging (gemv.cu's input p), the attention's into
+    /// gate/up and the MLP's into the next layer's q/k/v, the residual moving between x and
+    /// `spare` (a block of the GEMV writes the completed one while every block reads the
+    /// other). The last layer's is added after the loop. Other layers: `decode_layer`.
+    pub(crate) fn decode_layers(
+        &self,
+        layers: &[DecodeLayer<'_, Cuda>],
+        (x, spare): (&mut CudaAct, &mut CudaAct),
+        kv: &mut CudaKv,
+        mut s: LayerScratch<'_, Cuda>,
+    ) -> Result<()> {
+        let mut pending: Pending = None;
+        for l in layers {
+            let w = &l.weights;
+            let eps = l.shape.eps;
+            match (w.post_attn_norm, w.post_mlp_norm) {
+                (Some(pa), Some(pm)) if self.cfg.post_norm_fold && w.qkv_bias.is_none() => {
+                    self.decode_layer_folded(l, (&mut *x, &mut *spare), pending, kv, pa, s.reborrow())?;
+                    pending = Some(pm);
+                }
+                _ => {
+                    if let Some(g) = pending.take() {
+                        self.rms_norm_add_into(spare, s.o, g, eps, x)?;
+                    }
+                    self.decode_layer(w, x, kv, l.index, l.rope, l.shape, s.reborrow())?;
+                }
+            }
+        }
+        if let (Some(g), Some(l)) = (pending, layers.last()) {
+            self.rms_norm_add_into(spare, s.o, g, l.shape.eps, x)?;
+        }
+        Ok(())
+    }
+
+    /// A Gemma 3 layer in five launches, the residual in `x` (`pending` None) or in `spare`
+    /// with the previous layer's post-MLP add pending; on return it is in `spare` with this
+    /// layer's post-MLP add pending (the down output in o):
+    /// 1. q/k/v (gemv_pb, or gemv_nb with nothing pending), the completed residual to x;
+    /// 2. attention_decode;
+    /// 3. o stored;
+    /// 4. gate/up GeGLU (gemv_pg), x + rmsnorm(o)·pa to spare;
+    /// 5. down stored.
+    fn decode_layer_folded(
+        &self,
+        l: &DecodeLayer<'_, Cuda>,
+        (x, spare): (&mut CudaAct, &mut CudaAct),
+        pending: Pending,
+        kv: &mut CudaKv,
+        pa: &CudaSlice<f32>,
+        s: LayerScratch<'_, Cuda>,
+    ) -> Result<()> {
+        let (w, eps) = (&l.weights, l.shape.eps);
+        let qkv = [w.wq, w.wk, w.wv];
+        match pending {
+            Some(g) => {
+                let outs = &mut [&mut *s.q, &mut *s.k, &mut *s.v];
+                self.post_norm_gemv((&*spare, &*s.o, g), x, (w.attn_norm, eps), (&qkv, outs), s.xn)?
+            }
+            None => self.norm_matmul_many(x, w.attn_norm, eps, s.xn, &qkv, &mut [&mut *s.q, &mut *s.k, &mut *s.v])?,
+        }
+        let qk_norm = w.qk_norm.map(|n| (n, eps));
+        self.attention_decode(s.q, (s.k, s.v), kv, l.index, (l.rope, l.shape.attend, qk_norm), s.att)?;
+        self.matmul(s.att, w.wo, s.o)?;
+        let glu = GemvOut::Glu(l.shape.act);
+        let post = GemvIn::Post((&*x, &*s.o, pa), &*spare, w.mlp_norm, eps);
+        if self.gemv(post, &[w.w_gate, w.w_up], &mut [&mut *s.act, &mut *s.up], glu, GemvExtra::None)? {
+            self.post_norm_folds.fetch_add(1, Relaxed);
+        } else {
+            self.rms_norm_add_into(x, s.o, pa, eps, spare)?;
+            self.norm_glu(spare, (w.mlp_norm, eps), s.xn, (w.w_gate, w.w_up), l.shape.act, s.gate, s.up, s.act)?;
+        }
+        self.matmul(s.act, w.w_down, s.o)
+    }
+
+    /// outs = ws · rmsnorm(out) with out = x + rmsnorm(y)·post (the residual, written), in
+    /// one launch where gemv.cu's input p covers it; else rmsnorm_add, then the normed
+    /// products (xn scratch).
+    #[allow(clippy::type_complexity)]
+    fn post_norm_gemv(
+        &self,
+        (x, y, post): (&CudaAct, &CudaAct, &CudaSlice<f32>),
+        out: &mut CudaAct,
+        (norm, eps): (&CudaSlice<f32>, f32),
+        (ws, outs): (&[&CudaMat], &mut [&mut CudaAct]),
+        xn: &mut CudaAct,
+    ) -> Result<()> {
+        if self.gemv(GemvIn::Post((x, y, post), out, norm, eps), ws, outs, GemvOut::Store, GemvExtra::None)? {
+            self.post_norm_folds.fetch_add(1, Relaxed);
+            return Ok(());
+        }
+        self.rms_norm_add_into(x, y, post, eps, out)?;
+        self.norm_matmul_many(out, norm, eps, xn, ws, outs)
+    }
+
     /// One layer for one token, top to bottom: x += o(attention(q, k, v)) with q/k/v from
     /// rmsnorm(x), then x += down(silu(gate(n(x))) · up(n(x))). The GEMV steps are the
     /// backend's one-row ops (ops.rs): where gemv.cu has no kernel for a weight format

@@ -18,6 +18,8 @@ pub struct Cuda {
     /// queued or captured so far (tests check which path ran).
     pub(crate) staged_x_launches: AtomicUsize,
     pub(crate) head_argmax_launches: AtomicUsize,
+    /// Post-norm adds folded into a GEMV's input (decode.rs's decode_layers).
+    pub(crate) post_norm_folds: AtomicUsize,
 }
 
 /// The context's fields and launch API are the backend's: `cuda.stream`, `cuda.launch(..)`.
@@ -44,6 +46,7 @@ impl Cuda {
             steps: Steps::default(),
             staged_x_launches: AtomicUsize::new(0),
             head_argmax_launches: AtomicUsize::new(0),
+            post_norm_folds: AtomicUsize::new(0),
         })
     }
 
@@ -64,5 +67,10 @@ impl Cuda {
     /// Greedy heads that found their argmax in the head GEMV.
     pub fn head_argmax_launches(&self) -> usize {
         self.head_argmax_launches.load(Relaxed)
+    }
+
+    /// Post-norm adds folded into the next GEMV's staging.
+    pub fn post_norm_folds(&self) -> usize {
+        self.post_norm_folds.load(Relaxed)
     }
 }

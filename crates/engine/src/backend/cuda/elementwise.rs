@@ -73,6 +73,36 @@ impl Cuda {
     /// x += rmsnorm(y)·w per row: the f32 residual stream and a bf16 block output (Gemma's
     /// post-norms, `Backend::matmul_norm_add`'s second half).
     pub(crate) fn rms_norm_add_rows(&self, y: &CudaAct, w: &CudaSlice<f32>, eps: f32, x: &mut CudaAct) -> Result<()> {
+        let xp = x.arg(self);
+        self.rms_norm_add_launch(xp, (xp, x), y, w, eps)
+    }
+
+    /// out = x + rmsnorm(y)·w per row (x, out: the f32 residual in two buffers).
+    pub(crate) fn rms_norm_add_into(
+        &self,
+        x: &CudaAct,
+        y: &CudaAct,
+        w: &CudaSlice<f32>,
+        eps: f32,
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        if x.rows != out.rows || x.cols != out.cols || !x.is_f32() {
+            return Err(Error::Invalid(format!(
+                "CUDA norm-add of [{}, {}] into [{}, {}]",
+                x.rows, x.cols, out.rows, out.cols
+            )));
+        }
+        self.rms_norm_add_launch(out.arg(self), (x.arg(self), out), y, w, eps)
+    }
+
+    fn rms_norm_add_launch(
+        &self,
+        out: KArg,
+        (xp, x): (KArg, &CudaAct),
+        y: &CudaAct,
+        w: &CudaSlice<f32>,
+        eps: f32,
+    ) -> Result<()> {
         if !x.is_f32() || y.is_f32() || x.rows != y.rows || x.cols != y.cols || w.len() != y.cols {
             return Err(Error::Invalid(format!(
                 "CUDA norm-add of [{}, {}] into [{}, {}] with {} gains (bf16 into the f32 residual)",
@@ -84,7 +114,7 @@ impl Cuda {
             )));
         }
         let f = self.plain_kernel("rmsnorm.cu", "rmsnorm_add")?;
-        let args = [x.arg(self), self.arg(y.bf16()), self.arg(w), KArg::I32(y.cols as i32), KArg::F32(eps)];
+        let args = [out, xp, self.arg(y.bf16()), self.arg(w), KArg::I32(y.cols as i32), KArg::F32(eps)];
         self.launch(&f, cfg((y.rows as u32, 1), 256), &args, Order::Overlap, "rmsnorm_add launch")
     }
 

@@ -19,7 +19,14 @@ pub(crate) enum GemvIn<'a> {
     Norm(&'a CudaAct, &'a CudaSlice<f32>, f32),
     /// `cols` values already staged by their producer (x_staged.cuh), at this address.
     Staged { image: KArg, cols: usize },
+    /// `Norm` of the residual x + rmsnorm(y)·post (a post-norm add still pending, Gemma's),
+    /// which the launch also writes to `out`: (x, y, post), out, gains, eps.
+    Post((&'a CudaAct, &'a CudaAct, &'a CudaSlice<f32>), &'a CudaAct, &'a CudaSlice<f32>, f32),
 }
+
+/// Widest residual a `GemvIn::Post` launch takes: x_stage.cuh's held gains (8 values × 2
+/// parts × 256 threads).
+const POST_MAX_COLS: usize = 8 * 2 * 32 * WARPS;
 
 /// What the GEMV does with its dot products.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -60,7 +67,7 @@ const LOADS: usize = 8;
 pub(crate) const WARPS: usize = 8;
 
 /// The kernel for (input, output, rows per warp, K slices): input b bf16, n normed f32,
-/// q staged image; output b bf16, f f32, a residual add, s SwiGLU, z SwiGLU staging the
+/// q staged image, p normed f32 with a pending post-norm add; output b bf16, f f32, a residual add, s SwiGLU, z SwiGLU staging the
 /// next x, m f32 with the argmax. None: not compiled.
 fn kernel(input: char, out: char, r: usize, ks: usize) -> Option<&'static str> {
     Some(match (input, out, r, ks) {
@@ -89,6 +96,12 @@ fn kernel(input: char, out: char, r: usize, ks: usize) -> Option<&'static str> {
         ('n', 'z', 4, 1) => "gemv_nz_r4",
         ('n', 'y', 4, 1) => "gemv_ny_r4",
         ('n', 'm', 4, 1) => "gemv_nm_r4",
+        ('p', 'b', 1, 1) => "gemv_pb_r1",
+        ('p', 'b', 2, 1) => "gemv_pb_r2",
+        ('p', 'b', 4, 1) => "gemv_pb_r4",
+        ('p', 'g', 1, 1) => "gemv_pg_r1",
+        ('p', 'g', 2, 1) => "gemv_pg_r2",
+        ('p', 'g', 4, 1) => "gemv_pg_r4",
         ('q', 'a', 1, 1) => "gemv_qa_r1",
         ('q', 'a', 2, 1) => "gemv_qa_r2",
         ('q', 'a', 4, 1) => "gemv_qa_r4",
@@ -209,6 +222,11 @@ impl Cuda {
             GemvIn::Bf16(x) => (x.cols, x.arg(self), x.rows == 1 && !x.is_f32()),
             GemvIn::Norm(x, ..) => (x.cols, x.arg(self), x.rows == 1 && x.is_f32()),
             GemvIn::Staged { image, cols } => (cols, image, staged_x_fits(cols, int16_x)),
+            GemvIn::Post((x, y, post), out, ..) => {
+                let same = |a: &CudaAct| a.rows == 1 && a.cols == x.cols;
+                let ok = same(x) && same(y) && same(out) && x.is_f32() && out.is_f32() && !y.is_f32();
+                (x.cols, x.arg(self), ok && post.len() == x.cols && x.cols <= POST_MAX_COLS)
+            }
         };
         if !in_ok || cols_in > MAX_COLS || mats.is_empty() || mats.len() > 3 || mats.len() != outs.len() {
             return Ok(None);
@@ -240,6 +258,7 @@ impl Cuda {
         let (r, ks) = self.gemv_shape(mode, mats.len(), launched_rows, cols_in * *bits as usize / 128);
         let in_kind = match input {
             GemvIn::Norm(..) => 'n',
+            GemvIn::Post(..) => 'p',
             GemvIn::Bf16(_) => 'b',
             GemvIn::Staged { .. } => 'q',
         };
@@ -287,10 +306,13 @@ impl Cuda {
             }
         }
         let (gains, eps) = match input {
-            GemvIn::Norm(_, w, eps) => (self.arg(w), eps),
+            GemvIn::Norm(_, w, eps) | GemvIn::Post(_, _, w, eps) => (self.arg(w), eps),
             GemvIn::Bf16(_) | GemvIn::Staged { .. } => (xp, 0.0f32),
         };
         args.extend([xp, gains, KArg::F32(eps), KArg::I32(cols_in as i32)]);
+        if let GemvIn::Post((_, y, post), out, ..) = input {
+            args.extend([y.arg(self), self.arg(post), out.arg(self)]);
+        }
         if let GemvExtra::Argmax(sink) = extra {
             args.extend(sink);
         }
@@ -318,7 +340,7 @@ mod tests {
             super::super::nvrtc::HEADERS.iter().find(|h| h.0 == "x_staged.cuh").unwrap().1,
         ]
         .concat();
-        for i in ['b', 'n', 'q'] {
+        for i in ['b', 'n', 'q', 'p'] {
             for o in ['b', 'f', 'a', 's', 'g', 'z', 'y', 'm'] {
                 for (r, ks) in [(1, 1), (2, 1), (4, 1), (2, 2)] {
                     if let Some(name) = kernel(i, o, r, ks) {

@@ -33,7 +33,7 @@ pub fn file(name: &str) -> &'static KernelFile {
 }
 
 /// Bit widths and groups the CUDA kernels handle (3/5/6-bit weights, whose values cross
-/// word boundaries, are widened to 8 bits at load: device.rs).
+/// word boundaries, are widened at load, 3 to 4 bits and 5/6 to 8: tensors.rs).
 pub const AFFINE_BITS: [u32; 3] = [2, 4, 8];
 pub const AFFINE_GROUPS: [usize; 4] = [16, 32, 64, 128];
 

@@ -6,7 +6,7 @@ use super::device::Cuda;
 use super::driver::drv;
 use super::gemv::{GemvExtra, GemvIn, GemvOut};
 use super::tensors::{ActBuf, CudaAct, CudaKv, CudaMat};
-use crate::backend::{Attend, Backend, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::{Activation, ModelConfig};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
@@ -221,6 +221,16 @@ impl Backend for Cuda {
         s: LayerScratch<'_, Self>,
     ) -> Result<()> {
         Cuda::decode_layer(self, w, x, kv, layer, rope, shape, s)
+    }
+    fn decode_layers(
+        &self,
+        layers: &[DecodeLayer<'_, Self>],
+        (x, spare): (&mut CudaAct, &mut CudaAct),
+        kv: &mut CudaKv,
+        _pos0: usize,
+        s: LayerScratch<'_, Self>,
+    ) -> Result<()> {
+        Cuda::decode_layers(self, layers, (x, spare), kv, s)
     }
     fn norm_head_argmax(
         &self,

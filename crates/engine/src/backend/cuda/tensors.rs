@@ -99,6 +99,15 @@ impl DevScales {
     }
 }
 
+/// The width a bit width without CUDA kernels runs at: the next one with kernels.
+fn widened_bits(bits: u32) -> Option<u32> {
+    match bits {
+        3 => Some(4),
+        5 | 6 => Some(8),
+        _ => None,
+    }
+}
+
 impl Context {
     fn scales(&self, s: &Scales) -> Result<DevScales> {
         Ok(match s {
@@ -116,14 +125,15 @@ impl Context {
     }
 
     fn affine(&self, a: &AffineTensor) -> Result<CudaMat> {
-        // 3/5/6-bit streams cross word boundaries and have no kernels yet: they run as
-        // 8-bit (exact, same scales; more bytes per weight), said once per process.
-        if [3, 5, 6].contains(&a.bits) && kernels::AFFINE_GROUPS.contains(&a.group) {
+        // 3/5/6-bit streams cross word boundaries and have no kernels of their own: 3-bit
+        // runs as 4-bit, 5/6-bit as 8-bit (exact, same scales; more bytes per weight), said
+        // once per process.
+        if let Some(wide) = widened_bits(a.bits).filter(|_| kernels::AFFINE_GROUPS.contains(&a.group)) {
             static NOTE: std::sync::Once = std::sync::Once::new();
             NOTE.call_once(|| {
-                eprintln!("ferrolm: CUDA runs 3/5/6-bit weights as 8-bit (same values, more bytes per weight)")
+                eprintln!("ferrolm: CUDA runs 3-bit weights as 4-bit and 5/6-bit as 8-bit (same values, more bytes)")
             });
-            return self.affine(&a.widen(8)?);
+            return self.affine(&a.widen(wide)?);
         }
         if !kernels::AFFINE_BITS.contains(&a.bits) || !kernels::AFFINE_GROUPS.contains(&a.group) {
             return Err(Error::Unsupported(format!(
