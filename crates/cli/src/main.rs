@@ -8,6 +8,10 @@ mod tools;
 
 use clap::{Args, Parser, Subcommand};
 
+/// Bounds the memory a chat template may take while it renders (ferrolm::alloc_guard).
+#[global_allocator]
+static ALLOC: ferrolm::alloc_guard::GuardedAlloc = ferrolm::alloc_guard::GuardedAlloc;
+
 #[derive(Parser)]
 #[command(
     name = "ferrolm",

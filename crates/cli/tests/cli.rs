@@ -43,7 +43,14 @@ fn write(dir: &Path, case: &str, bytes: &[u8]) -> PathBuf {
 
 /// `generate` on a bad model must exit 1 with one `error:` line containing every `want`.
 fn expect_error(model: &Path, want: &[&str]) {
-    let o = run(&["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "1"]);
+    expect_error_with(model, &[], want)
+}
+
+/// `expect_error` with more arguments to `generate`.
+fn expect_error_with(model: &Path, args: &[&str], want: &[&str]) {
+    let mut all = vec!["generate", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "1"];
+    all.extend(args);
+    let o = run(&all);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{}: exit {:?}, stderr: {err}", model.display(), o.status.code());
     assert!(!err.contains("panicked"), "{}: panicked: {err}", model.display());
@@ -116,6 +123,26 @@ fn bad_model_files_give_one_line_errors() {
     b[at + 20] = b'z';
     let p = write(d, "notok", &b);
     expect_error(&p, &["notok.gguf", "tokenizer.ggml.tokens"]);
+}
+
+/// A GGUF whose chat template doubles a string 45 times (2⁴⁵ bytes): `generate --chat`
+/// exits 1 within seconds with one line naming the memory bound (the binary installs the
+/// allocator guard), where the process used to allocate until it aborted.
+#[test]
+fn a_chat_template_that_doubles_is_a_one_line_error() {
+    let mut b = std::fs::read(smollm2()).unwrap();
+    let key = "tokenizer.chat_template";
+    let at = find(&b, key.as_bytes()) + key.len() + 4;
+    let n = u64::from_le_bytes(b[at..at + 8].try_into().unwrap()) as usize;
+    let t = "{% set ns = namespace(s='x') %}{% for i in range(45) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}";
+    // Padded with a comment to the real template's length: the file's layout is unchanged.
+    let padded = format!("{t}{{#{}#}}", "x".repeat(n - t.len() - 4));
+    b[at + 8..at + 8 + n].copy_from_slice(padded.as_bytes());
+    let dir = tempfile::tempdir().unwrap();
+    let p = write(dir.path(), "doubling", &b);
+    let start = std::time::Instant::now();
+    expect_error_with(&p, &["--chat", "--device", "cpu"], &["doubling.gguf", "chat template", "256 MiB"]);
+    assert!(start.elapsed().as_secs() < 30, "took {:?}", start.elapsed());
 }
 
 #[test]

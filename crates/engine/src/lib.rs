@@ -1,5 +1,6 @@
 //! ferrolm engine: model formats, quantized weights, tokenizer, models and backends.
 
+pub mod alloc_guard;
 pub mod backend;
 pub mod config;
 pub mod env;
@@ -16,3 +17,8 @@ pub mod sample;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
+
+// The lib's unit tests run with the allocator that bounds chat templates' memory.
+#[cfg(test)]
+#[global_allocator]
+static ALLOC: alloc_guard::GuardedAlloc = alloc_guard::GuardedAlloc;

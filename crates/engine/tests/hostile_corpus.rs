@@ -12,7 +12,11 @@ use serde_json::{json, Value};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
+
+// Chat templates render here as in the CLI: under the memory guard.
+#[global_allocator]
+static ALLOC: ferrolm::alloc_guard::GuardedAlloc = ferrolm::alloc_guard::GuardedAlloc;
 
 /// `f` on a thread, caught: Ok(its result), or Err("PANIC …" / "HANG …").
 fn guarded<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> Result<T, String> {
@@ -329,6 +333,54 @@ fn mutated_tokenizers_and_templates() {
         c.case(&format!("template {i}: {t}"), "", guarded(try_dir.clone()));
     }
     c.finish("tokenizer and templates", 90);
+}
+
+/// A directory with the tiny tokenizer.json and `template` as its chat_template.jinja.
+fn template_dir(template: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write(dir.path(), "tokenizer.json", tokenizer_json().as_bytes());
+    write(dir.path(), "chat_template.jinja", template.as_bytes());
+    dir
+}
+
+/// Templates that double a string or a list 45 times (2⁴⁵ bytes: through a namespace, or a
+/// macro's recursion) err naming the memory bound within seconds, on one line, and the
+/// process goes on rendering: SmolLM2's real template gives transformers' text after each.
+#[test]
+fn templates_that_double_stop_at_the_memory_bound() {
+    assert!(ferrolm::alloc_guard::GuardedAlloc::installed());
+    let goldens = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/goldens");
+    let real = std::fs::read_to_string(goldens.join("smollm2_tokenizer/chat_template.jinja")).unwrap();
+    let real_dir = template_dir(&real);
+    let real = Tokenizer::from_dir(real_dir.path()).unwrap();
+    let golden: Value =
+        serde_json::from_slice(&std::fs::read(goldens.join("tokenizer_smollm2.json")).unwrap()).unwrap();
+    let check_real = || {
+        for c in golden["chat"].as_array().unwrap() {
+            let msgs: Vec<ChatMessage> = serde_json::from_value(c["messages"].clone()).unwrap();
+            let got = real.apply_chat_template(&msgs, c["add_generation_prompt"].as_bool().unwrap()).unwrap();
+            assert_eq!(got, c["text"].as_str().unwrap());
+        }
+    };
+    check_real();
+    let doubling = [
+        "{% set ns = namespace(s='x') %}{% for i in range(45) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{% set ns = namespace(l=[1]) %}{% for i in range(45) %}{% set ns.l = (ns.l + ns.l)|list %}{% endfor %}{{ ns.l|length }}",
+        "{% set ns = namespace(l=[1]) %}{% for i in range(45) %}{% set ns.l = ns.l + ns.l %}{% endfor %}{{ ns.l|join|length }}",
+        "{% macro f(s, n) %}{% if n > 0 %}{{ f(s ~ s, n - 1) }}{% else %}{{ s|length }}{% endif %}{% endmacro %}{{ f('x', 45) }}",
+    ];
+    for t in doubling {
+        let dir = template_dir(t);
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        let start = Instant::now();
+        let msgs = [ChatMessage { role: "user".into(), content: "hi".into() }];
+        let r = guarded(move || tok.apply_chat_template(&msgs, true).map_err(|e| e.to_string()));
+        let e = r.unwrap().unwrap_err();
+        assert!(e.ends_with("chat template: used more than 256 MiB while rendering"), "{t}: {e}");
+        assert!(e.contains(&dir.path().display().to_string()) && !e.contains('\n'), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(10), "{t}: {:?}", start.elapsed());
+        check_real();
+    }
 }
 
 /// A SentencePiece vocabulary of long tokens (each of whose cuts the merge derivation would

@@ -12,6 +12,11 @@ use std::sync::OnceLock;
 
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+// Templates render here as in the CLI: under the memory guard (the chat goldens below then
+// show that it changes no real template's output).
+#[global_allocator]
+static ALLOC: ferrolm::alloc_guard::GuardedAlloc = ferrolm::alloc_guard::GuardedAlloc;
+
 fn models_dir() -> PathBuf {
     ferrolm::env::test_models_dir()
 }
@@ -139,6 +144,7 @@ fn smollm2_decode_matches_transformers_and_round_trips() {
 
 #[test]
 fn smollm2_chat_template_matches_transformers() {
+    assert!(ferrolm::alloc_guard::GuardedAlloc::installed());
     check_chat(smollm2());
 }
 

@@ -1,12 +1,16 @@
 //! Chat templates: Jinja templates from the model, rendered with minijinja the way
 //! transformers' `apply_chat_template` renders them (trim_blocks + lstrip_blocks, Python string
 //! methods, `raise_exception`, `strftime_now`, a `tojson` that writes what Python's
-//! `json.dumps` writes).
+//! `json.dumps` writes). A model's template is untrusted input: it renders on a thread of its
+//! own within limits on instructions, output, time and memory (`TEMPLATE_LIMITS`; the memory
+//! bound needs `alloc_guard::GuardedAlloc` installed).
 
 use super::{ChatMessage, Tokenizer};
+use crate::alloc_guard::{run_bounded, Limits};
 use crate::{Error, Result};
 use minijinja::value::{Kwargs, Value};
 use minijinja::{Environment, ErrorKind};
+use std::time::Duration;
 
 /// End-of-turn markers of common chat formats. One that the template writes and the
 /// vocabulary has ends generation just as EOS does.
@@ -231,6 +235,10 @@ fn strftime_now(fmt: String) -> std::result::Result<String, minijinja::Error> {
 const TEMPLATE_FUEL: u64 = 20_000_000;
 /// Bytes a rendered prompt may have.
 const TEMPLATE_OUTPUT_MAX: usize = 64 << 20;
+/// Memory one rendering may hold (4× the output cap: a template that doubles a string or a
+/// list reaches it in a few steps) and the time its caller waits. The memory bound needs
+/// `GuardedAlloc` as the global allocator (the CLI installs it); see `crate::alloc_guard`.
+const TEMPLATE_LIMITS: Limits = Limits { memory: 256 << 20, time: Duration::from_secs(10) };
 
 pub(super) fn apply(tok: &Tokenizer, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
     let src = tok
@@ -249,9 +257,31 @@ pub(super) fn apply(tok: &Tokenizer, messages: &[ChatMessage], add_generation_pr
     render(src, ctx).map_err(|e| Error::format(&tok.source, format!("chat template: {e}")))
 }
 
-/// Render a model's template as transformers does, within `TEMPLATE_FUEL` instructions and
-/// `TEMPLATE_OUTPUT_MAX` bytes of output.
+/// Render a model's template as transformers does, within `TEMPLATE_FUEL` instructions,
+/// `TEMPLATE_OUTPUT_MAX` bytes of output and `TEMPLATE_LIMITS`.
 fn render(src: &str, ctx: Value) -> std::result::Result<String, String> {
+    render_within(src, ctx, TEMPLATE_LIMITS)
+}
+
+/// `render` on a thread of its own, its memory and time bounded by `limits`.
+fn render_within(src: &str, ctx: Value, limits: Limits) -> std::result::Result<String, String> {
+    warm_up();
+    let src = src.to_string();
+    run_bounded(limits, move || render_here(&src, ctx)).unwrap_or_else(|e| Err(format!("{e} while rendering")))
+}
+
+/// Fill minijinja's process-wide caches before any rendering runs under a budget: one
+/// parked (out of memory) inside such a cache's initialization would block every later
+/// rendering.
+fn warm_up() {
+    static WARM: std::sync::Once = std::sync::Once::new();
+    WARM.call_once(|| {
+        let _ = render_here("{{ 1 }}{{ [1, 'a'] | tojson }}", minijinja::context! {});
+    });
+}
+
+/// The rendering itself, on the calling thread.
+fn render_here(src: &str, ctx: Value) -> std::result::Result<String, String> {
     // `{:#}` adds minijinja's pointer into the template source.
     let err = |e: minijinja::Error| match e.kind() {
         ErrorKind::OutOfFuel => format!("runs more than {TEMPLATE_FUEL} instructions (an endless loop?)"),
@@ -266,25 +296,29 @@ fn render(src: &str, ctx: Value) -> std::result::Result<String, String> {
     env.add_function("raise_exception", raise_exception);
     env.add_function("strftime_now", strftime_now);
     let tmpl = env.template_from_str(src).map_err(err)?;
-    let mut out = CappedOutput(Vec::new());
+    let mut out = CappedOutput { text: Vec::new(), full: false };
     let rendered = tmpl.render_captured_to(ctx, &mut out).map(|_| ());
     match rendered {
-        Ok(_) => String::from_utf8(out.0).map_err(|_| "rendered invalid UTF-8".to_string()),
-        Err(_) if out.0.len() > TEMPLATE_OUTPUT_MAX => Err(format!("renders more than {TEMPLATE_OUTPUT_MAX} bytes")),
+        Ok(_) => String::from_utf8(out.text).map_err(|_| "rendered invalid UTF-8".to_string()),
+        Err(_) if out.full => Err(format!("renders more than {TEMPLATE_OUTPUT_MAX} bytes")),
         Err(e) => Err(err(e)),
     }
 }
 
-/// A writer that fails once more than `TEMPLATE_OUTPUT_MAX` bytes are written to it.
-struct CappedOutput(Vec<u8>);
+/// A writer that fails, keeping nothing more, once more than `TEMPLATE_OUTPUT_MAX` bytes
+/// are written to it.
+struct CappedOutput {
+    text: Vec<u8>,
+    full: bool,
+}
 
 impl std::io::Write for CappedOutput {
     fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        if self.0.len() + b.len() > TEMPLATE_OUTPUT_MAX {
-            self.0.extend_from_slice(b);
+        if self.text.len() + b.len() > TEMPLATE_OUTPUT_MAX {
+            self.full = true;
             return Err(std::io::Error::other("template output past its limit"));
         }
-        self.0.extend_from_slice(b);
+        self.text.extend_from_slice(b);
         Ok(b.len())
     }
     fn flush(&mut self) -> std::io::Result<()> {
@@ -317,13 +351,41 @@ mod tests {
     fn templates_render_within_limits() {
         let ctx = minijinja::context! { messages => vec!["hi"] };
         let t = std::time::Instant::now();
-        let e = render("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", ctx.clone());
+        let endless = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}";
+        let e = render(endless, ctx.clone());
         assert!(e.unwrap_err().contains("instructions"), "an endless loop runs out of fuel");
         assert!(t.elapsed().as_secs() < 30, "fuel ran for {:?}", t.elapsed());
         let big = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}";
         assert!(render(big, ctx.clone()).unwrap_err().contains("bytes"), "100 MB of output is refused");
-        assert_eq!(render("{{ messages[0] }}!", ctx).unwrap(), "hi!");
+        assert_eq!(render("{{ messages[0] }}!", ctx.clone()).unwrap(), "hi!");
+        let quick = Limits { time: Duration::from_millis(1), ..TEMPLATE_LIMITS };
+        let e = render_within(endless, ctx, quick).unwrap_err();
+        assert_eq!(e, "took more than 0.001 s while rendering");
     }
+
+    /// Templates that double a string or a list (through a namespace, or a macro's
+    /// recursion) stop at the memory budget in moments (the lib's tests install
+    /// GuardedAlloc); rendering goes on working after each.
+    #[test]
+    fn templates_that_double_stop_at_the_memory_budget() {
+        let ctx = minijinja::context! { messages => vec!["hi"] };
+        let small = Limits { memory: 16 << 20, ..TEMPLATE_LIMITS };
+        for t in DOUBLING {
+            let start = std::time::Instant::now();
+            let e = render_within(t, ctx.clone(), small).unwrap_err();
+            assert_eq!(e, "used more than 16 MiB while rendering", "{t}");
+            assert!(start.elapsed().as_secs() < 5, "{t}: {:?}", start.elapsed());
+            assert_eq!(render("{{ messages[0] }}!", ctx.clone()).unwrap(), "hi!");
+        }
+    }
+
+    /// Hostile templates that double a string or a list 45 times (2⁴⁵ bytes). (`l + l`
+    /// alone is lazy in minijinja: `|list` makes it a list.)
+    const DOUBLING: [&str; 3] = [
+        "{% set ns = namespace(s='x') %}{% for i in range(45) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+        "{% set ns = namespace(l=[1]) %}{% for i in range(45) %}{% set ns.l = (ns.l + ns.l)|list %}{% endfor %}{{ ns.l|length }}",
+        "{% macro f(s, n) %}{% if n > 0 %}{{ f(s ~ s, n - 1) }}{% else %}{{ s|length }}{% endif %}{% endmacro %}{{ f('x', 45) }}",
+    ];
 
     #[test]
     fn tojson_matches_python_json_dumps() {
