@@ -363,6 +363,13 @@ impl ModelConfig {
                 return Err(Error::Unsupported(format!("{src}: {key} (logit soft-capping, Gemma 2)")));
             }
         }
+        // Transformers 5 writes it in every Gemma 3 config; true (EmbeddingGemma) makes every
+        // layer attend both ways, which a causal decoder would silently compute otherwise.
+        if j.get("use_bidirectional_attention").and_then(|v| v.as_bool()) == Some(true) {
+            return Err(Error::Unsupported(format!(
+                "{src}: use_bidirectional_attention (an encoder such as EmbeddingGemma; ferrolm runs causal decoders)"
+            )));
+        }
         if j.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(true) && arch != Arch::Gemma3 {
             return Err(Error::Unsupported(format!(
                 "{src}: use_sliding_window (Qwen's sliding window on upper layers)"

@@ -2,7 +2,8 @@
 //! base and scaling live only there), mlx-lm 0.32's per-module quantization entries with
 //! null `group_size` / `bits` (they inherit the default), quantization modes other than
 //! affine (refused, naming the module), and RoPE bases and epsilons that are not finite
-//! positive numbers (refused, naming the field).
+//! positive numbers (refused, naming the field); whole configs as Transformers 5 writes them
+//! (scripts/hf-corpus.sh checks the models behind them against Transformers' NLL).
 
 use ferrolm::config::ModelConfig;
 use ferrolm::formats::safetensors::QuantConfig;
@@ -178,4 +179,57 @@ fn sliding_windows_apply_where_the_config_means_them() {
     let g = load(&config(gemma)).unwrap();
     assert_eq!(g.layer_kinds, vec![AttnKind::Sliding, AttnKind::Full]);
     assert_eq!((g.sliding_window, g.rope_theta, g.rope_local_theta, g.attn_scale()), (8, 1e6, Some(1e4), 0.25));
+}
+
+/// The config.json Transformers 5.24 writes for a Gemma 3 text model (scripts/hf-corpus.sh's
+/// tiny one, with the 4B-27B's linear scaling on the global layers), field for field: it
+/// loads with its window, layer types, query scale and per-kind RoPE; the same with
+/// `use_bidirectional_attention: true` (EmbeddingGemma, an encoder) is refused by name,
+/// where it used to load as a causal decoder and compute other numbers than Transformers.
+#[test]
+fn transformers5_gemma3_config_loads_and_bidirectional_attention_is_refused() {
+    use ferrolm::config::AttnKind;
+    let mut j = json!({
+        "_sliding_window_pattern": 6, "architectures": ["Gemma3ForCausalLM"], "attention_bias": false,
+        "attention_dropout": 0.0, "attn_logit_softcapping": null, "bos_token_id": null, "dtype": "float32",
+        "eos_token_id": 2, "final_logit_softcapping": null, "head_dim": 32, "hidden_activation": "gelu_pytorch_tanh",
+        "hidden_size": 128, "initializer_range": 0.02, "intermediate_size": 320,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        "max_position_embeddings": 4096, "model_type": "gemma3_text", "num_attention_heads": 4,
+        "num_hidden_layers": 4, "num_key_value_heads": 2, "pad_token_id": null, "query_pre_attn_scalar": 64,
+        "rms_norm_eps": 1e-06, "rope_parameters": {
+            "full_attention": {"factor": 8.0, "rope_theta": 1000000.0, "rope_type": "linear"},
+            "sliding_attention": {"rope_theta": 10000.0, "rope_type": "default"}},
+        "sliding_window": 32, "tie_word_embeddings": true, "transformers_version": "5.24.0",
+        "use_bidirectional_attention": false, "use_cache": true, "vocab_size": 49152
+    });
+    let c = load(&j).unwrap();
+    use AttnKind::{Full, Sliding};
+    assert_eq!(c.layer_kinds, vec![Sliding, Sliding, Full, Sliding]);
+    assert_eq!((c.sliding_window, c.head_dim, c.attn_scale(), c.tie_embeddings), (32, 32, 0.125, true));
+    assert_eq!((c.rope_theta, c.rope_linear, c.rope_local_theta), (1e6, 8.0, Some(1e4)));
+    j["use_bidirectional_attention"] = json!(true);
+    let err = load(&j).unwrap_err().to_string();
+    assert!(err.contains("use_bidirectional_attention"), "{err}");
+}
+
+/// Transformers 5's Qwen2 config has no `attention_bias` (the q/k/v biases are implied),
+/// no head_dim, `layer_types` all full, `sliding_window: null`, and any RoPE scaling only
+/// in `rope_parameters`.
+#[test]
+fn transformers5_qwen2_config_loads() {
+    let j = json!({
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": null, "dtype": "float32",
+        "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 128, "initializer_range": 0.02,
+        "intermediate_size": 320, "layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"],
+        "max_position_embeddings": 4096, "max_window_layers": 28, "model_type": "qwen2", "num_attention_heads": 4,
+        "num_hidden_layers": 4, "num_key_value_heads": 2, "pad_token_id": null, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"factor": 4.0, "rope_theta": 1000000.0, "rope_type": "linear"}, "sliding_window": null,
+        "tie_word_embeddings": false, "transformers_version": "5.24.0", "use_cache": true,
+        "use_sliding_window": false, "vocab_size": 49152
+    });
+    let c = load(&j).unwrap();
+    assert!(c.qkv_bias && !c.tie_embeddings && c.sliding_window == 0);
+    assert!(c.layer_kinds.iter().all(|k| *k == ferrolm::config::AttnKind::Full));
+    assert_eq!((c.head_dim, c.rope_theta, c.rope_linear), (32, 1e6, 4.0));
 }
