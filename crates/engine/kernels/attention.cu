@@ -1,4 +1,5 @@
-// Causal attention over a bf16 KV cache laid out [max_seq, n_kv·hd] per layer, GQA.
+// Causal attention over a bf16 KV cache laid out [slots, n_kv·hd] per layer (position p in
+// row kv_row(p, slots): a sliding layer's cache is a ring), GQA.
 // kv_write stores this call's k/v rows at positions pos0.. (pos0 read from device memory); attention then runs one block
 // per (query row, head): its 4 warps take every 4th cached position, each keeps an online
 // softmax (running max, sum, and hd/32 accumulators per lane), and the warps merge in a
@@ -10,12 +11,14 @@
 #define MAXD 8        // hd / 32 ≤ 8 (hd ≤ 256)
 
 extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const bf16_t* __restrict__ k,
-                                    const bf16_t* __restrict__ v, int rows, int width, const int* __restrict__ pos0p) {
+                                    const bf16_t* __restrict__ v, int rows, int width, const int* __restrict__ pos0p,
+                                    int slots) {
     long pos0 = *pos0p;
     long n = (long)rows * width;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        kc[(long)pos0 * width + i] = k[i];
-        vc[(long)pos0 * width + i] = v[i];
+        long o = kv_row(pos0 + i / width, slots) * width + i % width;
+        kc[o] = k[i];
+        vc[o] = v[i];
     }
 }
 
@@ -29,7 +32,8 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
 extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
                                            const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
                                            float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                           const int* __restrict__ pos0p, int chunk, float scale, int window) {
+                                           const int* __restrict__ pos0p, int chunk, float scale, int window,
+                                           int slots) {
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
     int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -47,7 +51,8 @@ extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const b
     }
     float m = -INFINITY, l = 0.f;
     for (int p = p0 + warp; p < p1; p += AW) {
-        const bf16_t* kr = kc + (long)p * width + kvh * hd;
+        long row = kv_row(p, slots) * width + kvh * hd;
+        const bf16_t* kr = kc + row;
         float s = 0.f;
 #pragma unroll
         for (int d = 0; d < MAXD; d++)
@@ -55,7 +60,7 @@ extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const b
         s = warp_sum(s);
         float mn = fmaxf(m, s), corr = __expf(m - mn), e = __expf(s - mn);
         l = l * corr + e;
-        const bf16_t* vr = vc + (long)p * width + kvh * hd;
+        const bf16_t* vr = vc + row;
 #pragma unroll
         for (int d = 0; d < MAXD; d++)
             if (d < per) acc[d] = acc[d] * corr + e * bf2f(vr[lane + 32 * d]);
@@ -88,7 +93,7 @@ extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const b
 extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                                    const bf16_t* __restrict__ v, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                    const float* __restrict__ inv_freq, int rows, int heads, int n_kv, int hd,
-                                   const int* __restrict__ pos0p, float linear, int interleaved) {
+                                   const int* __restrict__ pos0p, float linear, int interleaved, int slots) {
     pdl_trigger();  // launched with PDL: nothing to load before the wait
     pdl_wait();
     int pos0 = *pos0p, half = hd / 2, width = n_kv * hd;
@@ -96,7 +101,7 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restr
     for (long t = blockIdx.x * (long)blockDim.x + threadIdx.x; t < nq + nk + nv; t += (long)gridDim.x * blockDim.x) {
         if (t >= nq + nk) {
             long i = t - nq - nk;
-            vc[(long)pos0 * width + i] = v[i];
+            vc[kv_row(pos0 + i / width, slots) * width + i % width] = v[i];
             continue;
         }
         bool isq = t < nq;
@@ -113,7 +118,7 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restr
             q[rh * hd + i0] = y0;
             q[rh * hd + i1] = y1;
         } else {
-            bf16_t* dst = kc + (long)pos0 * width + rh * hd;  // rh = row·n_kv + head
+            bf16_t* dst = kc + kv_row(pos0 + row, slots) * width + (rh - (long)row * n_kv) * hd;  // rh = row·n_kv + head
             dst[i0] = y0;
             dst[i1] = y1;
         }

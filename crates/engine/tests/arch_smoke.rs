@@ -475,6 +475,38 @@ fn positions_before_the_window_are_not_attended() {
     }
 }
 
+/// A sliding layer's cache is a ring of window + RING_ROWS - 1 slots (position p in slot p
+/// mod slots): a sequence longer than the ring and than one call (the model splits a long
+/// prefill) gives the reference's logits on the prefill and decode paths.
+#[test]
+fn sliding_layers_keep_a_ring_of_their_window() {
+    let n = 1100;
+    let tokens: Vec<u32> = (0..n).map(|i| ((i * 37 + 11) % 96) as u32).collect();
+    for (name, cfg, bits) in variants().into_iter().filter(|(n, ..)| n.contains("sliding")) {
+        let cfg = ModelConfig { max_ctx: 2048, ..cfg };
+        let (mut src, wref) = build(&cfg, bits, 7);
+        let model = Decoder::load(Cpu, &mut src).unwrap();
+        let want = reference(&cfg, &wref, &tokens);
+        let mut kv = model.new_cache(2048).unwrap();
+        for (i, &slots) in kv.slots.iter().enumerate() {
+            let ring = cfg.sliding_window + ferrolm::kv::RING_ROWS - 1;
+            let expect = if cfg.layer_kind(i) == AttnKind::Sliding { ring } else { 2048 };
+            assert_eq!(slots, expect, "{name}: layer {i}");
+        }
+        let all = model.forward(&tokens, 0, &mut kv, Logits::All).unwrap();
+        let e = rel_err(&all, &want);
+        assert!(e < 6e-3, "{name}: {n} positions through rings, prefill vs reference rel err {e}");
+        let mut kv = model.new_cache(2048).unwrap();
+        let split = n - 40;
+        model.forward(&tokens[..split], 0, &mut kv, Logits::Last).unwrap();
+        for (p, &t) in tokens.iter().enumerate().skip(split) {
+            let step = model.forward(&[t], p, &mut kv, Logits::Last).unwrap();
+            let e = rel_err(&step, &want[p * cfg.vocab..(p + 1) * cfg.vocab]);
+            assert!(e < 6e-3, "{name}: decode at {p} vs reference rel err {e}");
+        }
+    }
+}
+
 /// A padded vocabulary (more embedding rows than the tokenizer has ids, as Qwen's): the
 /// head scores only the tokenizer's ids, with the same values the full head gives them,
 /// tied and untied, on the prefill and decode paths; generation never leaves them.

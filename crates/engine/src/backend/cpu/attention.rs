@@ -1,4 +1,5 @@
-//! Causal attention over the dense bf16 KV cache, f32 math, GQA, optionally windowed.
+//! Causal attention over the dense bf16 KV cache (a sliding layer's a ring), f32 math, GQA,
+//! optionally windowed.
 //!
 //! Parallel over (query row, head). Each task streams the cached keys of its kv head once
 //! (scores), softmaxes in f32, then streams the values once.
@@ -30,7 +31,7 @@ pub fn attention<'a>(
         let kvh = h / group;
         let (first, len) = (attend.first(pos0 + t), pos0 + t + 1);
         let qh = &q[t * n_heads * hd + h * hd..][..hd];
-        let row = |c: &'a [bf16], p: usize| -> &'a [bf16] { &c[p * kv.width + kvh * hd..][..hd] };
+        let row = |c: &'a [bf16], p: usize| -> &'a [bf16] { &c[kv.slot(layer, p) * kv.width + kvh * hd..][..hd] };
         let mut scores = Vec::with_capacity(len - first);
         let mut max = f32::NEG_INFINITY;
         for p in first..len {

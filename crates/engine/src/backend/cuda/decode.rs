@@ -363,6 +363,7 @@ impl Cuda {
             Some(([qn, kn], eps)) => args.extend([self.arg(qn), self.arg(kn), KArg::F32(eps)]),
             None => args.extend([KArg::Ptr(0), KArg::Ptr(0), KArg::F32(0.0)]),
         }
+        args.push(kv.slots_arg(layer, 1)?);
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),

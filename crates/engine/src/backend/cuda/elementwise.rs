@@ -180,6 +180,7 @@ impl Cuda {
             KArg::I32(k.rows as i32),
             KArg::I32(kv.width as i32),
             pos,
+            kv.slots_arg(layer, k.rows)?,
         ];
         self.launch(&f, cfg(elems(k.rows * kv.width), 256), &args, Order::Serial, "kv_write launch")
     }

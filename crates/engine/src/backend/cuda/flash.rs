@@ -95,6 +95,7 @@ impl Cuda {
             pos,
             KArg::F32(attend.scale),
             KArg::I32(super::prefill::window_arg(attend)?),
+            kv.slots_arg(layer, q.rows)?,
         ];
         // Matches flash_attention.cu's flash_prefill; the cache holds pos0 + m positions.
         self.launch(&func, cfg, &args, Order::Serial, "flash_prefill launch")

@@ -52,10 +52,13 @@ impl Backend for Cuda {
                 cfg.head_dim
             )));
         }
-        let layer = || self.zeros::<u16>(max_seq * width, "allocating the KV cache");
-        let k = (0..cfg.n_layers).map(|_| layer()).collect::<Result<Vec<_>>>()?;
-        let v = (0..cfg.n_layers).map(|_| layer()).collect::<Result<Vec<_>>>()?;
-        Ok(CudaKv { max_seq, width, head_dim: cfg.head_dim, k, v })
+        // Every layer holds the whole context: the kernels take a sliding layer's ring
+        // (kv_row in common.cuh, crate::kv::slots) but have not yet run one on a GPU.
+        let slots = vec![max_seq; cfg.n_layers];
+        let layer = |s: usize| self.zeros::<u16>(s * width, "allocating the KV cache");
+        let k = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
+        let v = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
+        Ok(CudaKv { max_seq, slots, width, head_dim: cfg.head_dim, k, v })
     }
     fn kv_capacity(&self, kv: &CudaKv) -> usize {
         kv.max_seq

@@ -87,6 +87,7 @@ impl Cuda {
             pos,
             KArg::F32(rope.linear),
             KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            kv.slots_arg(layer, q.rows)?,
         ]);
         let c = cfg((n.div_ceil(256).min(4096) as u32, 1), 256);
         // Matches attention.cu's rope_kv; pos0 + rows ≤ max_seq is checked by the model.
@@ -125,6 +126,7 @@ impl Cuda {
             KArg::I32(ATTN_CHUNK as i32),
             KArg::F32(attend.scale),
             KArg::I32(window_arg(attend)?),
+            kv.slots_arg(layer, q.rows)?,
         ];
         let c = LaunchConfig {
             grid_dim: (heads as u32, q.rows as u32, splits as u32),

@@ -81,13 +81,33 @@ impl CudaAct {
     }
 }
 
-/// bf16 KV cache: per layer `[max_seq, n_kv·hd]` for K and for V.
+/// bf16 KV cache: per layer `[slots, n_kv·hd]` for K and for V, position p in row p mod
+/// slots (crate::kv::layer_slots: every position, or a sliding layer's ring).
 pub struct CudaKv {
     pub max_seq: usize,
+    /// Rows of each layer's cache.
+    pub slots: Vec<usize>,
     pub width: usize,
     pub head_dim: usize,
     pub k: Vec<CudaSlice<u16>>,
     pub v: Vec<CudaSlice<u16>>,
+}
+
+impl CudaKv {
+    /// `layer`'s row count, the kernels' `slots` argument, once `rows` new positions are
+    /// checked to fit a call (a ring takes crate::kv::RING_ROWS at most).
+    pub(crate) fn slots_arg(&self, layer: usize, rows: usize) -> Result<KArg> {
+        let slots = *self.slots.get(layer).ok_or_else(|| {
+            Error::Invalid(format!("CUDA KV cache: layer {layer} of a {}-layer cache", self.slots.len()))
+        })?;
+        if slots < self.max_seq && rows > crate::kv::RING_ROWS {
+            return Err(Error::Invalid(format!(
+                "CUDA attention: {rows} rows in one call on a sliding-window ring (at most {})",
+                crate::kv::RING_ROWS
+            )));
+        }
+        Ok(KArg::I32(slots as i32))
+    }
 }
 
 impl DevScales {
