@@ -168,6 +168,13 @@ __device__ __forceinline__ float ld_cluster(const float* p, int rank) {
     return v;
 }
 
+// The gated MLPs' activations: silu, and gelu's tanh approximation (PyTorch's
+// gelu(approximate="tanh")).
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+__device__ __forceinline__ float gelu_tanh(float g) {
+    return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -16,13 +16,8 @@ extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate, const bf16_
                                     bf16_t* __restrict__ out, int n) {
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
         float g = bf2f(gate[i]);
-        out[i] = f2bf(g / (1.f + __expf(-g)) * bf2f(up[i]));
+        out[i] = f2bf(silu(g) * bf2f(up[i]));
     }
-}
-
-// gelu's tanh approximation (PyTorch's gelu(approximate="tanh")).
-__device__ __forceinline__ float gelu_tanh(float g) {
-    return 0.5f * g * (1.f + tanhf(0.7978845608f * (g + 0.044715f * g * g * g)));
 }
 
 extern "C" __global__ void gelu_mul(const bf16_t* __restrict__ gate, const bf16_t* __restrict__ up,

@@ -23,6 +23,11 @@
 //     128 = 16·i), as do the 16-byte dequant stores (8 lanes = 4 rows × 2 halves).
 //   - Epilogue: f32 accumulators written with bounds checks (t < m, r < rows), as bf16 or f32;
 //     pairs of columns go out as one 4/8-byte store where rows is even.
+//   - qgemm_glu, the prefill MLP's gate and up in one launch: a block's 64 weight rows are 32
+//     rows of gate and the same 32 rows of up, so warps wn = 0 hold gate's sums and wn = 1
+//     up's for the same outputs; up's go through shared memory and wn = 0 stores
+//     act(gate)·up as bf16 (f32 sums, no bf16 round trip of gate and up, and neither is
+//     written out).
 //
 // Fragment layouts relied on (PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point
 // type", .bf16; groupID g = lane >> 2, threadID_in_group tg = lane % 4; each .b32 register holds
@@ -122,28 +127,84 @@ __device__ __forceinline__ void store_wseg(const WSeg& ws, bf16_t* dst) {
     for (int i = 0; i < SEG / 8; i++) d[i] = make_uint4(p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]);
 }
 
-template <bool OUT_F32>
-__device__ __forceinline__ void qgemm_body(const u32* __restrict__ w, const scale_t* __restrict__ scales,
-                                           const scale_t* __restrict__ biases, const bf16_t* __restrict__ x,
-                                           void* __restrict__ out, int rows, int cols, int m) {
+// qgemm_glu's epilogue: warps wn = 1 leave up's sums in shared memory (up_s: 64 tokens × 32
+// rows, padded; the weight tiles' space, free after the last step's barrier), then warps
+// wn = 0 store act(gate)·up for the same tokens and rows. act 0 silu, 1 gelu (tanh).
+__device__ __forceinline__ void glu_epilogue(const float (&acc)[2][4][4], float* up_s, bf16_t* __restrict__ out,
+                                             int t0, int r0, int rows, int m, int act) {
+    constexpr int US = BN / 2 + 1;  // padded row stride
+    static_assert(BM * US * 4 <= 2 * BN * LDS * 2, "up's sums fit the weight tiles' shared memory");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp & 1, wn = warp >> 1;
+    const int g = lane >> 2, tg = lane & 3;
+    if (wn == 1) {
+#pragma unroll
+        for (int i = 0; i < 2; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int tl = wm * 32 + i * 16 + g + h * 8, c = j * 8 + tg * 2;
+                    up_s[tl * US + c] = acc[i][j][2 * h];
+                    up_s[tl * US + c + 1] = acc[i][j][2 * h + 1];
+                }
+    }
+    __syncthreads();
+    if (wn == 1) return;
+    const bool even = (rows & 1) == 0;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int tl = wm * 32 + i * 16 + g + h * 8, c = j * 8 + tg * 2;
+                const int t = t0 + tl, r = r0 + c;
+                if (t >= m) continue;
+                const float a0 = acc[i][j][2 * h], a1 = acc[i][j][2 * h + 1];
+                const float v0 = (act ? gelu_tanh(a0) : silu(a0)) * up_s[tl * US + c];
+                const float v1 = (act ? gelu_tanh(a1) : silu(a1)) * up_s[tl * US + c + 1];
+                bf16_t* po = out + (size_t)t * rows + r;
+                if (even) {
+                    if (r < rows) *reinterpret_cast<u32*>(po) = pack_bf16x2(v0, v1);
+                } else {
+                    if (r < rows) po[0] = f2bf(v0);
+                    if (r + 1 < rows) po[1] = f2bf(v1);
+                }
+            }
+}
+
+// One affine matrix's arguments.
+struct QMat {
+    const u32* w;
+    const scale_t* s;
+    const scale_t* b;
+};
+
+// GLU: the gate/up form (see the design notes): `up` is the second matrix, act 0 silu, 1
+// gelu (tanh), out bf16 [m, rows].
+template <bool OUT_F32, bool GLU = false>
+__device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __restrict__ x, void* __restrict__ out,
+                                           int rows, int cols, int m, int act = 0) {
     // Two stages of the x and w tiles (uint4 so the rows are 16-byte aligned).
     __shared__ uint4 xs_raw[2][BM * LDS / 8];
     __shared__ uint4 ws_raw[2][BN * LDS / 8];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp & 1, wn = warp >> 1;
-    const int t0 = blockIdx.y * BM, r0 = blockIdx.x * BN;
+    const int t0 = blockIdx.y * BM, r0 = blockIdx.x * (GLU ? BN / 2 : BN);
     const int nk = (cols + BK - 1) / BK;
 
     // This thread's weight segment: row r0 + tid/2, values (tid & 1)·32.. of each step.
+    // (GLU: tile rows 32.. are up's.)
     const int seg_row = tid >> 1, seg_k = (tid & 1) * SEG;
-    const int wr = r0 + seg_row;
+    const QMat& src = GLU && seg_row >= BN / 2 ? up : gate;
+    const int wr = r0 + (GLU ? seg_row % (BN / 2) : seg_row);
     const bool wr_ok = wr < rows;
     const int wrc = wr_ok ? wr : 0;  // keep pointers inside the tensor for masked rows
     const int groups = cols / GROUP;
-    const u32* wrow = w + (size_t)wrc * (size_t)(cols / (32 / BITS));
-    const scale_t* srow = scales + (size_t)wrc * groups;
-    const scale_t* brow = biases + (size_t)wrc * groups;
+    const u32* wrow = src.w + (size_t)wrc * (size_t)(cols / (32 / BITS));
+    const scale_t* srow = src.s + (size_t)wrc * groups;
+    const scale_t* brow = src.b + (size_t)wrc * groups;
 
     // x copies: chunk c = tid + i·THREADS is token row c/8, k 8·(c%8) of the tile.
     auto load_x = [&](int stage, int k0) {
@@ -217,6 +278,10 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ w, const scal
 
     // Epilogue: c0, c1 at (token g, rows 2tg, 2tg+1), c2, c3 at token g + 8.
     const int g = lane >> 2, tg = lane & 3;
+    if constexpr (GLU) {
+        glu_epilogue(acc, reinterpret_cast<float*>(ws_raw), reinterpret_cast<bf16_t*>(out), t0, r0, rows, m, act);
+        return;
+    }
     const bool even = (rows & 1) == 0;
 #pragma unroll
     for (int i = 0; i < 2; i++) {
@@ -256,10 +321,16 @@ __device__ __forceinline__ void qgemm_body(const u32* __restrict__ w, const scal
 extern "C" __global__ void __launch_bounds__(THREADS) qgemm(const u32* w, const scale_t* s, const scale_t* b,
                                                             const bf16_t* x, bf16_t* out, int rows, int cols,
                                                             int m) {
-    qgemm_body<false>(w, s, b, x, out, rows, cols, m);
+    qgemm_body<false>(QMat{w, s, b}, QMat{w, s, b}, x, out, rows, cols, m);
 }
 extern "C" __global__ void __launch_bounds__(THREADS) qgemm_f32(const u32* w, const scale_t* s, const scale_t* b,
                                                                 const bf16_t* x, float* out, int rows, int cols,
                                                                 int m) {
-    qgemm_body<true>(w, s, b, x, out, rows, cols, m);
+    qgemm_body<true>(QMat{w, s, b}, QMat{w, s, b}, x, out, rows, cols, m);
+}
+// out = act(x·gateᵀ) · (x·upᵀ), bf16 [m, rows]; grid (ceil(rows / 32), ceil(m / 64)).
+extern "C" __global__ void __launch_bounds__(THREADS)
+    qgemm_glu(const u32* gw, const scale_t* gs, const scale_t* gb, const u32* uw, const scale_t* us,
+              const scale_t* ub, const bf16_t* x, bf16_t* out, int rows, int cols, int m, int act) {
+    qgemm_body<false, true>(QMat{gw, gs, gb}, QMat{uw, us, ub}, x, out, rows, cols, m, act);
 }

@@ -373,9 +373,8 @@ __device__ __forceinline__ void store_rows(const Mat& a, int row0, float (&acc)[
     else if (OUT == 1) reinterpret_cast<float*>(a.o)[row] = own;
     else if (OUT == 2) reinterpret_cast<float*>(a.o)[row] = resid + own;
     else {
-        // SwiGLU, or GeGLU with gelu's tanh form (elementwise.cu's gelu_mul).
-        float act = GELU ? 0.5f * own * (1.f + tanhf(0.7978845608f * (own + 0.044715f * own * own * own)))
-                         : own / (1.f + __expf(-own));
+        // SwiGLU, or GeGLU with gelu's tanh form (common.cuh).
+        float act = GELU ? gelu_tanh(own) : silu(own);
         bf16_t h = f2bf(act * own1);
         reinterpret_cast<bf16_t*>(a.o)[row] = h;
         if (vals) vals[lane] = bf2f(h);

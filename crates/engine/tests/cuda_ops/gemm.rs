@@ -3,6 +3,7 @@
 use super::{bf, check, cpu, gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::Backend;
+use ferrolm::config::Activation;
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 
 /// `gpu().qgemm` by `w` ([n, k]) for each token count, both output precisions, against the
@@ -88,4 +89,32 @@ fn qgemm_matches_cpu_at_prefill_size() {
     let (n, k, m) = (2048, 2048, 512);
     let w = affine(&mut r, n, k, 4, 64, ScaleDtype::F16);
     compare("q4 g64 F16 n2048 k2048", &w, &[m], &mut r);
+}
+
+/// The prefill MLP's gate and up in one GEMM (qgemm_glu): act(x·gateᵀ)·(x·upᵀ) against the
+/// CPU's two matmuls and `glu`, for both activations, rows not a multiple of the 32-row
+/// tile and odd, 1 to 300 tokens; the output NaN-poisoned first.
+#[test]
+fn qgemm_glu_matches_cpu() {
+    let (g, c, mut r) = (gpu(), Cpu, Rng::seeded());
+    for (n, k, bits, group, dt) in
+        [(2048, 640, 4, 32, ScaleDtype::F16), (200, 512, 8, 64, ScaleDtype::BF16), (37, 96, 2, 32, ScaleDtype::F32)]
+    {
+        let (gate, up) = (affine(&mut r, n, k, bits, group, dt), affine(&mut r, n, k, bits, group, dt));
+        let (gg, ug) = (g.matrix(gate.clone()).unwrap(), g.matrix(up.clone()).unwrap());
+        for m in [1, 77, 300] {
+            let x = bf(&r.v(m * k, 1.0));
+            let xg = g.act_from(m, k, &x).unwrap();
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let (mut gc, mut uc, mut want) = (c.act(m, n).unwrap(), c.act(m, n).unwrap(), c.act(m, n).unwrap());
+                c.matmul(&cpu(m, k, x.clone()), &gate, &mut gc).unwrap();
+                c.matmul(&cpu(m, k, x.clone()), &up, &mut uc).unwrap();
+                c.glu(&gc, &uc, act, &mut want).unwrap();
+                let mut og = g.act_poisoned(m, n, false).unwrap();
+                assert!(g.qgemm_glu(&xg, (&gg, &ug), act, &mut og).unwrap(), "qgemm_glu refused q{bits} n{n}");
+                let what = format!("qgemm_glu {act:?} q{bits} g{group} n{n} k{k} m{m}");
+                check(&what, &g.read_rows(&og, 0).unwrap(), &want.data, 1e-2);
+            }
+        }
+    }
 }

@@ -22,6 +22,10 @@ pub struct CudaConfig {
     /// Gemma's post-norm adds (x += rmsnorm(y)·w after attention and MLP) are folded into
     /// the next GEMV's input staging instead of a launch each. `FERROLM_POST_NORM_FOLD`.
     pub post_norm_fold: bool,
+    /// Prefill (several rows) runs the MLP's gate and up as one tensor-core GEMM with the
+    /// activation and product in its epilogue (gemm.cu's qgemm_glu), instead of two GEMMs
+    /// and a GLU launch. Off until measured on a GPU. `FERROLM_PREFILL_GLU`.
+    pub prefill_fused_glu: bool,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
     pub head_argmax: bool,
@@ -52,6 +56,7 @@ impl Default for CudaConfig {
             gemv_k_slices: true,
             staged_x: true,
             post_norm_fold: true,
+            prefill_fused_glu: false,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

@@ -17,6 +17,7 @@ use super::device::Cuda;
 use super::driver::KArg;
 use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaMat};
+use crate::config::Activation;
 use crate::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -85,5 +86,55 @@ impl Cuda {
         ];
         // Matches gemm.cu's qgemm / qgemm_f32 for the output's dtype; shapes checked above.
         self.launch(&func, cfg, &args, Order::Serial, "qgemm launch")
+    }
+
+    /// out = act(x·gateᵀ) · (x·upᵀ) in one launch (gemm.cu's qgemm_glu): x bf16 `[m, cols]`,
+    /// gate and up `[rows, cols]` of one affine format, out bf16 `[m, rows]`. Ok(false),
+    /// nothing launched, where it does not apply (formats or shapes differ, dense weights).
+    pub fn qgemm_glu(
+        &self,
+        x: &CudaAct,
+        (gate, up): (&CudaMat, &CudaMat),
+        act: Activation,
+        out: &mut CudaAct,
+    ) -> Result<bool> {
+        let (
+            CudaMat::Affine { words: gw, scales: gs, biases: gb, defines, rows, cols, .. },
+            CudaMat::Affine { words: uw, scales: us, biases: ub, defines: ud, rows: ur, cols: uc, .. },
+        ) = (gate, up)
+        else {
+            return Ok(false);
+        };
+        let same = defines == ud && (rows, cols) == (ur, uc) && cols.is_multiple_of(COLS_MULTIPLE);
+        let (ActBuf::Bf16(xb), ActBuf::Bf16(_)) = (&x.buf, &out.buf) else { return Ok(false) };
+        if !same || x.cols != *cols || out.cols != *rows || out.rows != x.rows {
+            return Ok(false);
+        }
+        if x.rows == 0 || *rows == 0 {
+            return Ok(true);
+        }
+        if [*rows, *cols, x.rows].iter().any(|&v| i32::try_from(v).is_err()) || x.rows.div_ceil(TILE_TOKENS) > 65535 {
+            return Ok(false);
+        }
+        let func = self.function(kernels::file("gemm.cu"), defines, "qgemm_glu")?;
+        let grid = (rows.div_ceil(TILE_ROWS / 2) as u32, x.rows.div_ceil(TILE_TOKENS) as u32, 1);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let args = [
+            self.arg(gw),
+            gs.arg(self),
+            gb.arg(self),
+            self.arg(uw),
+            us.arg(self),
+            ub.arg(self),
+            self.arg(xb),
+            out.arg(self),
+            KArg::I32(*rows as i32),
+            KArg::I32(*cols as i32),
+            KArg::I32(x.rows as i32),
+            KArg::I32(i32::from(act == Activation::GeluTanh)),
+        ];
+        // Matches gemm.cu's qgemm_glu; shapes checked above.
+        self.launch(&func, cfg, &args, Order::Serial, "qgemm_glu launch")?;
+        Ok(true)
     }
 }

@@ -186,6 +186,14 @@ impl Backend for Cuda {
         if self.gemv(norm_in, &[gate, up], &mut [&mut *out, &mut *u], GemvOut::Glu(act), GemvExtra::None)? {
             return Ok(());
         }
+        if x.rows > 1 && self.cfg.prefill_fused_glu {
+            self.rms_norm(x, norm, eps, xn)?;
+            if self.qgemm_glu(xn, (gate, up), act, out)? {
+                return Ok(());
+            }
+            self.matmul_many(xn, &[gate, up], &mut [&mut *g, &mut *u])?;
+            return self.glu_rows(g, u, act, out);
+        }
         self.norm_matmul_many(x, norm, eps, xn, &[gate, up], &mut [&mut *g, &mut *u])?;
         self.glu_rows(g, u, act, out)
     }
