@@ -44,7 +44,7 @@ impl Backend for Cpu {
         self.act(rows, cols)
     }
     fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<DenseKv> {
-        Ok(DenseKv::new(cfg.n_layers, max_seq, cfg.n_kv_heads, cfg.head_dim))
+        Ok(DenseKv::with_slots(crate::kv::slots(cfg, max_seq), max_seq, cfg.n_kv_heads, cfg.head_dim))
     }
     fn kv_capacity(&self, kv: &DenseKv) -> usize {
         kv.max_seq
