@@ -1,13 +1,16 @@
 //! Quantized and dense matrix products on the CPU: out[m, n] = x[m, k] · W[n, k]ᵀ.
 //!
-//! Where the time goes: decode (m = 1) is bound by unpacking weights, so each row's q
-//! values are unpacked and multiplied in one pass (simd::row_dot). Prefill unpacks a row
+//! Where the time goes: decode (m = 1) is bound by unpacking weights, so with AVX2 x is
+//! quantized once per call to int16 and each row is an integer dot (qdot.rs); without
+//! it, each row's q values are unpacked and multiplied in f32 in one pass (simd::row_dot),
+//! as for a row width that is not a multiple of 32. Prefill unpacks a row
 //! once into an f32 scratch and reuses it for every activation row, four at a time. The
 //! affine form is folded once per group: Σ(s·q+b)·x = s·Σq·x + b·Σx, with Σx per group
 //! precomputed. Several matrices sharing one input (q/k/v, gate/up) run in one parallel
 //! region, since on few cores the fork/join per region costs as much as a small matmul.
 //! Weights are never dequantized as a whole.
 
+use super::qdot::{self, QuantX};
 use super::simd;
 use crate::quant::affine::{get_q, AffineTensor, Scales};
 use crate::quant::{DenseTensor, Weight};
@@ -39,21 +42,86 @@ pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]])
         ptrs.push(OutPtr(out.as_mut_ptr()));
         tasks.extend((0..n).step_by(ROWS_PER_TASK).map(|r0| (wi, r0, (r0 + ROWS_PER_TASK).min(n))));
     }
-    // Σx per group, once per distinct group size.
+    // Decode: x quantized once for every matrix the integer dot takes.
+    let int = |a: &AffineTensor| m == 1 && simd::has_avx2() && qdot_ok(a);
+    let affine = || ws.iter().filter_map(|w| if let Weight::Affine(a) = w { Some(a) } else { None });
+    let qx = affine().any(int).then(|| {
+        let lay =
+            affine().filter(|a| int(a)).fold(qdot::Layouts::default(), |l, a| l.or(qdot::Layouts::of(a.bits, a.group)));
+        QuantX::new(x, lay)
+    });
+    // Σx per group (of the quantized x for the integer dot).
     let sums: Vec<Option<Vec<f32>>> = ws
         .iter()
-        .map(|w| match w {
-            Weight::Affine(a) => Some(x.chunks_exact(a.group).map(|c| c.iter().sum()).collect()),
-            Weight::Dense(_) => None,
+        .map(|w| match (w, &qx) {
+            (Weight::Affine(a), Some(q)) if int(a) => Some(q.group_sums(a.group)),
+            (Weight::Affine(a), _) => Some(x.chunks_exact(a.group).map(|c| c.iter().sum()).collect()),
+            (Weight::Dense(_), _) => None,
         })
         .collect();
-    tasks.par_iter().for_each(|&(wi, r0, r1)| {
+    // Scratch per rayon job, not per task (the head's 8192 tasks would allocate per task).
+    tasks.par_iter().for_each_init(qdot::Scratch::default, |sc, &(wi, r0, r1)| {
         let out = ptrs[wi];
-        match ws[wi] {
-            Weight::Affine(a) => affine_rows(a, x, sums[wi].as_deref().unwrap_or(&[]), m, r0, r1, out),
-            Weight::Dense(d) => dense_rows(d, x, m, r0, r1, out),
+        let s = sums[wi].as_deref().unwrap_or(&[]);
+        match (ws[wi], &qx) {
+            (Weight::Affine(a), Some(q)) if int(a) => int_rows(a, q, s, r0, r1, sc, out),
+            (Weight::Affine(a), _) => affine_rows(a, x, s, m, r0, r1, out),
+            (Weight::Dense(d), _) => dense_rows(d, x, m, r0, r1, out),
         }
     });
+}
+
+/// Whether the integer decode dot takes this matrix: rows of whole 32-value blocks, scales
+/// and biases of one dtype.
+fn qdot_ok(a: &AffineTensor) -> bool {
+    a.cols.is_multiple_of(qdot::XB) && a.scales.dtype() == a.biases.dtype()
+}
+
+/// Rows r0..r1 of a one-row product through the integer dot (qdot.rs).
+fn int_rows(a: &AffineTensor, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, sc: &mut qdot::Scratch, out: OutPtr) {
+    // SAFETY: m = 1, so this task's cells are out[r0..r1], written by no other task.
+    let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(r0), r1 - r0) };
+    let bytes: &[u8] = bytemuck::cast_slice(&a.packed);
+    let (cols, group) = (a.cols, a.group);
+    match (&a.scales, &a.biases) {
+        (Scales::F16(s), Scales::F16(b)) => {
+            let (scales, biases) = (qdot::F16Src(bytemuck::cast_slice(s)), qdot::F16Src(bytemuck::cast_slice(b)));
+            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, r0, sc, out)
+        }
+        (Scales::BF16(s), Scales::BF16(b)) => {
+            let (scales, biases) = (qdot::Bf16Src(bytemuck::cast_slice(s)), qdot::Bf16Src(bytemuck::cast_slice(b)));
+            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, r0, sc, out)
+        }
+        (Scales::F32(scales), Scales::F32(biases)) => {
+            let (scales, biases) = (qdot::F32Src(scales), qdot::F32Src(biases));
+            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, r0, sc, out)
+        }
+        _ => unreachable!("qdot_ok admits one scale dtype"),
+    }
+}
+
+fn int_bits<S: qdot::ScaleSrc>(
+    bits: u32,
+    w: &qdot::Mat<S>,
+    qx: &QuantX,
+    sums: &[f32],
+    r0: usize,
+    sc: &mut qdot::Scratch,
+    out: &mut [f32],
+) {
+    // SAFETY: AVX2+FMA+F16C present (has_avx2); the tensor's lengths were checked when it
+    // was built; out holds rows r0.. of this task; qx has the layouts of every matrix
+    // taken (matmul_many).
+    unsafe {
+        match bits {
+            2 => qdot::rows::<2, S>(w, qx, sums, r0, sc, out),
+            3 => qdot::rows::<3, S>(w, qx, sums, r0, sc, out),
+            4 => qdot::rows::<4, S>(w, qx, sums, r0, sc, out),
+            5 => qdot::rows::<5, S>(w, qx, sums, r0, sc, out),
+            6 => qdot::rows::<6, S>(w, qx, sums, r0, sc, out),
+            _ => qdot::rows::<8, S>(w, qx, sums, r0, sc, out),
+        }
+    }
 }
 
 /// Scales or biases of row r as f32 (F16C conversion where available).

@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod matmul;
 pub mod ops;
+pub mod qdot;
 pub mod simd;
 
 use super::{check_top_k, Attend, Backend, Rope};
