@@ -189,6 +189,7 @@ fn legacy(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Weight>
     let nblocks = rows * cols / 32;
     let wpb = bits as usize; // 32 values × bits / 32
     let mut packed = vec![0u32; nblocks * wpb];
+    super::advise_huge_pages(&packed);
     let mut scales = vec![f16::ZERO; nblocks];
     let mut biases = vec![0f32; nblocks];
     par_blocks(data, bb, (&mut packed, wpb), (&mut scales, &mut biases, 1), |data, packed, scales, biases| {

@@ -42,6 +42,7 @@ pub fn import(ty: GgmlType, data: &[u8], rows: usize, cols: usize) -> Result<Wei
     let wpb = QK_K * bits as usize / 32;
     let gpb = QK_K / group;
     let mut packed = vec![0u32; nblocks * wpb];
+    super::advise_huge_pages(&packed);
     let mut scales = vec![0f32; nblocks * gpb];
     let mut biases = vec![0f32; nblocks * gpb];
     par_blocks(

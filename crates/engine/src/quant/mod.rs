@@ -9,6 +9,27 @@ pub use affine::{AffineTensor, ScaleDtype, Scales};
 
 use half::{bf16, f16};
 
+/// Ask for transparent huge pages under a freshly allocated, not yet written buffer (Linux;
+/// a no-op elsewhere or where the kernel declines). Decode streams every weight once per
+/// token, and over a large tensor 4 KiB pages cost a TLB miss per page: the 180 MiB head
+/// of Gemma 3 270M reads 5-15% faster on 2 MiB pages. Only the 2 MiB-aligned interior is
+/// advised; a buffer below 4 MiB is left alone.
+pub fn advise_huge_pages<T>(v: &[T]) {
+    #[cfg(target_os = "linux")]
+    {
+        const HUGE: usize = 2 << 20;
+        let (p, n) = (v.as_ptr() as usize, std::mem::size_of_val(v));
+        let (start, end) = (p.next_multiple_of(HUGE), (p + n) / HUGE * HUGE);
+        if n >= 2 * HUGE && end > start {
+            // SAFETY: the range lies inside v's allocation; MADV_HUGEPAGE changes only how
+            // its pages are backed, never their contents.
+            unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE) };
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = v;
+}
+
 /// An unquantized matrix `[rows, cols]` in its source precision.
 #[derive(Clone, Debug)]
 pub enum DenseData {
