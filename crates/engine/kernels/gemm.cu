@@ -127,6 +127,19 @@ __device__ __forceinline__ void store_wseg(const WSeg& ws, bf16_t* dst) {
     for (int i = 0; i < SEG / 8; i++) d[i] = make_uint4(p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]);
 }
 
+// f(i, j, h, tl, c) for each pair of this thread's accumulators, acc[i][j][2h] and
+// [2h + 1]: tile token tl, tile rows c and c + 1 (warp row wm; the layout above).
+template <class F>
+__device__ __forceinline__ void for_each_pair(int wm, int lane, F f) {
+    const int g = lane >> 2, tg = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) f(i, j, h, wm * 32 + i * 16 + g + h * 8, j * 8 + tg * 2);
+}
+
 // qgemm_glu's epilogue: warps wn = 1 leave up's sums in shared memory (up_s: 64 tokens × 32
 // rows, padded; the weight tiles' space, free after the last step's barrier), then warps
 // wn = 0 store act(gate)·up for the same tokens and rows. act 0 silu, 1 gelu (tanh).
@@ -135,42 +148,29 @@ __device__ __forceinline__ void glu_epilogue(const float (&acc)[2][4][4], float*
     constexpr int US = BN / 2 + 1;  // padded row stride
     static_assert(BM * US * 4 <= 2 * BN * LDS * 2, "up's sums fit the weight tiles' shared memory");
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp & 1, wn = warp >> 1;
-    const int g = lane >> 2, tg = lane & 3;
     if (wn == 1) {
-#pragma unroll
-        for (int i = 0; i < 2; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++)
-#pragma unroll
-                for (int h = 0; h < 2; h++) {
-                    const int tl = wm * 32 + i * 16 + g + h * 8, c = j * 8 + tg * 2;
-                    up_s[tl * US + c] = acc[i][j][2 * h];
-                    up_s[tl * US + c + 1] = acc[i][j][2 * h + 1];
-                }
+        for_each_pair(wm, lane, [&](int i, int j, int h, int tl, int c) {
+            up_s[tl * US + c] = acc[i][j][2 * h];
+            up_s[tl * US + c + 1] = acc[i][j][2 * h + 1];
+        });
     }
     __syncthreads();
     if (wn == 1) return;
     const bool even = (rows & 1) == 0;
-#pragma unroll
-    for (int i = 0; i < 2; i++)
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int tl = wm * 32 + i * 16 + g + h * 8, c = j * 8 + tg * 2;
-                const int t = t0 + tl, r = r0 + c;
-                if (t >= m) continue;
-                const float a0 = acc[i][j][2 * h], a1 = acc[i][j][2 * h + 1];
-                const float v0 = (act ? gelu_tanh(a0) : silu(a0)) * up_s[tl * US + c];
-                const float v1 = (act ? gelu_tanh(a1) : silu(a1)) * up_s[tl * US + c + 1];
-                bf16_t* po = out + (size_t)t * rows + r;
-                if (even) {
-                    if (r < rows) *reinterpret_cast<u32*>(po) = pack_bf16x2(v0, v1);
-                } else {
-                    if (r < rows) po[0] = f2bf(v0);
-                    if (r + 1 < rows) po[1] = f2bf(v1);
-                }
-            }
+    for_each_pair(wm, lane, [&](int i, int j, int h, int tl, int c) {
+        const int t = t0 + tl, r = r0 + c;
+        if (t >= m) return;
+        const float a0 = acc[i][j][2 * h], a1 = acc[i][j][2 * h + 1];
+        const float v0 = (act ? gelu_tanh(a0) : silu(a0)) * up_s[tl * US + c];
+        const float v1 = (act ? gelu_tanh(a1) : silu(a1)) * up_s[tl * US + c + 1];
+        bf16_t* po = out + (size_t)t * rows + r;
+        if (even) {
+            if (r < rows) *reinterpret_cast<u32*>(po) = pack_bf16x2(v0, v1);
+        } else {
+            if (r < rows) po[0] = f2bf(v0);
+            if (r + 1 < rows) po[1] = f2bf(v1);
+        }
+    });
 }
 
 // One affine matrix's arguments.
