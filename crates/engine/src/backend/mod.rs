@@ -158,6 +158,9 @@ pub trait Backend: Sync {
     fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<Self::Kv>;
     /// Number of positions the cache holds.
     fn kv_capacity(&self, kv: &Self::Kv) -> usize;
+    /// Whether a layer of the cache is a sliding window's ring (crate::kv::layer_slots):
+    /// then a forward call writes at most crate::kv::RING_ROWS positions.
+    fn kv_has_ring(&self, kv: &Self::Kv) -> bool;
 
     /// Start a forward call: make `tokens` and `pos0` visible to the device ops (CUDA copies
     /// them from pinned host memory, so a captured graph replays with new values).

@@ -252,7 +252,7 @@ impl<B: Backend> Decoder<B> {
     /// Run `tokens` at positions pos0.. through the model, appending to `kv`.
     /// Returns logits `[V]` (Last) or `[m, V]` (All).
     pub fn forward(&self, tokens: &[u32], pos0: usize, kv: &mut B::Kv, which: Logits) -> Result<Vec<f32>> {
-        if tokens.len() > crate::kv::RING_ROWS && self.has_ring(kv) {
+        if tokens.len() > crate::kv::RING_ROWS && self.backend.kv_has_ring(kv) {
             return self.forward_split(tokens, pos0, kv, which);
         }
         let rows = match which {
@@ -265,13 +265,6 @@ impl<B: Backend> Decoder<B> {
         let mut logits = self.backend.act_f32(rows, self.logits_width)?; // [rows, V]
         self.forward_into(tokens, pos0, kv, which, Some(&mut logits))?;
         self.backend.read_rows(&logits, 0)
-    }
-
-    /// Whether a layer of `kv` is a sliding window's ring (crate::kv::layer_slots): then a
-    /// call writes at most RING_ROWS positions.
-    fn has_ring(&self, kv: &B::Kv) -> bool {
-        let cap = self.backend.kv_capacity(kv);
-        crate::kv::has_ring(&crate::kv::slots(&self.cfg, cap), cap)
     }
 
     /// `forward` as consecutive calls of RING_ROWS tokens at most (the same logits: each
@@ -336,7 +329,7 @@ impl<B: Backend> Decoder<B> {
         if pos0 + m > cap {
             return Err(Error::Invalid(format!("{} tokens at position {pos0} exceed the context of {cap} tokens", m)));
         }
-        if m > crate::kv::RING_ROWS && self.has_ring(kv) {
+        if m > crate::kv::RING_ROWS && b.kv_has_ring(kv) {
             return Err(Error::Invalid(format!(
                 "forward: {m} tokens in one call on a cache with sliding-window rings (at most {})",
                 crate::kv::RING_ROWS

@@ -50,6 +50,9 @@ impl Backend for Cpu {
     fn kv_capacity(&self, kv: &DenseKv) -> usize {
         kv.max_seq
     }
+    fn kv_has_ring(&self, kv: &DenseKv) -> bool {
+        crate::kv::has_ring(&kv.slots, kv.max_seq)
+    }
     fn embed(&self, table: &Weight, tokens: &[u32], scale: f32, out: &mut CpuAct) -> Result<()> {
         ops::embed(table, tokens, scale, &mut out.data);
         Ok(())

@@ -67,8 +67,9 @@ const LOADS: usize = 8;
 pub(crate) const WARPS: usize = 8;
 
 /// The kernel for (input, output, rows per warp, K slices): input b bf16, n normed f32,
-/// q staged image, p normed f32 with a pending post-norm add; output b bf16, f f32, a residual add, s SwiGLU, z SwiGLU staging the
-/// next x, m f32 with the argmax. None: not compiled.
+/// q staged image, p normed f32 with a pending post-norm add; output b bf16, f f32, a
+/// residual add, s SwiGLU, z SwiGLU staging the next x, m f32 with the argmax. None: not
+/// compiled.
 fn kernel(input: char, out: char, r: usize, ks: usize) -> Option<&'static str> {
     Some(match (input, out, r, ks) {
         ('b', 'b', 1, 1) => "gemv_bb_r1",

@@ -63,6 +63,9 @@ impl Backend for Cuda {
     fn kv_capacity(&self, kv: &CudaKv) -> usize {
         kv.max_seq
     }
+    fn kv_has_ring(&self, kv: &CudaKv) -> bool {
+        crate::kv::has_ring(&kv.slots, kv.max_seq)
+    }
     fn begin(&self, tokens: &[u32], pos0: usize) -> Result<()> {
         self.steps.begin(self, tokens, pos0)
     }
