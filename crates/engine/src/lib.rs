@@ -14,6 +14,7 @@ pub mod model;
 pub mod progress;
 pub mod quant;
 pub mod sample;
+pub mod serving;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -1,4 +1,5 @@
-//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty.
+//! Token sampling: greedy, temperature, top-k, top-p, min-p, repetition, presence and
+//! frequency penalties, log-probabilities.
 //! Seeded (ChaCha8) so a given seed reproduces the same text on every machine.
 
 use rand::{Rng, SeedableRng};
@@ -18,6 +19,10 @@ pub struct SamplerConfig {
     pub repetition_penalty: f32,
     /// How many recent tokens the penalty looks at (0 = all).
     pub penalty_window: usize,
+    /// OpenAI's: subtracted once from the logit of every token the output holds (0 = off).
+    pub presence_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit per time the output holds it (0 = off).
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -30,6 +35,8 @@ impl Default for SamplerConfig {
             min_p: 0.0,
             repetition_penalty: 1.0,
             penalty_window: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -50,8 +57,20 @@ impl SamplerConfig {
         if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
             return bad("repetition penalty must be > 0");
         }
+        if !(-2.0..=2.0).contains(&self.presence_penalty) || !(-2.0..=2.0).contains(&self.frequency_penalty) {
+            return bad("presence and frequency penalties must be in [-2, 2]");
+        }
         Ok(())
     }
+}
+
+/// Log-probabilities of one sampled position (`Sampler::sample_logprobs`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprobs {
+    /// The chosen token's.
+    pub logprob: f32,
+    /// The most probable tokens' (id, log-probability), best first.
+    pub top: Vec<(u32, f32)>,
 }
 
 pub struct Sampler {
@@ -121,6 +140,43 @@ impl Sampler {
 
     /// Pick the next token from `logits` (modified in place by the penalty).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        self.sample_output(logits, history, history.len())
+    }
+
+    /// `sample` where `history[output..]` is what the model generated so far: the presence
+    /// and frequency penalties count those tokens (the repetition penalty all of history).
+    pub fn sample_output(&mut self, logits: &mut [f32], history: &[u32], output: usize) -> u32 {
+        self.penalize(logits, history, output.min(history.len()));
+        self.pick(logits)
+    }
+
+    /// `sample_output`, with the chosen token's log-probability and the `n` most probable
+    /// tokens' (best first, ties to the lower id) under the distribution sampled from: the
+    /// penalized logits at the temperature (1 when greedy), before top-k/top-p/min-p cut it.
+    pub fn sample_logprobs(
+        &mut self,
+        logits: &mut [f32],
+        history: &[u32],
+        output: usize,
+        n: usize,
+    ) -> (u32, TokenLogprobs) {
+        self.penalize(logits, history, output.min(history.len()));
+        let inv_t = if self.cfg.temperature > 0.0 { 1.0 / self.cfg.temperature } else { 1.0 };
+        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b * inv_t));
+        let lse = max as f64 + logits.iter().map(|&l| ((l * inv_t - max) as f64).exp()).sum::<f64>().ln();
+        let lp = |l: f32| (l as f64 * inv_t as f64 - lse) as f32;
+        let mut top = Vec::new();
+        if n > 0 {
+            top_k_into(logits, n.min(logits.len()), 1.0, &mut top);
+        }
+        let top = top.into_iter().map(|(i, l)| (i, lp(l))).collect();
+        let id = self.pick(logits);
+        (id, TokenLogprobs { logprob: lp(logits[id as usize]), top })
+    }
+
+    /// The repetition penalty over (the window of) history, then presence and frequency
+    /// over history[output..].
+    fn penalize(&self, logits: &mut [f32], history: &[u32], output: usize) {
         let c = &self.cfg;
         if c.repetition_penalty != 1.0 {
             let start = if c.penalty_window == 0 { 0 } else { history.len().saturating_sub(c.penalty_window) };
@@ -133,6 +189,20 @@ impl Sampler {
                 }
             }
         }
+        if c.presence_penalty != 0.0 || c.frequency_penalty != 0.0 {
+            let mut seen = history[output..].to_vec();
+            seen.sort_unstable();
+            for run in seen.chunk_by(|a, b| a == b) {
+                if let Some(l) = logits.get_mut(run[0] as usize) {
+                    *l -= c.presence_penalty + c.frequency_penalty * run.len() as f32;
+                }
+            }
+        }
+    }
+
+    /// The draw from penalized logits.
+    fn pick(&mut self, logits: &[f32]) -> u32 {
+        let c = &self.cfg;
         if c.temperature == 0.0 {
             return argmax(logits);
         }
@@ -162,11 +232,17 @@ impl Sampler {
     }
 
     /// Can `sample` be split into a device top-k plus `sample_candidates`? Sampling (not
-    /// greedy), no repetition penalty (it would change the logits first), and top-k set
-    /// below the vocabulary and at most `max_k` (what the device kernel handles).
+    /// greedy), no penalty (it would change the logits first), and top-k set below the
+    /// vocabulary and at most `max_k` (what the device kernel handles).
     pub fn top_k_on_device(&self, vocab: usize, max_k: usize) -> bool {
         let c = &self.cfg;
-        c.temperature > 0.0 && c.repetition_penalty == 1.0 && c.top_k > 0 && c.top_k < vocab && c.top_k <= max_k
+        c.temperature > 0.0 && !self.penalized() && c.top_k > 0 && c.top_k < vocab && c.top_k <= max_k
+    }
+
+    /// Whether a penalty changes the logits before the draw.
+    pub fn penalized(&self) -> bool {
+        let c = &self.cfg;
+        c.repetition_penalty != 1.0 || c.presence_penalty != 0.0 || c.frequency_penalty != 0.0
     }
 
     /// Softmax over `cand` (sorted best first), top-p and min-p cuts, one random draw.
@@ -282,6 +358,42 @@ mod tests {
         assert!(!off(SamplerConfig { top_k: 0, ..base.clone() }));
         assert!(!off(SamplerConfig { top_k: 2000, ..base.clone() }));
         assert!(!off(SamplerConfig { top_k: 3000, ..base }));
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_count_only_the_output() {
+        // token 1 (3.0) is in the prompt only: untouched; token 5 (2.9) twice in the output
+        let cfg = SamplerConfig { presence_penalty: 0.2, frequency_penalty: 0.3, ..Default::default() };
+        let mut l = logits();
+        assert_eq!(Sampler::new(cfg.clone()).sample_output(&mut l, &[1, 5, 5], 1), 1);
+        assert!((l[5] - (2.9 - 0.2 - 0.6)).abs() < 1e-6 && l[1] == 3.0);
+        // token 1 in the output once: 3.0 - 0.5 < 2.9
+        let mut l = logits();
+        assert_eq!(Sampler::new(cfg.clone()).sample_output(&mut l, &[0, 1], 1), 5);
+        assert!(SamplerConfig { presence_penalty: 2.5, ..cfg }.validate().is_err());
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_at_the_temperature() {
+        let l = logits();
+        for temperature in [0.0f32, 0.7] {
+            let t = if temperature == 0.0 { 1.0 } else { temperature as f64 };
+            let z: f64 = l.iter().map(|&v| (v as f64 / t).exp()).sum();
+            let want = |i: usize| ((l[i] as f64 / t).exp() / z).ln() as f32;
+            let mut s = Sampler::new(SamplerConfig { temperature, seed: 4, ..Default::default() });
+            let (id, lp) = s.sample_logprobs(&mut l.clone(), &[], 0, 3);
+            assert!((lp.logprob - want(id as usize)).abs() < 1e-5);
+            assert_eq!(lp.top.iter().map(|p| p.0).collect::<Vec<_>>(), vec![1, 5, 2]);
+            for &(i, v) in &lp.top {
+                assert!((v - want(i as usize)).abs() < 1e-5, "token {i}: {v} vs {}", want(i as usize));
+            }
+        }
+        // the same draws as without log-probabilities
+        let cfg = SamplerConfig { temperature: 1.0, seed: 3, ..Default::default() };
+        let (mut a, mut b) = (Sampler::new(cfg.clone()), Sampler::new(cfg));
+        for _ in 0..50 {
+            assert_eq!(a.sample(&mut logits(), &[]), b.sample_logprobs(&mut logits(), &[], 0, 0).0);
+        }
     }
 
     #[test]

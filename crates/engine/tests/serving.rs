@@ -1,0 +1,206 @@
+//! The serving engine on the CPU with the real SmolLM2: requests that run together give
+//! what each gives alone; the queue bound, cancellation, deadlines, stop tokens, limits and
+//! shutdown behave as the front end relies on.
+
+use ferrolm::backend::cpu::Cpu;
+use ferrolm::model::Decoder;
+use ferrolm::sample::{Sampler, SamplerConfig};
+use ferrolm::serving::{Engine, EngineConfig, Event, Finish, Request, Sink, SubmitError};
+use ferrolm::tokenizer::Tokenizer;
+use std::sync::mpsc;
+use std::time::Duration;
+
+fn model_path() -> std::path::PathBuf {
+    ferrolm::env::test_models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf")
+}
+
+fn load() -> ferrolm::Result<Decoder<Cpu>> {
+    let (mut src, _) = ferrolm::formats::load_with_tokenizer(&model_path(), false)?;
+    Decoder::load(Cpu, &mut src)
+}
+
+fn tokenizer() -> Tokenizer {
+    ferrolm::formats::load_with_tokenizer(&model_path(), false).unwrap().1
+}
+
+fn engine(cfg: EngineConfig) -> Engine {
+    Engine::start(load, cfg).unwrap()
+}
+
+fn sink() -> (Sink, mpsc::Receiver<Event>) {
+    let (tx, rx) = mpsc::channel();
+    (Box::new(move |e| tx.send(e).is_ok()), rx)
+}
+
+fn greedy(prompt: Vec<u32>, max_tokens: usize) -> Request {
+    Request {
+        prompt,
+        max_tokens: Some(max_tokens),
+        sampler: SamplerConfig::default(),
+        logprobs: None,
+        stop_tokens: vec![],
+    }
+}
+
+/// The generated ids and how the request ended.
+fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, Event) {
+    let mut ids = vec![];
+    loop {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("an event within 2 minutes") {
+            Event::Token { id, .. } => ids.push(id),
+            Event::Started { .. } => {}
+            end => return (ids, end),
+        }
+    }
+}
+
+fn prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
+    ["The capital of France is", "Once upon a time", "def fibonacci(n):", "Water boils at", "1, 2, 3, 4,", "Hi"]
+        .iter()
+        .map(|t| tok.encode(t, true).unwrap())
+        .collect()
+}
+
+#[test]
+fn requests_running_together_give_what_each_gives_alone() {
+    let tok = tokenizer();
+    let model = load().unwrap();
+    let alone: Vec<Vec<u32>> = prompts(&tok)
+        .into_iter()
+        .map(|p| {
+            let mut s = ferrolm::generate::Session::new(&model, 64).unwrap();
+            let mut out = vec![];
+            s.generate(&p, 12, &mut Sampler::new(SamplerConfig::default()), &[], |t| {
+                out.push(t);
+                Ok(true)
+            })
+            .unwrap();
+            out
+        })
+        .collect();
+    // Four run at once, the other two wait for a place.
+    let e = engine(EngineConfig { max_batch: 4, ..Default::default() });
+    let rxs: Vec<_> = prompts(&tok)
+        .into_iter()
+        .map(|p| {
+            let (s, rx) = sink();
+            e.submit(greedy(p, 12), s).unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        let (ids, end) = collect(rx);
+        assert_eq!(ids, alone[i], "request {i}");
+        match end {
+            Event::Finished { reason: Finish::Length, usage } => {
+                assert_eq!((usage.prompt_tokens, usage.completion_tokens), (prompts(&tok)[i].len(), 12))
+            }
+            other => panic!("request {i} ended with {other:?}"),
+        }
+    }
+    let st = e.stats();
+    assert_eq!((st.running, st.waiting, st.requests_finished, st.kv_bytes_used), (0, 0, 6, 0), "{st:?}");
+    assert_eq!(st.generated_tokens, 72);
+}
+
+#[test]
+fn stop_tokens_logprobs_and_limits() {
+    let tok = tokenizer();
+    let e = engine(EngineConfig { max_context: 64, ..Default::default() });
+    let p = prompts(&tok).remove(0);
+    let (s, rx) = sink();
+    e.submit(greedy(p.clone(), 8), s).unwrap();
+    let (ids, _) = collect(&rx);
+    // A stop token ends the generation before it, not handed out: the first that is new.
+    let at = (1..ids.len()).find(|&i| !ids[..i].contains(&ids[i])).expect("a new token among 8");
+    let (s, rx) = sink();
+    e.submit(Request { stop_tokens: vec![ids[at]], ..greedy(p.clone(), 8) }, s).unwrap();
+    let (got, end) = collect(&rx);
+    assert_eq!(got, ids[..at]);
+    assert!(matches!(end, Event::Finished { reason: Finish::Stop, usage } if usage.completion_tokens == at + 1));
+    // Log-probabilities: the greedy token is the most probable, with n alternatives.
+    let (s, rx) = sink();
+    e.submit(Request { logprobs: Some(3), ..greedy(p.clone(), 4) }, s).unwrap();
+    let mut seen = 0;
+    while let Ok(ev) = rx.recv_timeout(Duration::from_secs(60)) {
+        match ev {
+            Event::Token { id, logprobs: Some(lp) } => {
+                assert_eq!((lp.top.len(), lp.top[0].0, id), (3, id, ids[seen]));
+                assert!(lp.logprob <= 0.0 && lp.logprob == lp.top[0].1 && lp.top[1].1 <= lp.top[0].1);
+                seen += 1;
+            }
+            Event::Started { .. } => {}
+            Event::Finished { .. } => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(seen, 4);
+    // Refused at submit, with the reason.
+    let invalid = |r: Request| match e.submit(r, sink().0) {
+        Err(SubmitError::Invalid(m)) => m,
+        other => panic!("expected Invalid, got {other:?}"),
+    };
+    assert!(invalid(greedy(vec![], 4)).contains("empty"));
+    assert!(invalid(greedy(vec![1; 60], 8)).contains("context is 64 tokens"));
+    assert!(invalid(greedy(p.clone(), 0)).contains("at least 1"));
+    assert!(invalid(greedy(vec![u32::MAX], 1)).contains("outside the vocabulary"));
+    assert!(invalid(Request { logprobs: Some(21), ..greedy(p.clone(), 1) }).contains("top_logprobs"));
+    let hot = SamplerConfig { temperature: -1.0, ..Default::default() };
+    assert!(invalid(Request { sampler: hot, ..greedy(p.clone(), 1) }).contains("temperature"));
+    // No max_tokens: until the context is full.
+    let (s, rx) = sink();
+    e.submit(Request { max_tokens: None, ..greedy(p.clone(), 1) }, s).unwrap();
+    let (got, end) = collect(&rx);
+    assert_eq!(got.len(), 64 - p.len(), "{end:?}");
+}
+
+#[test]
+fn queue_bound_cancellation_deadline_and_shutdown() {
+    let tok = tokenizer();
+    let p = prompts(&tok).remove(1);
+    let e = engine(EngineConfig { max_batch: 1, max_queue: 1, ..Default::default() });
+    let (s1, rx1) = sink();
+    let id1 = e.submit(greedy(p.clone(), 500), s1).unwrap();
+    assert!(matches!(rx1.recv_timeout(Duration::from_secs(60)), Ok(Event::Started { .. })));
+    // One running, one waiting: the next is refused with a retry hint.
+    let (s2, rx2) = sink();
+    e.submit(greedy(p.clone(), 4), s2).unwrap();
+    match e.submit(greedy(p.clone(), 4), sink().0) {
+        Err(SubmitError::Busy { retry_after }) => assert!(retry_after >= Duration::from_secs(1)),
+        other => panic!("expected Busy, got {other:?}"),
+    }
+    // Cancelling the running one lets the waiting one run; the cancelled one hears nothing
+    // after the tokens already sent.
+    e.cancel(id1);
+    let (ids, end) = collect(&rx2);
+    assert!(ids.len() == 4 && matches!(end, Event::Finished { .. }));
+    while let Ok(ev) = rx1.try_recv() {
+        assert!(matches!(ev, Event::Token { .. }), "after cancel: {ev:?}");
+    }
+    // A sink that stops listening cancels its request.
+    let (tx, rx3) = mpsc::channel();
+    let mut n = 0;
+    let quitting: Sink = Box::new(move |ev| {
+        n += 1;
+        tx.send(ev).is_ok() && n < 3
+    });
+    e.submit(greedy(p.clone(), 400), quitting).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(rx3.try_iter().count(), 3);
+    assert_eq!(e.stats().running, 0);
+    drop(e);
+    // Deadline: a request running past the timeout fails.
+    let e = engine(EngineConfig { request_timeout: Some(Duration::ZERO), ..Default::default() });
+    let (s, rx) = sink();
+    e.submit(greedy(p.clone(), 50), s).unwrap();
+    assert!(matches!(collect(&rx).1, Event::Failed(m) if m.contains("timed out")));
+    drop(e);
+    // Shutdown without grace: the running request fails, later ones are refused.
+    let e = engine(EngineConfig::default());
+    let (s, rx) = sink();
+    e.submit(greedy(p.clone(), 2000), s).unwrap();
+    assert!(matches!(rx.recv_timeout(Duration::from_secs(60)), Ok(Event::Started { .. })));
+    e.shutdown(Duration::ZERO);
+    assert!(matches!(collect(&rx).1, Event::Failed(m) if m.contains("shut down")));
+    assert_eq!(e.submit(greedy(p, 1), sink().0), Err(SubmitError::Closed));
+}
