@@ -3,7 +3,9 @@
 //! (`layer_slots`): the positions its queries can still attend, plus one forward call's
 //! worth of new ones.
 
+pub mod blocks;
 pub mod dense;
+pub mod paged;
 
 use crate::config::{AttnKind, ModelConfig};
 

@@ -1,0 +1,229 @@
+//! A paged KV cache's sequences: each holds a block table per kind of layer (full
+//! attention, and sliding-window layers where the model has them), filled as it grows,
+//! starting from the longest prefix the cache already holds. A sliding layer's blocks that
+//! fall wholly out of the window go back to its pool (cached, so a later request with the
+//! same prefix can still find them).
+//!
+//! Position p of a sequence lives in row `table[p / block] · block + p % block` of its
+//! layers' block storage.
+
+use super::blocks::BlockPool;
+
+/// A table entry for a sliding layer's block released out of the window.
+pub const NO_BLOCK: u32 = u32::MAX;
+
+/// The blocks ran out: the caller frees a sequence (preemption) or waits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Exhausted;
+
+/// One sequence's tables.
+#[derive(Clone, Debug, Default)]
+pub struct SeqKv {
+    pub full: Vec<u32>,
+    /// Empty when the model has no sliding layers.
+    pub sliding: Vec<u32>,
+    /// Positions written.
+    pub len: usize,
+    /// Leading positions found in the prefix cache instead of computed.
+    pub cached: usize,
+    /// Chain hash after each full block published so far.
+    hashes: Vec<u64>,
+}
+
+pub struct PagedKv {
+    pub block: usize,
+    pub full: BlockPool,
+    /// The sliding layers' pool and window.
+    pub sliding: Option<(BlockPool, usize)>,
+}
+
+impl PagedKv {
+    pub fn new(block: usize, full_blocks: usize, sliding: Option<(usize, usize)>) -> PagedKv {
+        assert!(block > 0, "a block holds at least one position");
+        PagedKv { block, full: BlockPool::new(full_blocks), sliding: sliding.map(|(n, w)| (BlockPool::new(n), w)) }
+    }
+
+    /// A sequence for `prompt`, holding the longest cached prefix of whole blocks that
+    /// leaves at least its last token to compute (whose logits the caller needs).
+    pub fn start(&mut self, prompt: &[u32]) -> SeqKv {
+        let b = self.block;
+        let mut s = SeqKv::default();
+        let mut parent = 0;
+        for chunk in prompt[..prompt.len().saturating_sub(1)].chunks_exact(b) {
+            let Some((blk, h)) = self.full.lookup(parent, chunk) else { break };
+            s.full.push(blk);
+            s.hashes.push(h);
+            parent = h;
+        }
+        // The sliding layers need their blocks over the window before the prefix's end.
+        if let Some((pool, window)) = &self.sliding {
+            while !s.full.is_empty() {
+                let k = s.full.len();
+                let first = (k * b).saturating_sub(*window) / b;
+                let found: Option<Vec<u32>> = (first..k)
+                    .map(|i| pool.lookup(if i == 0 { 0 } else { s.hashes[i - 1] }, &prompt[i * b..(i + 1) * b]))
+                    .map(|f| f.map(|(blk, _)| blk))
+                    .collect();
+                if let Some(found) = found {
+                    s.sliding = vec![NO_BLOCK; first];
+                    s.sliding.extend(found);
+                    break;
+                }
+                s.full.pop();
+                s.hashes.pop();
+            }
+        }
+        for &blk in &s.full {
+            self.full.retain(blk);
+        }
+        if let Some((pool, _)) = &mut self.sliding {
+            s.sliding.iter().filter(|&&x| x != NO_BLOCK).for_each(|&blk| pool.retain(blk));
+        }
+        s.len = s.full.len() * b;
+        s.cached = s.len;
+        s
+    }
+
+    /// Blocks for positions up to `upto` (the next step writes s.len..upto). A sliding
+    /// layer's blocks that no query from s.len on attends are released first. Nothing is
+    /// taken when the blocks do not suffice.
+    pub fn reserve(&mut self, s: &mut SeqKv, upto: usize) -> Result<(), Exhausted> {
+        let b = self.block;
+        let need = upto.div_ceil(b);
+        let new_full = need.saturating_sub(s.full.len());
+        if let Some((pool, window)) = &mut self.sliding {
+            // The step's first query, at s.len, attends from s.len + 1 - window on.
+            let keep_from = (s.len + 1).saturating_sub(*window) / b;
+            for x in s.sliding.iter_mut().take(keep_from) {
+                if *x != NO_BLOCK {
+                    pool.release(std::mem::replace(x, NO_BLOCK));
+                }
+            }
+            if pool.available() < need.saturating_sub(s.sliding.len()) {
+                return Err(Exhausted);
+            }
+        }
+        if self.full.available() < new_full {
+            return Err(Exhausted);
+        }
+        for _ in 0..new_full {
+            s.full.push(self.full.alloc().expect("counted above"));
+        }
+        if let Some((pool, _)) = &mut self.sliding {
+            while s.sliding.len() < need {
+                s.sliding.push(pool.alloc().expect("counted above"));
+            }
+        }
+        Ok(())
+    }
+
+    /// The step wrote positions up to `upto`; `tokens` are the sequence's tokens (at least
+    /// `upto`). Blocks it filled are published to the prefix cache.
+    pub fn commit(&mut self, s: &mut SeqKv, tokens: &[u32], upto: usize) {
+        let b = self.block;
+        s.len = upto;
+        while s.hashes.len() < upto / b {
+            let i = s.hashes.len();
+            let parent = if i == 0 { 0 } else { s.hashes[i - 1] };
+            let chunk = &tokens[i * b..(i + 1) * b];
+            let h = self.full.publish(s.full[i], parent, chunk);
+            if let Some((pool, _)) = &mut self.sliding {
+                if s.sliding[i] != NO_BLOCK {
+                    pool.publish(s.sliding[i], parent, chunk);
+                }
+            }
+            s.hashes.push(h);
+        }
+    }
+
+    /// The sequence is done (or preempted): its blocks go back, cached ones stay findable.
+    pub fn free(&mut self, s: SeqKv) {
+        s.full.iter().for_each(|&blk| self.full.release(blk));
+        if let Some((pool, _)) = &mut self.sliding {
+            s.sliding.iter().filter(|&&x| x != NO_BLOCK).for_each(|&blk| pool.release(blk));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Run a sequence of `tokens` through the cache in steps of `step` positions.
+    fn fill(kv: &mut PagedKv, tokens: &[u32], step: usize) -> SeqKv {
+        let mut s = kv.start(tokens);
+        while s.len < tokens.len() {
+            let upto = (s.len + step).min(tokens.len());
+            kv.reserve(&mut s, upto).unwrap();
+            kv.commit(&mut s, tokens, upto);
+        }
+        s
+    }
+
+    #[test]
+    fn a_second_request_reuses_the_first_ones_whole_blocks() {
+        let mut kv = PagedKv::new(4, 16, None);
+        let a: Vec<u32> = (0..14).collect();
+        let sa = fill(&mut kv, &a, 5);
+        assert_eq!((sa.full.len(), sa.cached, kv.full.used()), (4, 0, 4));
+        // Shares 3 whole blocks (12 tokens) then differs.
+        let mut b = a[..12].to_vec();
+        b.extend([99, 98, 97]);
+        let sb = kv.start(&b);
+        assert_eq!((sb.cached, &sb.full[..]), (12, &sa.full[..3]));
+        assert_eq!(kv.full.refs(sa.full[0]), 2);
+        // A prompt of exactly the cached blocks keeps its last token to compute.
+        let sc = kv.start(&a[..8]);
+        assert_eq!(sc.cached, 4);
+        kv.free(sa);
+        kv.free(sb);
+        kv.free(sc);
+        assert_eq!(kv.full.used(), 0);
+        // Cached after everyone left, until the space is needed.
+        assert_eq!(kv.start(&b).cached, 12);
+    }
+
+    #[test]
+    fn reserve_takes_nothing_when_blocks_run_out() {
+        let mut kv = PagedKv::new(4, 3, None);
+        let mut s = kv.start(&[1; 20]);
+        assert_eq!(kv.reserve(&mut s, 16), Err(Exhausted));
+        assert_eq!((s.full.len(), kv.full.available()), (0, 3));
+        kv.reserve(&mut s, 12).unwrap();
+        assert_eq!(kv.full.available(), 0);
+    }
+
+    #[test]
+    fn sliding_layers_keep_only_the_window_and_find_it_again() {
+        // Window 6, blocks of 4: a query at p attends p-5..=p.
+        let mut kv = PagedKv::new(4, 16, Some((16, 6)));
+        let t: Vec<u32> = (100..124).collect();
+        let s = fill(&mut kv, &t, 3);
+        let live: Vec<usize> = (0..s.sliding.len()).filter(|&i| s.sliding[i] != NO_BLOCK).collect();
+        // The last step started at 21: it attends from 16 on (blocks 4 and 5).
+        assert_eq!(live, vec![4, 5]);
+        let (pool, _) = kv.sliding.as_ref().unwrap();
+        assert_eq!((pool.used(), kv.full.used()), (2, 6));
+        kv.free(s);
+        // A 25-token prompt reuses all 6 blocks; its sliding layers need positions 18..23
+        // (blocks 4 and 5), released to the cache when the first sequence ended.
+        let mut p = t.clone();
+        p.push(7);
+        let s2 = kv.start(&p);
+        assert_eq!(s2.cached, 24);
+        assert_eq!(s2.sliding.iter().filter(|&&x| x != NO_BLOCK).count(), 2);
+        kv.free(s2);
+        // A pool of 3 sliding blocks: the window's blocks stay cached until evicted (oldest
+        // first: 3, then 4); without block 4 no prefix has its sliding blocks.
+        let mut kv = PagedKv::new(4, 16, Some((3, 6)));
+        let s = fill(&mut kv, &t, 4);
+        kv.free(s);
+        let mut other = kv.start(&[5; 8]);
+        kv.reserve(&mut other, 4).unwrap();
+        let s3 = kv.start(&p);
+        assert_eq!(s3.cached, 24, "block 3 evicted, 4 and 5 still cached");
+        kv.free(s3);
+        kv.reserve(&mut other, 8).unwrap();
+        assert_eq!(kv.start(&p).cached, 0, "block 4 evicted too");
+    }
+}
