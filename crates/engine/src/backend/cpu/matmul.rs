@@ -275,6 +275,27 @@ mod tests {
         }
     }
 
+    /// A row's product is the same whatever the call's other rows (batch invariance): row
+    /// i of an m-row call equals row i of a 9-row call, bit for bit, for every m ≥ 2 (one
+    /// row is decode's integer path, by design another arithmetic).
+    #[test]
+    fn prefill_rows_do_not_depend_on_the_row_count() {
+        let (n, k) = (24, 128);
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+        let x: Vec<f32> = (0..9 * k).map(|i| (i as f32 * 0.37).sin()).collect();
+        for bits in [3, 4, 8] {
+            let a = Weight::Affine(AffineTensor::quantize(&w, n, k, bits, 64, ScaleDtype::F16).unwrap());
+            let mut all = vec![0f32; 9 * n];
+            matmul(&x, 9, &a, &mut all);
+            for m in 2..9 {
+                let mut got = vec![0f32; m * n];
+                matmul(&x[..m * k], m, &a, &mut got);
+                let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits_of(&got), bits_of(&all[..m * n]), "{bits}-bit, {m} rows");
+            }
+        }
+    }
+
     #[test]
     fn matmul_many_equals_separate_matmuls() {
         let k = 64;

@@ -112,7 +112,9 @@ pub unsafe fn unpack<const BITS: u32>(words: &[u32], out: &mut [f32]) {
     }
 }
 
-/// Σ_g scale_g · (q_g · x_g) over an unpacked row.
+/// Σ_g scale_g · (q_g · x_g) over an unpacked row: one row of `dot_groups_x4`, with its
+/// arithmetic (one accumulator per group, 8 values at a time), so that a row's product
+/// does not depend on how many rows its call has (prefill chunks give the same values).
 ///
 /// # Safety
 /// CPU must support AVX2+FMA; q and x have the same length, a multiple of group (≥ 16).
@@ -122,15 +124,13 @@ pub unsafe fn dot_groups(q: &[f32], x: &[f32], scales: &[f32], group: usize) -> 
     let (qp, xp) = (q.as_ptr(), x.as_ptr());
     let mut racc = _mm256_setzero_ps();
     for (g, &s) in scales.iter().enumerate() {
-        let mut a0 = _mm256_setzero_ps();
-        let mut a1 = _mm256_setzero_ps();
+        let mut acc = _mm256_setzero_ps();
         let mut j = g * group;
         while j < (g + 1) * group {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(j)), _mm256_loadu_ps(xp.add(j)), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(j + 8)), _mm256_loadu_ps(xp.add(j + 8)), a1);
-            j += 16;
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(j)), _mm256_loadu_ps(xp.add(j)), acc);
+            j += 8;
         }
-        racc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s), racc);
+        racc = _mm256_fmadd_ps(acc, _mm256_set1_ps(s), racc);
     }
     hsum(racc)
 }
