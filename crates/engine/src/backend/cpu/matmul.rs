@@ -1,12 +1,12 @@
 //! Quantized and dense matrix products on the CPU: out[m, n] = x[m, k] · W[n, k]ᵀ.
 //!
-//! Where the time goes: decode (m = 1) is bound by unpacking weights, so with AVX2 x is
-//! quantized once per call to int16 and each row is an integer dot (qdot.rs); without
-//! it, each row's q values are unpacked and multiplied in f32 in one pass (simd::row_dot),
-//! as for a row width that is not a multiple of 32. Prefill unpacks a row
-//! once into an f32 scratch and reuses it for every activation row, four at a time. The
-//! affine form is folded once per group: Σ(s·q+b)·x = s·Σq·x + b·Σx, with Σx per group
-//! precomputed. Several matrices sharing one input (q/k/v, gate/up) run in one parallel
+//! Where the time goes: decode is bound by unpacking weights, so with AVX2 x is quantized
+//! once per call to int16 and the products are integer dots (qdot.rs), each unpacked
+//! weight block serving up to four activation rows. Without AVX2, or for a row width that
+//! is not a multiple of 32, a weight row is unpacked once into an f32 scratch and reused
+//! for every activation row, four at a time. Either way a row's product does not depend on
+//! how many rows the call has (batch invariance). The affine form is folded once per
+//! group: Σ(s·q+b)·x = s·Σq·x + b·Σx, with Σx per group precomputed. Several matrices sharing one input (q/k/v, gate/up) run in one parallel
 //! region, since on few cores the fork/join per region costs as much as a small matmul.
 //! Weights are never dequantized as a whole.
 
@@ -42,13 +42,13 @@ pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]])
         ptrs.push(OutPtr(out.as_mut_ptr()));
         tasks.extend((0..n).step_by(ROWS_PER_TASK).map(|r0| (wi, r0, (r0 + ROWS_PER_TASK).min(n))));
     }
-    // Decode: x quantized once for every matrix the integer dot takes.
-    let int = |a: &AffineTensor| m == 1 && simd::has_avx2() && qdot_ok(a);
+    // x quantized once for every matrix the integer dot takes.
+    let int = |a: &AffineTensor| simd::has_avx2() && qdot_ok(a);
     let affine = || ws.iter().filter_map(|w| if let Weight::Affine(a) = w { Some(a) } else { None });
     let qx = affine().any(int).then(|| {
         let lay =
             affine().filter(|a| int(a)).fold(qdot::Layouts::default(), |l, a| l.or(qdot::Layouts::of(a.bits, a.group)));
-        QuantX::new(x, lay)
+        QuantX::new(x, x.len() / m, lay)
     });
     // Σx per group (of the quantized x for the integer dot).
     let sums: Vec<Option<Vec<f32>>> = ws
@@ -77,49 +77,51 @@ fn qdot_ok(a: &AffineTensor) -> bool {
     a.cols.is_multiple_of(qdot::XB) && a.scales.dtype() == a.biases.dtype()
 }
 
-/// Rows r0..r1 of a one-row product through the integer dot (qdot.rs).
+/// Columns r0..r1 of the product through the integer dot (qdot.rs).
 fn int_rows(a: &AffineTensor, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, sc: &mut qdot::Scratch, out: OutPtr) {
-    // SAFETY: m = 1, so this task's cells are out[r0..r1], written by no other task.
-    let out = unsafe { std::slice::from_raw_parts_mut(out.0.add(r0), r1 - r0) };
     let bytes: &[u8] = bytemuck::cast_slice(&a.packed);
     let (cols, group) = (a.cols, a.group);
     match (&a.scales, &a.biases) {
         (Scales::F16(s), Scales::F16(b)) => {
             let (scales, biases) = (qdot::F16Src(bytemuck::cast_slice(s)), qdot::F16Src(bytemuck::cast_slice(b)));
-            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, r0, sc, out)
+            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, (r0, r1), sc, out, a.rows)
         }
         (Scales::BF16(s), Scales::BF16(b)) => {
             let (scales, biases) = (qdot::Bf16Src(bytemuck::cast_slice(s)), qdot::Bf16Src(bytemuck::cast_slice(b)));
-            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, r0, sc, out)
+            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, (r0, r1), sc, out, a.rows)
         }
         (Scales::F32(scales), Scales::F32(biases)) => {
             let (scales, biases) = (qdot::F32Src(scales), qdot::F32Src(biases));
-            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, r0, sc, out)
+            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, (r0, r1), sc, out, a.rows)
         }
         _ => unreachable!("qdot_ok admits one scale dtype"),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn int_bits<S: qdot::ScaleSrc>(
     bits: u32,
     w: &qdot::Mat<S>,
     qx: &QuantX,
     sums: &[f32],
-    r0: usize,
+    rows: (usize, usize),
     sc: &mut qdot::Scratch,
-    out: &mut [f32],
+    out: OutPtr,
+    n: usize,
 ) {
+    let (r0, r1) = rows;
+    let out = out.0;
     // SAFETY: AVX2+FMA+F16C present (has_avx2); the tensor's lengths were checked when it
-    // was built; out holds rows r0.. of this task; qx has the layouts of every matrix
-    // taken (matmul_many).
+    // was built; out is [m, n] and this task alone writes its columns r0..r1; qx has the
+    // layouts of every matrix taken (matmul_many).
     unsafe {
         match bits {
-            2 => qdot::rows::<2, S>(w, qx, sums, r0, sc, out),
-            3 => qdot::rows::<3, S>(w, qx, sums, r0, sc, out),
-            4 => qdot::rows::<4, S>(w, qx, sums, r0, sc, out),
-            5 => qdot::rows::<5, S>(w, qx, sums, r0, sc, out),
-            6 => qdot::rows::<6, S>(w, qx, sums, r0, sc, out),
-            _ => qdot::rows::<8, S>(w, qx, sums, r0, sc, out),
+            2 => qdot::rows::<2, S>(w, qx, sums, (r0, r1), sc, out, n),
+            3 => qdot::rows::<3, S>(w, qx, sums, (r0, r1), sc, out, n),
+            4 => qdot::rows::<4, S>(w, qx, sums, (r0, r1), sc, out, n),
+            5 => qdot::rows::<5, S>(w, qx, sums, (r0, r1), sc, out, n),
+            6 => qdot::rows::<6, S>(w, qx, sums, (r0, r1), sc, out, n),
+            _ => qdot::rows::<8, S>(w, qx, sums, (r0, r1), sc, out, n),
         }
     }
 }
@@ -139,7 +141,7 @@ fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1:
     let simd = simd::has_avx2();
     let mut scales = vec![0f32; gpr];
     let mut biases = vec![0f32; gpr];
-    let mut q = if m > 1 || !simd { vec![0f32; k] } else { Vec::new() };
+    let mut q = vec![0f32; k];
     let set = |i: usize, r: usize, v: f32| {
         // SAFETY: (i, r) is inside out's [m, n] and only this task writes rows r0..r1.
         unsafe { *out.0.add(i * n + r) = v }
@@ -149,23 +151,7 @@ fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1:
         row_scales(&a.scales, r * gpr, &mut scales, simd);
         row_scales(&a.biases, r * gpr, &mut biases, simd);
         let bias_term = |i: usize| -> f32 { dot(&biases, &xs[i * gpr..(i + 1) * gpr]) };
-        // Decode: unpack and multiply in one pass, no scratch.
-        if m == 1 && simd {
-            // SAFETY: AVX2+FMA present; lengths follow from the tensor's checked shape.
-            let d = unsafe {
-                match a.bits {
-                    2 => simd::row_dot::<2>(words, x, &scales, g),
-                    3 => simd::row_dot::<3>(words, x, &scales, g),
-                    4 => simd::row_dot::<4>(words, x, &scales, g),
-                    5 => simd::row_dot::<5>(words, x, &scales, g),
-                    6 => simd::row_dot::<6>(words, x, &scales, g),
-                    _ => simd::row_dot::<8>(words, x, &scales, g),
-                }
-            };
-            set(0, r, d + bias_term(0));
-            continue;
-        }
-        // Prefill: unpack once, reuse for all m rows of x.
+        // Unpack once, reuse for all m rows of x.
         match a.bits {
             // SAFETY: as above.
             2 if simd => unsafe { simd::unpack::<2>(words, &mut q) },
@@ -276,22 +262,23 @@ mod tests {
     }
 
     /// A row's product is the same whatever the call's other rows (batch invariance): row
-    /// i of an m-row call equals row i of a 9-row call, bit for bit, for every m ≥ 2 (one
-    /// row is decode's integer path, by design another arithmetic).
+    /// i of an m-row call equals row i of a 9-row call, bit for bit, for every m, in the
+    /// integer path (every layout and group kind) and the f32 one (a width not a multiple
+    /// of 32).
     #[test]
-    fn prefill_rows_do_not_depend_on_the_row_count() {
-        let (n, k) = (24, 128);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
-        let x: Vec<f32> = (0..9 * k).map(|i| (i as f32 * 0.37).sin()).collect();
-        for bits in [3, 4, 8] {
-            let a = Weight::Affine(AffineTensor::quantize(&w, n, k, bits, 64, ScaleDtype::F16).unwrap());
+    fn rows_do_not_depend_on_the_row_count() {
+        for (bits, group, k) in [(3, 64, 128), (4, 32, 128), (4, 128, 256), (8, 32, 128), (5, 16, 128), (4, 16, 48)] {
+            let n = 24;
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+            let x: Vec<f32> = (0..9 * k).map(|i| (i as f32 * 0.37).sin()).collect();
+            let a = Weight::Affine(AffineTensor::quantize(&w, n, k, bits, group, ScaleDtype::F16).unwrap());
             let mut all = vec![0f32; 9 * n];
             matmul(&x, 9, &a, &mut all);
-            for m in 2..9 {
+            for m in 1..9 {
                 let mut got = vec![0f32; m * n];
                 matmul(&x[..m * k], m, &a, &mut got);
                 let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits_of(&got), bits_of(&all[..m * n]), "{bits}-bit, {m} rows");
+                assert_eq!(bits_of(&got), bits_of(&all[..m * n]), "{bits}-bit g{group} k {k}, {m} rows");
             }
         }
     }

@@ -1,6 +1,6 @@
-//! Integer decode GEMV (one activation row) for affine weights, AVX2.
+//! Integer matmul for affine weights, AVX2: decode and prefill alike.
 //!
-//! x is quantized once per matmul call to int16 with one f32 scale per 32 values
+//! x is quantized once per matmul call, row by row, to int16 with one f32 scale per 32 values
 //! (xd = max|x|/32767, x' = xd·xq: 15 significant bits, far finer than bf16), so the inner
 //! loop is integer: quantized weights widened to 16 bits, `madd_epi16` against xq, one i32
 //! vector per 32 values. Per 32-value block (per 16-value half for group 16) that sum is
@@ -15,9 +15,15 @@
 //! the other widths go 16 values at a time: one byte shuffle gives each lane the two bytes
 //! holding its value, one multiply-high shifts it down, a mask keeps BITS bits.
 //!
+//! Each unpacked weight block serves up to four x rows (prefill, batched decode), and a
+//! product's arithmetic does not depend on how many rows share it.
+//!
 //! Where the time goes (2-core x86-64, Gemma 3 270M decode): the 180 MiB 8-bit head streams
 //! at near memory bandwidth and takes about half the step; the 5-bit layers are bound by
 //! the unpacking (5 instructions per 16 values).
+
+// The tile kernels index several per-row arrays in lockstep.
+#![allow(clippy::needless_range_loop)]
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
@@ -28,6 +34,9 @@ pub const XB: usize = 32;
 /// x quantized for the integer dot: int16 values, one scale per 32 values (and the same
 /// scale repeated per 16, for group-16 weights), and the block layouts asked for.
 pub struct QuantX {
+    /// Rows of x, each of `cols` values.
+    pub rows: usize,
+    pub cols: usize,
     pub q: Vec<i16>,
     /// Per 32-value block: its 16 even values, then its 16 odd ones (4-bit nibble order).
     pub q4: Vec<i16>,
@@ -67,10 +76,10 @@ fn permuted(q: &[i16], order: impl Fn(usize) -> usize) -> Vec<i16> {
 }
 
 impl QuantX {
-    /// Quantize x (len a multiple of 32). A block holding a NaN or ±inf gets a NaN scale,
-    /// so it poisons the outputs as the f32 product would.
-    pub fn new(x: &[f32], layouts: Layouts) -> QuantX {
-        assert!(x.len().is_multiple_of(XB));
+    /// Quantize the rows of x `[rows, cols]` (cols a multiple of 32). A block holding a NaN
+    /// or ±inf gets a NaN scale, so it poisons the outputs as the f32 product would.
+    pub fn new(x: &[f32], cols: usize, layouts: Layouts) -> QuantX {
+        assert!(cols.is_multiple_of(XB) && cols > 0 && x.len().is_multiple_of(cols));
         let mut q = vec![0i16; x.len()];
         let mut d = vec![0f32; x.len() / XB];
         for ((c, qc), d) in x.chunks_exact(XB).zip(q.chunks_exact_mut(XB)).zip(&mut d) {
@@ -88,10 +97,11 @@ impl QuantX {
         let q4 = if layouts.nibble { permuted(&q, |j| 2 * (j % 16) + j / 16) } else { Vec::new() };
         let q8 = if layouts.byte { permuted(&q, |j| [0, 16, 8, 24][j / 8] + j % 8) } else { Vec::new() };
         let d16 = d.iter().flat_map(|&v| [v, v]).collect();
-        QuantX { q, q4, q8, d, d16 }
+        QuantX { rows: x.len() / cols, cols, q, q4, q8, d, d16 }
     }
 
-    /// Σ x' per group of `group` values, each exact: an integer sum times its scale.
+    /// Σ x' per group of `group` values (row after row: groups never straddle rows), each
+    /// exact: an integer sum times its scale.
     pub fn group_sums(&self, group: usize) -> Vec<f32> {
         let isum = |r: std::ops::Range<usize>| self.q[r].iter().map(|&v| v as i32).sum::<i32>() as f32;
         if group < XB {
@@ -176,25 +186,84 @@ pub struct Scratch {
     pad: Vec<u8>,
 }
 
-/// out[r − r0] = w_r · x' for rows r0..r1 (BITS 2-8; cols a multiple of 32; `sums` = Σx'
-/// per group, from `QuantX::group_sums`).
+/// out[t·n + r] = w_r · x'_t for weight rows r0..r1 and every row t of x (BITS 2-8; cols
+/// a multiple of 32; `sums` = Σx' per group of every x row, from `QuantX::group_sums`).
+/// Each weight block is unpacked once for up to four x rows; a product's arithmetic is the
+/// same whatever the number of x rows (batch invariance: a row of a batch gets the bits it
+/// gets alone).
 ///
 /// # Safety
 /// CPU must support AVX2+FMA+F16C; the matrix is consistent (bytes, scales, biases hold
-/// every row's values); `out` has r1 − r0 cells; `x` was quantized from cols values with
-/// the layout `Layouts::of(BITS, group)` names.
+/// every row's values); `out` points at an [x.rows, n] output with n > r1 − 1 that this
+/// call alone writes in columns r0..r1; `x` was quantized from rows of cols values with the
+/// layout `Layouts::of(BITS, group)` names.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
     w: &Mat<S>,
     x: &QuantX,
     sums: &[f32],
-    r0: usize,
+    (r0, r1): (usize, usize),
     sc: &mut Scratch,
-    out: &mut [f32],
+    out: *mut f32,
+    n: usize,
 ) {
     let (k, g) = (w.cols, w.group);
     let (gpr, rb) = (k / g, k * BITS as usize / 8);
+    // The task's scales and biases in one pass each (contiguous: row-major per group).
+    let ss = w.scales.get(r0 * gpr, (r1 - r0) * gpr, &mut sc.s);
+    let bs = w.biases.get(r0 * gpr, (r1 - r0) * gpr, &mut sc.b);
+    let units = k / g.min(XB);
+    sc.f.resize(4 * units.next_multiple_of(8), 0.0);
+    let last = w.bytes.len() / rb - 1;
+    let (shuf, mul) = unpack_consts(BITS);
+    let (shuf, mul) = (_mm256_loadu_si256(shuf.as_ptr().cast()), _mm256_loadu_si256(mul.as_ptr().cast()));
+    for r in r0..r1 {
+        let i = r - r0;
+        let (s, b) = (&ss[i * gpr..(i + 1) * gpr], &bs[i * gpr..(i + 1) * gpr]);
+        let mut p = w.bytes.as_ptr().add(r * rb);
+        if r == last && BITS != 8 && !Layouts::of(BITS, g).nibble {
+            sc.pad.clear();
+            sc.pad.extend_from_slice(&w.bytes[last * rb..]);
+            sc.pad.resize(rb + 16, 0);
+            p = sc.pad.as_ptr();
+        }
+        let row = RowJob { p, shuf, mul, s, b, sums, gpr, out: out.add(r), n };
+        let mut t = 0;
+        while t + 4 <= x.rows {
+            tile::<BITS, 4>(&row, x, t, &mut sc.f);
+            t += 4;
+        }
+        match x.rows - t {
+            3 => tile::<BITS, 3>(&row, x, t, &mut sc.f),
+            2 => tile::<BITS, 2>(&row, x, t, &mut sc.f),
+            1 => tile::<BITS, 1>(&row, x, t, &mut sc.f),
+            _ => {}
+        }
+    }
+}
+
+/// One weight row's part of `rows`: its bytes, unpacking constants, scales, biases, and
+/// where its outputs go (column r of an [x rows, n] output).
+#[cfg(target_arch = "x86_64")]
+struct RowJob<'a> {
+    p: *const u8,
+    shuf: __m256i,
+    mul: __m256i,
+    s: &'a [f32],
+    b: &'a [f32],
+    sums: &'a [f32],
+    gpr: usize,
+    out: *mut f32,
+    n: usize,
+}
+
+/// The weight row against x rows t0..t0+R.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: usize, f: &mut [f32]) {
+    let (g, kb) = (x.cols / row.s.len(), x.cols / XB);
     let lay = Layouts::of(BITS, g);
     let xq = if lay.nibble {
         x.q4.as_ptr()
@@ -203,56 +272,58 @@ pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
     } else {
         x.q.as_ptr()
     };
-    // The task's scales and biases in one pass each (contiguous: row-major per group).
-    let ss = w.scales.get(r0 * gpr, out.len() * gpr, &mut sc.s);
-    let bs = w.biases.get(r0 * gpr, out.len() * gpr, &mut sc.b);
-    let units = k / g.min(XB);
-    sc.f.resize(units.next_multiple_of(8), 0.0);
-    let last = w.bytes.len() / rb - 1;
-    let (shuf, mul) = unpack_consts(BITS);
-    let (shuf, mul) = (_mm256_loadu_si256(shuf.as_ptr().cast()), _mm256_loadu_si256(mul.as_ptr().cast()));
-    for (i, o) in out.iter_mut().enumerate() {
-        let (s, b) = (&ss[i * gpr..(i + 1) * gpr], &bs[i * gpr..(i + 1) * gpr]);
-        let mut p = w.bytes.as_ptr().add((r0 + i) * rb);
-        if r0 + i == last && BITS != 8 && !lay.nibble {
-            sc.pad.clear();
-            sc.pad.extend_from_slice(&w.bytes[last * rb..]);
-            sc.pad.resize(rb + 16, 0);
-            p = sc.pad.as_ptr();
+    // (No closures here: they would not inherit the target features, and their intrinsics
+    // would be calls.)
+    let mut src = Src::<R> { p: row.p, xq: [xq; R], shuf: row.shuf, mul: row.mul };
+    // The bias term Σ_g b_g·Σx'_g starts each x row's accumulator.
+    let mut acc = [_mm256_setzero_ps(); R];
+    for j in 0..R {
+        src.xq[j] = xq.add((t0 + j) * x.cols);
+        acc[j] = bias(row.b, &row.sums[(t0 + j) * row.gpr..]);
+    }
+    let units = x.cols / g.min(XB);
+    let stride = units.next_multiple_of(8);
+    let acc = match g {
+        16 => {
+            for j in 0..R {
+                factors(row.s, &x.d16[(t0 + j) * 2 * kb..], &mut f[j * stride..]);
+            }
+            dot_units16::<BITS, R>(src, f, stride, units, acc)
         }
-        let src = Src { p, xq, shuf, mul };
-        // The bias term Σ_g b_g·Σx'_g starts the row's accumulator.
-        let a = bias(b, sums);
-        let acc = match g {
-            16 => {
-                factors(s, &x.d16, &mut sc.f);
-                dot_units16::<BITS>(src, &sc.f[..units], a)
+        XB => {
+            for j in 0..R {
+                factors(row.s, &x.d[(t0 + j) * kb..], &mut f[j * stride..]);
             }
-            XB => {
-                factors(s, &x.d, &mut sc.f);
-                match (lay.nibble, lay.byte) {
-                    (true, _) => dot_blocks::<BITS, NIBBLE>(src, &sc.f[..units], a),
-                    (_, true) => dot_blocks::<BITS, BYTE>(src, &sc.f[..units], a),
-                    _ => dot_blocks::<BITS, SEG>(src, &sc.f[..units], a),
-                }
+            match (lay.nibble, lay.byte) {
+                (true, _) => dot_blocks::<BITS, NIBBLE, R>(src, f, stride, units, acc),
+                (_, true) => dot_blocks::<BITS, BYTE, R>(src, f, stride, units, acc),
+                _ => dot_blocks::<BITS, SEG, R>(src, f, stride, units, acc),
             }
-            _ => match (lay.nibble, lay.byte) {
-                (true, _) => dot_groups::<BITS, NIBBLE>(src, s, &x.d, g / XB, a),
-                (_, true) => dot_groups::<BITS, BYTE>(src, s, &x.d, g / XB, a),
-                _ => dot_groups::<BITS, SEG>(src, s, &x.d, g / XB, a),
-            },
-        };
-        *o = super::simd::hsum(acc);
+        }
+        _ => {
+            let mut d: [&[f32]; R] = [&[]; R];
+            for (j, d) in d.iter_mut().enumerate() {
+                *d = &x.d[(t0 + j) * kb..(t0 + j + 1) * kb];
+            }
+            match (lay.nibble, lay.byte) {
+                (true, _) => dot_groups::<BITS, NIBBLE, R>(src, row.s, d, g / XB, acc),
+                (_, true) => dot_groups::<BITS, BYTE, R>(src, row.s, d, g / XB, acc),
+                _ => dot_groups::<BITS, SEG, R>(src, row.s, d, g / XB, acc),
+            }
+        }
+    };
+    for (j, a) in acc.into_iter().enumerate() {
+        *row.out.add((t0 + j) * row.n) = super::simd::hsum(a);
     }
 }
 
-/// A row for the block kernels: its packed bytes, x in the layout they read, and the
-/// byte shuffle and multipliers of `load16`.
+/// A weight row and R rows of x for the block kernels: the row's packed bytes, each x
+/// row in the layout they read, and the byte shuffle and multipliers of `load16`.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
-struct Src {
+struct Src<const R: usize> {
     p: *const u8,
-    xq: *const i16,
+    xq: [*const i16; R],
     shuf: __m256i,
     mul: __m256i,
 }
@@ -299,115 +370,135 @@ unsafe fn bias(b: &[f32], sums: &[f32]) -> __m256 {
     acc
 }
 
-/// acc + Σ_b f_b · (q·xq over block b) for a row of 32-value blocks (group 32).
+/// acc_j + Σ_b f_j,b · (q·xq_j over block b) for R x rows of 32-value blocks (group 32);
+/// x row j's unit factors at f[j·stride..][..units].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn dot_blocks<const BITS: u32, const L: u8>(src: Src, f: &[f32], acc: __m256) -> __m256 {
-    let (n, fp) = (f.len(), f.as_ptr());
-    let (mut a0, mut a1) = (acc, _mm256_setzero_ps());
-    // (A closure here would not inherit the target features: its intrinsics would be calls.)
-    let blk = block::<BITS, L>;
+unsafe fn dot_blocks<const BITS: u32, const L: u8, const R: usize>(
+    src: Src<R>,
+    f: &[f32],
+    stride: usize,
+    units: usize,
+    acc: [__m256; R],
+) -> [__m256; R] {
+    let fp = f.as_ptr();
+    let (mut a0, mut a1) = (acc, [_mm256_setzero_ps(); R]);
     let mut b = 0;
-    while b + 2 <= n {
-        let (i0, i1) = (blk(src, b), blk(src, b + 1));
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*fp.add(b)), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*fp.add(b + 1)), a1);
+    while b + 2 <= units {
+        let (w0, w1) = (wblock::<BITS, L, R>(src, b), wblock::<BITS, L, R>(src, b + 1));
+        for j in 0..R {
+            let (i0, i1) = (xdot(w0, src.xq[j], b), xdot(w1, src.xq[j], b + 1));
+            let f = fp.add(j * stride + b);
+            a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*f), a0[j]);
+            a1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*f.add(1)), a1[j]);
+        }
         b += 2;
     }
-    if b < n {
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blk(src, b)), _mm256_broadcast_ss(&*fp.add(b)), a0);
+    if b < units {
+        let w0 = wblock::<BITS, L, R>(src, b);
+        for j in 0..R {
+            let i0 = xdot(w0, src.xq[j], b);
+            a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*fp.add(j * stride + b)), a0[j]);
+        }
     }
-    _mm256_add_ps(a0, a1)
+    for j in 0..R {
+        a0[j] = _mm256_add_ps(a0[j], a1[j]);
+    }
+    a0
 }
 
-/// acc + Σ_g s_g · Σ_{b∈g} xd_b · (q·xq over block b) for groups of bpg ≥ 2 blocks.
+/// acc_j + Σ_g s_g · Σ_{b∈g} d_j,b · (q·xq_j over block b) for groups of bpg ≥ 2 blocks.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn dot_groups<const BITS: u32, const L: u8>(
-    src: Src,
+unsafe fn dot_groups<const BITS: u32, const L: u8, const R: usize>(
+    src: Src<R>,
     s: &[f32],
-    d: &[f32],
+    d: [&[f32]; R],
     bpg: usize,
-    mut acc: __m256,
-) -> __m256 {
-    let dp = d.as_ptr();
-    let blk = block::<BITS, L>;
+    mut acc: [__m256; R],
+) -> [__m256; R] {
     let mut b = 0;
     for s in s {
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         let end = b + bpg;
         while b < end {
-            let (i0, i1) = (blk(src, b), blk(src, b + 1));
-            a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*dp.add(b)), a0);
-            a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*dp.add(b + 1)), a1);
+            let (w0, w1) = (wblock::<BITS, L, R>(src, b), wblock::<BITS, L, R>(src, b + 1));
+            for j in 0..R {
+                let (i0, i1) = (xdot(w0, src.xq[j], b), xdot(w1, src.xq[j], b + 1));
+                let dp = d[j].as_ptr().add(b);
+                a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*dp), a0[j]);
+                a1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*dp.add(1)), a1[j]);
+            }
             b += 2;
         }
-        acc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_broadcast_ss(s), acc);
+        for j in 0..R {
+            acc[j] = _mm256_fmadd_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_broadcast_ss(s), acc[j]);
+        }
     }
     acc
 }
 
-/// q·xq of 32-value block b as 8 i32 partial sums, x in layout L's order.
+/// acc_j + Σ_u f_j,u · (q·xq_j over 16-value unit u) (group 16: a scale per unit).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn block<const BITS: u32, const L: u8>(src: Src, b: usize) -> __m256i {
-    match L {
-        NIBBLE => block4(src, b),
-        BYTE => block8(src, b),
-        _ => _mm256_add_epi32(seg::<BITS>(src, 2 * b), seg::<BITS>(src, 2 * b + 1)),
-    }
-}
-
-/// acc + Σ_u f_u · (q·xq over 16-value unit u) (group 16: a scale per unit).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn dot_units16<const BITS: u32>(src: Src, f: &[f32], acc: __m256) -> __m256 {
+unsafe fn dot_units16<const BITS: u32, const R: usize>(
+    src: Src<R>,
+    f: &[f32],
+    stride: usize,
+    units: usize,
+    acc: [__m256; R],
+) -> [__m256; R] {
     let fp = f.as_ptr();
-    let (mut a0, mut a1) = (acc, _mm256_setzero_ps());
+    let (mut a0, mut a1) = (acc, [_mm256_setzero_ps(); R]);
     // cols is a multiple of 32: units come in pairs.
     let mut u = 0;
-    while u < f.len() {
-        let (i0, i1) = (seg::<BITS>(src, u), seg::<BITS>(src, u + 1));
-        a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*fp.add(u)), a0);
-        a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*fp.add(u + 1)), a1);
+    while u < units {
+        let (w0, w1) = (load16::<BITS, R>(src, u), load16::<BITS, R>(src, u + 1));
+        for j in 0..R {
+            let x = src.xq[j].add(16 * u);
+            let i0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(x as *const __m256i));
+            let i1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(x.add(16) as *const __m256i));
+            let f = fp.add(j * stride + u);
+            a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*f), a0[j]);
+            a1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*f.add(1)), a1[j]);
+        }
         u += 2;
     }
-    _mm256_add_ps(a0, a1)
+    for j in 0..R {
+        a0[j] = _mm256_add_ps(a0[j], a1[j]);
+    }
+    a0
 }
 
-/// q·xq of 16-value segment s as 8 i32 partial sums.
+/// The 32 weights of block b as two vectors of u16 lanes, in the order layout L pairs
+/// them with x: values 0-15 and 16-31 (segments), even and odd values (4-bit nibbles), or
+/// the bytes' unpack halves (8-bit).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn seg<const BITS: u32>(src: Src, s: usize) -> __m256i {
-    let x = _mm256_loadu_si256(src.xq.add(16 * s) as *const __m256i);
-    _mm256_madd_epi16(load16::<BITS>(src, s), x)
+unsafe fn wblock<const BITS: u32, const L: u8, const R: usize>(src: Src<R>, b: usize) -> (__m256i, __m256i) {
+    match L {
+        NIBBLE => {
+            let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(src.p.add(16 * b) as *const __m128i));
+            (_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_srli_epi16::<4>(v))
+        }
+        BYTE => {
+            let v = _mm256_loadu_si256(src.p.add(XB * b) as *const __m256i);
+            let z = _mm256_setzero_si256();
+            (_mm256_unpacklo_epi8(v, z), _mm256_unpackhi_epi8(v, z))
+        }
+        _ => (load16::<BITS, R>(src, 2 * b), load16::<BITS, R>(src, 2 * b + 1)),
+    }
 }
 
-/// q·xq of 4-bit block b (32 values in 16 bytes; x in nibble order) as 8 i32 partial sums.
+/// w·xq over block b (w from `wblock`; x row xq in the block's layout) as 8 i32 partial
+/// sums.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn block4(src: Src, b: usize) -> __m256i {
-    let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(src.p.add(16 * b) as *const __m128i));
-    let lo = _mm256_and_si256(v, _mm256_set1_epi16(15));
-    let hi = _mm256_srli_epi16::<4>(v);
-    let x = src.xq.add(XB * b);
+unsafe fn xdot(w: (__m256i, __m256i), xq: *const i16, b: usize) -> __m256i {
+    let x = xq.add(XB * b);
     _mm256_add_epi32(
-        _mm256_madd_epi16(lo, _mm256_loadu_si256(x as *const __m256i)),
-        _mm256_madd_epi16(hi, _mm256_loadu_si256(x.add(16) as *const __m256i)),
-    )
-}
-
-/// q·xq of 8-bit block b (32 bytes; x in byte-unpack order) as 8 i32 partial sums: one
-/// 32-byte load, its bytes widened half by half by unpacking against zero.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn block8(src: Src, b: usize) -> __m256i {
-    let v = _mm256_loadu_si256(src.p.add(XB * b) as *const __m256i);
-    let z = _mm256_setzero_si256();
-    let x = src.xq.add(XB * b);
-    _mm256_add_epi32(
-        _mm256_madd_epi16(_mm256_unpacklo_epi8(v, z), _mm256_loadu_si256(x as *const __m256i)),
-        _mm256_madd_epi16(_mm256_unpackhi_epi8(v, z), _mm256_loadu_si256(x.add(16) as *const __m256i)),
+        _mm256_madd_epi16(w.0, _mm256_loadu_si256(x as *const __m256i)),
+        _mm256_madd_epi16(w.1, _mm256_loadu_si256(x.add(16) as *const __m256i)),
     )
 }
 
@@ -417,7 +508,7 @@ unsafe fn block8(src: Src, b: usize) -> __m256i {
 #[cfg(target_arch = "x86_64")]
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn load16<const BITS: u32>(src: Src, s: usize) -> __m256i {
+unsafe fn load16<const BITS: u32, const R: usize>(src: Src<R>, s: usize) -> __m256i {
     if BITS == 8 {
         return _mm256_cvtepu8_epi16(_mm_loadu_si128(src.p.add(16 * s) as *const __m128i));
     }
@@ -476,104 +567,5 @@ fn unpack_consts(bits: u32) -> (&'static [i8; 32], &'static [u16; 16]) {
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]
-mod tests {
-    use super::*;
-    use crate::backend::cpu::matmul::matmul;
-    use crate::quant::affine::{get_q, AffineTensor, ScaleDtype};
-    use crate::quant::Weight;
-
-    fn lcg(seed: &mut u64) -> f32 {
-        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-    }
-
-    /// x with block magnitudes from 1e-3 to 1e3 and one zero block, so xd varies per block.
-    fn activations(k: usize, seed: &mut u64) -> Vec<f32> {
-        (0..k)
-            .map(|j| {
-                let b = j / XB;
-                let mag = if b == 2 { 0.0 } else { 10f32.powi((b % 7) as i32 - 3) };
-                mag * lcg(seed)
-            })
-            .collect()
-    }
-
-    /// Per row of `a`: (reference w·x in f64, tolerance, the bias term Σ_g b_g·Σx'_g). The
-    /// tolerance is the int16 rounding of x, |x − xd·xq| ≤ xd/2 (0.51·xd with the f32
-    /// rounding of xd and 1/xd), summed over |w|, plus f32 rounding of the kernel's sums:
-    /// (units + 10)·ε·Σ|terms| (one rounding per sequential add, lanes, hsum, bias dot).
-    fn reference(a: &AffineTensor, x: &[f32], qx: &QuantX) -> Vec<(f64, f64, f64)> {
-        let (k, g) = (a.cols, a.group);
-        let wd = a.dequantize();
-        let sx = qx.group_sums(g);
-        let eps = f32::EPSILON as f64 * ((k / g.min(XB)) as f64 + 10.0);
-        (0..a.rows)
-            .map(|r| {
-                let (mut want, mut quant, mut mag, mut bias) = (0f64, 0f64, 0f64, 0f64);
-                for j in 0..k {
-                    let w = wd[r * k + j] as f64;
-                    want += w * x[j] as f64;
-                    let d = qx.d[j / XB] as f64;
-                    quant += w.abs() * 0.51 * d;
-                    let q = get_q(a.row_words(r), a.bits, j) as f64;
-                    mag += (a.scales.get(r * (k / g) + j / g) as f64 * q * d * qx.q[j] as f64).abs();
-                }
-                for (gi, &s) in sx.iter().enumerate() {
-                    let t = a.biases.get(r * (k / g) + gi) as f64 * s as f64;
-                    bias += t;
-                    mag += t.abs();
-                }
-                (want, quant + eps * mag, bias)
-            })
-            .collect()
-    }
-
-    #[test]
-    fn integer_dot_matches_f64_reference_within_int16_rounding() {
-        if !super::super::simd::has_avx2() {
-            eprintln!("skipped: no AVX2");
-            return;
-        }
-        let (n, k) = (9, 256);
-        let mut seed = 99u64;
-        for bits in [2, 3, 4, 5, 6, 8] {
-            for group in [16, 32, 64, 128] {
-                for dtype in [ScaleDtype::F16, ScaleDtype::BF16, ScaleDtype::F32] {
-                    // Offset weights: large biases, so a dropped or misplaced bias term shows.
-                    let w: Vec<f32> = (0..n * k).map(|_| 0.3 + lcg(&mut seed)).collect();
-                    let x = activations(k, &mut seed);
-                    let a = AffineTensor::quantize(&w, n, k, bits, group, dtype).unwrap();
-                    let qx = QuantX::new(&x, Layouts::default());
-                    let mut got = vec![f32::NAN; n];
-                    let refs = reference(&a, &x, &qx);
-                    matmul(&x, 1, &Weight::Affine(a), &mut got);
-                    for (r, (&y, (want, tol, bias))) in got.iter().zip(refs).enumerate() {
-                        let what = format!("bits {bits} g{group} {dtype:?} row {r}");
-                        let err = (y as f64 - want).abs();
-                        assert!(err <= tol, "{what}: {y} vs {want}, err {err:e} > tol {tol:e}");
-                        // The check has teeth: without the bias term the same row fails it.
-                        let miss = (y as f64 - bias - want).abs();
-                        assert!(miss > tol, "{what}: dropping the bias ({bias:e}) passes");
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn non_finite_x_poisons_the_output() {
-        if !super::super::simd::has_avx2() {
-            return;
-        }
-        let k = 64;
-        let w: Vec<f32> = (0..4 * k).map(|i| (i as f32 * 0.37).sin()).collect();
-        let a = Weight::Affine(AffineTensor::quantize(&w, 4, k, 8, 32, ScaleDtype::F16).unwrap());
-        for bad in [f32::NAN, f32::INFINITY] {
-            let mut x: Vec<f32> = (0..k).map(|i| (i as f32).cos()).collect();
-            x[40] = bad;
-            let mut got = vec![0f32; 4];
-            matmul(&x, 1, &a, &mut got);
-            assert!(got.iter().all(|v| v.is_nan()), "{bad}: {got:?}");
-        }
-    }
-}
+#[path = "qdot_tests.rs"]
+mod tests;

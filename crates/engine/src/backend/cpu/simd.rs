@@ -72,33 +72,6 @@ unsafe fn load8<const BITS: u32>(words: *const u32, i: usize, nbytes: usize) -> 
     }
 }
 
-/// Σ_g scale_g · Σ_{j∈g} q_j · x_j for one row (BITS 2-8); the bias term is added by the
-/// caller from precomputed group sums of x.
-///
-/// # Safety
-/// CPU must support AVX2+FMA; `words` holds cols·BITS/32 words, `x` cols values,
-/// `scales` cols/group values, group a multiple of 16.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn row_dot<const BITS: u32>(words: &[u32], x: &[f32], scales: &[f32], group: usize) -> f32 {
-    let per_group = group / 8;
-    let (wp, xp, nb) = (words.as_ptr(), x.as_ptr(), 4 * words.len());
-    let mut racc = _mm256_setzero_ps();
-    for (g, &s) in scales.iter().enumerate() {
-        let mut a0 = _mm256_setzero_ps();
-        let mut a1 = _mm256_setzero_ps();
-        let base = g * per_group;
-        let mut i = 0;
-        while i < per_group {
-            a0 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i, nb), _mm256_loadu_ps(xp.add(8 * (base + i))), a0);
-            a1 = _mm256_fmadd_ps(load8::<BITS>(wp, base + i + 1, nb), _mm256_loadu_ps(xp.add(8 * (base + i + 1))), a1);
-            i += 2;
-        }
-        racc = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(s), racc);
-    }
-    hsum(racc)
-}
-
 /// Unpack a row (BITS 2-8) into f32 (prefill reuses it for every token).
 ///
 /// # Safety

@@ -1,0 +1,101 @@
+//! qdot.rs's tests: the integer dot against an f64 reference, non-finite inputs.
+
+use super::*;
+use crate::backend::cpu::matmul::matmul;
+use crate::quant::affine::{get_q, AffineTensor, ScaleDtype};
+use crate::quant::Weight;
+
+fn lcg(seed: &mut u64) -> f32 {
+    *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (*seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+}
+
+/// x with block magnitudes from 1e-3 to 1e3 and one zero block, so xd varies per block.
+fn activations(k: usize, seed: &mut u64) -> Vec<f32> {
+    (0..k)
+        .map(|j| {
+            let b = j / XB;
+            let mag = if b == 2 { 0.0 } else { 10f32.powi((b % 7) as i32 - 3) };
+            mag * lcg(seed)
+        })
+        .collect()
+}
+
+/// Per row of `a`: (reference w·x in f64, tolerance, the bias term Σ_g b_g·Σx'_g). The
+/// tolerance is the int16 rounding of x, |x − xd·xq| ≤ xd/2 (0.51·xd with the f32
+/// rounding of xd and 1/xd), summed over |w|, plus f32 rounding of the kernel's sums:
+/// (units + 10)·ε·Σ|terms| (one rounding per sequential add, lanes, hsum, bias dot).
+fn reference(a: &AffineTensor, x: &[f32], qx: &QuantX) -> Vec<(f64, f64, f64)> {
+    let (k, g) = (a.cols, a.group);
+    let wd = a.dequantize();
+    let sx = qx.group_sums(g);
+    let eps = f32::EPSILON as f64 * ((k / g.min(XB)) as f64 + 10.0);
+    (0..a.rows)
+        .map(|r| {
+            let (mut want, mut quant, mut mag, mut bias) = (0f64, 0f64, 0f64, 0f64);
+            for j in 0..k {
+                let w = wd[r * k + j] as f64;
+                want += w * x[j] as f64;
+                let d = qx.d[j / XB] as f64;
+                quant += w.abs() * 0.51 * d;
+                let q = get_q(a.row_words(r), a.bits, j) as f64;
+                mag += (a.scales.get(r * (k / g) + j / g) as f64 * q * d * qx.q[j] as f64).abs();
+            }
+            for (gi, &s) in sx.iter().enumerate() {
+                let t = a.biases.get(r * (k / g) + gi) as f64 * s as f64;
+                bias += t;
+                mag += t.abs();
+            }
+            (want, quant + eps * mag, bias)
+        })
+        .collect()
+}
+
+#[test]
+fn integer_dot_matches_f64_reference_within_int16_rounding() {
+    if !super::super::simd::has_avx2() {
+        eprintln!("skipped: no AVX2");
+        return;
+    }
+    let (n, k) = (9, 256);
+    let mut seed = 99u64;
+    for bits in [2, 3, 4, 5, 6, 8] {
+        for group in [16, 32, 64, 128] {
+            for dtype in [ScaleDtype::F16, ScaleDtype::BF16, ScaleDtype::F32] {
+                // Offset weights: large biases, so a dropped or misplaced bias term shows.
+                let w: Vec<f32> = (0..n * k).map(|_| 0.3 + lcg(&mut seed)).collect();
+                let x = activations(k, &mut seed);
+                let a = AffineTensor::quantize(&w, n, k, bits, group, dtype).unwrap();
+                let qx = QuantX::new(&x, k, Layouts::default());
+                let mut got = vec![f32::NAN; n];
+                let refs = reference(&a, &x, &qx);
+                matmul(&x, 1, &Weight::Affine(a), &mut got);
+                for (r, (&y, (want, tol, bias))) in got.iter().zip(refs).enumerate() {
+                    let what = format!("bits {bits} g{group} {dtype:?} row {r}");
+                    let err = (y as f64 - want).abs();
+                    assert!(err <= tol, "{what}: {y} vs {want}, err {err:e} > tol {tol:e}");
+                    // The check has teeth: without the bias term the same row fails it.
+                    let miss = (y as f64 - bias - want).abs();
+                    assert!(miss > tol, "{what}: dropping the bias ({bias:e}) passes");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn non_finite_x_poisons_the_output() {
+    if !super::super::simd::has_avx2() {
+        return;
+    }
+    let k = 64;
+    let w: Vec<f32> = (0..4 * k).map(|i| (i as f32 * 0.37).sin()).collect();
+    let a = Weight::Affine(AffineTensor::quantize(&w, 4, k, 8, 32, ScaleDtype::F16).unwrap());
+    for bad in [f32::NAN, f32::INFINITY] {
+        let mut x: Vec<f32> = (0..k).map(|i| (i as f32).cos()).collect();
+        x[40] = bad;
+        let mut got = vec![0f32; 4];
+        matmul(&x, 1, &a, &mut got);
+        assert!(got.iter().all(|v| v.is_nan()), "{bad}: {got:?}");
+    }
+}
