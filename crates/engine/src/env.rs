@@ -62,6 +62,7 @@ impl CudaConfig {
             gemv_k_slices: on_unless_zero("FERROLM_GEMV_KS", d.gemv_k_slices),
             staged_x: on_unless_zero("FERROLM_GEMV_STAGED", d.staged_x),
             post_norm_fold: on_unless_zero("FERROLM_POST_NORM_FOLD", d.post_norm_fold),
+            decode_fused_glu: on_unless_zero("FERROLM_DECODE_GLU", d.decode_fused_glu),
             prefill_fused_glu: on_unless_zero("FERROLM_PREFILL_GLU", d.prefill_fused_glu),
             head_argmax: on_unless_zero("FERROLM_HEAD_ARGMAX", d.head_argmax),
             attention_clusters: on_unless_zero("FERROLM_ATTN_CLUSTER", d.attention_clusters),

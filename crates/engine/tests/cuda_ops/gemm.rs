@@ -98,7 +98,7 @@ fn qgemm_matches_cpu_at_prefill_size() {
 fn qgemm_glu_matches_cpu() {
     let (g, c, mut r) = (gpu(), Cpu, Rng::seeded());
     for (n, k, bits, group, dt) in
-        [(2048, 640, 4, 32, ScaleDtype::F16), (200, 512, 8, 64, ScaleDtype::BF16), (37, 96, 2, 32, ScaleDtype::F32)]
+        [(2048, 640, 4, 32, ScaleDtype::F16), (200, 512, 8, 64, ScaleDtype::BF16), (37, 128, 2, 32, ScaleDtype::F32)]
     {
         let (gate, up) = (affine(&mut r, n, k, bits, group, dt), affine(&mut r, n, k, bits, group, dt));
         let (gg, ug) = (g.matrix(gate.clone()).unwrap(), g.matrix(up.clone()).unwrap());

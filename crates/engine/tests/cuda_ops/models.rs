@@ -89,18 +89,27 @@ fn smollm2_cuda_agrees_with_cpu() {
 
 /// Gemma 3 270M (Q4_K_M: its 5- and 6-bit tensors run widened to 8 bits): q/k norms,
 /// post-norms, GeGLU, sliding-window layers (the long text runs past the 512-position
-/// window, in prefill and in decode); decode with the post-norm adds folded into the next
-/// GEMV (the default) and as launches of their own, each really taken.
+/// window and wraps the sliding layers' rings, in prefill and in decode); decode with the
+/// post-norm adds folded into the next GEMV (the default) and as launches of their own, each
+/// really taken; GeGLU fused and not, in decode and in prefill.
 #[test]
 fn gemma3_cuda_agrees_with_cpu() {
     let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
     let (mut a, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
     let mc = Decoder::load(Cpu, &mut a).unwrap();
-    for fold in [true, false] {
+    let d = CudaConfig::from_env();
+    let variants = [
+        ("default", d.clone()),
+        ("post-norm fold off", CudaConfig { post_norm_fold: false, ..d.clone() }),
+        ("unfused decode GeGLU", CudaConfig { decode_fused_glu: false, ..d.clone() }),
+        ("prefill GeGLU switched", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }),
+    ];
+    for (variant, cfg) in variants {
         let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
-        let cfg = CudaConfig { post_norm_fold: fold, ..CudaConfig::from_env() };
+        let fold = cfg.post_norm_fold;
         let mg = Decoder::load(Cuda::with_config(0, cfg).unwrap(), &mut b).unwrap();
-        let name = format!("Gemma 3 270M, post-norm fold {fold}");
+        assert!(mg.backend.kv_has_ring(&mg.new_cache(4096).unwrap()), "Gemma's sliding layers keep rings");
+        let name = format!("Gemma 3 270M, {variant}");
         cuda_agrees_with_cpu(&name, &mc, &mg, &tok, include_str!("../goldens/gemma3_hf.json"));
         assert_eq!(mg.backend.post_norm_folds() > 0, fold, "{name}: folds {}", mg.backend.post_norm_folds());
     }
@@ -180,6 +189,7 @@ fn config_switches_keep_decode_correct() {
         ("no attention clusters", CudaConfig { attention_clusters: false, ..d.clone() }, false),
         ("GQA heads per block ≤ 4", CudaConfig { attention_query_heads: 4, ..d.clone() }, false),
         ("no PDL", CudaConfig { pdl: false, ..d.clone() }, true),
+        ("unfused decode GLU", CudaConfig { decode_fused_glu: false, ..d.clone() }, false),
         ("fused prefill GLU", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }, false),
     ];
     for (name, cfg, same_sums) in variants {

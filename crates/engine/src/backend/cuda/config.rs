@@ -22,9 +22,13 @@ pub struct CudaConfig {
     /// Gemma's post-norm adds (x += rmsnorm(y)·w after attention and MLP) are folded into
     /// the next GEMV's input staging instead of a launch each. `FERROLM_POST_NORM_FOLD`.
     pub post_norm_fold: bool,
+    /// A decode MLP's gate and up run as one GEMV with the activation and product in its
+    /// store; off: a GEMV writing both, then a GLU launch. `FERROLM_DECODE_GLU`.
+    pub decode_fused_glu: bool,
     /// Prefill (several rows) runs the MLP's gate and up as one tensor-core GEMM with the
     /// activation and product in its epilogue (gemm.cu's qgemm_glu), instead of two GEMMs
-    /// and a GLU launch. Off until measured on a GPU. `FERROLM_PREFILL_GLU`.
+    /// and a GLU launch (1.05-1.06x prefill on Gemma 3 270M and a 1B shape, docs/perf.md).
+    /// `FERROLM_PREFILL_GLU`.
     pub prefill_fused_glu: bool,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
@@ -56,7 +60,8 @@ impl Default for CudaConfig {
             gemv_k_slices: true,
             staged_x: true,
             post_norm_fold: true,
-            prefill_fused_glu: false,
+            decode_fused_glu: true,
+            prefill_fused_glu: true,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

@@ -107,7 +107,8 @@ impl Cuda {
         self.matmul(s.att, w.wo, s.o)?;
         let glu = GemvOut::Glu(l.shape.act);
         let post = GemvIn::Post((&*x, &*s.o, pa), &*spare, w.mlp_norm, eps);
-        if self.gemv(post, &[w.w_gate, w.w_up], &mut [&mut *s.act, &mut *s.up], glu, GemvExtra::None)? {
+        let fused = self.cfg.decode_fused_glu;
+        if fused && self.gemv(post, &[w.w_gate, w.w_up], &mut [&mut *s.act, &mut *s.up], glu, GemvExtra::None)? {
             self.post_norm_folds.fetch_add(1, Relaxed);
         } else {
             self.rms_norm_add_into(x, s.o, pa, eps, spare)?;
@@ -223,7 +224,12 @@ impl Cuda {
             _ => false,
         };
         let int16_x = self.cfg.gemv_int16_x;
-        if !self.cfg.staged_x || !one_format || !staged_x_fits(ffn, int16_x) || down.cols() != ffn {
+        if !self.cfg.staged_x
+            || !self.cfg.decode_fused_glu
+            || !one_format
+            || !staged_x_fits(ffn, int16_x)
+            || down.cols() != ffn
+        {
             return Ok(false);
         }
         if ffn < 16 * 32 * WARPS {

@@ -52,9 +52,8 @@ impl Backend for Cuda {
                 cfg.head_dim
             )));
         }
-        // Every layer holds the whole context: the kernels take a sliding layer's ring
-        // (kv_row in common.cuh, crate::kv::slots) but have not yet run one on a GPU.
-        let slots = vec![max_seq; cfg.n_layers];
+        // A sliding layer keeps a ring of its window (kv_row in common.cuh).
+        let slots = crate::kv::slots(cfg, max_seq);
         let layer = |s: usize| self.zeros::<u16>(s * width, "allocating the KV cache");
         let k = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
         let v = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
@@ -186,7 +185,10 @@ impl Backend for Cuda {
         out: &mut CudaAct,
     ) -> Result<()> {
         let norm_in = GemvIn::Norm(x, norm, eps);
-        if self.gemv(norm_in, &[gate, up], &mut [&mut *out, &mut *u], GemvOut::Glu(act), GemvExtra::None)? {
+        let glu = GemvOut::Glu(act);
+        if self.cfg.decode_fused_glu
+            && self.gemv(norm_in, &[gate, up], &mut [&mut *out, &mut *u], glu, GemvExtra::None)?
+        {
             return Ok(());
         }
         if x.rows > 1 && self.cfg.prefill_fused_glu {
