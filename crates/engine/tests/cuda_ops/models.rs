@@ -190,7 +190,7 @@ fn config_switches_keep_decode_correct() {
         ("GQA heads per block ≤ 4", CudaConfig { attention_query_heads: 4, ..d.clone() }, false),
         ("no PDL", CudaConfig { pdl: false, ..d.clone() }, true),
         ("unfused decode GLU", CudaConfig { decode_fused_glu: false, ..d.clone() }, false),
-        ("fused prefill GLU", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }, false),
+        ("prefill GLU switched", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }, false),
     ];
     for (name, cfg, same_sums) in variants {
         let m = smollm2_cuda(cfg);
