@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # All of ferrolm's tests: the Rust test suite (parity with committed goldens, exact codec
-# tests, bad-input tests, CLI tests, every CUDA kernel compiled with NVRTC for sm_90) and
-# the proof that mlx-lm loads `ferrolm convert` output. Needs no GPU.
+# tests, bad-input tests, CLI tests, the HTTP server's tests, every CUDA kernel compiled with
+# NVRTC for sm_90), the official openai Python client against `ferrolm serve`, and the proof
+# that mlx-lm loads `ferrolm convert` output. Needs no GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/fetch-test-models.sh
@@ -26,6 +27,10 @@ mapfile -t tests <<< "$listed"
 cargo test --workspace --release "${features[@]}" --lib --bins "${tests[@]}"
 cargo test --workspace --release "${features[@]}" --doc
 cargo build --workspace --release "${features[@]}" --test cuda_parity
+# The official openai Python client against `ferrolm serve` (tools/openai_compat.py).
+python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
+cargo build --release -q -p ferrolm-cli
+python3 tools/openai_compat.py --bin target/release/ferrolm
 scripts/mlx-check.sh
 # mlx-lm's own converter against ferrolm's NLL: an odd bit width and a mixed recipe (the
 # whole matrix of bits × groups × recipes: scripts/mlx-corpus.sh with no arguments).

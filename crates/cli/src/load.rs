@@ -70,12 +70,24 @@ fn device(want: &str) -> Result<Option<Cuda>> {
     }
 }
 
-pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
-    let dev = device(&arg.device)?;
+/// Which backend `--device` picks, for `serve`: its engine thread makes its own device
+/// context, as a context stays on the thread that made it (this one's is dropped).
+pub fn device_is_cuda(want: &str) -> Result<bool> {
+    Ok(device(want)?.is_some())
+}
+
+/// The model's weights (quantized as `--quantize` asks) and its tokenizer.
+pub fn prepared_source(arg: &crate::ModelArg) -> Result<(ModelSource, Tokenizer)> {
     let (mut src, tokenizer) = source(arg.model.as_deref())?;
     if let Some(s) = &arg.quantize {
         ferrolm::quant::scheme::apply(&mut src, &ferrolm::quant::scheme::QuantScheme::parse(s)?, progress())?;
     }
+    Ok((src, tokenizer))
+}
+
+pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
+    let dev = device(&arg.device)?;
+    let (mut src, tokenizer) = prepared_source(arg)?;
     let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
     Ok(match dev {
         None => {

@@ -1,9 +1,11 @@
-//! The `ferrolm` command line: generate, chat, tokenize, perplexity, inspect, convert, bench.
+//! The `ferrolm` command line: generate, chat, serve, tokenize, perplexity, inspect, convert,
+//! bench.
 
 mod bench;
 mod chat;
 mod hub;
 mod load;
+mod serve;
 mod tools;
 
 use clap::{Args, Parser, Subcommand};
@@ -32,6 +34,8 @@ enum Cmd {
     Generate(chat::GenerateArgs),
     /// Interactive multi-turn chat using the model's chat template.
     Chat(chat::ChatArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API (docs/serving.md).
+    Serve(serve::ServeArgs),
     /// Print the token ids of a text as a JSON array.
     Tokenize(tools::TokenizeArgs),
     /// Teacher-forced perplexity over a text file.
@@ -83,28 +87,39 @@ fn main() {
         }
         t => t.unwrap_or(0),
     };
-    let pool = match rayon::ThreadPoolBuilder::new().num_threads(threads).build() {
-        Ok(p) => p,
+    // The server's engine runs on a thread of its own, outside any pool: its parallel
+    // regions go to rayon's global pool, sized here instead.
+    let pool = match &cli.cmd {
+        Cmd::Serve(_) => rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map(|_| None),
+        _ => rayon::ThreadPoolBuilder::new().num_threads(threads).build().map(Some),
+    };
+    let r = match pool {
+        Ok(Some(pool)) => pool.install(|| run(cli.cmd)),
+        Ok(None) => run(cli.cmd),
         Err(e) => {
             eprintln!("error: thread pool: {e}");
             std::process::exit(2);
         }
     };
-    let r = pool.install(|| match cli.cmd {
+    if let Err(e) = r {
+        // One line: the chain of causes, outermost first.
+        let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
+        eprintln!("error: {}", printable(&msg.join(": ")));
+        std::process::exit(1);
+    }
+}
+
+fn run(cmd: Cmd) -> anyhow::Result<()> {
+    match cmd {
         Cmd::Generate(a) => chat::generate(a),
         Cmd::Chat(a) => chat::chat(a),
+        Cmd::Serve(a) => serve::serve(a),
         Cmd::Tokenize(a) => tools::tokenize(a),
         Cmd::Perplexity(a) => tools::perplexity(a),
         Cmd::Inspect(a) => tools::inspect(a),
         Cmd::Convert(a) => tools::convert(a),
         Cmd::Bench(a) => bench::bench(a),
         Cmd::Kernels(a) => tools::kernels(a),
-    });
-    if let Err(e) = r {
-        // One line: the chain of causes, outermost first.
-        let msg: Vec<String> = e.chain().map(|c| c.to_string()).collect();
-        eprintln!("error: {}", printable(&msg.join(": ")));
-        std::process::exit(1);
     }
 }
 

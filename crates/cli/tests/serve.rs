@@ -1,0 +1,86 @@
+//! `ferrolm serve` end to end: it prints where it listens, takes its key from
+//! FERROLM_API_KEY, answers, and exits 0 on SIGTERM; bad flags are one-line errors.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::{Child, Command, Stdio};
+
+fn smollm2() -> String {
+    let p = ferrolm::env::test_models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    assert!(p.exists(), "{} is missing: run scripts/fetch-test-models.sh", p.display());
+    p.to_string_lossy().into_owned()
+}
+
+/// Start `ferrolm serve` and read the address from its first line of stdout.
+fn serve(args: &[&str], key_env: &str) -> (Child, SocketAddr) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrolm"))
+        .args(["serve", "--model", &smollm2(), "--device", "cpu", "--port", "0"])
+        .args(args)
+        .env("FERROLM_API_KEY", key_env)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("run ferrolm serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.as_mut().unwrap()).read_line(&mut line).unwrap();
+    let addr = line.trim().rsplit("http://").next().unwrap().parse().unwrap_or_else(|_| panic!("{line:?}"));
+    (child, addr)
+}
+
+/// One HTTP/1.1 exchange; the status and the body.
+fn http(addr: SocketAddr, method: &str, path: &str, key: Option<&str>, body: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let auth = key.map(|k| format!("Authorization: Bearer {k}\r\n")).unwrap_or_default();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    (status, body)
+}
+
+#[test]
+fn serve_answers_and_exits_0_on_sigterm() {
+    let (mut child, addr) = serve(&["--kv-memory", "256MiB", "--max-batch", "2"], "sk-from-env");
+    assert_eq!(http(addr, "GET", "/v1/models", None, "").0, 401);
+    let (status, body) = http(addr, "GET", "/v1/models", Some("sk-from-env"), "");
+    assert_eq!(status, 200);
+    assert!(body.contains("\"id\":\"SmolLM2-135M-Instruct.Q4_1\""), "{body}");
+    let req = r#"{"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}"#;
+    let (status, body) = http(addr, "POST", "/v1/completions", Some("sk-from-env"), req);
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"completion_tokens\":4"), "{body}");
+    let (_, metrics) = http(addr, "GET", "/metrics", None, "");
+    assert!(metrics.contains(&format!("ferrolm_kv_cache_bytes_budget {}", 256 << 20)), "{metrics}");
+    // SAFETY: signalling the child this test started.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
+#[test]
+fn bad_serve_flags_are_errors() {
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_ferrolm"))
+            .arg("serve")
+            .args(args)
+            .env_remove("FERROLM_API_KEY")
+            .output()
+            .unwrap()
+    };
+    let o = run(&["--kv-memory", "12XB"]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("unknown unit"));
+    let o = run(&["--model", &smollm2(), "--device", "tpu"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--device tpu"));
+    let o = run(&["--model", &smollm2(), "--device", "cpu", "--host", "127.0.0.1", "--port", "1", "--max-batch", "0"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("max_batch"));
+}
