@@ -59,6 +59,11 @@ impl ApiError {
         ApiError { code: Some("unavailable"), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message) }
     }
 
+    /// The request ran past the server's request timeout.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        ApiError { code: Some("timeout"), ..Self::new(StatusCode::GATEWAY_TIMEOUT, "server_error", message) }
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
     }

@@ -9,7 +9,7 @@ use crate::holdback::{Holdback, TokenInfo};
 use crate::metrics::Outcome;
 use crate::App;
 use ferrolm::sample::TokenLogprobs;
-use ferrolm::serving::{Event, Finish, Request, Sink, SubmitError, Usage};
+use ferrolm::serving::{Event, Failure, FailureKind, Finish, Request, Sink, SubmitError, Usage};
 use ferrolm::tokenizer::{StreamDecoder, Tokenizer};
 use std::time::Instant;
 use tokio::sync::mpsc;
@@ -49,7 +49,7 @@ pub struct Step {
 
 pub enum End {
     Done { reason: &'static str, usage: Usage },
-    Failed(String),
+    Failed(Failure),
 }
 
 pub struct Generation<'a> {
@@ -87,14 +87,14 @@ impl<'a> Generation<'a> {
     pub async fn next(&mut self) -> Option<Step> {
         while !self.ended {
             let step = match self.events.recv().await {
-                None => self.failed("the engine stopped before the request finished".into()),
+                None => self.failed(internal("the engine stopped before the request finished")),
                 Some(Event::Started { prompt_tokens, cached_tokens }) => {
                     (self.prompt_tokens, self.cached_tokens) = (prompt_tokens, cached_tokens);
                     None
                 }
                 Some(Event::Token { id, logprobs }) => self.token(id, logprobs),
                 Some(Event::Finished { reason, usage }) => self.finished(reason, usage),
-                Some(Event::Failed(msg)) => self.failed(msg),
+                Some(Event::Failed(f)) => self.failed(f),
             };
             if step.is_some() {
                 return step;
@@ -112,7 +112,7 @@ impl<'a> Generation<'a> {
         self.completion_tokens += 1;
         let piece = match self.dec.push(id) {
             Ok(p) => p,
-            Err(e) => return self.failed(e.to_string()),
+            Err(e) => return self.failed(internal(e.to_string())),
         };
         let info = logprobs.map(|lp| token_info(&self.app.tok, self.app.primer, id, &lp));
         let r = self.hold.push(&piece, info);
@@ -132,7 +132,7 @@ impl<'a> Generation<'a> {
     fn finished(&mut self, reason: Finish, usage: Usage) -> Option<Step> {
         let tail = match self.dec.finish() {
             Ok(t) => t,
-            Err(e) => return self.failed(e.to_string()),
+            Err(e) => return self.failed(internal(e.to_string())),
         };
         let mut r = self.hold.push(&tail, None);
         if !r.stopped {
@@ -147,8 +147,8 @@ impl<'a> Generation<'a> {
         Some(self.end(r.text, r.tokens, outcome, End::Done { reason, usage }))
     }
 
-    fn failed(&mut self, msg: String) -> Option<Step> {
-        Some(self.end(String::new(), vec![], Outcome::Failed, End::Failed(msg)))
+    fn failed(&mut self, f: Failure) -> Option<Step> {
+        Some(self.end(String::new(), vec![], Outcome::Failed, End::Failed(f)))
     }
 
     fn end(&mut self, text: String, tokens: Vec<TokenInfo>, outcome: Outcome, end: End) -> Step {
@@ -176,6 +176,10 @@ impl Drop for Generation<'_> {
             self.app.metrics.outcome(Outcome::Cancelled);
         }
     }
+}
+
+fn internal(message: impl Into<String>) -> Failure {
+    Failure::new(FailureKind::Internal, message)
 }
 
 fn token_info(tok: &Tokenizer, primer: Option<u32>, id: u32, lp: &TokenLogprobs) -> TokenInfo {

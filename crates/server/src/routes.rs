@@ -11,7 +11,7 @@ use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
-use ferrolm::serving::Request;
+use ferrolm::serving::{Failure, FailureKind, Request};
 use std::convert::Infallible;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
@@ -98,12 +98,15 @@ async fn prepare(app: &Arc<App>, api: Api, body: Result<Bytes, BytesRejection>) 
     Ok(Prepared { prompt, max_tokens, common })
 }
 
-/// A failure the engine reports: the server's fault, or its shutting down.
-fn engine_failure(app: &App, msg: String) -> ApiError {
-    if app.closing.load(Relaxed) {
-        ApiError::unavailable(msg)
-    } else {
-        ApiError::internal(msg)
+/// A failure the engine reports, by its kind: a request too large for the KV budget is
+/// the client's (400); a timeout 504; a shutdown 503; anything else the server's fault.
+fn engine_failure(app: &App, f: Failure) -> ApiError {
+    match f.kind {
+        FailureKind::TooLarge => ApiError::invalid("max_tokens", f.message),
+        FailureKind::Timeout => ApiError::timeout(f.message),
+        FailureKind::Shutdown => ApiError::unavailable(f.message),
+        FailureKind::Internal if app.closing.load(Relaxed) => ApiError::unavailable(f.message),
+        FailureKind::Internal => ApiError::internal(f.message),
     }
 }
 
@@ -121,8 +124,8 @@ async fn whole(app: &App, api: Api, s: Submitted, common: &Common, meta: &Meta) 
                 let logprobs = common.logprobs.map(|_| tokens.as_slice());
                 return Ok(api.response(meta, &text, logprobs, reason, &usage).to_string());
             }
-            Some(End::Failed(msg)) => {
-                let e = engine_failure(app, msg);
+            Some(End::Failed(f)) => {
+                let e = engine_failure(app, f);
                 tracing::info!(id = %meta.id, route = api.route(), status = e.status.as_u16(), error = %e.message);
                 return Err(e);
             }
@@ -181,8 +184,8 @@ async fn stream_events(
                 log_done(api, meta, g, &u, reason);
                 break;
             }
-            Some(End::Failed(msg)) => {
-                let e = engine_failure(app, msg);
+            Some(End::Failed(f)) => {
+                let e = engine_failure(app, f);
                 tracing::info!(id = %meta.id, route = api.route(), status = e.status.as_u16(), error = %e.message, "stream failed");
                 send(tx, &e.body_json()).await?;
                 break;

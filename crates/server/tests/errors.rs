@@ -176,3 +176,23 @@ fn the_server_keeps_serving() {
     assert_eq!(r.status, 200, "{}", r.text());
     assert!(r.json()["choices"][0]["message"]["content"].is_string());
 }
+
+/// The engine's failures by kind: a request whose KV cache exceeds the server's whole
+/// budget is the client's (400, max_tokens); one past the request timeout a 504.
+#[test]
+fn engine_failures_get_their_status() {
+    let body = |n: usize| json!({"messages": user("hi"), "max_tokens": n}).to_string();
+    let post = |addr, b: &str| {
+        request(addr, "POST", "/v1/chat/completions", &[("Content-Type", "application/json")], b.as_bytes())
+    };
+    // SmolLM2: 30 layers × K and V × 3 kv heads × 64 × 2 bytes = 23 040 bytes a token; a
+    // budget of 200 tokens, less than the prompt and 200 more.
+    let small = start(EngineConfig { max_context: CONTEXT, kv_memory: 200 * 23_040, ..Default::default() }, None);
+    let e = expect_error(&post(small.addr, &body(200)), 400);
+    assert_eq!(e["param"], "max_tokens", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("KV cache"), "{e}");
+    assert_eq!(post(small.addr, &body(4)).status, 200, "a request within the budget runs");
+    let hasty = start(EngineConfig { request_timeout: Some(std::time::Duration::ZERO), ..Default::default() }, None);
+    let e = expect_error(&post(hasty.addr, &body(8)), 504);
+    assert_eq!(e["code"], "timeout", "{e}");
+}

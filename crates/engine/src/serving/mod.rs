@@ -64,7 +64,38 @@ pub enum Event {
     Started { prompt_tokens: usize, cached_tokens: usize },
     Token { id: u32, logprobs: Option<TokenLogprobs> },
     Finished { reason: Finish, usage: Usage },
-    Failed(String),
+    Failed(Failure),
+}
+
+/// Why a request failed, for the front end's status code.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FailureKind {
+    /// The request can never run here (its KV cache exceeds the server's whole budget).
+    TooLarge,
+    /// It ran past the request timeout.
+    Timeout,
+    /// The server shut down first.
+    Shutdown,
+    /// The engine's own failure (a device error).
+    Internal,
+}
+
+impl Failure {
+    pub fn new(kind: FailureKind, message: impl Into<String>) -> Failure {
+        Failure { kind, message: message.into() }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -126,6 +157,8 @@ pub struct Stats {
     pub running: usize,
     pub requests_finished: u64,
     pub requests_failed: u64,
+    /// Ended by `cancel` or by a sink that stopped listening.
+    pub requests_cancelled: u64,
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub generated_tokens: u64,
@@ -140,6 +173,7 @@ struct Shared {
     running: AtomicUsize,
     finished: AtomicU64,
     failed: AtomicU64,
+    cancelled: AtomicU64,
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     generated: AtomicU64,
@@ -282,6 +316,7 @@ impl Engine {
             running: s.running.load(Relaxed),
             requests_finished: s.finished.load(Relaxed),
             requests_failed: s.failed.load(Relaxed),
+            requests_cancelled: s.cancelled.load(Relaxed),
             prompt_tokens: s.prompt_tokens.load(Relaxed),
             cached_tokens: s.cached_tokens.load(Relaxed),
             generated_tokens: s.generated.load(Relaxed),

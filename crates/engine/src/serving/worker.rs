@@ -2,7 +2,7 @@
 //! then advances each running request by one step per round (a prefill chunk, or one
 //! token), handing its events to its sink.
 
-use super::{EngineConfig, Event, Finish, Job, Msg, Shared, Usage};
+use super::{EngineConfig, Event, Failure, FailureKind, Finish, Job, Msg, Shared, Usage};
 use crate::backend::Backend;
 use crate::generate::Session;
 use crate::model::Decoder;
@@ -32,9 +32,21 @@ struct Seq<'m, B: Backend> {
 /// How a request left the batch.
 enum End {
     Finished(Finish),
-    Failed(String),
-    /// Its sink refused an event: nobody listens any more.
+    Failed(Failure),
+    /// Cancelled, or its sink refused an event: nobody listens any more.
     Gone,
+}
+
+fn shutdown() -> Failure {
+    Failure::new(FailureKind::Shutdown, "the server shut down before the request finished")
+}
+
+fn shutting_down() -> Failure {
+    Failure::new(FailureKind::Shutdown, "the server is shutting down")
+}
+
+fn internal(e: crate::Error) -> End {
+    End::Failed(Failure::new(FailureKind::Internal, e.to_string()))
 }
 
 pub(super) struct Worker<'m, B: Backend> {
@@ -70,10 +82,10 @@ impl<'m, B: Backend> Worker<'m, B> {
             }
         }
         for job in std::mem::take(&mut self.waiting) {
-            self.fail_job(job, "the server is shutting down".into());
+            self.fail_job(job, shutting_down());
         }
         for s in std::mem::take(&mut self.running) {
-            self.end(s, End::Failed("the server shut down before the request finished".into()));
+            self.end(s, End::Failed(shutdown()));
         }
         self.publish();
     }
@@ -102,20 +114,23 @@ impl<'m, B: Backend> Worker<'m, B> {
 
     fn handle(&mut self, m: Msg) {
         match m {
-            Msg::Submit(job) if self.deadline.is_some() => self.fail_job(job, "the server is shutting down".into()),
+            Msg::Submit(job) if self.deadline.is_some() => self.fail_job(job, shutting_down()),
             Msg::Submit(job) => self.waiting.push_back(job),
             Msg::Cancel(id) => {
                 if let Some(i) = self.waiting.iter().position(|j| j.id == id) {
                     self.waiting.remove(i);
                     self.shared.waiting.fetch_sub(1, Relaxed);
+                    self.shared.cancelled.fetch_add(1, Relaxed);
                 }
-                // Dropping the session hands its cache back.
-                self.running.retain(|s| s.job.id != id);
+                if let Some(i) = self.running.iter().position(|s| s.job.id == id) {
+                    let s = self.running.swap_remove(i);
+                    self.end(s, End::Gone);
+                }
             }
             Msg::Shutdown(at) => {
                 self.deadline = Some(at);
                 for job in std::mem::take(&mut self.waiting) {
-                    self.fail_job(job, "the server is shutting down".into());
+                    self.fail_job(job, shutting_down());
                 }
             }
         }
@@ -137,7 +152,7 @@ impl<'m, B: Backend> Worker<'m, B> {
                     "the request needs {kv_bytes} bytes of KV cache ({cap} tokens), more than the server's budget of {}",
                     self.cfg.kv_memory
                 );
-                self.fail_job(job, msg);
+                self.fail_job(job, Failure::new(FailureKind::TooLarge, msg));
                 continue;
             }
             if kv_bytes > free {
@@ -162,7 +177,10 @@ impl<'m, B: Backend> Worker<'m, B> {
                         kv_bytes,
                     });
                 }
-                Err(e) => self.fail_job(job, format!("allocating the request's KV cache: {e}")),
+                Err(e) => {
+                    let msg = format!("allocating the request's KV cache: {e}");
+                    self.fail_job(job, Failure::new(FailureKind::Internal, msg))
+                }
             }
         }
     }
@@ -173,7 +191,7 @@ impl<'m, B: Backend> Worker<'m, B> {
         let mut i = 0;
         while i < self.running.len() {
             let end = match self.timed_out(&self.running[i], now) {
-                Some(msg) => Some(End::Failed(msg)),
+                Some(f) => Some(End::Failed(f)),
                 None => self.step(i),
             };
             match end {
@@ -186,13 +204,14 @@ impl<'m, B: Backend> Worker<'m, B> {
         }
     }
 
-    fn timed_out(&self, s: &Seq<'m, B>, now: Instant) -> Option<String> {
+    fn timed_out(&self, s: &Seq<'m, B>, now: Instant) -> Option<Failure> {
         if self.deadline.is_some_and(|d| now >= d) {
-            return Some("the server shut down before the request finished".into());
+            return Some(shutdown());
         }
         let limit = self.cfg.request_timeout?;
-        (now.duration_since(s.job.arrived) > limit)
-            .then(|| format!("the request timed out after {} s", limit.as_secs_f64()))
+        (now.duration_since(s.job.arrived) > limit).then(|| {
+            Failure::new(FailureKind::Timeout, format!("the request timed out after {} s", limit.as_secs_f64()))
+        })
     }
 
     /// Advance request i by one prefill chunk or one token.
@@ -204,7 +223,7 @@ impl<'m, B: Backend> Worker<'m, B> {
             let end = (s.fed + chunk).min(prompt_len);
             match s.session.feed(&s.job.req.prompt[..end]) {
                 Ok((logits, _)) => s.logits = Some(logits),
-                Err(e) => return Some(End::Failed(e.to_string())),
+                Err(e) => return Some(internal(e)),
             }
             s.fed = end;
             if end < prompt_len {
@@ -221,7 +240,7 @@ impl<'m, B: Backend> Worker<'m, B> {
                 let last = *s.history.last().expect("a prompt is never empty");
                 match s.session.step(last) {
                     Ok(l) => l,
-                    Err(e) => return Some(End::Failed(e.to_string())),
+                    Err(e) => return Some(internal(e)),
                 }
             }
         };
@@ -233,6 +252,7 @@ impl<'m, B: Backend> Worker<'m, B> {
             None => (s.sampler.sample_output(&mut logits, &s.history, prompt_len), None),
         };
         s.generated += 1;
+        self.shared.generated.fetch_add(1, Relaxed);
         if s.job.req.stop_tokens.contains(&id) {
             return Some(End::Finished(Finish::Stop));
         }
@@ -247,7 +267,6 @@ impl<'m, B: Backend> Worker<'m, B> {
     fn end(&self, mut s: Seq<'m, B>, end: End) {
         let usage = Usage { prompt_tokens: s.job.req.prompt.len(), cached_tokens: 0, completion_tokens: s.generated };
         let sh = &self.shared;
-        sh.generated.fetch_add(s.generated as u64, Relaxed);
         sh.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Relaxed);
         match end {
             End::Finished(reason) => {
@@ -259,7 +278,7 @@ impl<'m, B: Backend> Worker<'m, B> {
                 sh.failed.fetch_add(1, Relaxed);
             }
             End::Gone => {
-                sh.failed.fetch_add(1, Relaxed);
+                sh.cancelled.fetch_add(1, Relaxed);
             }
         }
         let secs = s.job.arrived.elapsed().as_secs_f64();
@@ -269,8 +288,8 @@ impl<'m, B: Backend> Worker<'m, B> {
     }
 
     /// A request that never ran (it was waiting, or came during shutdown).
-    fn fail_job(&self, mut job: Job, msg: String) {
-        (job.sink)(Event::Failed(msg));
+    fn fail_job(&self, mut job: Job, f: Failure) {
+        (job.sink)(Event::Failed(f));
         self.shared.waiting.fetch_sub(1, Relaxed);
         self.shared.failed.fetch_add(1, Relaxed);
     }
