@@ -264,26 +264,33 @@ impl<'m, B: Backend> Worker<'m, B> {
     }
 
     /// A request leaves the batch: its last event, its cache freed, the counters.
+    /// Counters and gauges first, then the last event: whoever hears it sees the request
+    /// gone from the stats.
     fn end(&self, mut s: Seq<'m, B>, end: End) {
         let usage = Usage { prompt_tokens: s.job.req.prompt.len(), cached_tokens: 0, completion_tokens: s.generated };
         let sh = &self.shared;
         sh.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Relaxed);
-        match end {
-            End::Finished(reason) => {
-                (s.job.sink)(Event::Finished { reason, usage });
-                sh.finished.fetch_add(1, Relaxed);
-            }
-            End::Failed(msg) => {
-                (s.job.sink)(Event::Failed(msg));
-                sh.failed.fetch_add(1, Relaxed);
-            }
-            End::Gone => {
-                sh.cancelled.fetch_add(1, Relaxed);
-            }
-        }
         let secs = s.job.arrived.elapsed().as_secs_f64();
         let mean = f64::from_bits(sh.mean_secs.load(Relaxed));
         sh.mean_secs.store((if mean == 0.0 { secs } else { 0.9 * mean + 0.1 * secs }).to_bits(), Relaxed);
+        let event = match end {
+            End::Finished(reason) => {
+                sh.finished.fetch_add(1, Relaxed);
+                Event::Finished { reason, usage }
+            }
+            End::Failed(f) => {
+                sh.failed.fetch_add(1, Relaxed);
+                Event::Failed(f)
+            }
+            End::Gone => {
+                sh.cancelled.fetch_add(1, Relaxed);
+                self.publish();
+                return;
+            }
+        };
+        // s has left `running` (the caller removed it).
+        self.publish();
+        (s.job.sink)(event);
         // s drops here: the session hands its cache back.
     }
 
