@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -q -p ferrolm-cli
-bin=target/release/ferrolm
+bin=${CARGO_TARGET_DIR:-target}/release/ferrolm
 model=${1:-${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf}
 rounds=${2:-3}
 threads=$(nproc)

@@ -37,10 +37,10 @@ cargo build --profile gpu -p ferrolm-cli
 exe=$(cargo test --profile gpu -p ferrolm-engine --features cuda-tests --test cuda_parity --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable") and "cuda_parity" in j["executable"]][-1])')
 mkdir -p gpu-bin/m1 gpu-bin/m2
-cp target/gpu/ferrolm gpu-bin/ferrolm
+cp "${CARGO_TARGET_DIR:-target}"/gpu/ferrolm gpu-bin/ferrolm
 cp "$exe" gpu-bin/cuda_parity
 model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf
-[[ -f $model ]] || target/gpu/ferrolm inspect >/dev/null
+[[ -f $model ]] || "${CARGO_TARGET_DIR:-target}"/gpu/ferrolm inspect >/dev/null
 mkdir -p gpu-bin/tok
 python3 -c 'import gguf' 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check gguf
 python3 tools/gpu/tokenizer_gguf.py "$model" "gpu-bin/tok/$(basename "$model")"
@@ -53,7 +53,7 @@ split -b 52000000 -d -a 1 "$gemma" gpu-bin/gemma.part
 for i in 0 1 2 3 4; do mv "gpu-bin/gemma.part$i" "gpu-bin/g$((i + 1))/"; done
 if [[ ${KERNEL_CACHE:-0} == 1 ]]; then
   source scripts/nvrtc-env.sh
-  FERROLM_HOME=gpu-bin/khome target/gpu/ferrolm kernels --arch sm_90 --prune
+  FERROLM_HOME=gpu-bin/khome "${CARGO_TARGET_DIR:-target}"/gpu/ferrolm kernels --arch sm_90 --prune
   tar -C gpu-bin/khome -cf - kernels | xz -T0 -6 > gpu-bin/m2/kernels.tar.xz
 fi
 ls -la gpu-bin gpu-bin/m1 gpu-bin/m2 gpu-bin/g[1-5] gpu-bin/tok

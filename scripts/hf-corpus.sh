@@ -18,7 +18,7 @@ py=${PYTHON:-python3}
 $py -c 'import torch, gguf, accelerate, transformers, sys; sys.exit(int(transformers.__version__.split(".")[0]) < 5)' \
   2>/dev/null || $py -m pip install --quiet torch "transformers>=5" gguf accelerate
 cargo build --release -q -p ferrolm-cli
-bin=target/release/ferrolm
+bin=${CARGO_TARGET_DIR:-target}/release/ferrolm
 scripts/fetch-test-models.sh
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import mlx_lm" 2>/dev/null || python3 -m pip install --quiet "mlx[cpu]" mlx-lm
 cargo build --release -q -p ferrolm-cli
-bin=target/release/ferrolm
+bin=${CARGO_TARGET_DIR:-target}/release/ferrolm
 model=$(python3 - <<'PY'
 import os
 home = os.environ.get("FERROLM_HOME", os.path.expanduser("~/.cache/ferrolm"))

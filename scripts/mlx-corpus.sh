@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import mlx_lm" 2>/dev/null || python3 -m pip install --quiet "mlx[cpu]" mlx-lm
 cargo build --release -q -p ferrolm-cli
-bin=target/release/ferrolm
+bin=${CARGO_TARGET_DIR:-target}/release/ferrolm
 model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f $model ]] || $bin inspect >/dev/null
 tmp=$(mktemp -d)

@@ -30,7 +30,7 @@ cargo build --workspace --release "${features[@]}" --test cuda_parity
 # The official openai Python client against `ferrolm serve` (tools/openai_compat.py).
 python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
 cargo build --release -q -p ferrolm-cli
-python3 tools/openai_compat.py --bin target/release/ferrolm
+python3 tools/openai_compat.py --bin "${CARGO_TARGET_DIR:-target}/release/ferrolm"
 scripts/mlx-check.sh
 # mlx-lm's own converter against ferrolm's NLL: an odd bit width and a mixed recipe (the
 # whole matrix of bits × groups × recipes: scripts/mlx-corpus.sh with no arguments).
