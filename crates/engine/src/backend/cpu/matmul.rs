@@ -42,6 +42,9 @@ pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]])
         ptrs.push(OutPtr(out.as_mut_ptr()));
         tasks.extend((0..n).step_by(ROWS_PER_TASK).map(|r0| (wi, r0, (r0 + ROWS_PER_TASK).min(n))));
     }
+    if m == 0 {
+        return;
+    }
     // x quantized once for every matrix the integer dot takes.
     let int = |a: &AffineTensor| simd::has_avx2() && qdot_ok(a);
     let affine = || ws.iter().filter_map(|w| if let Weight::Affine(a) = w { Some(a) } else { None });
