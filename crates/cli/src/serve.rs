@@ -33,8 +33,10 @@ pub struct ServeArgs {
     max_context: Option<usize>,
     /// Bytes the running requests' KV caches may take together: plain bytes or with a
     /// suffix K, M, G (powers of 1000) or KiB, MiB, GiB (powers of 1024).
-    #[arg(long, default_value = "4GiB", value_parser = parse_bytes)]
-    kv_memory: usize,
+    /// Default: half the GPU memory free after loading the model, or a quarter of the
+    /// memory available on the CPU.
+    #[arg(long, value_parser = parse_bytes)]
+    kv_memory: Option<usize>,
     /// Require `Authorization: Bearer KEY` on every /v1 route.
     #[arg(long, env = "FERROLM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -134,9 +136,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
         // One line on stdout for scripts that wait for the server (and read its port).
         println!(
-            "ferrolm serve: {name} ({}, context {}) on http://{}",
+            "ferrolm serve: {name} ({}, context {}, KV budget {} MiB) on http://{}",
             info.backend,
             info.max_context,
+            info.kv_memory >> 20,
             server.local_addr()
         );
         let stop = server.shutdown_handle();

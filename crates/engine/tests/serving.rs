@@ -100,13 +100,18 @@ fn requests_running_together_give_what_each_gives_alone() {
     }
     let st = e.stats();
     assert_eq!((st.running, st.waiting, st.requests_finished, st.kv_bytes_used), (0, 0, 6, 0), "{st:?}");
+    // No budget given: a quarter of the available memory, at least the 4 GiB fallback's
+    // order (the machine has GiBs), and the one the stats report.
+    let auto = e.info().kv_memory;
+    assert!(auto > 64 << 20 && st.kv_bytes_budget == auto, "auto budget {auto}, stats {st:?}");
     assert_eq!(st.generated_tokens, 72);
 }
 
 #[test]
 fn stop_tokens_logprobs_and_limits() {
     let tok = tokenizer();
-    let e = engine(EngineConfig { max_context: 64, ..Default::default() });
+    let e = engine(EngineConfig { max_context: 64, kv_memory: Some(123 << 20), ..Default::default() });
+    assert_eq!((e.info().kv_memory, e.stats().kv_bytes_budget), (123 << 20, 123 << 20));
     let p = prompts(&tok).remove(0);
     let (s, rx) = sink();
     e.submit(greedy(p.clone(), 8), s).unwrap();

@@ -12,10 +12,13 @@ use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::sync::OnceLock;
 
+/// The test server's KV budget, which /metrics reports.
+const KV_BUDGET: usize = 3 << 30;
+
 /// One server for this file's tests (they run in parallel against it).
 fn addr() -> SocketAddr {
     static S: OnceLock<TestServer> = OnceLock::new();
-    S.get_or_init(|| start(EngineConfig::default(), None)).addr
+    S.get_or_init(|| start(EngineConfig { kv_memory: Some(KV_BUDGET), ..Default::default() }, None)).addr
 }
 
 fn tok() -> &'static Tokenizer {
@@ -300,7 +303,7 @@ fn models_health_and_metrics() {
     assert!(metric(addr(), "ferrolm_time_to_first_token_seconds_count") >= 1.0);
     assert!(metric(addr(), "ferrolm_inter_token_latency_seconds_count") >= 4.0);
     assert!(metric(addr(), "ferrolm_http_responses_total{code=\"200\"}") >= 1.0);
-    assert_eq!(metric(addr(), "ferrolm_kv_cache_bytes_budget"), (4u64 << 30) as f64);
+    assert_eq!(metric(addr(), "ferrolm_kv_cache_bytes_budget"), KV_BUDGET as f64);
     let text = get(addr(), "/metrics").text();
     for name in [
         "ferrolm_requests_waiting ",

@@ -187,7 +187,7 @@ fn engine_failures_get_their_status() {
     };
     // SmolLM2: 30 layers × K and V × 3 kv heads × 64 × 2 bytes = 23 040 bytes a token; a
     // budget of 200 tokens, less than the prompt and 200 more.
-    let small = start(EngineConfig { max_context: CONTEXT, kv_memory: 200 * 23_040, ..Default::default() }, None);
+    let small = start(EngineConfig { max_context: CONTEXT, kv_memory: Some(200 * 23_040), ..Default::default() }, None);
     let e = expect_error(&post(small.addr, &body(200)), 400);
     assert_eq!(e["param"], "max_tokens", "{e}");
     assert!(e["message"].as_str().unwrap().contains("KV cache"), "{e}");

@@ -25,8 +25,8 @@ pub struct EngineConfig {
     pub max_queue: usize,
     /// Most tokens (prompt and generated) one request may hold; capped by the model's.
     pub max_context: usize,
-    /// Bytes the running requests' KV caches may take together.
-    pub kv_memory: usize,
+    /// Bytes the running requests' KV caches may take together; None: `auto_kv_memory`.
+    pub kv_memory: Option<usize>,
     /// A request still running this long after it arrived fails with a timeout.
     pub request_timeout: Option<Duration>,
 }
@@ -37,7 +37,7 @@ impl Default for EngineConfig {
             max_batch: 32,
             max_queue: 256,
             max_context: usize::MAX,
-            kv_memory: 4 << 30,
+            kv_memory: None,
             request_timeout: Some(Duration::from_secs(600)),
         }
     }
@@ -140,6 +140,21 @@ impl std::fmt::Display for SubmitError {
     }
 }
 
+/// The KV budget when none is given, once the model is loaded: half the device memory
+/// still free on a GPU (the rest for activations, captured steps and other processes), a
+/// quarter of the memory available on the CPU (`MemAvailable`; 4 GiB where it cannot be
+/// read).
+pub fn auto_kv_memory<B: Backend>(backend: &B) -> Result<usize> {
+    if let Some((_, used, total)) = backend.device_memory()? {
+        return Ok(total.saturating_sub(used) / 2);
+    }
+    let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+        line.split_whitespace().nth(1)?.parse::<usize>().ok().map(|kib| kib * 1024)
+    });
+    Ok(avail.map_or(4 << 30, |b| b / 4))
+}
+
 /// The model's facts a front end needs.
 #[derive(Clone, Debug)]
 pub struct ModelInfo {
@@ -147,6 +162,8 @@ pub struct ModelInfo {
     pub max_context: usize,
     /// Token ids the model scores.
     pub vocab: usize,
+    /// The KV byte budget in force (the configured one, or `auto_kv_memory`'s).
+    pub kv_memory: usize,
     pub backend: &'static str,
 }
 
@@ -236,18 +253,27 @@ impl Engine {
                     }
                 };
                 let max_context = c.max_context.min(model.cfg.max_ctx);
-                let info = ModelInfo { max_context, vocab: model.logits_width(), backend: model.backend.name() };
+                let kv_memory = match c.kv_memory.map_or_else(|| auto_kv_memory(&model.backend), Ok) {
+                    Ok(n) => n,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let backend = model.backend.name();
+                let info = ModelInfo { max_context, vocab: model.logits_width(), kv_memory, backend };
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
                 }
-                worker::Worker::new(&model, EngineConfig { max_context, ..c }, sh, rx).run();
+                let cfg = EngineConfig { max_context, kv_memory: Some(kv_memory), ..c };
+                worker::Worker::new(&model, cfg, sh, rx).run();
             })
             .map_err(|e| Error::Invalid(format!("starting the engine thread: {e}")))?;
         let info = match ready_rx.recv() {
             Ok(r) => r?,
             Err(_) => return Err(Error::Invalid("the engine thread stopped while loading the model".into())),
         };
-        let cfg = EngineConfig { max_context: info.max_context, ..cfg };
+        let cfg = EngineConfig { max_context: info.max_context, kv_memory: Some(info.kv_memory), ..cfg };
         Ok(Engine { tx, shared, cfg, info, next_id: AtomicU64::new(1), thread: Mutex::new(Some(thread)) })
     }
 
@@ -321,7 +347,7 @@ impl Engine {
             cached_tokens: s.cached_tokens.load(Relaxed),
             generated_tokens: s.generated.load(Relaxed),
             kv_bytes_used: s.kv_used.load(Relaxed),
-            kv_bytes_budget: self.cfg.kv_memory,
+            kv_bytes_budget: self.info.kv_memory,
         }
     }
 

@@ -60,13 +60,26 @@ pub(super) struct Worker<'m, B: Backend> {
     deadline: Option<Instant>,
     /// KV bytes one position takes (every layer, K and V, bf16).
     token_bytes: usize,
+    /// The KV byte budget (resolved by Engine::start).
+    kv_memory: usize,
 }
 
 impl<'m, B: Backend> Worker<'m, B> {
     pub(super) fn new(model: &'m Decoder<B>, cfg: EngineConfig, shared: Arc<Shared>, rx: mpsc::Receiver<Msg>) -> Self {
         let c = &model.cfg;
         let token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2;
-        Worker { model, cfg, shared, rx, waiting: VecDeque::new(), running: Vec::new(), deadline: None, token_bytes }
+        let kv_memory = cfg.kv_memory.unwrap_or(0);
+        Worker {
+            model,
+            cfg,
+            shared,
+            rx,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            deadline: None,
+            token_bytes,
+            kv_memory,
+        }
     }
 
     pub(super) fn run(mut self) {
@@ -140,17 +153,17 @@ impl<'m, B: Backend> Worker<'m, B> {
     /// have room for them.
     fn admit(&mut self) {
         let used: usize = self.running.iter().map(|s| s.kv_bytes).sum();
-        let mut free = self.cfg.kv_memory.saturating_sub(used);
+        let mut free = self.kv_memory.saturating_sub(used);
         while self.running.len() < self.cfg.max_batch {
             let Some(job) = self.waiting.front() else { break };
             let max_tokens = job.req.max_tokens.unwrap_or(usize::MAX).min(self.cfg.max_context - job.req.prompt.len());
             let cap = job.req.prompt.len() + max_tokens;
             let kv_bytes = cap * self.token_bytes;
-            if kv_bytes > self.cfg.kv_memory {
+            if kv_bytes > self.kv_memory {
                 let job = self.waiting.pop_front().expect("front exists");
                 let msg = format!(
                     "the request needs {kv_bytes} bytes of KV cache ({cap} tokens), more than the server's budget of {}",
-                    self.cfg.kv_memory
+                    self.kv_memory
                 );
                 self.fail_job(job, Failure::new(FailureKind::TooLarge, msg));
                 continue;
