@@ -276,9 +276,9 @@ impl<'m, B: Backend> Worker<'m, B> {
         (s.generated >= s.max_tokens).then_some(End::Finished(Finish::Length))
     }
 
-    /// A request leaves the batch: its last event, its cache freed, the counters.
-    /// Counters and gauges first, then the last event: whoever hears it sees the request
-    /// gone from the stats.
+    /// A request leaves the batch (the caller has removed it from `running`): the
+    /// counters and gauges first, then its last event, so that whoever hears it sees the
+    /// request gone from the stats; then its cache goes back.
     fn end(&self, mut s: Seq<'m, B>, end: End) {
         let usage = Usage { prompt_tokens: s.job.req.prompt.len(), cached_tokens: 0, completion_tokens: s.generated };
         let sh = &self.shared;
@@ -301,7 +301,6 @@ impl<'m, B: Backend> Worker<'m, B> {
                 return;
             }
         };
-        // s has left `running` (the caller removed it).
         self.publish();
         (s.job.sink)(event);
         // s drops here: the session hands its cache back.
