@@ -470,8 +470,7 @@ pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize, pr
         let logits = model.forward(chunk, 0, &mut kv, Logits::All)?;
         for (i, row) in logits.chunks_exact(vocab).take(chunk.len() - 1).enumerate() {
             let target = chunk[i + 1];
-            let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let lse = max as f64 + row.iter().map(|&v| ((v - max) as f64).exp()).sum::<f64>().ln();
+            let lse = crate::sample::log_sum_exp(row, 1.0);
             out.nll.push((lse - row[target as usize] as f64) as f32);
             out.targets.push(target);
             out.argmax.push(crate::sample::argmax(row));

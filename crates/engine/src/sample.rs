@@ -90,6 +90,12 @@ pub fn argmax(v: &[f32]) -> u32 {
     best as u32
 }
 
+/// ln Σ exp(v·scale), from the largest term (f64 sums): the log-softmax's normalizer.
+pub fn log_sum_exp(v: &[f32], scale: f32) -> f64 {
+    let max = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b * scale));
+    max as f64 + v.iter().map(|&l| ((l * scale - max) as f64).exp()).sum::<f64>().ln()
+}
+
 /// Candidate order: higher (scaled) logit first, ties to the lower token id.
 fn by_logit(a: &(u32, f32), b: &(u32, f32)) -> std::cmp::Ordering {
     b.1.total_cmp(&a.1).then(a.0.cmp(&b.0))
@@ -162,8 +168,7 @@ impl Sampler {
     ) -> (u32, TokenLogprobs) {
         self.penalize(logits, history, output.min(history.len()));
         let inv_t = if self.cfg.temperature > 0.0 { 1.0 / self.cfg.temperature } else { 1.0 };
-        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b * inv_t));
-        let lse = max as f64 + logits.iter().map(|&l| ((l * inv_t - max) as f64).exp()).sum::<f64>().ln();
+        let lse = log_sum_exp(logits, inv_t);
         let lp = |l: f32| (l as f64 * inv_t as f64 - lse) as f32;
         let mut top = Vec::new();
         if n > 0 {

@@ -6,9 +6,10 @@
 //! is not a multiple of 32, a weight row is unpacked once into an f32 scratch and reused
 //! for every activation row, four at a time. Either way a row's product does not depend on
 //! how many rows the call has (batch invariance). The affine form is folded once per
-//! group: Σ(s·q+b)·x = s·Σq·x + b·Σx, with Σx per group precomputed. Several matrices sharing one input (q/k/v, gate/up) run in one parallel
-//! region, since on few cores the fork/join per region costs as much as a small matmul.
-//! Weights are never dequantized as a whole.
+//! group: Σ(s·q+b)·x = s·Σq·x + b·Σx, with Σx per group precomputed. Several matrices
+//! sharing one input (q/k/v, gate/up) run in one parallel region, since on few cores the
+//! fork/join per region costs as much as a small matmul. Weights are never dequantized as a
+//! whole.
 
 use super::qdot::{self, QuantX};
 use super::simd;
