@@ -8,6 +8,7 @@ GPU machine as it is.
   usage: scripts/serve-bench.py --url http://127.0.0.1:8080 --concurrency 1,8,32,64
              [--prompt-tokens 128] [--max-tokens 128] [--requests-per-client 4]
              [--model NAME] [--api-key KEY]
+         scripts/serve-bench.py --url ... --prefix-words 2000 [--repeats 3]
 
 Each request is a /v1/completions stream with temperature 0 and `ignore_eos` (both
 ferrolm and llama-server honour it), so every request generates max_tokens tokens. Tokens
@@ -15,6 +16,11 @@ are counted from the final usage chunk when the server sends one
 (stream_options.include_usage), else one per streamed chunk with text. The prompt is a
 fixed English text cut to about --prompt-tokens words, different per client so no prefix
 cache serves it.
+
+--prefix-words N measures the prefix cache instead: per repeat, a request with a new
+N-word prefix and one question (cold), then one with the same prefix and another question
+(the prefix cached); it reports both times to first token, their ratio, and the second
+request's usage.prompt_tokens_details.cached_tokens.
 """
 import argparse
 import http.client
@@ -34,7 +40,8 @@ def prompt_for(client, n_words):
 
 
 def stream_once(url, body, headers):
-    """One streamed completion: (seconds to first token, gaps between tokens, tokens)."""
+    """One streamed completion: (seconds to first token, gaps between tokens, tokens, the
+    final usage object or None)."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=600)
     t0 = time.perf_counter()
@@ -52,7 +59,7 @@ def stream_once(url, body, headers):
             break
         ev = json.loads(data)
         if ev.get("usage"):
-            usage = ev["usage"].get("completion_tokens")
+            usage = ev["usage"]
         text = "".join(c.get("text") or "" for c in ev.get("choices") or [])
         if not text:
             continue
@@ -66,7 +73,8 @@ def stream_once(url, body, headers):
     conn.close()
     if first is None:
         raise RuntimeError("the stream carried no text")
-    return first, gaps, usage if usage is not None else chunks
+    tokens = usage.get("completion_tokens", chunks) if usage else chunks
+    return first, gaps, tokens, usage
 
 
 def run_level(args, concurrency):
@@ -84,7 +92,7 @@ def run_level(args, concurrency):
             body["model"] = args.model
         for _ in range(args.requests_per_client):
             try:
-                f, g, n = stream_once(args.url, body, headers)
+                f, g, n, _ = stream_once(args.url, body, headers)
             except Exception as e:  # a failed request is reported, not fatal
                 with lock:
                     errors.append(str(e))
@@ -122,6 +130,30 @@ def run_level(args, concurrency):
     }
 
 
+def prefix_test(args):
+    """Cold and prefix-cached time to first token, `args.repeats` times (median ratio)."""
+    headers = {"Content-Type": "application/json"}
+    if args.api_key:
+        headers["Authorization"] = f"Bearer {args.api_key}"
+    runs = []
+    for r in range(args.repeats):
+        prefix = f"Document {r}: " + " ".join(WORDS[(r * 7 + i * 3) % len(WORDS)] for i in range(args.prefix_words))
+        times = []
+        for question in ("What is the first word?", "How many wizards are there?"):
+            body = {"prompt": f"{prefix}\nQuestion: {question}\nAnswer:", "max_tokens": 4, "temperature": 0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            f, _, _, usage = stream_once(args.url, body, headers)
+            usage = usage or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            times.append((f, usage.get("prompt_tokens"), cached))
+        (cold, prompt, _), (hit, _, cached) = times
+        runs.append({"ttft_cold_s": cold, "ttft_cached_s": hit, "ratio": cold / hit, "prompt_tokens": prompt,
+                     "cached_tokens": cached})
+    ratios = sorted(x["ratio"] for x in runs)
+    return {"url": args.url, "prefix_words": args.prefix_words, "runs": runs,
+            "median_ratio": ratios[len(ratios) // 2]}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="http://127.0.0.1:8080")
@@ -131,7 +163,13 @@ def main():
     ap.add_argument("--requests-per-client", type=int, default=4)
     ap.add_argument("--model", default=None)
     ap.add_argument("--api-key", default=None)
+    ap.add_argument("--prefix-words", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
+    if args.prefix_words:
+        json.dump(prefix_test(args), sys.stdout, indent=1)
+        print()
+        return
     levels = [int(c) for c in args.concurrency.split(",") if c]
     if not levels or min(levels) < 1:
         sys.exit("--concurrency: a comma-separated list of positive counts")

@@ -2,6 +2,7 @@
 //! chat turns, and the sample loop shared by `generate`, `chat` and `bench`.
 
 use crate::backend::Backend;
+use crate::kv::seq::SeqCache;
 use crate::model::{Decoder, Logits};
 use crate::sample::Sampler;
 use crate::{Error, Result};
@@ -10,7 +11,7 @@ use std::time::Instant;
 pub struct Session<'m, B: Backend> {
     pub model: &'m Decoder<B>,
     /// Always Some but in `drop`, which hands it to the model's session pool.
-    kv: Option<B::Kv>,
+    kv: Option<SeqCache<B>>,
     /// Decode logits `[1, V]`, kept on the device across steps (a captured step writes here).
     logits: Option<B::Act>,
     /// The greedy step's token id `[1, 1]` (f32), on the device.
@@ -54,7 +55,7 @@ impl GenStats {
 /// instantiation) cost every new session's generation 2% of the 1B's 128-token decode speed
 /// (H200, docs/perf-log.md), paid by each bench repeat and each new conversation.
 pub(crate) struct SessionParts<B: Backend> {
-    kv: B::Kv,
+    kv: SeqCache<B>,
     logits: Option<B::Act>,
     argmax: Option<B::Act>,
     top_k: Option<(usize, u32, B::Act)>,
@@ -84,11 +85,14 @@ impl<'m, B: Backend> Session<'m, B> {
             let mut pool = model.session_pool.lock().unwrap_or_else(|e| e.into_inner());
             // The last one in of this capacity: a model's caches differ in nothing else yet
             // (a per-session cache format would have to join this match).
-            let i = pool.iter().rposition(|p| model.backend.kv_capacity(&p.kv) == max_seq);
+            let i = pool.iter().rposition(|p| p.kv.capacity() == max_seq);
             i.map(|i| pool.swap_remove(i))
         };
         let p = match pooled {
-            Some(p) => p,
+            Some(mut p) => {
+                p.kv.clear();
+                p
+            }
             None => {
                 static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
                 let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -125,7 +129,7 @@ impl<'m, B: Backend> Session<'m, B> {
     }
 
     pub fn capacity(&self) -> usize {
-        self.model.backend.kv_capacity(self.kv.as_ref().expect("a live session has its cache"))
+        self.kv.as_ref().expect("a live session has its cache").capacity()
     }
 
     /// Make the cache hold exactly `prompt`, computing only what differs from what it holds
@@ -142,8 +146,14 @@ impl<'m, B: Backend> Session<'m, B> {
             )));
         }
         let common = self.tokens.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        // Recompute at least the last token: its logits are what we return.
-        let start = common.min(prompt.len() - 1);
+        // Recompute at least the last token: its logits are what we return; all of them
+        // when the sliding layers no longer hold the window before the common part.
+        let mut start = common.min(prompt.len() - 1);
+        let kv = self.kv.as_mut().expect("a live session has its cache");
+        if !kv.can_resume(start) {
+            kv.clear();
+            start = 0;
+        }
         self.tokens.truncate(start);
         // Long prompts go through in chunks: activations stay bounded (a 512-token chunk of
         // a 1B model would hold ~100 MB of MLP activations) at no cost in speed.
@@ -202,6 +212,8 @@ impl<'m, B: Backend> Session<'m, B> {
         let (model, kv) = (self.model, self.kv.as_mut().expect("a live session has its cache"));
         let logits = self.logits.as_mut().expect("set above");
         let argmax = self.argmax.as_mut().expect("set above");
+        // The cache's blocks are taken here: a replayed capture does not run the closure.
+        kv.prepare(pos, n)?;
         // The token value matters only to the host staging of a given token (a fed step's
         // embedding reads the device's copy); its count sets the step's shape.
         b.step_fed(key, token, pos, &mut || {
@@ -209,6 +221,7 @@ impl<'m, B: Backend> Session<'m, B> {
                 model.forward_argmax(&[token.unwrap_or(0)], pos + i, kv, &mut *logits, &mut *argmax, true)
             })
         })?;
+        kv.advance(pos + n);
         b.queue_read(argmax, pos, n, slot)
     }
 
@@ -315,9 +328,11 @@ impl<'m, B: Backend> Session<'m, B> {
         let logits = self.logits.as_mut().expect("set above");
         let argmax = self.argmax.as_mut().expect("set above");
         let mut top_k = self.top_k.as_mut();
+        // The cache's blocks are taken here: a replayed capture does not run the closure.
+        kv.prepare(pos, 1)?;
         // Each ending is its own capture (the last launch differs).
         b.step(key, &[token], pos, &mut || {
-            let logits_only = |logits: &mut B::Act, kv: &mut B::Kv| {
+            let logits_only = |logits: &mut B::Act, kv: &mut SeqCache<B>| {
                 model.forward_into(&[token], pos, kv, Logits::Last, Some(logits)).map(|_| ())
             };
             match (end, top_k.as_deref_mut()) {
@@ -331,6 +346,7 @@ impl<'m, B: Backend> Session<'m, B> {
                 (StepEnd::TopK, None) => Err(Error::Invalid("top-k step without its output buffer".into())),
             }
         })?;
+        kv.advance(pos + 1);
         self.tokens.push(token);
         Ok(())
     }

@@ -3,6 +3,7 @@
 //! path, and several prompts interleaved on separate caches.
 
 use ferrolm::backend::cpu::Cpu;
+use ferrolm::backend::Backend;
 use ferrolm::config::{Activation, Arch, AttnKind, Llama3Scaling, ModelConfig, RopeStyle};
 use ferrolm::formats::{names, ModelSource, TensorMap, TokenizerSource};
 use ferrolm::generate::Session;
@@ -475,11 +476,12 @@ fn positions_before_the_window_are_not_attended() {
     }
 }
 
-/// A sliding layer's cache is a ring of window + RING_ROWS - 1 slots (position p in slot p
-/// mod slots): a sequence longer than the ring and than one call (the model splits a long
-/// prefill) gives the reference's logits on the prefill and decode paths.
+/// A sliding layer's cache holds blocks for its window and one call (CALL_ROWS), blocks
+/// out of the window going back as the sequence grows: a sequence longer than that and
+/// than one call (the model splits a long prefill) gives the reference's logits on the
+/// prefill and decode paths.
 #[test]
-fn sliding_layers_keep_a_ring_of_their_window() {
+fn sliding_layers_keep_only_their_window() {
     let n = 1100;
     let tokens: Vec<u32> = (0..n).map(|i| ((i * 37 + 11) % 96) as u32).collect();
     for (name, cfg, bits) in variants().into_iter().filter(|(n, ..)| n.contains("sliding")) {
@@ -488,11 +490,10 @@ fn sliding_layers_keep_a_ring_of_their_window() {
         let model = Decoder::load(Cpu, &mut src).unwrap();
         let want = reference(&cfg, &wref, &tokens);
         let mut kv = model.new_cache(2048).unwrap();
-        for (i, &slots) in kv.slots.iter().enumerate() {
-            let ring = cfg.sliding_window + ferrolm::kv::RING_ROWS - 1;
-            let expect = if cfg.layer_kind(i) == AttnKind::Sliding { ring } else { 2048 };
-            assert_eq!(slots, expect, "{name}: layer {i}");
-        }
+        let blocks = model.backend.kv_blocks(&kv.store);
+        let window_blocks = (cfg.sliding_window + ferrolm::kv::CALL_ROWS - 1).div_ceil(ferrolm::kv::BLOCK) + 1;
+        assert_eq!((blocks.full, blocks.sliding), (2048 / ferrolm::kv::BLOCK, window_blocks), "{name}");
+        assert!(kv.windowed() && blocks.sliding * ferrolm::kv::BLOCK < n, "{name}: {blocks:?}");
         let all = model.forward(&tokens, 0, &mut kv, Logits::All).unwrap();
         let e = rel_err(&all, &want);
         assert!(e < 6e-3, "{name}: {n} positions through rings, prefill vs reference rel err {e}");

@@ -11,6 +11,7 @@ use ferrolm::backend::cpu::{Cpu, CpuAct};
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::{Attend, Backend, Rope};
 use ferrolm::config::{Activation, RopeStyle};
+use ferrolm::kv::{blocks_for, InOrder};
 use ferrolm::model::{Decoder, Logits};
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 use std::sync::OnceLock;
@@ -103,12 +104,13 @@ fn attention_both(
     let v = bf(&r.v(m * n_kv * hd, 1.0));
     let qg = g.act_from(m, heads * hd, &q).unwrap();
     let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
-    g.begin(&[], pos).unwrap();
+    let t = InOrder::new(g.kv_blocks(kvg));
+    g.begin(&[], &[t.span(pos, m)]).unwrap();
     let (kg, vg) = (g.act_from(m, n_kv * hd, &k).unwrap(), g.act_from(m, n_kv * hd, &v).unwrap());
-    g.attention(&qg, &kg, &vg, kvg, 0, pos, attend, &mut og).unwrap();
+    g.attention(&qg, &kg, &vg, kvg, 0, &[t.span(pos, m)], attend, &mut og).unwrap();
     let mut oc = c.act(m, heads * hd).unwrap();
     let (qc, kc, vc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k), cpu(m, n_kv * hd, v));
-    c.attention(&qc, &kc, &vc, kvc, 0, pos, attend, &mut oc).unwrap();
+    c.attention(&qc, &kc, &vc, kvc, 0, &[t.span(pos, m)], attend, &mut oc).unwrap();
     (og, oc.data, qg)
 }
 
@@ -170,10 +172,11 @@ fn ops_match_cpu() {
         let rope =
             Rope { inv_freq: (0..32).map(|i| 1.0 / 10000f32.powf(i as f32 / 32.0)).collect(), style, linear: 1.0 };
         let mut rg = g.act_from(m, d, &x).unwrap();
-        g.begin(&[], 3000).unwrap(); // CUDA reads the position staged by the forward call
-        g.rope(&mut rg, 4, 3000, &rope).unwrap();
+        let t = InOrder::new(blocks_for(&attn_cfg(4, 4, 64, 1, style), 3000 + m));
+        g.begin(&[], &[t.span(3000, m)]).unwrap(); // CUDA reads the position staged by the forward call
+        g.rope(&mut rg, 4, &[t.span(3000, m)], &rope).unwrap();
         let mut rc = xc.clone();
-        c.rope(&mut rc, 4, 3000, &rope).unwrap();
+        c.rope(&mut rc, 4, &[t.span(3000, m)], &rope).unwrap();
         check(&format!("rope {style:?}"), &g.read_rows(&rg, 0).unwrap(), &rc.data, 1e-2);
     }
 }
@@ -218,7 +221,8 @@ fn matmuls_and_embeddings_match_cpu() {
         // Plain, and scaled as Gemma's are (√640).
         for scale in [1.0, 25.298_22] {
             let mut eg = g.act_poisoned(4, k, true).unwrap();
-            g.begin(&toks, 0).unwrap();
+            let t = InOrder::new(ferrolm::kv::KvBlocks { full: 1, sliding: 0 });
+            g.begin(&toks, &[t.span(0, toks.len())]).unwrap();
             g.embed(&wg, &toks, scale, &mut eg).unwrap();
             let mut ec = c.act(4, k).unwrap();
             c.embed(&w, &toks, scale, &mut ec).unwrap();
@@ -235,8 +239,8 @@ fn attention_matches_cpu_prefill_and_decode() {
         let cfg = attn_cfg(heads, n_kv, hd, 1, RopeStyle::Half);
         // a small cache (one split), then a large one (several splits, some past the length)
         for (cache, steps) in [(64, vec![37usize, 1, 1, 1]), (1100, vec![300, 1, 1, 513, 1])] {
-            let mut kvg = g.kv_cache(&cfg, cache).unwrap();
-            let mut kvc = c.kv_cache(&cfg, cache).unwrap();
+            let mut kvg = g.kv_store(&cfg, blocks_for(&cfg, cache)).unwrap();
+            let mut kvc = c.kv_store(&cfg, blocks_for(&cfg, cache)).unwrap();
             let mut pos = 0;
             for m in steps {
                 let attend = Attend::causal(hd);
@@ -447,21 +451,23 @@ fn rope_attention_matches_cpu() {
     for (heads, n_kv, hd, style, cache, steps, attend) in cases {
         let cfg = attn_cfg(heads, n_kv, hd, 2, style);
         let rope = Rope { inv_freq: cfg.rope_inv_freq(), style, linear: 1.0 };
-        let mut kvg = g.kv_cache(&cfg, cache).unwrap();
-        let mut kvc = c.kv_cache(&cfg, cache).unwrap();
+        let mut kvg = g.kv_store(&cfg, blocks_for(&cfg, cache)).unwrap();
+        let mut kvc = c.kv_store(&cfg, blocks_for(&cfg, cache)).unwrap();
         let mut pos = 0;
         for &m in steps {
             let q = bf(&r.v(m * heads * hd, 1.0));
             let k = bf(&r.v(m * n_kv * hd, 1.0));
             let v = bf(&r.v(m * n_kv * hd, 1.0));
             let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
-            g.begin(&[], pos).unwrap();
+            let t = InOrder::new(g.kv_blocks(&kvg));
+            let at = [t.span(pos, m)];
+            g.begin(&[], &at).unwrap();
             let (mut qg, mut kg) = (g.act_from(m, heads * hd, &q).unwrap(), g.act_from(m, n_kv * hd, &k).unwrap());
             let vg = g.act_from(m, n_kv * hd, &v).unwrap();
-            g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, pos, &rope, (heads, n_kv), attend, &mut og).unwrap();
+            g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, &at, &rope, (heads, n_kv), attend, &mut og).unwrap();
             let mut oc = c.act(m, heads * hd).unwrap();
             let (mut qc, mut kc, vc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k), cpu(m, n_kv * hd, v));
-            c.rope_attention(&mut qc, &mut kc, &vc, &mut kvc, 1, pos, &rope, (heads, n_kv), attend, &mut oc).unwrap();
+            c.rope_attention(&mut qc, &mut kc, &vc, &mut kvc, 1, &at, &rope, (heads, n_kv), attend, &mut oc).unwrap();
             check(
                 &format!("rope_attention {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos} {attend:?}"),
                 &g.read_rows(&og, 0).unwrap(),
@@ -480,7 +486,7 @@ fn out_of_memory_is_a_clear_error() {
     let g = gpu();
     let cfg = attn_cfg(32, 32, 128, 64, RopeStyle::Half);
     // 64 layers × 2 × 1M positions × 4096 × 2 bytes = 1 TiB
-    let e = g.kv_cache(&cfg, 1 << 20).err().expect("a 1 TiB KV cache cannot fit").to_string();
+    let e = g.kv_store(&cfg, blocks_for(&cfg, 1 << 20)).err().expect("a 1 TiB KV cache cannot fit").to_string();
     assert!(e.contains("out of memory") && e.contains("KV cache"), "{e}");
     let x = g.act_from(1, 4, &[1.0, 2.0, 3.0, 4.0]).unwrap();
     assert_eq!(g.read_rows(&x, 0).unwrap(), vec![1.0, 2.0, 3.0, 4.0]);

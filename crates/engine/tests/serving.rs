@@ -61,23 +61,23 @@ fn prompts(tok: &Tokenizer) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// Greedy tokens of `prompt` from a session of its own.
+fn alone(model: &Decoder<Cpu>, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut s = ferrolm::generate::Session::new(model, prompt.len() + n).unwrap();
+    let mut out = vec![];
+    s.generate(prompt, n, &mut Sampler::new(SamplerConfig::default()), &[], |t| {
+        out.push(t);
+        Ok(true)
+    })
+    .unwrap();
+    out
+}
+
 #[test]
 fn requests_running_together_give_what_each_gives_alone() {
     let tok = tokenizer();
     let model = load().unwrap();
-    let alone: Vec<Vec<u32>> = prompts(&tok)
-        .into_iter()
-        .map(|p| {
-            let mut s = ferrolm::generate::Session::new(&model, 64).unwrap();
-            let mut out = vec![];
-            s.generate(&p, 12, &mut Sampler::new(SamplerConfig::default()), &[], |t| {
-                out.push(t);
-                Ok(true)
-            })
-            .unwrap();
-            out
-        })
-        .collect();
+    let alone: Vec<Vec<u32>> = prompts(&tok).iter().map(|p| alone(&model, p, 12)).collect();
     // Four run at once, the other two wait for a place.
     let e = engine(EngineConfig { max_batch: 4, ..Default::default() });
     let rxs: Vec<_> = prompts(&tok)
@@ -213,4 +213,55 @@ fn queue_bound_cancellation_deadline_and_shutdown() {
     e.shutdown(Duration::ZERO);
     assert!(matches!(collect(&rx).1, Event::Failed(f) if f.kind == FailureKind::Shutdown));
     assert_eq!(e.submit(greedy(p, 1), sink().0), Err(SubmitError::Closed));
+}
+
+/// A request sharing a long prefix with an earlier one reuses its cached blocks
+/// (`cached_tokens`) and generates what it generates cold; when blocks run out requests are
+/// preempted, recomputed, and still generate what each does alone.
+#[test]
+fn prefix_hits_and_preemption_give_the_cold_tokens() {
+    let tok = tokenizer();
+    let model = load().unwrap();
+    let base = "You are a helpful assistant. Answer briefly and precisely, in plain words, without \
+        lists or headings. Here is some background that both questions share: the river flows \
+        north through three towns, each with its own bridge, market and school. The first town \
+        is the oldest, the second the largest, and the third sits where the river meets the \
+        sea. Ferries cross twice a day in summer and once a day in winter.";
+    let a = tok.encode(&format!("{base} Which way does the river flow?"), true).unwrap();
+    let b = tok.encode(&format!("{base} How many towns are there?"), true).unwrap();
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    assert!(common >= 64, "{common} shared tokens");
+    let want_b = alone(&model, &b, 8);
+    let e = engine(EngineConfig::default());
+    let (s, rx) = sink();
+    e.submit(greedy(a, 8), s).unwrap();
+    collect(&rx);
+    let (s, rx) = sink();
+    e.submit(greedy(b.clone(), 8), s).unwrap();
+    let hit = common / ferrolm::kv::BLOCK * ferrolm::kv::BLOCK;
+    assert_eq!(rx.recv().unwrap(), Event::Started { prompt_tokens: b.len(), cached_tokens: hit });
+    let (ids, end) = collect(&rx);
+    assert_eq!(ids, want_b);
+    assert!(matches!(end, Event::Finished { usage, .. } if usage.cached_tokens == hit), "{end:?}");
+    assert_eq!(e.stats().cached_tokens, hit as u64);
+    drop(e);
+    // Ten blocks for four requests that grow to three blocks each.
+    let block = ferrolm::kv::store_bytes(&model.cfg, ferrolm::kv::KvBlocks { full: 1, sliding: 0 });
+    let e = engine(EngineConfig { max_batch: 4, kv_memory: Some(10 * block), ..Default::default() });
+    let ps: Vec<Vec<u32>> = prompts(&tok).into_iter().take(4).collect();
+    let rxs: Vec<_> = ps
+        .iter()
+        .map(|p| {
+            let (s, rx) = sink();
+            e.submit(greedy(p.clone(), 90 - p.len()), s).unwrap();
+            rx
+        })
+        .collect();
+    for (p, rx) in ps.iter().zip(&rxs) {
+        let (ids, end) = collect(rx);
+        assert!(matches!(end, Event::Finished { reason: Finish::Length, .. }), "{end:?}");
+        assert_eq!(ids, alone(&model, p, 90 - p.len()));
+    }
+    let st = e.stats();
+    assert!(st.preemptions > 0 && st.kv_bytes_used == 0 && st.running == 0, "{st:?}");
 }

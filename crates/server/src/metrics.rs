@@ -133,7 +133,7 @@ impl Metrics {
             let _ = writeln!(out, "ferrolm_http_responses_total{{code=\"{code}\"}} {n}");
         }
         drop(c);
-        let values: [(&str, &str, &str, u64); 9] = [
+        let values: [(&str, &str, &str, u64); 10] = [
             ("ferrolm_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", s.prompt_tokens),
             (
                 "ferrolm_prompt_cached_tokens_total",
@@ -144,6 +144,12 @@ impl Metrics {
             ("ferrolm_generation_tokens_total", "counter", "Tokens generated.", s.generated_tokens),
             ("ferrolm_engine_finished_total", "counter", "Requests the engine finished.", s.requests_finished),
             ("ferrolm_engine_failed_total", "counter", "Requests the engine failed or cancelled.", s.requests_failed),
+            (
+                "ferrolm_preemptions_total",
+                "counter",
+                "Times a running request gave its KV blocks back to be recomputed later.",
+                s.preemptions,
+            ),
             ("ferrolm_requests_waiting", "gauge", "Requests in the queue.", s.waiting as u64),
             ("ferrolm_requests_running", "gauge", "Requests in the running batch.", s.running as u64),
             (

@@ -5,6 +5,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::config::{Activation, ModelConfig};
+use crate::kv::Span;
 use crate::quant::Weight;
 use crate::Result;
 
@@ -131,7 +132,8 @@ pub trait Backend: Sync {
     type Mat;
     /// A 1-D weight (norm gains, biases).
     type Vector;
-    /// The KV cache of one sequence: all layers, preallocated to a maximum length.
+    /// KV storage of every layer in blocks of `kv::BLOCK` positions (`kv` module), shared
+    /// by the sequences whose tables point into it.
     type Kv;
 
     fn name(&self) -> &'static str;
@@ -155,16 +157,22 @@ pub trait Backend: Sync {
     fn act(&self, rows: usize, cols: usize) -> Result<Self::Act>;
     /// f32 activations: the residual stream and logits.
     fn act_f32(&self, rows: usize, cols: usize) -> Result<Self::Act>;
-    fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<Self::Kv>;
-    /// Number of positions the cache holds.
-    fn kv_capacity(&self, kv: &Self::Kv) -> usize;
-    /// Whether a layer of the cache is a sliding window's ring (crate::kv::layer_slots):
-    /// then a forward call writes at most crate::kv::RING_ROWS positions.
-    fn kv_has_ring(&self, kv: &Self::Kv) -> bool;
+    /// A store of `blocks` for the model's layers.
+    fn kv_store(&self, cfg: &ModelConfig, blocks: crate::kv::KvBlocks) -> Result<Self::Kv>;
+    /// The blocks a store holds.
+    fn kv_blocks(&self, kv: &Self::Kv) -> crate::kv::KvBlocks;
+    /// Whether the store honours block tables, so that sequences can share it and one
+    /// call can hold several (`Span`s). A backend that does not keeps position p of its one
+    /// sequence at row p (a sliding layer's ring at p mod its slots, `kv::layer_slots`):
+    /// CUDA, until its kernels index through tables.
+    fn kv_paged(&self) -> bool {
+        true
+    }
 
-    /// Start a forward call: make `tokens` and `pos0` visible to the device ops (CUDA copies
-    /// them from pinned host memory, so a captured graph replays with new values).
-    fn begin(&self, _tokens: &[u32], _pos0: usize) -> Result<()> {
+    /// Start a forward call: make `tokens` and the rows' places (`spans`, consecutive
+    /// sequences) visible to the device ops (CUDA copies them from pinned host memory, so a
+    /// captured graph replays with new values).
+    fn begin(&self, _tokens: &[u32], _spans: &[Span<'_>]) -> Result<()> {
         Ok(())
     }
     /// Run one decode step `f`. A backend may capture it the first time under `key` and
@@ -218,10 +226,13 @@ pub trait Backend: Sync {
     fn matmul_many(&self, x: &Self::Act, ws: &[&Self::Mat], outs: &mut [&mut Self::Act]) -> Result<()>;
     /// x[i] += b, per row.
     fn add_bias(&self, x: &mut Self::Act, b: &Self::Vector) -> Result<()>;
-    /// Rotate each head of each row; row i sits at position pos0 + i.
-    fn rope(&self, x: &mut Self::Act, n_heads: usize, pos0: usize, rope: &Rope) -> Result<()>;
-    /// Write k/v rows at positions pos0.. of `layer` into the cache, then causal attention
-    /// of q over positions `attend.first(pos)..=pos`, scores scaled by `attend.scale`.
+    /// Rotate each head of each row at its position (`spans`: each sequence's rows sit at
+    /// its positions pos0..).
+    fn rope(&self, x: &mut Self::Act, n_heads: usize, spans: &[Span<'_>], rope: &Rope) -> Result<()>;
+    /// Write each sequence's k/v rows at its positions of `layer` into the store (through
+    /// its table for the layer's kind: `attend.window` set means sliding), then causal
+    /// attention of each query row over its own sequence's positions
+    /// `attend.first(pos)..=pos`, scores scaled by `attend.scale`.
     /// q `[m, n_heads·hd]`, k/v `[m, n_kv·hd]`.
     #[allow(clippy::too_many_arguments)]
     fn attention(
@@ -231,7 +242,7 @@ pub trait Backend: Sync {
         v: &Self::Act,
         kv: &mut Self::Kv,
         layer: usize,
-        pos0: usize,
+        spans: &[Span<'_>],
         attend: Attend,
         out: &mut Self::Act,
     ) -> Result<()>;
@@ -294,7 +305,7 @@ pub trait Backend: Sync {
         self.rms_norm(tmp, norm, eps, tmp2)?;
         self.add(x, tmp2)
     }
-    /// RoPE on q (n_heads) and k (n_kv heads) at positions pos0.., then `attention`.
+    /// RoPE on q (n_heads) and k (n_kv heads) at the rows' positions, then `attention`.
     /// Afterwards q and k hold either the rotated or the original values (a backend may
     /// rotate them on the fly): callers treat them as scratch.
     #[allow(clippy::too_many_arguments)]
@@ -305,17 +316,17 @@ pub trait Backend: Sync {
         v: &Self::Act,
         kv: &mut Self::Kv,
         layer: usize,
-        pos0: usize,
+        spans: &[Span<'_>],
         rope: &Rope,
         (n_heads, n_kv): (usize, usize),
         attend: Attend,
         out: &mut Self::Act,
     ) -> Result<()> {
-        self.rope(q, n_heads, pos0, rope)?;
-        self.rope(k, n_kv, pos0, rope)?;
-        self.attention(q, k, v, kv, layer, pos0, attend, out)
+        self.rope(q, n_heads, spans, rope)?;
+        self.rope(k, n_kv, spans, rope)?;
+        self.attention(q, k, v, kv, layer, spans, attend, out)
     }
-    /// One layer for one token (x `[1, d]`) at the staged position: the same math as
+    /// One layer for one token (x `[1, d]`, `spans` one row) at the staged position: the same math as
     /// the model's ops (`model::decoder::layer_ops`, the default). A backend overrides it with
     /// its decode step (CUDA: decode.rs's five launches).
     #[allow(clippy::too_many_arguments)]
@@ -325,7 +336,7 @@ pub trait Backend: Sync {
         x: &mut Self::Act,
         kv: &mut Self::Kv,
         layer: usize,
-        pos0: usize,
+        spans: &[Span<'_>],
         rope: &Rope,
         shape: LayerShape,
         s: LayerScratch<'_, Self>,
@@ -333,7 +344,7 @@ pub trait Backend: Sync {
     where
         Self: Sized,
     {
-        crate::model::decoder::layer_ops(self, w, x, kv, layer, pos0, rope, shape, s)
+        crate::model::decoder::layer_ops(self, w, x, kv, layer, spans, rope, shape, s)
     }
     /// Layers one after another for one token (x `[1, d]`), each as `decode_layer`. A
     /// backend may carry work from one layer into the next (CUDA: Gemma's post-norm adds
@@ -344,7 +355,7 @@ pub trait Backend: Sync {
         layers: &[DecodeLayer<'_, Self>],
         (x, spare): (&mut Self::Act, &mut Self::Act),
         kv: &mut Self::Kv,
-        pos0: usize,
+        spans: &[Span<'_>],
         mut s: LayerScratch<'_, Self>,
     ) -> Result<()>
     where
@@ -352,7 +363,7 @@ pub trait Backend: Sync {
     {
         let _ = spare;
         for l in layers {
-            self.decode_layer(&l.weights, x, kv, l.index, pos0, l.rope, l.shape, s.reborrow())?;
+            self.decode_layer(&l.weights, x, kv, l.index, spans, l.rope, l.shape, s.reborrow())?;
         }
         Ok(())
     }
@@ -392,6 +403,8 @@ pub trait Backend: Sync {
 
     /// A new activation holding rows `[first, rows)` of x.
     fn slice_rows(&self, x: &Self::Act, first: usize) -> Result<Self::Act>;
+    /// A new activation holding the given rows of x, in that order.
+    fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Result<Self::Act>;
     /// Copy rows `[first, rows)` to the host as f32.
     fn read_rows(&self, x: &Self::Act, first: usize) -> Result<Vec<f32>>;
 }

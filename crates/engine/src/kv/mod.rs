@@ -1,44 +1,129 @@
-//! KV caches. Preallocated to a maximum length and updated in place (never concatenated),
-//! so decode steps have fixed shapes. A sliding-window layer keeps only a ring of slots
-//! (`layer_slots`): the positions its queries can still attend, plus one forward call's
-//! worth of new ones.
+//! KV caches. Keys and values live in blocks of `BLOCK` positions, in one store per model
+//! shared by every sequence (`Backend::Kv`); each sequence has a block table per kind of
+//! layer (`paged::SeqKv`), and a forward call says where each of its rows goes (`Span`).
+//! Blocks are preallocated and updated in place, so decode steps have fixed shapes.
 
 pub mod blocks;
-pub mod dense;
 pub mod paged;
+pub mod seq;
 
 use crate::config::{AttnKind, ModelConfig};
 
-/// Most positions one forward call may write to a ring (the model splits longer calls):
-/// the CUDA backend's prefill chunk.
-pub const RING_ROWS: usize = 512;
+/// Positions per block. A multiple of 32 (the quantized key formats group 32 positions).
+pub const BLOCK: usize = 32;
 
-/// Slots a layer's cache holds for `max_seq` positions: one per position, or for a layer
-/// attending the last `window` positions a ring of window + RING_ROWS - 1 slots (position
-/// p in slot p mod slots) where that is fewer. A call writing m ≤ RING_ROWS positions from
+/// Most rows one forward call writes into a sequence's cache that holds only a sliding
+/// window (`SeqCache` sizes the sliding layers' blocks for window + CALL_ROWS positions;
+/// the model splits longer calls). The CUDA backend's prefill chunk.
+pub const CALL_ROWS: usize = 512;
+
+/// Blocks of a store, per kind of layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvBlocks {
+    /// For the full-attention layers.
+    pub full: usize,
+    /// For the sliding-window layers (0 when the model has none).
+    pub sliding: usize,
+}
+
+/// One sequence's rows in a forward call: `rows` tokens at positions pos0.., whose keys
+/// and values go, and are read, through its tables: position p of a layer lives in row
+/// `table[p / BLOCK]·BLOCK + p % BLOCK` of that layer's store, `full` for full-attention
+/// layers and `sliding` for sliding-window ones.
+#[derive(Clone, Copy, Debug)]
+pub struct Span<'a> {
+    pub rows: usize,
+    pub pos0: usize,
+    pub full: &'a [u32],
+    pub sliding: &'a [u32],
+}
+
+impl Span<'_> {
+    /// The table of a layer (sliding or not).
+    pub fn table(&self, sliding: bool) -> &[u32] {
+        if sliding {
+            self.sliding
+        } else {
+            self.full
+        }
+    }
+}
+
+/// Store row of position p through `table`.
+#[inline]
+pub fn row_of(table: &[u32], p: usize) -> usize {
+    table[p / BLOCK] as usize * BLOCK + p % BLOCK
+}
+
+/// The sequence index and position of each row of a call over `spans`.
+pub fn row_positions(spans: &[Span<'_>]) -> Vec<(usize, usize)> {
+    spans.iter().enumerate().flat_map(|(i, s)| (s.pos0..s.pos0 + s.rows).map(move |p| (i, p))).collect()
+}
+
+/// Whether layer i of the model attends a sliding window.
+pub fn is_sliding(cfg: &ModelConfig, i: usize) -> bool {
+    cfg.layer_kind(i) == AttnKind::Sliding
+}
+
+/// Whether the model has sliding-window layers.
+pub fn has_sliding(cfg: &ModelConfig) -> bool {
+    (0..cfg.n_layers).any(|i| is_sliding(cfg, i))
+}
+
+/// Bytes of KV one position takes in one layer (K and V, bf16).
+pub fn layer_position_bytes(cfg: &ModelConfig) -> usize {
+    2 * cfg.n_kv_heads * cfg.head_dim * 2
+}
+
+/// Store bytes of `blocks`.
+pub fn store_bytes(cfg: &ModelConfig, blocks: KvBlocks) -> usize {
+    let sliding_layers = (0..cfg.n_layers).filter(|&i| is_sliding(cfg, i)).count();
+    let rows = (cfg.n_layers - sliding_layers) * blocks.full + sliding_layers * blocks.sliding;
+    rows * BLOCK * layer_position_bytes(cfg)
+}
+
+/// Blocks for every position up to `max_seq` in every layer (nothing released): for
+/// backend-level tests and probes that drive one sequence through `InOrder` tables.
+pub fn blocks_for(cfg: &ModelConfig, max_seq: usize) -> KvBlocks {
+    let full = max_seq.div_ceil(BLOCK);
+    KvBlocks { full, sliding: if has_sliding(cfg) { full } else { 0 } }
+}
+
+/// One sequence's tables over a whole store, block i holding positions i·BLOCK.. (what
+/// `seq::SeqCache` builds while nothing is released).
+pub struct InOrder {
+    full: Vec<u32>,
+    sliding: Vec<u32>,
+}
+
+impl InOrder {
+    pub fn new(blocks: KvBlocks) -> InOrder {
+        let table = |n: usize| (0..n as u32).collect();
+        InOrder { full: table(blocks.full), sliding: table(blocks.sliding) }
+    }
+
+    /// `rows` rows at positions pos0...
+    pub fn span(&self, pos0: usize, rows: usize) -> Span<'_> {
+        Span { rows, pos0, full: &self.full, sliding: &self.sliding }
+    }
+}
+
+/// Slots a layer's cache holds for `max_seq` positions on a backend that keeps one
+/// sequence per store (`Backend::kv_paged` false): one per position, or for a layer
+/// attending the last `window` positions a ring of window + CALL_ROWS - 1 slots (position
+/// p in slot p mod slots) where that is fewer. A call writing m ≤ CALL_ROWS positions from
 /// pos0 overwrites only positions before pos0 + m - slots ≤ pos0 - window, which no query
 /// of the call attends.
 pub fn layer_slots(window: Option<usize>, max_seq: usize) -> usize {
     match window {
-        Some(w) => max_seq.min(w.saturating_add(RING_ROWS - 1)),
+        Some(w) => max_seq.min(w.saturating_add(CALL_ROWS - 1)),
         None => max_seq,
     }
 }
 
 /// `layer_slots` of each of the model's layers.
 pub fn slots(cfg: &ModelConfig, max_seq: usize) -> Vec<usize> {
-    (0..cfg.n_layers)
-        .map(|i| {
-            let window = (cfg.layer_kind(i) == AttnKind::Sliding).then_some(cfg.sliding_window);
-            layer_slots(window, max_seq)
-        })
-        .collect()
-}
-
-/// Whether any layer of a cache of these slots is a ring: then a forward call may write at
-/// most RING_ROWS positions.
-pub fn has_ring(slots: &[usize], max_seq: usize) -> bool {
-    slots.iter().any(|&s| s < max_seq)
+    (0..cfg.n_layers).map(|i| layer_slots(is_sliding(cfg, i).then_some(cfg.sliding_window), max_seq)).collect()
 }
 
 #[cfg(test)]
@@ -54,11 +139,20 @@ mod tests {
         // Every position a query of a call attends survives the call's writes: the call
         // overwrites slots of positions < pos0 + m - slots ≤ pos0 - window + 1 - 1.
         let (w, slots) = (9, layer_slots(Some(9), 4096));
-        for m in [1, 7, RING_ROWS] {
+        for m in [1, 7, CALL_ROWS] {
             let pos0 = 3000;
             let oldest_needed = pos0 + 1 - w; // the first query's first position
             let newest_overwritten = (pos0 + m).saturating_sub(slots + 1);
             assert!(newest_overwritten < oldest_needed, "m {m}");
         }
+    }
+
+    #[test]
+    fn rows_go_through_the_table() {
+        let t = [5, 2];
+        assert_eq!(row_of(&t, 0), 5 * BLOCK);
+        assert_eq!(row_of(&t, BLOCK + 3), 2 * BLOCK + 3);
+        let s = [Span { rows: 2, pos0: 7, full: &t, sliding: &[] }, Span { rows: 1, pos0: 0, full: &t, sliding: &[] }];
+        assert_eq!(row_positions(&s), vec![(0, 7), (0, 8), (1, 0)]);
     }
 }

@@ -7,6 +7,9 @@
 use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::{AttnKind, ModelConfig};
 use crate::formats::{names, ModelSource};
+use crate::kv::paged::NO_BLOCK;
+use crate::kv::seq::SeqCache;
+use crate::kv::{KvBlocks, Span, BLOCK, CALL_ROWS};
 use crate::quant::Weight;
 use crate::{Error, Result};
 
@@ -245,14 +248,15 @@ impl<B: Backend> Decoder<B> {
         self.logits_width
     }
 
-    pub fn new_cache(&self, max_seq: usize) -> Result<B::Kv> {
-        self.backend.kv_cache(&self.cfg, max_seq)
+    /// A cache of one sequence of up to `max_seq` positions, for `forward`.
+    pub fn new_cache(&self, max_seq: usize) -> Result<SeqCache<B>> {
+        SeqCache::new(&self.backend, &self.cfg, max_seq)
     }
 
-    /// Run `tokens` at positions pos0.. through the model, appending to `kv`.
-    /// Returns logits `[V]` (Last) or `[m, V]` (All).
-    pub fn forward(&self, tokens: &[u32], pos0: usize, kv: &mut B::Kv, which: Logits) -> Result<Vec<f32>> {
-        if tokens.len() > crate::kv::RING_ROWS && self.backend.kv_has_ring(kv) {
+    /// Run `tokens` at positions pos0.. through the model, appending to the cache (pos0 at
+    /// most its length). Returns logits `[V]` (Last) or `[m, V]` (All).
+    pub fn forward(&self, tokens: &[u32], pos0: usize, kv: &mut SeqCache<B>, which: Logits) -> Result<Vec<f32>> {
+        if tokens.len() > CALL_ROWS && kv.windowed() {
             return self.forward_split(tokens, pos0, kv, which);
         }
         let rows = match which {
@@ -267,13 +271,13 @@ impl<B: Backend> Decoder<B> {
         self.backend.read_rows(&logits, 0)
     }
 
-    /// `forward` as consecutive calls of RING_ROWS tokens at most (the same logits: each
+    /// `forward` as consecutive calls of CALL_ROWS tokens at most (the same logits: each
     /// call attends to what the ones before cached), their rows joined.
-    fn forward_split(&self, tokens: &[u32], pos0: usize, kv: &mut B::Kv, which: Logits) -> Result<Vec<f32>> {
+    fn forward_split(&self, tokens: &[u32], pos0: usize, kv: &mut SeqCache<B>, which: Logits) -> Result<Vec<f32>> {
         let mut out = vec![];
-        let n = tokens.len().div_ceil(crate::kv::RING_ROWS);
-        for (i, chunk) in tokens.chunks(crate::kv::RING_ROWS).enumerate() {
-            let rows = self.forward(chunk, pos0 + i * crate::kv::RING_ROWS, kv, which)?;
+        let n = tokens.len().div_ceil(CALL_ROWS);
+        for (i, chunk) in tokens.chunks(CALL_ROWS).enumerate() {
+            let rows = self.forward(chunk, pos0 + i * CALL_ROWS, kv, which)?;
             match which {
                 Logits::Last if i + 1 < n => {}
                 _ => out.extend(rows),
@@ -288,11 +292,11 @@ impl<B: Backend> Decoder<B> {
         &self,
         tokens: &[u32],
         pos0: usize,
-        kv: &mut B::Kv,
+        kv: &mut SeqCache<B>,
         which: Logits,
         logits: Option<&mut B::Act>,
     ) -> Result<Option<Vec<f32>>> {
-        self.forward_impl(tokens, pos0, kv, which, logits, None)
+        self.forward_seq(tokens, pos0, kv, which, logits, None)
     }
 
     /// `forward_into` for a greedy step: the last position's logits into `logits` and their
@@ -302,18 +306,81 @@ impl<B: Backend> Decoder<B> {
         &self,
         tokens: &[u32],
         pos0: usize,
-        kv: &mut B::Kv,
+        kv: &mut SeqCache<B>,
         logits: &mut B::Act,
         out: &mut B::Act,
         feed: bool,
     ) -> Result<()> {
-        self.forward_impl(tokens, pos0, kv, Logits::Last, Some(logits), Some((out, feed))).map(|_| ())
+        self.forward_seq(tokens, pos0, kv, Logits::Last, Some(logits), Some((out, feed))).map(|_| ())
+    }
+
+    fn forward_seq(
+        &self,
+        tokens: &[u32],
+        pos0: usize,
+        kv: &mut SeqCache<B>,
+        which: Logits,
+        logits: Option<&mut B::Act>,
+        argmax: Option<(&mut B::Act, bool)>,
+    ) -> Result<Option<Vec<f32>>> {
+        let m = tokens.len();
+        kv.prepare(pos0, m)?;
+        let r = {
+            let (store, span) = kv.span(pos0, m);
+            self.forward_impl(tokens, &[span], store, which, logits, argmax)
+        };
+        if r.is_ok() {
+            kv.advance(pos0 + m);
+        }
+        r
+    }
+
+    /// One forward call over several sequences (continuous batching): `tokens` holds each
+    /// span's rows in turn, their K/V going into `store` through the spans' tables. Returns
+    /// the logits of each span's last row, `[spans, V]`. A row's logits do not depend on
+    /// the other sequences in the call (backends compute rows independently).
+    pub fn forward_spans(&self, tokens: &[u32], spans: &[Span<'_>], store: &mut B::Kv) -> Result<Vec<f32>> {
+        let mut logits = self.backend.act_f32(spans.len(), self.logits_width)?;
+        self.forward_impl(tokens, spans, store, Logits::Last, Some(&mut logits), None)?;
+        self.backend.read_rows(&logits, 0)
+    }
+
+    /// Refuse a call whose spans do not cover its tokens or whose tables do not hold every
+    /// block it writes or attends (an error, never an out-of-range index in a kernel).
+    fn check_spans(&self, m: usize, spans: &[Span<'_>], blocks: KvBlocks) -> Result<()> {
+        let c = &self.cfg;
+        if spans.iter().map(|s| s.rows).sum::<usize>() != m || spans.iter().any(|s| s.rows == 0) {
+            return Err(Error::Invalid(format!("forward: {} spans do not cover {m} tokens", spans.len())));
+        }
+        let sliding = crate::kv::has_sliding(c);
+        let full = (0..c.n_layers).any(|i| !crate::kv::is_sliding(c, i));
+        for s in spans {
+            let end = s.pos0 + s.rows;
+            if end > c.max_ctx {
+                return Err(Error::Invalid(format!(
+                    "{} tokens at position {} exceed the model's context of {} tokens",
+                    s.rows, s.pos0, c.max_ctx
+                )));
+            }
+            let last = end.div_ceil(BLOCK);
+            let held = |t: &[u32], from: usize, n: usize| {
+                t.len() >= last && t[from..last].iter().all(|&b| b != NO_BLOCK && (b as usize) < n)
+            };
+            let window_from = (s.pos0 + 1).saturating_sub(c.sliding_window) / BLOCK;
+            if (full && !held(s.full, 0, blocks.full)) || (sliding && !held(s.sliding, window_from, blocks.sliding)) {
+                return Err(Error::Invalid(format!(
+                    "forward: the block tables do not hold positions {}..{end}",
+                    s.pos0
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn forward_impl(
         &self,
         tokens: &[u32],
-        pos0: usize,
+        spans: &[Span<'_>],
         kv: &mut B::Kv,
         which: Logits,
         logits: Option<&mut B::Act>,
@@ -322,23 +389,14 @@ impl<B: Backend> Decoder<B> {
         let b = &self.backend;
         let c = &self.cfg;
         let m = tokens.len();
-        let cap = b.kv_capacity(kv);
         if m == 0 {
             return Err(Error::Invalid("forward: no tokens".into()));
         }
-        if pos0 + m > cap {
-            return Err(Error::Invalid(format!("{} tokens at position {pos0} exceed the context of {cap} tokens", m)));
-        }
-        if m > crate::kv::RING_ROWS && b.kv_has_ring(kv) {
-            return Err(Error::Invalid(format!(
-                "forward: {m} tokens in one call on a cache with sliding-window rings (at most {})",
-                crate::kv::RING_ROWS
-            )));
-        }
+        self.check_spans(m, spans, b.kv_blocks(kv))?;
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
             return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
         }
-        b.begin(tokens, pos0)?;
+        b.begin(tokens, spans)?;
         // Decode reuses its buffers (a captured step must find the same ones on every
         // replay, and allocations would be graph nodes); prefill allocates per call. The
         // pool only grows (calls on several threads at once), so no buffer a captured graph
@@ -351,7 +409,7 @@ impl<B: Backend> Decoder<B> {
             Some(w) => w,
             None => Work::new(b, c, m)?,
         };
-        let r = self.layers_into(tokens, pos0, kv, which, (logits, argmax), &mut w);
+        let r = self.layers_into(tokens, spans, kv, which, (logits, argmax), &mut w);
         if m == 1 {
             self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).push(w);
         }
@@ -364,7 +422,7 @@ impl<B: Backend> Decoder<B> {
     fn layers_into(
         &self,
         tokens: &[u32],
-        pos0: usize,
+        spans: &[Span<'_>],
         kv: &mut B::Kv,
         which: Logits,
         (logits, argmax): (Option<&mut B::Act>, Option<(&mut B::Act, bool)>),
@@ -407,27 +465,35 @@ impl<B: Backend> Decoder<B> {
         match (m, spare.as_mut()) {
             // One token: the backend's decode step, the same math as layer_ops (CUDA:
             // backend/cuda/decode.rs).
-            (1, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, pos0, s.reborrow())?,
+            (1, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, spans, s.reborrow())?,
             _ => {
                 for l in &layers {
-                    layer_ops(b, &l.weights, x, kv, l.index, pos0, l.rope, l.shape, s.reborrow())?;
+                    layer_ops(b, &l.weights, x, kv, l.index, spans, l.rope, l.shape, s.reborrow())?;
                 }
             }
         }
-        // Only the rows whose logits are wanted go through the final norm and the head.
-        let (rows, first) = match which {
-            Logits::All => (m, 0),
-            Logits::Last => (1, m - 1),
+        // Only the rows whose logits are wanted go through the final norm and the head:
+        // every row, or each sequence's last.
+        let rows = match which {
+            Logits::All => m,
+            Logits::Last => spans.len(),
             Logits::Hidden(_) => return b.read_rows(x, 0).map(Some),
         };
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let logits = logits.ok_or_else(|| Error::Invalid("forward_into: no logits buffer".into()))?;
         let tail;
-        let x = if rows == m {
-            &*x
-        } else {
-            tail = b.slice_rows(x, first)?;
-            &tail
+        let x = match spans {
+            _ if rows == m => &*x,
+            [_] => {
+                tail = b.slice_rows(x, m - 1)?;
+                &tail
+            }
+            _ => {
+                let ends: Vec<usize> =
+                    spans.iter().scan(0, |end, s| Some(std::mem::replace(end, *end + s.rows) + s.rows - 1)).collect();
+                tail = b.gather_rows(x, &ends)?;
+                &tail
+            }
         };
         if last.is_none() {
             *last = Some(b.act(rows, c.hidden)?);
@@ -446,7 +512,7 @@ impl<B: Backend> Decoder<B> {
 }
 
 /// One decoder layer as the backend's ops, for the m rows of the residual stream x at
-/// positions pos0..: x += [post-norm] o_proj(attention(rope([norm] q), rope([norm] k), v))
+/// their sequences' positions (`spans`): x += [post-norm] o_proj(attention(rope([norm] q), rope([norm] k), v))
 /// with q/k/v = proj(norm(x)) (+ biases), then the gated MLP
 /// x += [post-norm] down(act(gate(norm(x))) · up(norm(x))). The bracketed norms are
 /// Gemma's and Qwen3's.
@@ -457,7 +523,7 @@ pub fn layer_ops<B: Backend>(
     x: &mut B::Act,
     kv: &mut B::Kv,
     layer: usize,
-    pos0: usize,
+    spans: &[Span<'_>],
     rope: &Rope,
     shape: LayerShape,
     s: LayerScratch<'_, B>,
@@ -474,7 +540,7 @@ pub fn layer_ops<B: Backend>(
         b.rms_norm_heads(q, qn, eps)?;
         b.rms_norm_heads(k, kn, eps)?;
     }
-    b.rope_attention(q, k, v, kv, layer, pos0, rope, (shape.heads, shape.kv_heads), shape.attend, att)?;
+    b.rope_attention(q, k, v, kv, layer, spans, rope, (shape.heads, shape.kv_heads), shape.attend, att)?;
     project_add(b, (att, w.wo), w.post_attn_norm.map(|n| (n, eps)), x, (o, xn))?;
     b.norm_glu(x, (w.mlp_norm, eps), xn, (w.w_gate, w.w_up), shape.act, gate, up, act)?;
     project_add(b, (act, w.w_down), w.post_mlp_norm.map(|n| (n, eps)), x, (o, xn))

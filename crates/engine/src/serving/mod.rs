@@ -5,6 +5,8 @@
 //! client from holding up or breaking the others. The front end (crates/server) talks to
 //! it through `Engine::submit` and the events each request's sink receives.
 
+mod caches;
+mod step;
 mod worker;
 
 use crate::model::Decoder;
@@ -179,6 +181,8 @@ pub struct Stats {
     pub prompt_tokens: u64,
     pub cached_tokens: u64,
     pub generated_tokens: u64,
+    /// Times a running request gave its KV blocks back to make room (recomputed later).
+    pub preemptions: u64,
     pub kv_bytes_used: usize,
     pub kv_bytes_budget: usize,
 }
@@ -194,6 +198,7 @@ struct Shared {
     prompt_tokens: AtomicU64,
     cached_tokens: AtomicU64,
     generated: AtomicU64,
+    preemptions: AtomicU64,
     kv_used: AtomicUsize,
     closed: AtomicBool,
     /// Mean seconds a request has run, for Busy's retry_after (f64 bits).
@@ -262,11 +267,18 @@ impl Engine {
                 };
                 let backend = model.backend.name();
                 let info = ModelInfo { max_context, vocab: model.logits_width(), kv_memory, backend };
+                let cfg = EngineConfig { max_context, kv_memory: Some(kv_memory), ..c };
+                let worker = match worker::Worker::new(&model, cfg, sh, rx) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
                 }
-                let cfg = EngineConfig { max_context, kv_memory: Some(kv_memory), ..c };
-                worker::Worker::new(&model, cfg, sh, rx).run();
+                worker.run();
             })
             .map_err(|e| Error::Invalid(format!("starting the engine thread: {e}")))?;
         let info = match ready_rx.recv() {
@@ -346,6 +358,7 @@ impl Engine {
             prompt_tokens: s.prompt_tokens.load(Relaxed),
             cached_tokens: s.cached_tokens.load(Relaxed),
             generated_tokens: s.generated.load(Relaxed),
+            preemptions: s.preemptions.load(Relaxed),
             kv_bytes_used: s.kv_used.load(Relaxed),
             kv_bytes_budget: self.info.kv_memory,
         }

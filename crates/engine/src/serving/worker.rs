@@ -1,10 +1,11 @@
-//! The engine thread: admits waiting requests while the batch and the KV budget have room,
-//! then advances each running request by one step per round (a prefill chunk, or one
-//! token), handing its events to its sink.
+//! The engine thread: admits waiting requests while the batch and the KV cache have room,
+//! then runs one step per round over every running request together (continuous
+//! batching): each decoding request's next token and prefill chunks of the others, up to
+//! a step's row budget, in one forward call where the backend's store is shared.
 
+use super::caches::{Caches, Place};
 use super::{EngineConfig, Event, Failure, FailureKind, Finish, Job, Msg, Shared, Usage};
 use crate::backend::Backend;
-use crate::generate::Session;
 use crate::model::Decoder;
 use crate::sample::Sampler;
 use std::collections::VecDeque;
@@ -12,25 +13,36 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
-/// A running request.
-struct Seq<'m, B: Backend> {
-    job: Job,
-    session: Session<'m, B>,
+/// An admitted request.
+pub(super) struct Seq<B: Backend> {
+    pub(super) job: Job,
     sampler: Sampler,
     /// Prompt, then the generated tokens.
-    history: Vec<u32>,
-    /// Prompt tokens in the cache so far.
-    fed: usize,
+    pub(super) history: Vec<u32>,
+    prompt_len: usize,
     /// Most tokens it may generate.
     max_tokens: usize,
-    generated: usize,
-    /// Logits after the last token in the cache, not yet sampled.
-    logits: Option<Vec<f32>>,
-    kv_bytes: usize,
+    pub(super) generated: usize,
+    /// Prompt tokens found in the prefix cache when it was first admitted.
+    cached: usize,
+    /// Whether `Started` went out.
+    started: bool,
+    /// None while preempted (its cache given back; recomputed when readmitted).
+    pub(super) place: Option<Place<B>>,
 }
 
-/// How a request left the batch.
-enum End {
+impl<B: Backend> Seq<B> {
+    /// Positions to compute before its next token can be sampled.
+    pub(super) fn pending(&self) -> usize {
+        self.history.len() - self.place.as_ref().map_or(0, |p| p.len())
+    }
+    fn cap(&self) -> usize {
+        self.prompt_len + self.max_tokens
+    }
+}
+
+/// How a request left.
+pub(super) enum End {
     Finished(Finish),
     Failed(Failure),
     /// Cancelled, or its sink refused an event: nobody listens any more.
@@ -45,41 +57,44 @@ fn shutting_down() -> Failure {
     Failure::new(FailureKind::Shutdown, "the server is shutting down")
 }
 
-fn internal(e: crate::Error) -> End {
-    End::Failed(Failure::new(FailureKind::Internal, e.to_string()))
-}
-
 pub(super) struct Worker<'m, B: Backend> {
-    model: &'m Decoder<B>,
+    pub(super) model: &'m Decoder<B>,
     cfg: EngineConfig,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<Msg>,
     waiting: VecDeque<Job>,
-    running: Vec<Seq<'m, B>>,
+    /// In admission order (the youngest is preempted first).
+    pub(super) running: Vec<Seq<B>>,
+    /// Preempted when blocks ran out; readmitted before anything waiting.
+    pub(super) preempted: VecDeque<Seq<B>>,
+    pub(super) caches: Caches<B>,
+    /// Most rows one step computes (decode rows always fit; prefill chunks fill the rest).
+    pub(super) step_rows: usize,
     /// Set by a shutdown: running requests still going then fail.
     deadline: Option<Instant>,
-    /// KV bytes one position takes (every layer, K and V, bf16).
-    token_bytes: usize,
-    /// The KV byte budget (resolved by Engine::start).
-    kv_memory: usize,
 }
 
 impl<'m, B: Backend> Worker<'m, B> {
-    pub(super) fn new(model: &'m Decoder<B>, cfg: EngineConfig, shared: Arc<Shared>, rx: mpsc::Receiver<Msg>) -> Self {
-        let c = &model.cfg;
-        let token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2;
-        let kv_memory = cfg.kv_memory.unwrap_or(0);
-        Worker {
+    pub(super) fn new(
+        model: &'m Decoder<B>,
+        cfg: EngineConfig,
+        shared: Arc<Shared>,
+        rx: mpsc::Receiver<Msg>,
+    ) -> crate::Result<Self> {
+        let step_rows = model.backend.prefill_chunk();
+        let caches = Caches::new(model, cfg.kv_memory.unwrap_or(0), cfg.max_batch, step_rows)?;
+        Ok(Worker {
             model,
             cfg,
             shared,
             rx,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            preempted: VecDeque::new(),
+            caches,
+            step_rows,
             deadline: None,
-            token_bytes,
-            kv_memory,
-        }
+        })
     }
 
     pub(super) fn run(mut self) {
@@ -87,17 +102,19 @@ impl<'m, B: Backend> Worker<'m, B> {
             if !self.receive() {
                 break;
             }
+            self.expire();
             self.admit();
-            self.round();
+            self.step();
             self.publish();
-            if self.deadline.is_some() && self.running.is_empty() {
+            if self.deadline.is_some() && self.running.is_empty() && self.preempted.is_empty() {
                 break;
             }
         }
         for job in std::mem::take(&mut self.waiting) {
             self.fail_job(job, shutting_down());
         }
-        for s in std::mem::take(&mut self.running) {
+        let left: Vec<Seq<B>> = self.running.drain(..).chain(self.preempted.drain(..)).collect();
+        for s in left {
             self.end(s, End::Failed(shutdown()));
         }
         self.publish();
@@ -106,7 +123,8 @@ impl<'m, B: Backend> Worker<'m, B> {
     /// Take the messages that arrived; wait for one when there is nothing to run. False
     /// when every handle is gone and nothing runs.
     fn receive(&mut self) -> bool {
-        let idle = self.running.is_empty() && self.waiting.is_empty() && self.deadline.is_none();
+        let idle =
+            self.running.is_empty() && self.preempted.is_empty() && self.waiting.is_empty() && self.deadline.is_none();
         if idle {
             match self.rx.recv() {
                 Ok(m) => self.handle(m),
@@ -136,7 +154,11 @@ impl<'m, B: Backend> Worker<'m, B> {
                     self.shared.cancelled.fetch_add(1, Relaxed);
                 }
                 if let Some(i) = self.running.iter().position(|s| s.job.id == id) {
-                    let s = self.running.swap_remove(i);
+                    let s = self.running.remove(i);
+                    self.end(s, End::Gone);
+                }
+                if let Some(i) = self.preempted.iter().position(|s| s.job.id == id) {
+                    let s = self.preempted.remove(i).expect("found above");
                     self.end(s, End::Gone);
                 }
             }
@@ -149,120 +171,132 @@ impl<'m, B: Backend> Worker<'m, B> {
         }
     }
 
-    /// Move waiting requests into the batch, in arrival order, while it and the KV budget
-    /// have room for them.
+    /// Fail the requests past the shutdown deadline or their timeout.
+    fn expire(&mut self) {
+        let now = Instant::now();
+        let failure = |s: &Seq<B>| -> Option<Failure> {
+            if self.deadline.is_some_and(|d| now >= d) {
+                return Some(shutdown());
+            }
+            let limit = self.cfg.request_timeout?;
+            (now.duration_since(s.job.arrived) > limit).then(|| {
+                Failure::new(FailureKind::Timeout, format!("the request timed out after {} s", limit.as_secs_f64()))
+            })
+        };
+        let mut ended = vec![];
+        for queue in [0, 1] {
+            let mut i = 0;
+            loop {
+                let s = match queue {
+                    0 => self.running.get(i),
+                    _ => self.preempted.get(i),
+                };
+                let Some(s) = s else { break };
+                match failure(s) {
+                    Some(f) => {
+                        let s = match queue {
+                            0 => self.running.remove(i),
+                            _ => self.preempted.remove(i).expect("exists"),
+                        };
+                        ended.push((s, f));
+                    }
+                    None => i += 1,
+                }
+            }
+        }
+        for (s, f) in ended {
+            self.end(s, End::Failed(f));
+        }
+    }
+
+    /// Readmit preempted requests, then move waiting ones in, in arrival order, while the
+    /// batch and the cache have room for them.
     fn admit(&mut self) {
-        let used: usize = self.running.iter().map(|s| s.kv_bytes).sum();
-        let mut free = self.kv_memory.saturating_sub(used);
+        while self.running.len() < self.cfg.max_batch {
+            let Some(s) = self.preempted.front() else { break };
+            match self.caches.admit(self.model, &s.history, s.cap()) {
+                Ok(Some(place)) => {
+                    let mut s = self.preempted.pop_front().expect("front exists");
+                    s.place = Some(place);
+                    self.running.push(s);
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    let s = self.preempted.pop_front().expect("front exists");
+                    self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
+                }
+            }
+        }
         while self.running.len() < self.cfg.max_batch {
             let Some(job) = self.waiting.front() else { break };
-            let max_tokens = job.req.max_tokens.unwrap_or(usize::MAX).min(self.cfg.max_context - job.req.prompt.len());
-            let cap = job.req.prompt.len() + max_tokens;
-            let kv_bytes = cap * self.token_bytes;
-            if kv_bytes > self.kv_memory {
+            let prompt_len = job.req.prompt.len();
+            let max_tokens = job.req.max_tokens.unwrap_or(usize::MAX).min(self.cfg.max_context - prompt_len);
+            let cap = prompt_len + max_tokens;
+            if !self.caches.fits(cap) {
                 let job = self.waiting.pop_front().expect("front exists");
+                let (_, total) = self.caches.bytes();
                 let msg = format!(
-                    "the request needs {kv_bytes} bytes of KV cache ({cap} tokens), more than the server's budget of {}",
-                    self.kv_memory
+                    "the request needs a KV cache of {cap} tokens, more than the server's budget of {total} bytes holds"
                 );
                 self.fail_job(job, Failure::new(FailureKind::TooLarge, msg));
                 continue;
             }
-            if kv_bytes > free {
-                break;
-            }
-            let job = self.waiting.pop_front().expect("front exists");
-            match Session::new(self.model, cap) {
-                Ok(session) => {
-                    self.shared.waiting.fetch_sub(1, Relaxed);
-                    free -= kv_bytes;
-                    let sampler = Sampler::new(job.req.sampler.clone());
-                    let history = job.req.prompt.clone();
-                    self.running.push(Seq {
-                        job,
-                        session,
-                        sampler,
-                        history,
-                        fed: 0,
-                        max_tokens,
-                        generated: 0,
-                        logits: None,
-                        kv_bytes,
-                    });
-                }
+            let place = match self.caches.admit(self.model, &job.req.prompt, cap) {
+                Ok(Some(p)) => p,
+                Ok(None) => break,
                 Err(e) => {
+                    let job = self.waiting.pop_front().expect("front exists");
                     let msg = format!("allocating the request's KV cache: {e}");
-                    self.fail_job(job, Failure::new(FailureKind::Internal, msg))
+                    self.fail_job(job, Failure::new(FailureKind::Internal, msg));
+                    continue;
                 }
-            }
-        }
-    }
-
-    /// One step of every running request; those that end leave the batch.
-    fn round(&mut self) {
-        let now = Instant::now();
-        let mut i = 0;
-        while i < self.running.len() {
-            let end = match self.timed_out(&self.running[i], now) {
-                Some(f) => Some(End::Failed(f)),
-                None => self.step(i),
             };
-            match end {
-                Some(e) => {
-                    let s = self.running.swap_remove(i);
-                    self.end(s, e);
-                }
-                None => i += 1,
+            let job = self.waiting.pop_front().expect("front exists");
+            self.shared.waiting.fetch_sub(1, Relaxed);
+            let cached = place.len();
+            self.running.push(Seq {
+                sampler: Sampler::new(job.req.sampler.clone()),
+                history: job.req.prompt.clone(),
+                prompt_len,
+                max_tokens,
+                generated: 0,
+                cached,
+                started: false,
+                place: Some(place),
+                job,
+            });
+        }
+    }
+
+    /// Preempt the youngest running request: its cache goes back (its full blocks stay in
+    /// the prefix cache) and it waits to be readmitted and recomputed.
+    pub(super) fn preempt_youngest(&mut self) {
+        if let Some(mut s) = self.running.pop() {
+            if let Some(p) = s.place.take() {
+                self.caches.free(p);
             }
+            self.shared.preemptions.fetch_add(1, Relaxed);
+            self.preempted.push_front(s);
         }
     }
 
-    fn timed_out(&self, s: &Seq<'m, B>, now: Instant) -> Option<Failure> {
-        if self.deadline.is_some_and(|d| now >= d) {
-            return Some(shutdown());
-        }
-        let limit = self.cfg.request_timeout?;
-        (now.duration_since(s.job.arrived) > limit).then(|| {
-            Failure::new(FailureKind::Timeout, format!("the request timed out after {} s", limit.as_secs_f64()))
-        })
-    }
-
-    /// Advance request i by one prefill chunk or one token.
-    fn step(&mut self, i: usize) -> Option<End> {
-        let chunk = self.model.backend.prefill_chunk();
+    /// The logits after a request's last token are in `logits`: sample its next token and
+    /// hand it out. Some(end) when the request ends.
+    pub(super) fn sample(&mut self, i: usize, mut logits: Vec<f32>) -> Option<End> {
         let s = &mut self.running[i];
-        let prompt_len = s.job.req.prompt.len();
-        if s.fed < prompt_len {
-            let end = (s.fed + chunk).min(prompt_len);
-            match s.session.feed(&s.job.req.prompt[..end]) {
-                Ok((logits, _)) => s.logits = Some(logits),
-                Err(e) => return Some(internal(e)),
-            }
-            s.fed = end;
-            if end < prompt_len {
-                return None;
-            }
-            let started = Event::Started { prompt_tokens: prompt_len, cached_tokens: 0 };
+        if !s.started {
+            s.started = true;
+            let started = Event::Started { prompt_tokens: s.prompt_len, cached_tokens: s.cached };
             if !(s.job.sink)(started) {
                 return Some(End::Gone);
             }
         }
-        let mut logits = match s.logits.take() {
-            Some(l) => l,
-            None => {
-                let last = *s.history.last().expect("a prompt is never empty");
-                match s.session.step(last) {
-                    Ok(l) => l,
-                    Err(e) => return Some(internal(e)),
-                }
-            }
-        };
         let (id, logprobs) = match s.job.req.logprobs {
             Some(n) => {
-                let (id, lp) = s.sampler.sample_logprobs(&mut logits, &s.history, prompt_len, n);
+                let (id, lp) = s.sampler.sample_logprobs(&mut logits, &s.history, s.prompt_len, n);
                 (id, Some(lp))
             }
-            None => (s.sampler.sample_output(&mut logits, &s.history, prompt_len), None),
+            None => (s.sampler.sample_output(&mut logits, &s.history, s.prompt_len), None),
         };
         s.generated += 1;
         self.shared.generated.fetch_add(1, Relaxed);
@@ -276,13 +310,17 @@ impl<'m, B: Backend> Worker<'m, B> {
         (s.generated >= s.max_tokens).then_some(End::Finished(Finish::Length))
     }
 
-    /// A request leaves the batch (the caller has removed it from `running`): the
-    /// counters and gauges first, then its last event, so that whoever hears it sees the
-    /// request gone from the stats; then its cache goes back.
-    fn end(&self, mut s: Seq<'m, B>, end: End) {
-        let usage = Usage { prompt_tokens: s.job.req.prompt.len(), cached_tokens: 0, completion_tokens: s.generated };
+    /// A request leaves (the caller has removed it from its queue): the counters and
+    /// gauges first, then its last event, so that whoever hears it sees the request gone
+    /// from the stats.
+    pub(super) fn end(&mut self, mut s: Seq<B>, end: End) {
+        if let Some(p) = s.place.take() {
+            self.caches.free(p);
+        }
+        let usage = Usage { prompt_tokens: s.prompt_len, cached_tokens: s.cached, completion_tokens: s.generated };
         let sh = &self.shared;
         sh.prompt_tokens.fetch_add(usage.prompt_tokens as u64, Relaxed);
+        sh.cached_tokens.fetch_add(usage.cached_tokens as u64, Relaxed);
         let secs = s.job.arrived.elapsed().as_secs_f64();
         let mean = f64::from_bits(sh.mean_secs.load(Relaxed));
         sh.mean_secs.store((if mean == 0.0 { secs } else { 0.9 * mean + 0.1 * secs }).to_bits(), Relaxed);
@@ -303,7 +341,6 @@ impl<'m, B: Backend> Worker<'m, B> {
         };
         self.publish();
         (s.job.sink)(event);
-        // s drops here: the session hands its cache back.
     }
 
     /// A request that never ran (it was waiting, or came during shutdown).
@@ -316,6 +353,6 @@ impl<'m, B: Backend> Worker<'m, B> {
     fn publish(&self) {
         let sh = &self.shared;
         sh.running.store(self.running.len(), Relaxed);
-        sh.kv_used.store(self.running.iter().map(|s| s.kv_bytes).sum(), Relaxed);
+        sh.kv_used.store(self.caches.bytes().0, Relaxed);
     }
 }

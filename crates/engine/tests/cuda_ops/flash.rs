@@ -4,6 +4,7 @@ use super::{bf, check, gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::{Attend, Backend};
 use ferrolm::config::{ModelConfig, RopeStyle};
+use ferrolm::kv::{blocks_for, InOrder};
 
 fn config(heads: usize, n_kv: usize, hd: usize) -> ModelConfig {
     super::attn_cfg(heads, n_kv, hd, 1, RopeStyle::Half)
@@ -27,8 +28,8 @@ fn flash_prefill_matches_cpu() {
         // then a chunk after that context (pos0 301: key tiles straddle the diagonal); a lone
         // row at depth 100.
         for steps in [vec![37usize], vec![300, 1, 200], vec![100, 1]] {
-            let mut kvg = g.kv_cache(&cfg, 512).unwrap();
-            let mut kvc = c.kv_cache(&cfg, 512).unwrap();
+            let mut kvg = g.kv_store(&cfg, blocks_for(&cfg, 512)).unwrap();
+            let mut kvc = c.kv_store(&cfg, blocks_for(&cfg, 512)).unwrap();
             let mut pos = 0;
             for m in steps {
                 let (split, want, qg) =
@@ -50,13 +51,13 @@ fn flash_prefill_refuses_what_it_cannot_run() {
     let g = gpu();
     let mut r = Rng::seeded();
     // head_dim 96: the cache is fine, flash_attention.cu is not compiled for it.
-    let kv = g.kv_cache(&config(4, 2, 96), 64).unwrap();
+    let kv = g.kv_store(&config(4, 2, 96), blocks_for(&config(4, 2, 96), 64)).unwrap();
     let q = g.act_from(3, 4 * 96, &bf(&r.v(3 * 4 * 96, 1.0))).unwrap();
-    g.begin(&[], 0).unwrap();
+    g.begin(&[], &[InOrder::new(g.kv_blocks(&kv)).span(0, 3)]).unwrap();
     let e =
         g.flash_prefill(&q, &kv, 0, Attend::causal(96), &mut g.act_poisoned(3, 4 * 96, false).unwrap()).unwrap_err();
     assert!(matches!(e, ferrolm::Error::Unsupported(_)), "{e}");
-    let kv = g.kv_cache(&config(6, 2, 64), 64).unwrap();
+    let kv = g.kv_store(&config(6, 2, 64), blocks_for(&config(6, 2, 64), 64)).unwrap();
     let q = g.act_from(3, 6 * 64, &bf(&r.v(3 * 6 * 64, 1.0))).unwrap();
     // out of the wrong shape, a layer the cache lacks, f32 output, heads not a multiple of n_kv
     assert!(g.flash_prefill(&q, &kv, 0, Attend::causal(64), &mut g.act_poisoned(2, 6 * 64, false).unwrap()).is_err());

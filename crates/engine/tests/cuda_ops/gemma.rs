@@ -8,6 +8,7 @@ use super::{gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use ferrolm::config::{Activation, RopeStyle};
+use ferrolm::kv::{blocks_for, InOrder};
 use ferrolm::model::decoder::layer_ops;
 use ferrolm::quant::{AffineTensor, ScaleDtype, Weight};
 
@@ -67,17 +68,19 @@ fn run<B: Backend>(
     shape: LayerShape,
 ) {
     let m = b.read_rows(x, 0).unwrap().len() / D;
-    b.begin(&vec![0; m], pos0).unwrap();
+    let t = InOrder::new(b.kv_blocks(kv));
+    let at = [t.span(pos0, m)];
+    b.begin(&vec![0; m], &at).unwrap();
     let mut s = scratch(b, m);
     let [xn, q, k, v, att, o, gate, up, act] = &mut s[..] else { unreachable!() };
     let mut s = LayerScratch { xn, q, k, v, att, o, gate, up, act };
     let layers: Vec<DecodeLayer<'_, B>> =
         ls.iter().enumerate().map(|(index, l)| DecodeLayer { weights: l.weights(), index, rope, shape }).collect();
     match m {
-        1 => b.decode_layers(&layers, (x, &mut b.act_f32(1, D).unwrap()), kv, pos0, s).unwrap(),
+        1 => b.decode_layers(&layers, (x, &mut b.act_f32(1, D).unwrap()), kv, &at, s).unwrap(),
         _ => {
             for l in &layers {
-                layer_ops(b, &l.weights, x, kv, l.index, pos0, rope, shape, s.reborrow()).unwrap();
+                layer_ops(b, &l.weights, x, kv, l.index, &at, rope, shape, s.reborrow()).unwrap();
             }
         }
     }
@@ -106,7 +109,8 @@ fn gemma3_layer_decode_matches_cpu() {
     for window in [None, Some(9)] {
         let attend = Attend { scale: 0.0625, window };
         let shape = LayerShape { heads: HEADS, kv_heads: 1, eps: 1e-6, act: Activation::GeluTanh, attend };
-        let (mut kvg, mut kvc) = (g.kv_cache(&cfg, 64).unwrap(), c.kv_cache(&cfg, 64).unwrap());
+        let (mut kvg, mut kvc) =
+            (g.kv_store(&cfg, blocks_for(&cfg, 64)).unwrap(), c.kv_store(&cfg, blocks_for(&cfg, 64)).unwrap());
         let mut pos = 0;
         for m in [20, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1] {
             let x = r.v(m * D, 3.0);

@@ -192,15 +192,27 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
         let (heads, n_kv, hd, pos) = (32, 8, 64, 512);
         let cfg = attn_cfg(heads, n_kv, hd, n, RopeStyle::Interleaved);
         let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Interleaved, linear: 1.0 };
-        let mut kv = g.kv_cache(&cfg, 640)?;
+        let blocks = ferrolm::kv::blocks_for(&cfg, 640);
+        let (mut kv, t) = (g.kv_store(&cfg, blocks)?, ferrolm::kv::InOrder::new(blocks));
         let mut att = g.act(1, d)?;
         let mut resid = g.act_from_f32(1, d, &x)?;
-        g.begin(&[], pos)?;
+        g.begin(&[], &[t.span(pos, 1)])?;
         let us = graph_time(g, 48, &mut |i| {
             let j = i % n;
             let [q, k, v] = &mut og[..] else { unreachable!() };
             g.norm_matmul_many(&resid, &ng, 1e-5, &mut xn, &[&cq[j], &ck[j], &cv[j]], &mut [q, k, v])?;
-            g.rope_attention(q, k, v, &mut kv, j, pos, &rope, (heads, n_kv), Attend::causal(hd), &mut att)?;
+            g.rope_attention(
+                q,
+                k,
+                v,
+                &mut kv,
+                j,
+                &[t.span(pos, 1)],
+                &rope,
+                (heads, n_kv),
+                Attend::causal(hd),
+                &mut att,
+            )?;
             g.matmul_add(&att, &co[j], &mut resid, &mut tmp)?;
             g.norm_glu(&resid, (&ng, 1e-5), &mut xn, (&cg[j], &cu[j]), Activation::Silu, &mut gg, &mut ug, &mut sg)?;
             g.matmul_add(&sg, &cd[j], &mut resid, &mut tmp)
@@ -229,12 +241,13 @@ fn decode_attention(lab: &mut Session) -> Result<()> {
     let cfg = attn_cfg(heads, n_kv, hd, n, RopeStyle::Interleaved);
     let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Interleaved, linear: 1.0 };
     for (pos, cache) in [(512, 640), (8191, 8320)] {
-        let mut kv = g.kv_cache(&cfg, cache)?; // `n` layers: one per timed launch
+        let blocks = ferrolm::kv::blocks_for(&cfg, cache); // `n` layers: one per timed launch
+        let (mut kv, t) = (g.kv_store(&cfg, blocks)?, ferrolm::kv::InOrder::new(blocks));
         let mut q = g.act_from(1, heads * hd, &bf(&r.v(heads * hd, 1.0)))?;
         let mut k = g.act_from(1, n_kv * hd, &bf(&r.v(n_kv * hd, 1.0)))?;
         let v = g.act_from(1, n_kv * hd, &bf(&r.v(n_kv * hd, 1.0)))?;
         let mut out = g.act(1, heads * hd)?;
-        g.begin(&[], pos)?;
+        g.begin(&[], &[t.span(pos, 1)])?;
         let us = graph_time(g, 48, &mut |i| {
             g.rope_attention(
                 &mut q,
@@ -242,7 +255,7 @@ fn decode_attention(lab: &mut Session) -> Result<()> {
                 &v,
                 &mut kv,
                 i % n,
-                pos,
+                &[t.span(pos, 1)],
                 &rope,
                 (heads, n_kv),
                 Attend::causal(hd),
@@ -289,7 +302,8 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
     for (heads, n_kv, hd) in [(9, 3, 64), (32, 8, 64)] {
         let cfg = attn_cfg(heads, n_kv, hd, 1, RopeStyle::Half);
         let (m, depths) = (512, [0usize, 8192]);
-        let mut kv = g.kv_cache(&cfg, 8192 + m)?;
+        let blocks = ferrolm::kv::blocks_for(&cfg, 8192 + m);
+        let (mut kv, t) = (g.kv_store(&cfg, blocks)?, ferrolm::kv::InOrder::new(blocks));
         let (qv, kvv, vv) = (bf(&r.v(m * heads * hd, 1.0)), bf(&r.v(m * n_kv * hd, 1.0)), bf(&r.v(m * n_kv * hd, 1.0)));
         let q = g.act_from(m, heads * hd, &qv)?;
         let k = g.act_from(m, n_kv * hd, &kvv)?;
@@ -297,13 +311,14 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
         let mut out = g.act_poisoned(m, heads * hd, false)?;
         // Parity at depth 0: the split-K op writes the cache, flash reads it; the CPU
         // attends the same rows.
-        g.begin(&[], 0)?;
-        g.attention(&q, &k, &v, &mut kv, 0, 0, Attend::causal(hd), &mut out)?;
+        g.begin(&[], &[t.span(0, m)])?;
+        g.attention(&q, &k, &v, &mut kv, 0, &[t.span(0, m)], Attend::causal(hd), &mut out)?;
         g.flash_prefill(&q, &kv, 0, Attend::causal(hd), &mut out)?;
-        let mut kvc = c.kv_cache(&cfg, m)?;
+        let blocks_c = ferrolm::kv::blocks_for(&cfg, m);
+        let (mut kvc, tc) = (c.kv_store(&cfg, blocks_c)?, ferrolm::kv::InOrder::new(blocks_c));
         let mut oc = c.act(m, heads * hd)?;
         let (qc, kc, vc) = (cpu(m, heads * hd, qv), cpu(m, n_kv * hd, kvv), cpu(m, n_kv * hd, vv));
-        c.attention(&qc, &kc, &vc, &mut kvc, 0, 0, Attend::causal(hd), &mut oc)?;
+        c.attention(&qc, &kc, &vc, &mut kvc, 0, &[tc.span(0, m)], Attend::causal(hd), &mut oc)?;
         lab.checks.check(
             &format!("flash_prefill {heads}/{n_kv}x{hd} m{m} pos0"),
             &g.read_rows(&out, 0)?,
@@ -311,9 +326,10 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
             1e-2,
         );
         for pos in depths {
-            g.begin(&[], pos)?;
+            let at = [t.span(pos, m)];
+            g.begin(&[], &at)?;
             let split =
-                stream_time(g, 20, &mut || g.attention(&q, &k, &v, &mut kv, 0, pos, Attend::causal(hd), &mut out))?;
+                stream_time(g, 20, &mut || g.attention(&q, &k, &v, &mut kv, 0, &at, Attend::causal(hd), &mut out))?;
             let flash = stream_time(g, 20, &mut || g.flash_prefill(&q, &kv, 0, Attend::causal(hd), &mut out))?;
             println!("attention {heads}/{n_kv}x{hd} m{m} pos{pos}: split-K {split:.3} ms, flash {flash:.3} ms");
         }

@@ -1,26 +1,30 @@
-//! Causal attention over the dense bf16 KV cache (a sliding layer's a ring), f32 math, GQA,
-//! optionally windowed.
+//! Causal attention over the paged bf16 KV store, f32 math, GQA, optionally windowed.
 //!
 //! Parallel over (query row, head). Each task streams the cached keys of its kv head once
-//! (scores), softmaxes in f32, then streams the values once.
+//! (scores), softmaxes in f32, then streams the values once. A row's result depends only
+//! on its own sequence's cache: the same bits whatever else the call holds.
 
+use super::kv::CpuKv;
 use crate::backend::Attend;
-use crate::kv::dense::DenseKv;
+use crate::kv::Span;
 use half::bf16;
 use rayon::prelude::*;
 
-/// q `[m, n_heads·hd]` at positions pos0..pos0+m; the cache already holds 0..pos0+m.
-/// Row t attends to positions attend.first(pos0 + t)..=pos0 + t. out `[m, n_heads·hd]`.
+/// q `[m, n_heads·hd]`, the rows of `spans` (each sequence's at its positions pos0..); the
+/// store already holds each sequence's positions up to its last row. A row at position p
+/// attends to its sequence's positions attend.first(p)..=p. out `[m, n_heads·hd]`.
 pub fn attention<'a>(
     q: &[f32],
     (m, n_heads, hd): (usize, usize, usize),
-    kv: &'a DenseKv,
+    kv: &'a CpuKv,
     layer: usize,
-    pos0: usize,
+    spans: &[Span<'_>],
     attend: Attend,
     out: &mut [f32],
 ) {
     assert_eq!(out.len(), m * n_heads * hd, "attention: out is not [{m}, {n_heads}·{hd}]");
+    let rows = crate::kv::row_positions(spans);
+    assert_eq!(rows.len(), m, "attention: {m} query rows, spans of {}", rows.len());
     let n_kv = kv.width / hd;
     let group = n_heads / n_kv;
     let scale = attend.scale;
@@ -29,9 +33,11 @@ pub fn attention<'a>(
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
         let (t, h) = (idx / n_heads, idx % n_heads);
         let kvh = h / group;
-        let (first, len) = (attend.first(pos0 + t), pos0 + t + 1);
+        let (seq, pos) = rows[t];
+        let span = &spans[seq];
+        let (first, len) = (attend.first(pos), pos + 1);
         let qh = &q[t * n_heads * hd + h * hd..][..hd];
-        let row = |c: &'a [bf16], p: usize| -> &'a [bf16] { &c[kv.slot(layer, p) * kv.width + kvh * hd..][..hd] };
+        let row = |c: &'a [bf16], p: usize| -> &'a [bf16] { &c[kv.row(layer, span, p) * kv.width + kvh * hd..][..hd] };
         let mut scores = Vec::with_capacity(len - first);
         let mut max = f32::NEG_INFINITY;
         for p in first..len {

@@ -1,7 +1,8 @@
 //! The CPU backend: f32 activations, quantized weights used in place (rayon over rows),
-//! dense bf16 KV cache. It is also the reference every other backend is tested against.
+//! paged bf16 KV store. It is also the reference every other backend is tested against.
 
 pub mod attention;
+pub mod kv;
 pub mod matmul;
 pub mod ops;
 pub mod qdot;
@@ -9,9 +10,10 @@ pub mod simd;
 
 use super::{check_top_k, Attend, Backend, Rope};
 use crate::config::{Activation, ModelConfig};
-use crate::kv::dense::DenseKv;
+use crate::kv::{KvBlocks, Span};
 use crate::quant::Weight;
 use crate::Result;
+use kv::CpuKv;
 
 /// Row-major f32 activations `[rows, cols]`.
 #[derive(Clone, Debug)]
@@ -27,7 +29,7 @@ impl Backend for Cpu {
     type Act = CpuAct;
     type Mat = Weight;
     type Vector = Vec<f32>;
-    type Kv = DenseKv;
+    type Kv = CpuKv;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -44,14 +46,11 @@ impl Backend for Cpu {
     fn act_f32(&self, rows: usize, cols: usize) -> Result<CpuAct> {
         self.act(rows, cols)
     }
-    fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<DenseKv> {
-        Ok(DenseKv::with_slots(crate::kv::slots(cfg, max_seq), max_seq, cfg.n_kv_heads, cfg.head_dim))
+    fn kv_store(&self, cfg: &ModelConfig, blocks: KvBlocks) -> Result<CpuKv> {
+        Ok(CpuKv::new(cfg, blocks))
     }
-    fn kv_capacity(&self, kv: &DenseKv) -> usize {
-        kv.max_seq
-    }
-    fn kv_has_ring(&self, kv: &DenseKv) -> bool {
-        crate::kv::has_ring(&kv.slots, kv.max_seq)
+    fn kv_blocks(&self, kv: &CpuKv) -> KvBlocks {
+        kv.blocks
     }
     fn embed(&self, table: &Weight, tokens: &[u32], scale: f32, out: &mut CpuAct) -> Result<()> {
         ops::embed(table, tokens, scale, &mut out.data);
@@ -83,8 +82,9 @@ impl Backend for Cpu {
         ops::add_bias(&mut x.data, b);
         Ok(())
     }
-    fn rope(&self, x: &mut CpuAct, n_heads: usize, pos0: usize, rope: &Rope) -> Result<()> {
-        ops::rope(&mut x.data, x.cols, n_heads, pos0, rope);
+    fn rope(&self, x: &mut CpuAct, n_heads: usize, spans: &[Span<'_>], rope: &Rope) -> Result<()> {
+        let positions = spans.iter().flat_map(|s| s.pos0..s.pos0 + s.rows);
+        ops::rope(&mut x.data, x.cols, n_heads, positions, rope);
         Ok(())
     }
     fn attention(
@@ -92,15 +92,15 @@ impl Backend for Cpu {
         q: &CpuAct,
         k: &CpuAct,
         v: &CpuAct,
-        kv: &mut DenseKv,
+        kv: &mut CpuKv,
         layer: usize,
-        pos0: usize,
+        spans: &[Span<'_>],
         attend: Attend,
         out: &mut CpuAct,
     ) -> Result<()> {
-        kv.write(layer, pos0, &k.data, &v.data);
+        kv.write(layer, spans, &k.data, &v.data);
         let hd = kv.head_dim;
-        attention::attention(&q.data, (q.rows, q.cols / hd, hd), kv, layer, pos0, attend, &mut out.data);
+        attention::attention(&q.data, (q.rows, q.cols / hd, hd), kv, layer, spans, attend, &mut out.data);
         Ok(())
     }
     fn glu(&self, gate: &CpuAct, up: &CpuAct, act: Activation, out: &mut CpuAct) -> Result<()> {
@@ -127,6 +127,10 @@ impl Backend for Cpu {
     }
     fn slice_rows(&self, x: &CpuAct, first: usize) -> Result<CpuAct> {
         Ok(CpuAct { rows: x.rows - first, cols: x.cols, data: x.data[first * x.cols..].to_vec() })
+    }
+    fn gather_rows(&self, x: &CpuAct, rows: &[usize]) -> Result<CpuAct> {
+        let data = rows.iter().flat_map(|&r| &x.data[r * x.cols..(r + 1) * x.cols]).copied().collect();
+        Ok(CpuAct { rows: rows.len(), cols: x.cols, data })
     }
     fn read_rows(&self, x: &CpuAct, first: usize) -> Result<Vec<f32>> {
         Ok(x.data[first * x.cols..].to_vec())

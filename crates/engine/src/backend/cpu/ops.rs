@@ -16,14 +16,14 @@ pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     }
 }
 
-/// Rotate every head of every row; row i is at position pos0 + i. Angles are computed in
-/// f32 as pos·inv_freq, the way the reference implementations do.
-pub fn rope(x: &mut [f32], row_width: usize, n_heads: usize, pos0: usize, rope: &Rope) {
+/// Rotate every head of every row; row i is at position positions[i]. Angles are computed
+/// in f32 as pos·inv_freq, the way the reference implementations do.
+pub fn rope(x: &mut [f32], row_width: usize, n_heads: usize, positions: impl IntoIterator<Item = usize>, rope: &Rope) {
     let hd = row_width / n_heads;
     let half = hd / 2;
     let mut cs = vec![(0f32, 0f32); half];
-    for (i, row) in x.chunks_exact_mut(row_width).enumerate() {
-        let pos = (pos0 + i) as f32 / rope.linear;
+    for (row, p) in x.chunks_exact_mut(row_width).zip(positions) {
+        let pos = p as f32 / rope.linear;
         for (c, &f) in cs.iter_mut().zip(&rope.inv_freq) {
             let a = pos * f;
             *c = (a.cos(), a.sin());

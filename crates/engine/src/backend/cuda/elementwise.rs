@@ -195,4 +195,37 @@ impl Cuda {
         };
         Ok(CudaAct { rows: x.rows - first, cols: x.cols, buf })
     }
+
+    /// Rows of x, in the given order, as a new activation (one copy a row: the head's
+    /// input rows of a call's sequences).
+    pub(crate) fn gather_rows(&self, x: &CudaAct, rows: &[usize]) -> Result<CudaAct> {
+        use super::driver::drv;
+        if let Some(r) = rows.iter().find(|&&r| r >= x.rows) {
+            return Err(crate::Error::Invalid(format!("gathering row {r} of {}", x.rows)));
+        }
+        let c = x.cols;
+        let buf = match &x.buf {
+            ActBuf::Bf16(b) => {
+                let mut out = self.zeros::<u16>(rows.len() * c, "gathering rows")?;
+                for (i, &r) in rows.iter().enumerate() {
+                    let src = b.slice(r * c..(r + 1) * c);
+                    self.stream
+                        .memcpy_dtod(&src, &mut out.slice_mut(i * c..(i + 1) * c))
+                        .map_err(drv("copying rows"))?;
+                }
+                ActBuf::Bf16(out)
+            }
+            ActBuf::F32(b) => {
+                let mut out = self.zeros::<f32>(rows.len() * c, "gathering rows")?;
+                for (i, &r) in rows.iter().enumerate() {
+                    let src = b.slice(r * c..(r + 1) * c);
+                    self.stream
+                        .memcpy_dtod(&src, &mut out.slice_mut(i * c..(i + 1) * c))
+                        .map_err(drv("copying rows"))?;
+                }
+                ActBuf::F32(out)
+            }
+        };
+        Ok(CudaAct { rows: rows.len(), cols: c, buf })
+    }
 }

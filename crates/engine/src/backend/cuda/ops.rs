@@ -8,6 +8,7 @@ use super::gemv::{GemvExtra, GemvIn, GemvOut};
 use super::tensors::{ActBuf, CudaAct, CudaKv, CudaMat};
 use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::{Activation, ModelConfig};
+use crate::kv::{KvBlocks, Span, BLOCK};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
 
@@ -44,7 +45,10 @@ impl Backend for Cuda {
     fn act_f32(&self, rows: usize, cols: usize) -> Result<CudaAct> {
         Ok(CudaAct { rows, cols, buf: ActBuf::F32(self.zeros(rows * cols, "allocating logits")?) })
     }
-    fn kv_cache(&self, cfg: &ModelConfig, max_seq: usize) -> Result<CudaKv> {
+    /// One sequence's store: position p at row p (a sliding layer's ring at p mod its
+    /// slots), `blocks.full` blocks of positions.
+    fn kv_store(&self, cfg: &ModelConfig, blocks: KvBlocks) -> Result<CudaKv> {
+        let max_seq = blocks.full * BLOCK;
         let width = cfg.n_kv_heads * cfg.head_dim;
         if !cfg.head_dim.is_multiple_of(32) || cfg.head_dim > 256 {
             return Err(Error::Unsupported(format!(
@@ -57,16 +61,16 @@ impl Backend for Cuda {
         let layer = |s: usize| self.zeros::<u16>(s * width, "allocating the KV cache");
         let k = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
         let v = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
-        Ok(CudaKv { max_seq, slots, width, head_dim: cfg.head_dim, k, v })
+        Ok(CudaKv { max_seq, blocks, slots, width, head_dim: cfg.head_dim, k, v })
     }
-    fn kv_capacity(&self, kv: &CudaKv) -> usize {
-        kv.max_seq
+    fn kv_blocks(&self, kv: &CudaKv) -> KvBlocks {
+        kv.blocks
     }
-    fn kv_has_ring(&self, kv: &CudaKv) -> bool {
-        crate::kv::has_ring(&kv.slots, kv.max_seq)
+    fn kv_paged(&self) -> bool {
+        false
     }
-    fn begin(&self, tokens: &[u32], pos0: usize) -> Result<()> {
-        self.steps.begin(self, tokens, pos0)
+    fn begin(&self, tokens: &[u32], spans: &[Span<'_>]) -> Result<()> {
+        self.steps.begin(self, tokens, one_sequence(spans)?)
     }
     fn step(&self, key: u64, tokens: &[u32], pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         self.steps.step(self, key, tokens, pos0, f)
@@ -116,7 +120,7 @@ impl Backend for Cuda {
     fn add_bias(&self, x: &mut CudaAct, bias: &Self::Vector) -> Result<()> {
         self.add_bias_rows(x, bias)
     }
-    fn rope(&self, x: &mut CudaAct, n_heads: usize, _pos0: usize, rope: &Rope) -> Result<()> {
+    fn rope(&self, x: &mut CudaAct, n_heads: usize, _spans: &[Span<'_>], rope: &Rope) -> Result<()> {
         self.rope_rows(x, n_heads, rope) // at the staged position
     }
     fn attention(
@@ -126,7 +130,7 @@ impl Backend for Cuda {
         v: &CudaAct,
         kv: &mut CudaKv,
         layer: usize,
-        _pos0: usize,
+        _spans: &[Span<'_>],
         attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
@@ -141,7 +145,7 @@ impl Backend for Cuda {
         v: &CudaAct,
         kv: &mut CudaKv,
         layer: usize,
-        _pos0: usize,
+        _spans: &[Span<'_>],
         rope: &Rope,
         (n_heads, _n_kv): (usize, usize),
         attend: Attend,
@@ -231,7 +235,7 @@ impl Backend for Cuda {
         x: &mut CudaAct,
         kv: &mut CudaKv,
         layer: usize,
-        _pos0: usize,
+        _spans: &[Span<'_>],
         rope: &Rope,
         shape: LayerShape,
         s: LayerScratch<'_, Self>,
@@ -243,7 +247,7 @@ impl Backend for Cuda {
         layers: &[DecodeLayer<'_, Self>],
         (x, spare): (&mut CudaAct, &mut CudaAct),
         kv: &mut CudaKv,
-        _pos0: usize,
+        _spans: &[Span<'_>],
         s: LayerScratch<'_, Self>,
     ) -> Result<()> {
         Cuda::decode_layers(self, layers, (x, spare), kv, s)
@@ -286,6 +290,9 @@ impl Backend for Cuda {
     fn slice_rows(&self, x: &CudaAct, first: usize) -> Result<CudaAct> {
         self.copy_rows(x, first)
     }
+    fn gather_rows(&self, x: &CudaAct, rows: &[usize]) -> Result<CudaAct> {
+        self.gather_rows(x, rows)
+    }
     fn read_rows(&self, x: &CudaAct, first: usize) -> Result<Vec<f32>> {
         let (s, e) = (first * x.cols, x.rows * x.cols);
         Ok(match &x.buf {
@@ -296,4 +303,18 @@ impl Backend for Cuda {
             }
         })
     }
+}
+
+/// The position of a call's one sequence. The kernels keep position p at row p of a store
+/// that belongs to one sequence (`Backend::kv_paged` false), so a call holds one sequence
+/// whose full-layer table is the identity (as `kv::seq::SeqCache` builds it).
+fn one_sequence(spans: &[Span<'_>]) -> Result<usize> {
+    let [s] = spans else {
+        return Err(Error::Unsupported(format!("CUDA runs one sequence per forward call ({} given)", spans.len())));
+    };
+    let used = (s.pos0 + s.rows).div_ceil(BLOCK);
+    if s.full.len() < used || s.full[..used].iter().enumerate().any(|(i, &b)| b as usize != i) {
+        return Err(Error::Unsupported("CUDA needs a sequence's blocks in order (its own store)".into()));
+    }
+    Ok(s.pos0)
 }

@@ -85,6 +85,7 @@ impl CudaAct {
 /// slots (crate::kv::layer_slots: every position, or a sliding layer's ring).
 pub struct CudaKv {
     pub max_seq: usize,
+    pub blocks: crate::kv::KvBlocks,
     /// Rows of each layer's cache.
     pub slots: Vec<usize>,
     pub width: usize,
@@ -95,15 +96,15 @@ pub struct CudaKv {
 
 impl CudaKv {
     /// `layer`'s row count, the kernels' `slots` argument, once `rows` new positions are
-    /// checked to fit a call (a ring takes crate::kv::RING_ROWS at most).
+    /// checked to fit a call (a ring takes crate::kv::CALL_ROWS at most).
     pub(crate) fn slots_arg(&self, layer: usize, rows: usize) -> Result<KArg> {
         let slots = *self.slots.get(layer).ok_or_else(|| {
             Error::Invalid(format!("CUDA KV cache: layer {layer} of a {}-layer cache", self.slots.len()))
         })?;
-        if slots < self.max_seq && rows > crate::kv::RING_ROWS {
+        if slots < self.max_seq && rows > crate::kv::CALL_ROWS {
             return Err(Error::Invalid(format!(
                 "CUDA attention: {rows} rows in one call on a sliding-window ring (at most {})",
-                crate::kv::RING_ROWS
+                crate::kv::CALL_ROWS
             )));
         }
         Ok(KArg::I32(slots as i32))

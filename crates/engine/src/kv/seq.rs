@@ -1,0 +1,116 @@
+//! One sequence's KV cache: a store of its own and the tables of its one sequence, for the
+//! single-sequence paths (generation sessions, perplexity, tests). The same blocks and
+//! tables as the serving engine's shared cache, so there is one KV implementation.
+
+use super::paged::{PagedKv, SeqKv, NO_BLOCK};
+use super::{has_sliding, KvBlocks, Span, BLOCK, CALL_ROWS};
+use crate::backend::Backend;
+use crate::config::ModelConfig;
+use crate::{Error, Result};
+
+pub struct SeqCache<B: Backend> {
+    pub store: B::Kv,
+    paged: PagedKv,
+    seq: SeqKv,
+    max_seq: usize,
+}
+
+/// Blocks a single sequence of up to `max_seq` positions needs: every position of the
+/// full layers; the sliding layers' window and one call of CALL_ROWS (a call's first query
+/// attends from pos0 + 1 - window on, and blocks before that go back to the pool).
+pub fn seq_blocks(cfg: &ModelConfig, max_seq: usize) -> KvBlocks {
+    let full = max_seq.div_ceil(BLOCK);
+    let sliding = match has_sliding(cfg) {
+        true => full.min((cfg.sliding_window + CALL_ROWS - 1).div_ceil(BLOCK) + 1),
+        false => 0,
+    };
+    KvBlocks { full, sliding }
+}
+
+impl<B: Backend> SeqCache<B> {
+    pub fn new(b: &B, cfg: &ModelConfig, max_seq: usize) -> Result<Self> {
+        let blocks = seq_blocks(cfg, max_seq);
+        let sliding = has_sliding(cfg).then_some((blocks.sliding, cfg.sliding_window));
+        Ok(SeqCache {
+            store: b.kv_store(cfg, blocks)?,
+            paged: PagedKv::new(BLOCK, blocks.full, sliding),
+            seq: SeqKv::default(),
+            max_seq,
+        })
+    }
+
+    /// Positions the cache can hold.
+    pub fn capacity(&self) -> usize {
+        self.max_seq
+    }
+
+    /// Positions written.
+    pub fn len(&self) -> usize {
+        self.seq.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.seq.len == 0
+    }
+
+    /// Whether the sliding layers keep only their window (then a call writes at most
+    /// CALL_ROWS positions).
+    pub fn windowed(&self) -> bool {
+        self.paged.sliding.as_ref().is_some_and(|(pool, _)| pool.len() < self.paged.full.len())
+    }
+
+    /// Blocks for `m` positions from pos0 (pos0 at most the length: earlier positions are
+    /// rewritten, the ones after forgotten).
+    pub fn prepare(&mut self, pos0: usize, m: usize) -> Result<()> {
+        if pos0 > self.seq.len {
+            return Err(Error::Invalid(format!(
+                "forward at position {pos0}, after the {} positions in the cache",
+                self.seq.len
+            )));
+        }
+        if pos0 + m > self.max_seq {
+            return Err(Error::Invalid(format!(
+                "{m} tokens at position {pos0} exceed the context of {} tokens",
+                self.max_seq
+            )));
+        }
+        if self.windowed() && m > CALL_ROWS {
+            return Err(Error::Invalid(format!(
+                "forward: {m} tokens in one call on a cache keeping only the sliding window (at most {CALL_ROWS})"
+            )));
+        }
+        self.seq.len = pos0;
+        let first = self.paged.sliding.as_ref().map_or(0, |(_, w)| (pos0 + 1).saturating_sub(*w) / BLOCK);
+        if self.seq.sliding.get(first..).is_some_and(|t| t.contains(&NO_BLOCK)) {
+            return Err(Error::Invalid(format!(
+                "forward at position {pos0}: the sliding window's earlier positions are gone"
+            )));
+        }
+        self.paged
+            .reserve(&mut self.seq, pos0 + m)
+            .map_err(|_| Error::Invalid(format!("the KV cache has no blocks left for position {}", pos0 + m)))
+    }
+
+    /// Whether a call can start at pos0 (at most the length): the sliding layers still
+    /// hold the window before it (a rewind past what they released cannot).
+    pub fn can_resume(&self, pos0: usize) -> bool {
+        let first = self.paged.sliding.as_ref().map_or(0, |(_, w)| (pos0 + 1).saturating_sub(*w) / BLOCK);
+        pos0 <= self.seq.len && !self.seq.sliding.get(first..).is_some_and(|t| t.contains(&NO_BLOCK))
+    }
+
+    /// The store and the span of `m` rows from pos0 (after `prepare`).
+    pub fn span(&mut self, pos0: usize, m: usize) -> (&mut B::Kv, Span<'_>) {
+        let s = Span { rows: m, pos0, full: &self.seq.full, sliding: &self.seq.sliding };
+        (&mut self.store, s)
+    }
+
+    /// The call wrote positions up to `upto`.
+    pub fn advance(&mut self, upto: usize) {
+        self.seq.len = upto;
+    }
+
+    /// Start over, empty (the blocks go back).
+    pub fn clear(&mut self) {
+        self.paged.free(std::mem::take(&mut self.seq));
+    }
+}

@@ -1,0 +1,132 @@
+//! One engine step: which rows of which requests it computes, their blocks, the forward
+//! call(s), then a token for every request whose pending positions are all computed.
+
+use super::caches::{Caches, Place};
+use super::worker::{End, Seq, Worker};
+use super::{Failure, FailureKind};
+use crate::backend::Backend;
+use crate::kv::Span;
+use crate::model::Logits;
+use crate::Result;
+
+impl<B: Backend> Worker<'_, B> {
+    /// One step over the running requests; those that end leave.
+    pub(super) fn step(&mut self) {
+        let plan = self.plan();
+        if plan.is_empty() {
+            return;
+        }
+        let logits = match forward(self.model, &mut self.caches, &mut self.running, &plan) {
+            Ok(l) => l,
+            Err(e) => {
+                // A device error: every request of the step fails, the others go on.
+                let mut idx: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
+                idx.sort_unstable_by_key(|&i| std::cmp::Reverse(i));
+                for i in idx {
+                    let s = self.running.remove(i);
+                    self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
+                }
+                return;
+            }
+        };
+        let mut ended = vec![];
+        for (&(i, rows), row) in plan.iter().zip(logits) {
+            let s = &mut self.running[i];
+            let place = s.place.as_mut().expect("planned requests hold a place");
+            // An own cache has advanced already: its length is the end of the rows.
+            let upto = match place {
+                Place::Shared(kv) => kv.len + rows,
+                Place::Own(c) => c.len(),
+            };
+            self.caches.commit(place, &s.history, upto);
+            if upto == s.history.len() {
+                if let Some(end) = self.sample(i, row) {
+                    ended.push((i, end));
+                }
+            }
+        }
+        ended.sort_unstable_by_key(|e| std::cmp::Reverse(e.0));
+        for (i, end) in ended {
+            let s = self.running.remove(i);
+            self.end(s, end);
+        }
+    }
+
+    /// The step's rows: (request, rows) with every decoding request's one row first, then
+    /// prefill chunks in admission order while the row budget lasts (one at least), each
+    /// with its blocks reserved. When blocks run out the youngest request is preempted.
+    fn plan(&mut self) -> Vec<(usize, usize)> {
+        let mut plan: Vec<(usize, usize)> = vec![];
+        let decoding = |s: &Seq<B>| s.pending() == 1 && s.generated > 0;
+        for (i, s) in self.running.iter().enumerate() {
+            if decoding(s) {
+                plan.push((i, 1));
+            }
+        }
+        let mut used = plan.len();
+        for (i, s) in self.running.iter().enumerate() {
+            if decoding(s) || (used >= self.step_rows && !plan.is_empty()) {
+                continue;
+            }
+            let rows = s.pending().min(self.step_rows.saturating_sub(used).max(1));
+            plan.push((i, rows));
+            used += rows;
+        }
+        let mut k = 0;
+        while k < plan.len() {
+            let (i, rows) = plan[k];
+            let s = &mut self.running[i];
+            let place = s.place.as_mut().expect("running requests hold a place");
+            let upto = place.len() + rows;
+            if self.caches.reserve(place, upto).is_ok() {
+                k += 1;
+                continue;
+            }
+            // The youngest is the last one running: preempting it shifts no index.
+            let victim = self.running.len() - 1;
+            if let Some(at) = plan.iter().position(|&(j, _)| j == victim) {
+                plan.remove(at);
+                if at < k {
+                    k -= 1;
+                }
+            }
+            self.preempt_youngest();
+        }
+        plan.sort_unstable();
+        plan
+    }
+}
+
+/// Run the plan: one forward call over every planned request where the store is shared,
+/// else one call each. The logits after each request's last planned row, in plan order.
+fn forward<B: Backend>(
+    model: &crate::model::Decoder<B>,
+    caches: &mut Caches<B>,
+    running: &mut [Seq<B>],
+    plan: &[(usize, usize)],
+) -> Result<Vec<Vec<f32>>> {
+    let width = model.logits_width();
+    match caches {
+        Caches::Shared { store, .. } => {
+            let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
+            let mut spans = Vec::with_capacity(plan.len());
+            for &(i, rows) in plan {
+                let s = &running[i];
+                let Some(Place::Shared(kv)) = &s.place else { unreachable!("a shared cache's places are shared") };
+                tokens.extend_from_slice(&s.history[kv.len..kv.len + rows]);
+                spans.push(Span { rows, pos0: kv.len, full: &kv.full, sliding: &kv.sliding });
+            }
+            let logits = model.forward_spans(&tokens, &spans, store)?;
+            Ok(logits.chunks_exact(width).map(<[f32]>::to_vec).collect())
+        }
+        Caches::Own { .. } => plan
+            .iter()
+            .map(|&(i, rows)| {
+                let s = &mut running[i];
+                let Some(Place::Own(cache)) = &mut s.place else { unreachable!("own caches' places are own") };
+                let pos = cache.len();
+                model.forward(&s.history[pos..pos + rows], pos, cache, Logits::Last)
+            })
+            .collect(),
+    }
+}
