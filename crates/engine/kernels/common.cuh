@@ -58,7 +58,7 @@ __device__ __forceinline__ void load_bf16x8(const bf16_t* p, float* f) {
 }
 
 // The row of cached position p in a layer's cache of `slots` rows: p itself, or in a
-// sliding-window layer's ring (kv/mod.rs layer_slots) p mod slots.
+// sliding-window layer's ring (kv_store in backend/cuda/ops.rs) p mod slots.
 __device__ __forceinline__ long kv_row(long p, int slots) { return p < slots ? p : p % slots; }
 
 // RoPE (rope.cu, and attention.cu's rope_kv): pair j of a head is (2j, 2j+1) when

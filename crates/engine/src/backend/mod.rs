@@ -163,7 +163,7 @@ pub trait Backend: Sync {
     fn kv_blocks(&self, kv: &Self::Kv) -> crate::kv::KvBlocks;
     /// Whether the store honours block tables, so that sequences can share it and one
     /// call can hold several (`Span`s). A backend that does not keeps position p of its one
-    /// sequence at row p (a sliding layer's ring at p mod its slots, `kv::layer_slots`):
+    /// sequence at row p (a sliding layer's ring at p mod its slots where it has fewer blocks):
     /// CUDA, until its kernels index through tables.
     fn kv_paged(&self) -> bool {
         true

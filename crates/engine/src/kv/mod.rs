@@ -108,44 +108,9 @@ impl InOrder {
     }
 }
 
-/// Slots a layer's cache holds for `max_seq` positions on a backend that keeps one
-/// sequence per store (`Backend::kv_paged` false): one per position, or for a layer
-/// attending the last `window` positions a ring of window + CALL_ROWS - 1 slots (position
-/// p in slot p mod slots) where that is fewer. A call writing m ≤ CALL_ROWS positions from
-/// pos0 overwrites only positions before pos0 + m - slots ≤ pos0 - window, which no query
-/// of the call attends.
-pub fn layer_slots(window: Option<usize>, max_seq: usize) -> usize {
-    match window {
-        Some(w) => max_seq.min(w.saturating_add(CALL_ROWS - 1)),
-        None => max_seq,
-    }
-}
-
-/// `layer_slots` of each of the model's layers.
-pub fn slots(cfg: &ModelConfig, max_seq: usize) -> Vec<usize> {
-    (0..cfg.n_layers).map(|i| layer_slots(is_sliding(cfg, i).then_some(cfg.sliding_window), max_seq)).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn rings_hold_the_window_and_one_call() {
-        assert_eq!(layer_slots(None, 32768), 32768);
-        assert_eq!(layer_slots(Some(512), 32768), 1023);
-        assert_eq!(layer_slots(Some(512), 800), 800);
-        assert_eq!(layer_slots(Some(usize::MAX), 64), 64);
-        // Every position a query of a call attends survives the call's writes: the call
-        // overwrites slots of positions < pos0 + m - slots ≤ pos0 - window + 1 - 1.
-        let (w, slots) = (9, layer_slots(Some(9), 4096));
-        for m in [1, 7, CALL_ROWS] {
-            let pos0 = 3000;
-            let oldest_needed = pos0 + 1 - w; // the first query's first position
-            let newest_overwritten = (pos0 + m).saturating_sub(slots + 1);
-            assert!(newest_overwritten < oldest_needed, "m {m}");
-        }
-    }
 
     #[test]
     fn rows_go_through_the_table() {

@@ -109,8 +109,38 @@ impl<B: Backend> SeqCache<B> {
         self.seq.len = upto;
     }
 
-    /// Start over, empty (the blocks go back).
+    /// Start over, empty, the blocks handed out in order again (0, 1, …: a backend without
+    /// tables keeps position p at row p).
     pub fn clear(&mut self) {
-        self.paged.free(std::mem::take(&mut self.seq));
+        let sliding = self.paged.sliding.as_ref().map(|(pool, w)| (pool.len(), *w));
+        self.paged = PagedKv::new(BLOCK, self.paged.full.len(), sliding);
+        self.seq = SeqKv::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+
+    /// CUDA keeps position p at row p of a sequence's own store: the blocks must come in
+    /// order, after a rewind and after the cache is cleared for its next session.
+    #[test]
+    fn blocks_come_in_order_after_rewinds_and_clears() {
+        let cfg = ModelConfig { n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 32, ..Default::default() };
+        let mut c = SeqCache::new(&Cpu, &cfg, 10 * BLOCK).unwrap();
+        let in_order = |c: &SeqCache<Cpu>| c.seq.full.iter().enumerate().all(|(i, &b)| b as usize == i);
+        c.prepare(0, 3 * BLOCK + 5).unwrap();
+        c.advance(3 * BLOCK + 5);
+        c.prepare(BLOCK, 4 * BLOCK).unwrap();
+        c.advance(5 * BLOCK);
+        assert!(in_order(&c) && c.seq.full.len() == 5, "{:?}", c.seq.full);
+        c.clear();
+        assert!(c.is_empty());
+        c.prepare(0, 7 * BLOCK).unwrap();
+        assert!(in_order(&c) && c.seq.full.len() == 7, "{:?}", c.seq.full);
+        // Past the context, or after the positions written: refused.
+        assert!(c.prepare(0, 10 * BLOCK + 1).is_err());
+        assert!(c.prepare(8, 1).is_err());
     }
 }

@@ -56,8 +56,15 @@ impl Backend for Cuda {
                 cfg.head_dim
             )));
         }
-        // A sliding layer keeps a ring of its window (kv_row in common.cuh).
-        let slots = crate::kv::slots(cfg, max_seq);
+        // A sliding layer keeps a ring (kv_row in common.cuh) where the store gives it fewer
+        // blocks than the positions (kv::seq::seq_blocks: its window and one call of
+        // CALL_ROWS, so a call overwrites no position its queries attend).
+        let ring = match blocks.sliding < blocks.full {
+            true => blocks.sliding * BLOCK,
+            false => max_seq,
+        };
+        let slots: Vec<usize> =
+            (0..cfg.n_layers).map(|i| if crate::kv::is_sliding(cfg, i) { ring } else { max_seq }).collect();
         let layer = |s: usize| self.zeros::<u16>(s * width, "allocating the KV cache");
         let k = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
         let v = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;

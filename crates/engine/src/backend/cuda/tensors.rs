@@ -82,7 +82,7 @@ impl CudaAct {
 }
 
 /// bf16 KV cache: per layer `[slots, n_kv·hd]` for K and for V, position p in row p mod
-/// slots (crate::kv::layer_slots: every position, or a sliding layer's ring).
+/// slots (every position, or a sliding layer's ring: Backend::kv_store in ops.rs).
 pub struct CudaKv {
     pub max_seq: usize,
     pub blocks: crate::kv::KvBlocks,
