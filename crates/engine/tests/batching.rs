@@ -8,10 +8,14 @@ use ferrolm::kv::paged::{PagedKv, SeqKv};
 use ferrolm::kv::{KvBlocks, Span, BLOCK};
 use ferrolm::model::{Decoder, Logits};
 
-fn model() -> (Decoder<Cpu>, Vec<Vec<u32>>) {
-    let path = ferrolm::env::test_models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+fn load(file: &str) -> (Decoder<Cpu>, ferrolm::tokenizer::Tokenizer) {
+    let path = ferrolm::env::test_models_dir().join(file);
     let (mut src, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
-    let m = Decoder::load(Cpu, &mut src).unwrap();
+    (Decoder::load(Cpu, &mut src).unwrap(), tok)
+}
+
+fn model() -> (Decoder<Cpu>, Vec<Vec<u32>>) {
+    let (m, tok) = load("SmolLM2-135M-Instruct.Q4_1.gguf");
     let texts = [
         "21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2,",
         "The capital of France is Paris, and the capital of Germany is",
@@ -24,21 +28,21 @@ fn model() -> (Decoder<Cpu>, Vec<Vec<u32>>) {
     (m, prompts)
 }
 
-#[test]
-fn logits_are_the_same_bits_alone_or_batched() {
-    let (model, prompts) = model();
+/// Run `prompts` together through a shared store of `blocks`, each step advancing every
+/// unfinished sequence by a chunk that varies by step and sequence (1 to `max_rows` rows),
+/// all in one call, and check each call's logits against `alone` (every position's logits
+/// of each prompt run by itself). Returns the rows compared and the sequences' tables.
+fn run_batched(
+    model: &Decoder<Cpu>,
+    prompts: &[Vec<u32>],
+    alone: &[Vec<f32>],
+    blocks: KvBlocks,
+    max_rows: usize,
+) -> (usize, Vec<SeqKv>) {
     let v = model.logits_width();
-    // Alone: every position's logits from one call over the whole sequence.
-    let alone: Vec<Vec<f32>> = prompts
-        .iter()
-        .map(|p| model.forward(p, 0, &mut model.new_cache(p.len()).unwrap(), Logits::All).unwrap())
-        .collect();
-    // Batched: a shared store whose free list hands the sequences interleaved blocks; each
-    // step advances every unfinished sequence by a chunk that varies by step and sequence
-    // (1 to 7 rows), all in one call.
-    let blocks = KvBlocks { full: 64, sliding: 0 };
     let mut store = model.backend.kv_store(&model.cfg, blocks).unwrap();
-    let mut paged = PagedKv::new(BLOCK, blocks.full, None);
+    let sliding = (blocks.sliding > 0).then_some((blocks.sliding, model.cfg.sliding_window));
+    let mut paged = PagedKv::new(BLOCK, blocks.full, sliding);
     let mut seqs: Vec<SeqKv> = prompts.iter().map(|_| SeqKv::default()).collect();
     let mut checked = 0;
     for step in 0.. {
@@ -46,7 +50,7 @@ fn logits_are_the_same_bits_alone_or_batched() {
         for (i, p) in prompts.iter().enumerate() {
             let len = seqs[i].len;
             if len < p.len() {
-                let rows = (1 + (step * 3 + i * 5) % 7).min(p.len() - len);
+                let rows = (1 + (step * 3 + i * 5) % max_rows).min(p.len() - len);
                 paged.reserve(&mut seqs[i], len + rows).unwrap();
                 plan.push((i, len, rows));
             }
@@ -70,10 +74,42 @@ fn logits_are_the_same_bits_alone_or_batched() {
             seqs[i].len = len + rows;
         }
     }
+    (checked, seqs)
+}
+
+/// Every position's logits of each prompt, run alone in one call.
+fn alone(model: &Decoder<Cpu>, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
+    prompts.iter().map(|p| model.forward(p, 0, &mut model.new_cache(p.len()).unwrap(), Logits::All).unwrap()).collect()
+}
+
+#[test]
+fn logits_are_the_same_bits_alone_or_batched() {
+    let (model, prompts) = model();
+    let alone = alone(&model, &prompts);
+    let (checked, seqs) = run_batched(&model, &prompts, &alone, KvBlocks { full: 64, sliding: 0 }, 7);
     assert!(checked > 20, "{checked} rows compared");
     // Some sequence's blocks were not consecutive in the store.
     let scattered = seqs.iter().any(|s| s.full.windows(2).any(|w| w[1] != w[0] + 1));
     assert!(scattered, "{:?}", seqs.iter().map(|s| &s.full).collect::<Vec<_>>());
+}
+
+/// Gemma 3 270M (sliding layers of window 512): sequences past the window, their sliding
+/// blocks given back as they grow and reused by the others, give the same bits as alone
+/// (where every position stays in the cache).
+#[test]
+fn sliding_window_blocks_given_back_change_no_bit() {
+    let (model, tok) = load("gemma-3-270m-q4_k_m.gguf");
+    let text = "The river flows north through three towns, each with its own bridge and market. ";
+    let prompts: Vec<Vec<u32>> =
+        (0..2).map(|i| tok.encode(&format!("Story {i}. {}", text.repeat(50)), true).unwrap()[..700].to_vec()).collect();
+    let alone = alone(&model, &prompts);
+    // Sliding blocks for two windows and a step each: blocks must go back to fit.
+    let per_seq = (model.cfg.sliding_window + 40).div_ceil(BLOCK) + 1;
+    let blocks = KvBlocks { full: 48, sliding: 2 * per_seq };
+    let (checked, seqs) = run_batched(&model, &prompts, &alone, blocks, 40);
+    assert!(checked > 30, "{checked} rows compared");
+    let released = seqs.iter().all(|s| s.sliding.contains(&ferrolm::kv::paged::NO_BLOCK));
+    assert!(released, "sliding blocks given back");
 }
 
 #[test]
