@@ -199,33 +199,30 @@ impl Cuda {
     /// Rows of x, in the given order, as a new activation (one copy a row: the head's
     /// input rows of a call's sequences).
     pub(crate) fn gather_rows(&self, x: &CudaAct, rows: &[usize]) -> Result<CudaAct> {
-        use super::driver::drv;
         if let Some(r) = rows.iter().find(|&&r| r >= x.rows) {
             return Err(crate::Error::Invalid(format!("gathering row {r} of {}", x.rows)));
         }
         let c = x.cols;
         let buf = match &x.buf {
-            ActBuf::Bf16(b) => {
-                let mut out = self.zeros::<u16>(rows.len() * c, "gathering rows")?;
-                for (i, &r) in rows.iter().enumerate() {
-                    let src = b.slice(r * c..(r + 1) * c);
-                    self.stream
-                        .memcpy_dtod(&src, &mut out.slice_mut(i * c..(i + 1) * c))
-                        .map_err(drv("copying rows"))?;
-                }
-                ActBuf::Bf16(out)
-            }
-            ActBuf::F32(b) => {
-                let mut out = self.zeros::<f32>(rows.len() * c, "gathering rows")?;
-                for (i, &r) in rows.iter().enumerate() {
-                    let src = b.slice(r * c..(r + 1) * c);
-                    self.stream
-                        .memcpy_dtod(&src, &mut out.slice_mut(i * c..(i + 1) * c))
-                        .map_err(drv("copying rows"))?;
-                }
-                ActBuf::F32(out)
-            }
+            ActBuf::Bf16(b) => ActBuf::Bf16(self.gather(b, rows, c)?),
+            ActBuf::F32(b) => ActBuf::F32(self.gather(b, rows, c)?),
         };
         Ok(CudaAct { rows: rows.len(), cols: c, buf })
+    }
+
+    /// Rows of `c` elements of `src`, in the given order, one copy a row.
+    fn gather<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        src: &cudarc::driver::CudaSlice<T>,
+        rows: &[usize],
+        c: usize,
+    ) -> Result<cudarc::driver::CudaSlice<T>> {
+        use super::driver::drv;
+        let mut out = self.zeros::<T>(rows.len() * c, "gathering rows")?;
+        for (i, &r) in rows.iter().enumerate() {
+            let row = src.slice(r * c..(r + 1) * c);
+            self.stream.memcpy_dtod(&row, &mut out.slice_mut(i * c..(i + 1) * c)).map_err(drv("copying rows"))?;
+        }
+        Ok(out)
     }
 }
