@@ -140,3 +140,37 @@ impl<B: Backend> Caches<B> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::AttnKind;
+
+    /// Gemma-like layers (5 sliding, 1 full, window 512): the sliding pool holds every
+    /// running request's window and step, the full layers the rest, within the budget.
+    #[test]
+    fn the_budget_splits_into_windows_and_the_rest() {
+        let kinds = [[AttnKind::Sliding; 5].as_slice(), &[AttnKind::Full]].concat();
+        let cfg = ModelConfig {
+            n_layers: 6,
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: 256,
+            sliding_window: 512,
+            layer_kinds: kinds,
+            ..Default::default()
+        };
+        let budget = 1 << 30;
+        let b = split_budget(&cfg, budget, 8, 128);
+        let per_seq = (512usize + 127).div_ceil(BLOCK) + 1;
+        assert_eq!(b.sliding, 8 * per_seq);
+        assert!(crate::kv::store_bytes(&cfg, b) <= budget && b.full * BLOCK > 100_000, "{b:?}");
+        // A small budget: at most half of it for the windows, still one request's worth.
+        let b = split_budget(&cfg, 4 << 20, 8, 128);
+        assert_eq!(b.sliding, per_seq);
+        // No sliding layers: all of it for the full ones.
+        let plain = ModelConfig { layer_kinds: vec![], sliding_window: 0, ..cfg };
+        let b = split_budget(&plain, budget, 8, 128);
+        assert_eq!((b.sliding, b.full), (0, budget / (6 * layer_position_bytes(&plain) * BLOCK)));
+    }
+}
