@@ -265,3 +265,33 @@ fn prefix_hits_and_preemption_give_the_cold_tokens() {
     let st = e.stats();
     assert!(st.preemptions > 0 && st.kv_bytes_used == 0 && st.running == 0, "{st:?}");
 }
+
+/// Gemma 3 270M (sliding layers of window 512): a prompt longer than the window, then one
+/// sharing most of it. The second starts from the cached prefix, the sliding layers'
+/// blocks of its window included, and generates what it generates alone.
+#[test]
+fn sliding_window_prefix_hits_give_the_cold_tokens() {
+    let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let tok = ferrolm::formats::load_with_tokenizer(&path, false).unwrap().1;
+    let load_gemma = move || -> ferrolm::Result<Decoder<Cpu>> {
+        let (mut src, _) = ferrolm::formats::load_with_tokenizer(&path, false)?;
+        Decoder::load(Cpu, &mut src)
+    };
+    let text = "The river flows north through three towns, each with its own bridge and market. ".repeat(50);
+    let base = tok.encode(&text, true).unwrap()[..650].to_vec();
+    let (mut a, mut b) = (base.clone(), base[..620].to_vec());
+    a.extend(tok.encode(" Which way does it flow?", false).unwrap());
+    b.extend(tok.encode(" How many towns?", false).unwrap());
+    let model = load_gemma().unwrap();
+    let want_b = alone(&model, &b, 6);
+    drop(model);
+    let e = Engine::start(load_gemma, EngineConfig { max_batch: 2, ..Default::default() }).unwrap();
+    let (s, rx) = sink();
+    e.submit(greedy(a, 6), s).unwrap();
+    collect(&rx);
+    let (s, rx) = sink();
+    e.submit(greedy(b.clone(), 6), s).unwrap();
+    let hit = 620 / ferrolm::kv::BLOCK * ferrolm::kv::BLOCK;
+    assert_eq!(rx.recv().unwrap(), Event::Started { prompt_tokens: b.len(), cached_tokens: hit });
+    assert_eq!(collect(&rx).0, want_b);
+}
