@@ -133,7 +133,7 @@ impl Metrics {
             let _ = writeln!(out, "ferrolm_http_responses_total{{code=\"{code}\"}} {n}");
         }
         drop(c);
-        let values: [(&str, &str, &str, u64); 10] = [
+        let values: [(&str, &str, &str, u64); 12] = [
             ("ferrolm_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", s.prompt_tokens),
             (
                 "ferrolm_prompt_cached_tokens_total",
@@ -157,6 +157,18 @@ impl Metrics {
                 "gauge",
                 "KV cache bytes the running requests hold.",
                 s.kv_bytes_used as u64,
+            ),
+            (
+                "ferrolm_kv_blocks_used",
+                "gauge",
+                "KV cache blocks (32 positions, full-attention layers) the running requests hold.",
+                s.kv_blocks_used as u64,
+            ),
+            (
+                "ferrolm_kv_blocks_total",
+                "gauge",
+                "KV cache blocks in all (used, cached for prefixes, or free).",
+                s.kv_blocks_total as u64,
             ),
             (
                 "ferrolm_kv_cache_bytes_budget",

@@ -304,6 +304,8 @@ fn models_health_and_metrics() {
     assert!(metric(addr(), "ferrolm_inter_token_latency_seconds_count") >= 4.0);
     assert!(metric(addr(), "ferrolm_http_responses_total{code=\"200\"}") >= 1.0);
     assert_eq!(metric(addr(), "ferrolm_kv_cache_bytes_budget"), KV_BUDGET as f64);
+    // The budget in 32-position blocks: SmolLM2's 30 layers × 3 kv heads × 64 × K and V, bf16.
+    assert_eq!(metric(addr(), "ferrolm_kv_blocks_total"), (KV_BUDGET / (30 * 3 * 64 * 2 * 2 * 32)) as f64);
     let text = get(addr(), "/metrics").text();
     for name in [
         "ferrolm_requests_waiting ",

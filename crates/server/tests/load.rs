@@ -83,6 +83,7 @@ fn a_client_leaving_is_cancelled() {
     });
     assert!(gone, "{}", get(s.addr, "/metrics").text());
     assert_eq!(metric(s.addr, "ferrolm_kv_cache_bytes_used"), 0.0);
+    assert_eq!(metric(s.addr, "ferrolm_kv_blocks_used"), 0.0);
     // And it still serves.
     assert!(!text_of(&completion(s.addr, "Hello", 3)).is_empty());
 }

@@ -129,6 +129,14 @@ impl<B: Backend> Caches<B> {
         }
     }
 
+    /// Full-attention blocks the running requests hold, and the cache's.
+    pub(super) fn blocks(&self) -> (usize, usize) {
+        match self {
+            Caches::Shared { paged, .. } => (paged.full.used(), paged.full.len()),
+            Caches::Own { .. } => (0, 0),
+        }
+    }
+
     /// Bytes the running requests hold, and the cache's size.
     pub(super) fn bytes(&self) -> (usize, usize) {
         match self {

@@ -185,6 +185,10 @@ pub struct Stats {
     pub preemptions: u64,
     pub kv_bytes_used: usize,
     pub kv_bytes_budget: usize,
+    /// Full-attention KV blocks held by running requests, and in the cache (idle cached
+    /// blocks count as free: they are reclaimed when needed).
+    pub kv_blocks_used: usize,
+    pub kv_blocks_total: usize,
 }
 
 /// Shared between the engine thread and its handles.
@@ -200,6 +204,8 @@ struct Shared {
     generated: AtomicU64,
     preemptions: AtomicU64,
     kv_used: AtomicUsize,
+    kv_blocks_used: AtomicUsize,
+    kv_blocks_total: AtomicUsize,
     closed: AtomicBool,
     /// Mean seconds a request has run, for Busy's retry_after (f64 bits).
     mean_secs: AtomicU64,
@@ -361,6 +367,8 @@ impl Engine {
             preemptions: s.preemptions.load(Relaxed),
             kv_bytes_used: s.kv_used.load(Relaxed),
             kv_bytes_budget: self.info.kv_memory,
+            kv_blocks_used: s.kv_blocks_used.load(Relaxed),
+            kv_blocks_total: s.kv_blocks_total.load(Relaxed),
         }
     }
 

@@ -354,5 +354,8 @@ impl<'m, B: Backend> Worker<'m, B> {
         let sh = &self.shared;
         sh.running.store(self.running.len(), Relaxed);
         sh.kv_used.store(self.caches.bytes().0, Relaxed);
+        let (used, total) = self.caches.blocks();
+        sh.kv_blocks_used.store(used, Relaxed);
+        sh.kv_blocks_total.store(total, Relaxed);
     }
 }
