@@ -267,12 +267,15 @@ mod tests {
     #[test]
     fn memory_past_the_budget_stops_the_work() {
         let t = Instant::now();
-        let big = run_bounded(limits(4 * MIB, 30_000), || vec![1u8; 8 * MIB].len());
+        // black_box: an allocation whose contents are never read may be optimized away.
+        let big = run_bounded(limits(4 * MIB, 30_000), || std::hint::black_box(vec![1u8; 8 * MIB]).len());
         assert!(matches!(big, Err(Stopped::Memory(m)) if m == 4 * MIB), "{big:?}");
         let grown = run_bounded(limits(4 * MIB, 30_000), || (0..8 * MIB).map(|i| i as u8).collect::<Vec<u8>>().len());
         assert!(matches!(grown, Err(Stopped::Memory(_))), "{grown:?}");
         assert!(t.elapsed() < Duration::from_secs(5), "took {:?}", t.elapsed());
-        let churn = run_bounded(limits(4 * MIB, 30_000), || (0..100).map(|_| vec![1u8; 2 * MIB].len()).sum::<usize>());
+        let churn = run_bounded(limits(4 * MIB, 30_000), || {
+            (0..100).map(|_| std::hint::black_box(vec![1u8; 2 * MIB]).len()).sum::<usize>()
+        });
         assert_eq!(churn.unwrap(), 200 * MIB);
         assert_eq!(Stopped::Memory(256 * MIB).to_string(), "used more than 256 MiB");
     }
