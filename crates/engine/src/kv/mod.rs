@@ -65,9 +65,14 @@ pub fn is_sliding(cfg: &ModelConfig, i: usize) -> bool {
     cfg.layer_kind(i) == AttnKind::Sliding
 }
 
+/// How many of the model's layers attend a sliding window.
+pub fn sliding_layers(cfg: &ModelConfig) -> usize {
+    (0..cfg.n_layers).filter(|&i| is_sliding(cfg, i)).count()
+}
+
 /// Whether the model has sliding-window layers.
 pub fn has_sliding(cfg: &ModelConfig) -> bool {
-    (0..cfg.n_layers).any(|i| is_sliding(cfg, i))
+    sliding_layers(cfg) > 0
 }
 
 /// Bytes of KV one position takes in one layer (K and V, bf16).
@@ -77,8 +82,8 @@ pub fn layer_position_bytes(cfg: &ModelConfig) -> usize {
 
 /// Store bytes of `blocks`.
 pub fn store_bytes(cfg: &ModelConfig, blocks: KvBlocks) -> usize {
-    let sliding_layers = (0..cfg.n_layers).filter(|&i| is_sliding(cfg, i)).count();
-    let rows = (cfg.n_layers - sliding_layers) * blocks.full + sliding_layers * blocks.sliding;
+    let sliding = sliding_layers(cfg);
+    let rows = (cfg.n_layers - sliding) * blocks.full + sliding * blocks.sliding;
     rows * BLOCK * layer_position_bytes(cfg)
 }
 

@@ -352,8 +352,8 @@ impl<B: Backend> Decoder<B> {
         if spans.iter().map(|s| s.rows).sum::<usize>() != m || spans.iter().any(|s| s.rows == 0) {
             return Err(Error::Invalid(format!("forward: {} spans do not cover {m} tokens", spans.len())));
         }
-        let sliding = crate::kv::has_sliding(c);
-        let full = (0..c.n_layers).any(|i| !crate::kv::is_sliding(c, i));
+        let sliding_layers = crate::kv::sliding_layers(c);
+        let (sliding, full) = (sliding_layers > 0, sliding_layers < c.n_layers);
         for s in spans {
             let end = s.pos0 + s.rows;
             if end > c.max_ctx {

@@ -8,7 +8,7 @@ use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::kv::paged::{Exhausted, PagedKv, SeqKv};
 use crate::kv::seq::SeqCache;
-use crate::kv::{has_sliding, is_sliding, layer_position_bytes, KvBlocks, BLOCK};
+use crate::kv::{has_sliding, layer_position_bytes, sliding_layers, KvBlocks, BLOCK};
 use crate::model::Decoder;
 use crate::Result;
 
@@ -38,7 +38,7 @@ impl<B: Backend> Place<B> {
 /// the rest.
 pub(super) fn split_budget(cfg: &ModelConfig, bytes: usize, max_batch: usize, step_rows: usize) -> KvBlocks {
     let per_position = layer_position_bytes(cfg) * BLOCK;
-    let sliding_layers = (0..cfg.n_layers).filter(|&i| is_sliding(cfg, i)).count();
+    let sliding_layers = sliding_layers(cfg);
     let full_layers = cfg.n_layers - sliding_layers;
     let sliding = match has_sliding(cfg) {
         true => {
