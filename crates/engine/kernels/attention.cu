@@ -1,6 +1,8 @@
-// Causal attention over a bf16 KV cache laid out [slots, n_kv·hd] per layer (position p in
-// row kv_row(p, slots): a sliding layer's cache is a ring), GQA.
-// kv_write stores this call's k/v rows at positions pos0.. (pos0 read from device memory); attention then runs one block
+// Causal attention over a paged bf16 KV store laid out [blocks·KV_BLOCK, n_kv·hd] per layer
+// (position p of the sequence in row kv_row(p, table), through its block table), GQA.
+// A call's rows may belong to several sequences: row r sits at position pos[r] and its
+// sequence's block table (of the layer's kind) starts at tables + row_tab[r] (both read from
+// device memory, staged per call). kv_write stores the call's k/v rows; attention then runs one block
 // per (query row, head): its 4 warps take every 4th cached position, each keeps an online
 // softmax (running max, sum, and hd/32 accumulators per lane), and the warps merge in a
 // fixed order, so results are deterministic. f32 math. CPU reference:
@@ -11,19 +13,19 @@
 #define MAXD 8        // hd / 32 ≤ 8 (hd ≤ 256)
 
 extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict__ vc, const bf16_t* __restrict__ k,
-                                    const bf16_t* __restrict__ v, int rows, int width, const int* __restrict__ pos0p,
-                                    int slots) {
-    long pos0 = *pos0p;
+                                    const bf16_t* __restrict__ v, int rows, int width, const int* __restrict__ pos,
+                                    const int* __restrict__ tables, const int* __restrict__ row_tab) {
     long n = (long)rows * width;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        long o = kv_row(pos0 + i / width, slots) * width + i % width;
+        long r = i / width;
+        long o = kv_row(pos[r], tables + row_tab[r]) * width + i % width;
         kc[o] = k[i];
         vc[o] = v[i];
     }
 }
 
 // Flash-decoding split-K: grid (heads, m, splits), block 128. Split s covers cached
-// positions [s·chunk, (s+1)·chunk) of query row t (causal length *pos0 + t + 1; a window > 0
+// positions [s·chunk, (s+1)·chunk) of query row t (causal length pos[t] + 1; a window > 0
 // keeps only its last `window` positions); scores are scaled by `scale`. Its 4 warps
 // take every 4th position with an online softmax each, merged in warp order, and the split
 // writes its running max, sum and unnormalized accumulator to scratch. Splits past the
@@ -32,13 +34,14 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
 extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
                                            const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
                                            float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                           const int* __restrict__ pos0p, int chunk, float scale, int window,
-                                           int slots) {
+                                           const int* __restrict__ pos, int chunk, float scale, int window,
+                                           const int* __restrict__ tables, const int* __restrict__ row_tab) {
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
     int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     int kvh = h / (heads / n_kv), width = n_kv * hd, per = hd / 32;
-    int len = *pos0p + t + 1;
+    int len = pos[t] + 1;
+    const int* table = tables + row_tab[t];
     int p0 = sp * chunk, p1 = min(len, p0 + chunk);
     if (window > 0) p0 = max(p0, len - window);
     long slot = ((long)t * heads + h) * splits + sp;
@@ -51,7 +54,7 @@ extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const b
     }
     float m = -INFINITY, l = 0.f;
     for (int p = p0 + warp; p < p1; p += AW) {
-        long row = kv_row(p, slots) * width + kvh * hd;
+        long row = kv_row(p, table) * width + kvh * hd;
         const bf16_t* kr = kc + row;
         float s = 0.f;
 #pragma unroll
@@ -87,21 +90,23 @@ extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const b
 }
 
 
-// RoPE on this call's q (in place) and k, then k and v into the cache at positions
-// *pos0p.. (rope.cu's math; kv_write's layout). q [rows, heads·hd], k/v [rows, n_kv·hd].
+// RoPE on this call's q (in place) and k, then k and v into the cache at the rows'
+// positions (rope.cu's math; kv_write's layout). q [rows, heads·hd], k/v [rows, n_kv·hd].
 // One thread per rotated pair of q or k, and per v element.
 extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restrict__ k,
                                    const bf16_t* __restrict__ v, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                    const float* __restrict__ inv_freq, int rows, int heads, int n_kv, int hd,
-                                   const int* __restrict__ pos0p, float linear, int interleaved, int slots) {
+                                   const int* __restrict__ pos, float linear, int interleaved,
+                                   const int* __restrict__ tables, const int* __restrict__ row_tab) {
     pdl_trigger();  // launched with PDL: nothing to load before the wait
     pdl_wait();
-    int pos0 = *pos0p, half = hd / 2, width = n_kv * hd;
+    int half = hd / 2, width = n_kv * hd;
     long nq = (long)rows * heads * half, nk = (long)rows * n_kv * half, nv = (long)rows * width;
     for (long t = blockIdx.x * (long)blockDim.x + threadIdx.x; t < nq + nk + nv; t += (long)gridDim.x * blockDim.x) {
         if (t >= nq + nk) {
             long i = t - nq - nk;
-            vc[kv_row(pos0 + i / width, slots) * width + i % width] = v[i];
+            long r = i / width;
+            vc[kv_row(pos[r], tables + row_tab[r]) * width + i % width] = v[i];
             continue;
         }
         bool isq = t < nq;
@@ -113,12 +118,12 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restr
         rope_pair_index(j, half, interleaved, i0, i1);
         const bf16_t* src = isq ? q + rh * hd : k + rh * hd;
         bf16_t y0, y1;
-        rope_rotate(bf2f(src[i0]), bf2f(src[i1]), pos0 + row, linear, inv_freq[j], y0, y1);
+        rope_rotate(bf2f(src[i0]), bf2f(src[i1]), pos[row], linear, inv_freq[j], y0, y1);
         if (isq) {
             q[rh * hd + i0] = y0;
             q[rh * hd + i1] = y1;
         } else {
-            bf16_t* dst = kc + kv_row(pos0 + row, slots) * width + (rh - (long)row * n_kv) * hd;  // rh = row·n_kv + head
+            bf16_t* dst = kc + kv_row(pos[row], tables + row_tab[row]) * width + (rh - (long)row * n_kv) * hd;  // rh = row·n_kv + head
             dst[i0] = y0;
             dst[i1] = y1;
         }

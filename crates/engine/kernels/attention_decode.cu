@@ -53,10 +53,10 @@ extern "C" __global__ void ATT_BOUNDS
                      float linear, int interleaved, float* __restrict__ part_ml, float* __restrict__ part_acc,
                      bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd, int qb,
                      const int* __restrict__ pos0p, int chunk, int cs, float scale, int window,
-                     const float* __restrict__ qn, const float* __restrict__ kn, float eps, int slots) {
+                     const float* __restrict__ qn, const float* __restrict__ kn, float eps, const int* __restrict__ table) {
     TRACE_KERNEL();
     pdl_trigger();
     attend(q, k_new, v_new, kc, vc, inv_freq, linear, interleaved, part_ml, part_acc, out, done, heads, n_kv, hd, qb,
-           *pos0p, chunk, cs, blockIdx.x, blockIdx.z, gridDim.z, scale, window, qn, kn, eps, slots,
+           *pos0p, chunk, cs, blockIdx.x, blockIdx.z, gridDim.z, scale, window, qn, kn, eps, table,
            [] { pdl_wait(); });
 }

@@ -111,7 +111,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
                                        bf16_t* __restrict__ out, int* __restrict__ done, int heads, int n_kv, int hd,
                                        int qb, int pos0, int chunk, int cs, int bx, int sp, int splits, float scale,
                                        int window, const float* __restrict__ qn, const float* __restrict__ knw,
-                                       float eps, int slots, Wait wait) {
+                                       float eps, const int* __restrict__ table, Wait wait) {
     __shared__ float s_m[32 * QB_MAX], s_l[32 * QB_MAX], s_acc[QB_MAX * 1024];  // groups · hd ≤ 1024
     __shared__ float s_pm[QB_MAX], s_pl[QB_MAX], s_po[QB_MAX * 256];             // qb · hd ≤ 1024
     __shared__ int last;
@@ -135,7 +135,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     auto load_kv = [&](int base0, uint4 (&kr)[UNR], uint4 (&vr)[UNR]) {
 #pragma unroll
         for (int u = 0; u < UNR; u++) {
-            long row = kv_row(min(base0 + u * AW * PW + grp, pc - 1), slots) * width;
+            long row = kv_row(min(base0 + u * AW * PW + grp, pc - 1), table) * width;
             kr[u] = *reinterpret_cast<const uint4*>(kb + row);
             vr[u] = *reinterpret_cast<const uint4*>(vb + row);
         }
@@ -274,7 +274,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     if (has_new) {
         score(kn, vn, grp == 0);
         if (grp == 0 && h0 % (heads / n_kv) == 0) {
-            long o = kv_row(pos0, slots) * width + kvh * hd + gl * 8;
+            long o = kv_row(pos0, table) * width + kvh * hd + gl * 8;
             uint4 kw;
             kw.x = (u32)f2bf(kn[0]) | ((u32)f2bf(kn[1]) << 16);
             kw.y = (u32)f2bf(kn[2]) | ((u32)f2bf(kn[3]) << 16);

@@ -57,9 +57,14 @@ __device__ __forceinline__ void load_bf16x8(const bf16_t* p, float* f) {
     unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
 }
 
-// The row of cached position p in a layer's cache of `slots` rows: p itself, or in a
-// sliding-window layer's ring (kv_store in backend/cuda/ops.rs) p mod slots.
-__device__ __forceinline__ long kv_row(long p, int slots) { return p < slots ? p : p % slots; }
+// Positions per KV block (kv::BLOCK).
+#define KV_BLOCK 32
+
+// The store row of cached position p of a sequence whose block table (for this layer's
+// kind) is `table`: block table[p / KV_BLOCK], row p % KV_BLOCK of it (kv/mod.rs row_of).
+__device__ __forceinline__ long kv_row(long p, const int* __restrict__ table) {
+    return (long)table[p / KV_BLOCK] * KV_BLOCK + p % KV_BLOCK;
+}
 
 // RoPE (rope.cu, and attention.cu's rope_kv): pair j of a head is (2j, 2j+1) when
 // interleaved (GGUF llama order), else (j, j + half) (Hugging Face order); the pair at

@@ -71,15 +71,18 @@
 #endif
 #define STR (HD + 8)       // shared row stride in bf16
 
-// Start copying key/value rows kv0..kv0+BKV-1 of kv head kvh into s; rows ≥ kend are zeroed.
+// Start copying key/value rows kv0..kv0+BKV-1 of kv head kvh into s; rows ≥ kend, and rows
+// of blocks the sequence gave back (a sliding layer's, before every row's window: masked
+// anyway), are zeroed.
 __device__ __forceinline__ void load_tile(bf16_t* s, const bf16_t* __restrict__ cache, int kv0, int kend,
-                                          long width, int kvh, int slots) {
+                                          long width, int kvh, const int* __restrict__ table) {
 #pragma unroll 1   // unrolled, the precomputed addresses cost registers (HD 256 spills)
     for (int i = threadIdx.x; i < BKV * (HD / 8); i += NT) {
         int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
         int p = kv0 + r;
-        bool ok = p < kend;
-        const bf16_t* src = cache + kv_row(ok ? p : 0, slots) * width + (long)kvh * HD + c;
+        int blk = p < kend ? table[p / KV_BLOCK] : -1;
+        bool ok = blk >= 0;
+        const bf16_t* src = cache + (ok ? (long)blk * KV_BLOCK + p % KV_BLOCK : 0) * width + (long)kvh * HD + c;
         cp_async16(smem_u32(s + r * STR + c), src, ok);
     }
     cp_async_commit();
@@ -90,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
                                                                const bf16_t* __restrict__ vc,
                                                                bf16_t* __restrict__ out, int m, int heads, int n_kv,
                                                                const int* __restrict__ pos0p, float scale,
-                                                               int window, int slots) {
+                                                               int window, const int* __restrict__ table) {
     __shared__ __align__(16) bf16_t sk[BKV * STR];
     __shared__ __align__(16) bf16_t sv[BKV * STR];
     const int h = blockIdx.y;
@@ -140,12 +143,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
     const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * STR + (lane >> 4) * 8;
     const u32 sk_base = smem_u32(sk) + 2 * k_off, sv_base = smem_u32(sv) + 2 * v_off;
 
-    load_tile(sk, kc, tile0 * BKV, kend, width, kvh, slots);
+    load_tile(sk, kc, tile0 * BKV, kend, width, kvh, table);
     for (int it = tile0; it < ntiles; it++) {
         const int kv0 = it * BKV;
         cp_async_wait_all();
         __syncthreads();   // K tile in; every warp is done with the previous V tile
-        load_tile(sv, vc, kv0, kend, width, kvh, slots);
+        load_tile(sv, vc, kv0, kend, width, kvh, table);
         // warp-uniform: some row of the warp sees this tile
         const bool active = kv0 <= wlast && kv0 + BKV - 1 >= wlow;
         u32 pf[BKV / 16][4];                // P as A fragments, per 16-key chunk
@@ -213,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
         }
         cp_async_wait_all();
         __syncthreads();   // V tile in; every warp is done with this K tile
-        if (it + 1 < ntiles) load_tile(sk, kc, kv0 + BKV, kend, width, kvh, slots);
+        if (it + 1 < ntiles) load_tile(sk, kc, kv0 + BKV, kend, width, kvh, table);
         if (active) {
 #pragma unroll
             for (int kq = 0; kq < BKV / 16; kq++) {

@@ -214,9 +214,11 @@ impl<'m, B: Backend> Session<'m, B> {
         let argmax = self.argmax.as_mut().expect("set above");
         // The cache's blocks are taken here: a replayed capture does not run the closure.
         kv.prepare(pos, n)?;
+        let (full, sliding) = kv.tables();
+        let span = crate::kv::Span { rows: n, pos0: pos, full: &full, sliding: &sliding };
         // The token value matters only to the host staging of a given token (a fed step's
         // embedding reads the device's copy); its count sets the step's shape.
-        b.step_fed(key, token, pos, &mut || {
+        b.step_fed(key, token, &[span], &mut || {
             (0..n).try_for_each(|i| {
                 model.forward_argmax(&[token.unwrap_or(0)], pos + i, kv, &mut *logits, &mut *argmax, true)
             })
@@ -330,8 +332,10 @@ impl<'m, B: Backend> Session<'m, B> {
         let mut top_k = self.top_k.as_mut();
         // The cache's blocks are taken here: a replayed capture does not run the closure.
         kv.prepare(pos, 1)?;
+        let (full, sliding) = kv.tables();
+        let span = crate::kv::Span { rows: 1, pos0: pos, full: &full, sliding: &sliding };
         // Each ending is its own capture (the last launch differs).
-        b.step(key, &[token], pos, &mut || {
+        b.step(key, &[token], &[span], &mut || {
             let logits_only = |logits: &mut B::Act, kv: &mut SeqCache<B>| {
                 model.forward_into(&[token], pos, kv, Logits::Last, Some(logits)).map(|_| ())
             };

@@ -491,7 +491,9 @@ fn sliding_layers_keep_only_their_window() {
         let want = reference(&cfg, &wref, &tokens);
         let mut kv = model.new_cache(2048).unwrap();
         let blocks = model.backend.kv_blocks(&kv.store);
-        let window_blocks = (cfg.sliding_window + ferrolm::kv::CALL_ROWS - 1).div_ceil(ferrolm::kv::BLOCK) + 1;
+        let window_blocks = (cfg.sliding_window + ferrolm::kv::CALL_ROWS - 1 + ferrolm::kv::seq::RELEASE_LAG)
+            .div_ceil(ferrolm::kv::BLOCK)
+            + 1;
         assert_eq!((blocks.full, blocks.sliding), (2048 / ferrolm::kv::BLOCK, window_blocks), "{name}");
         assert!(kv.windowed() && blocks.sliding * ferrolm::kv::BLOCK < n, "{name}: {blocks:?}");
         let all = model.forward(&tokens, 0, &mut kv, Logits::All).unwrap();

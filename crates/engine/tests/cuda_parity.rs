@@ -16,6 +16,8 @@ use ferrolm::model::{Decoder, Logits};
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
 use std::sync::OnceLock;
 
+#[path = "cuda_ops/batching.rs"]
+mod batching;
 #[path = "cuda_ops/decode.rs"]
 mod decode;
 #[path = "cuda_ops/flash.rs"]
@@ -105,7 +107,7 @@ fn attention_both(
     let qg = g.act_from(m, heads * hd, &q).unwrap();
     let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
     let t = InOrder::new(g.kv_blocks(kvg));
-    g.begin(&[], &[t.span(pos, m)]).unwrap();
+    g.begin(&[], &[t.span(pos, m)], false).unwrap();
     let (kg, vg) = (g.act_from(m, n_kv * hd, &k).unwrap(), g.act_from(m, n_kv * hd, &v).unwrap());
     g.attention(&qg, &kg, &vg, kvg, 0, &[t.span(pos, m)], attend, &mut og).unwrap();
     let mut oc = c.act(m, heads * hd).unwrap();
@@ -173,7 +175,7 @@ fn ops_match_cpu() {
             Rope { inv_freq: (0..32).map(|i| 1.0 / 10000f32.powf(i as f32 / 32.0)).collect(), style, linear: 1.0 };
         let mut rg = g.act_from(m, d, &x).unwrap();
         let t = InOrder::new(blocks_for(&attn_cfg(4, 4, 64, 1, style), 3000 + m));
-        g.begin(&[], &[t.span(3000, m)]).unwrap(); // CUDA reads the position staged by the forward call
+        g.begin(&[], &[t.span(3000, m)], false).unwrap(); // CUDA reads the position staged by the forward call
         g.rope(&mut rg, 4, &[t.span(3000, m)], &rope).unwrap();
         let mut rc = xc.clone();
         c.rope(&mut rc, 4, &[t.span(3000, m)], &rope).unwrap();
@@ -222,7 +224,7 @@ fn matmuls_and_embeddings_match_cpu() {
         for scale in [1.0, 25.298_22] {
             let mut eg = g.act_poisoned(4, k, true).unwrap();
             let t = InOrder::new(ferrolm::kv::KvBlocks { full: 1, sliding: 0 });
-            g.begin(&toks, &[t.span(0, toks.len())]).unwrap();
+            g.begin(&toks, &[t.span(0, toks.len())], false).unwrap();
             g.embed(&wg, &toks, scale, &mut eg).unwrap();
             let mut ec = c.act(4, k).unwrap();
             c.embed(&w, &toks, scale, &mut ec).unwrap();
@@ -461,7 +463,7 @@ fn rope_attention_matches_cpu() {
             let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
             let t = InOrder::new(g.kv_blocks(&kvg));
             let at = [t.span(pos, m)];
-            g.begin(&[], &at).unwrap();
+            g.begin(&[], &at, false).unwrap();
             let (mut qg, mut kg) = (g.act_from(m, heads * hd, &q).unwrap(), g.act_from(m, n_kv * hd, &k).unwrap());
             let vg = g.act_from(m, n_kv * hd, &v).unwrap();
             g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, &at, &rope, (heads, n_kv), attend, &mut og).unwrap();

@@ -161,25 +161,21 @@ pub trait Backend: Sync {
     fn kv_store(&self, cfg: &ModelConfig, blocks: crate::kv::KvBlocks) -> Result<Self::Kv>;
     /// The blocks a store holds.
     fn kv_blocks(&self, kv: &Self::Kv) -> crate::kv::KvBlocks;
-    /// Whether the store honours block tables, so that sequences can share it and one
-    /// call can hold several (`Span`s). A backend that does not keeps position p of its one
-    /// sequence at row p (a sliding layer's ring at p mod its slots where it has fewer blocks):
-    /// CUDA, until its kernels index through tables.
-    fn kv_paged(&self) -> bool {
-        true
-    }
 
     /// Start a forward call: make `tokens` and the rows' places (`spans`, consecutive
     /// sequences) visible to the device ops (CUDA copies them from pinned host memory, so a
-    /// captured graph replays with new values).
-    fn begin(&self, _tokens: &[u32], _spans: &[Span<'_>]) -> Result<()> {
+    /// captured graph replays with new values). `invariant`: every row's arithmetic must
+    /// not depend on the call's other rows or row count (the serving engine's calls; a
+    /// backend then skips its one-row and one-sequence fast paths).
+    fn begin(&self, _tokens: &[u32], _spans: &[Span<'_>], _invariant: bool) -> Result<()> {
         Ok(())
     }
     /// Run one decode step `f`. A backend may capture it the first time under `key` and
     /// replay the capture afterwards (CUDA graphs); `f` must then launch the same work with
-    /// the same buffers every time, only the staged token and position changing.
-    fn step(&self, _key: u64, tokens: &[u32], pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        let _ = (tokens, pos0);
+    /// the same buffers every time, only the staged token, position and block tables
+    /// changing (`spans`: the step's one sequence, as `begin` takes it).
+    fn step(&self, _key: u64, tokens: &[u32], spans: &[Span<'_>], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = (tokens, spans);
         f()
     }
     /// Drop what `step` (or `step_fed`) kept under `key`.
@@ -192,9 +188,16 @@ pub trait Backend: Sync {
     }
     /// Queue the decode steps `f` launches (as `step`, captured under `key`; each ends in
     /// `argmax_fed`, which feeds the next), without waiting for them. The first one's input
-    /// is `token` at `pos0` when given (the host's), else the previous fed step's argmax at
-    /// the position after it.
-    fn step_fed(&self, _key: u64, _token: Option<u32>, _pos0: usize, _f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+    /// is `token` at the span's pos0 when given (the host's), else the previous fed step's
+    /// argmax at the position after it. The span's tables hold the blocks of every step
+    /// queued.
+    fn step_fed(
+        &self,
+        _key: u64,
+        _token: Option<u32>,
+        _spans: &[Span<'_>],
+        _f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
         Err(crate::Error::Invalid(format!("the {} backend does not feed decode steps", self.name())))
     }
     /// `argmax`, also made the next fed step's input (see `step_fed`).

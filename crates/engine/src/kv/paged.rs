@@ -32,6 +32,9 @@ pub struct SeqKv {
 
 pub struct PagedKv {
     pub block: usize,
+    /// Positions before a step's window whose sliding blocks are still kept (for steps
+    /// queued on a device that may still read them: kv::seq::SeqCache); 0 normally.
+    pub lag: usize,
     pub full: BlockPool,
     /// The sliding layers' pool and window.
     pub sliding: Option<(BlockPool, usize)>,
@@ -40,7 +43,12 @@ pub struct PagedKv {
 impl PagedKv {
     pub fn new(block: usize, full_blocks: usize, sliding: Option<(usize, usize)>) -> PagedKv {
         assert!(block > 0, "a block holds at least one position");
-        PagedKv { block, full: BlockPool::new(full_blocks), sliding: sliding.map(|(n, w)| (BlockPool::new(n), w)) }
+        PagedKv {
+            block,
+            lag: 0,
+            full: BlockPool::new(full_blocks),
+            sliding: sliding.map(|(n, w)| (BlockPool::new(n), w)),
+        }
     }
 
     /// A sequence for `prompt`, holding the longest cached prefix of whole blocks that
@@ -93,7 +101,7 @@ impl PagedKv {
         let new_full = need.saturating_sub(s.full.len());
         if let Some((pool, window)) = &mut self.sliding {
             // The step's first query, at s.len, attends from s.len + 1 - window on.
-            let keep_from = (s.len + 1).saturating_sub(*window) / b;
+            let keep_from = (s.len + 1).saturating_sub(*window + self.lag) / b;
             for x in s.sliding.iter_mut().take(keep_from) {
                 if *x != NO_BLOCK {
                     pool.release(std::mem::replace(x, NO_BLOCK));

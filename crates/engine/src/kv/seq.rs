@@ -15,13 +15,19 @@ pub struct SeqCache<B: Backend> {
     max_seq: usize,
 }
 
+/// Positions a single sequence's sliding layers keep before a call's window: the greedy
+/// steps a device may still have queued (two fed runs) read them after the host has
+/// prepared the next run.
+pub const RELEASE_LAG: usize = 2 * crate::backend::FEED_STEPS_MAX;
+
 /// Blocks a single sequence of up to `max_seq` positions needs: every position of the
-/// full layers; the sliding layers' window and one call of CALL_ROWS (a call's first query
-/// attends from pos0 + 1 - window on, and blocks before that go back to the pool).
+/// full layers; the sliding layers' window, one call of CALL_ROWS and RELEASE_LAG (a
+/// call's first query attends from pos0 + 1 - window on, and blocks before that, less
+/// the lag, go back to the pool).
 pub fn seq_blocks(cfg: &ModelConfig, max_seq: usize) -> KvBlocks {
     let full = max_seq.div_ceil(BLOCK);
     let sliding = match has_sliding(cfg) {
-        true => full.min((cfg.sliding_window + CALL_ROWS - 1).div_ceil(BLOCK) + 1),
+        true => full.min((cfg.sliding_window + CALL_ROWS - 1 + RELEASE_LAG).div_ceil(BLOCK) + 1),
         false => 0,
     };
     KvBlocks { full, sliding }
@@ -31,12 +37,9 @@ impl<B: Backend> SeqCache<B> {
     pub fn new(b: &B, cfg: &ModelConfig, max_seq: usize) -> Result<Self> {
         let blocks = seq_blocks(cfg, max_seq);
         let sliding = has_sliding(cfg).then_some((blocks.sliding, cfg.sliding_window));
-        Ok(SeqCache {
-            store: b.kv_store(cfg, blocks)?,
-            paged: PagedKv::new(BLOCK, blocks.full, sliding),
-            seq: SeqKv::default(),
-            max_seq,
-        })
+        let mut paged = PagedKv::new(BLOCK, blocks.full, sliding);
+        paged.lag = RELEASE_LAG;
+        Ok(SeqCache { store: b.kv_store(cfg, blocks)?, paged, seq: SeqKv::default(), max_seq })
     }
 
     /// Positions the cache can hold.
@@ -104,16 +107,21 @@ impl<B: Backend> SeqCache<B> {
         (&mut self.store, s)
     }
 
+    /// Copies of the tables (the full layers', the sliding layers'), for a step whose
+    /// launches are queued while the cache is borrowed elsewhere.
+    pub fn tables(&self) -> (Vec<u32>, Vec<u32>) {
+        (self.seq.full.clone(), self.seq.sliding.clone())
+    }
+
     /// The call wrote positions up to `upto`.
     pub fn advance(&mut self, upto: usize) {
         self.seq.len = upto;
     }
 
-    /// Start over, empty, the blocks handed out in order again (0, 1, …: a backend without
-    /// tables keeps position p at row p).
+    /// Start over, empty, as a new cache: the blocks handed out in order again (0, 1, …).
     pub fn clear(&mut self) {
         let sliding = self.paged.sliding.as_ref().map(|(pool, w)| (pool.len(), *w));
-        self.paged = PagedKv::new(BLOCK, self.paged.full.len(), sliding);
+        self.paged = PagedKv { lag: RELEASE_LAG, ..PagedKv::new(BLOCK, self.paged.full.len(), sliding) };
         self.seq = SeqKv::default();
     }
 }
@@ -123,8 +131,8 @@ mod tests {
     use super::*;
     use crate::backend::cpu::Cpu;
 
-    /// CUDA keeps position p at row p of a sequence's own store: the blocks must come in
-    /// order, after a rewind and after the cache is cleared for its next session.
+    /// A sequence's blocks come in order, as from a new cache, after a rewind and after the
+    /// cache is cleared for its next session.
     #[test]
     fn blocks_come_in_order_after_rewinds_and_clears() {
         let cfg = ModelConfig { n_layers: 2, n_heads: 2, n_kv_heads: 1, head_dim: 32, ..Default::default() };

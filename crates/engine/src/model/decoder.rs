@@ -84,6 +84,10 @@ fn padded_head(src: &ModelSource, tied: bool, rows: usize, (vocab, d): (usize, u
     w.first_rows(rows)
 }
 
+/// Where a forward call's head writes: its logits buffer, and (greedy steps) the argmax's
+/// buffer and whether it feeds the next step.
+type HeadOut<'a, B> = (Option<&'a mut <B as Backend>::Act>, Option<(&'a mut <B as Backend>::Act, bool)>);
+
 /// Which positions' logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -327,7 +331,7 @@ impl<B: Backend> Decoder<B> {
         kv.prepare(pos0, m)?;
         let r = {
             let (store, span) = kv.span(pos0, m);
-            self.forward_impl(tokens, &[span], store, which, logits, argmax)
+            self.forward_impl(tokens, &[span], store, which, (logits, argmax), false)
         };
         if r.is_ok() {
             kv.advance(pos0 + m);
@@ -341,7 +345,7 @@ impl<B: Backend> Decoder<B> {
     /// the other sequences in the call (backends compute rows independently).
     pub fn forward_spans(&self, tokens: &[u32], spans: &[Span<'_>], store: &mut B::Kv) -> Result<Vec<f32>> {
         let mut logits = self.backend.act_f32(spans.len(), self.logits_width)?;
-        self.forward_impl(tokens, spans, store, Logits::Last, Some(&mut logits), None)?;
+        self.forward_impl(tokens, spans, store, Logits::Last, (Some(&mut logits), None), true)?;
         self.backend.read_rows(&logits, 0)
     }
 
@@ -383,8 +387,8 @@ impl<B: Backend> Decoder<B> {
         spans: &[Span<'_>],
         kv: &mut B::Kv,
         which: Logits,
-        logits: Option<&mut B::Act>,
-        argmax: Option<(&mut B::Act, bool)>,
+        out: HeadOut<'_, B>,
+        invariant: bool,
     ) -> Result<Option<Vec<f32>>> {
         let b = &self.backend;
         let c = &self.cfg;
@@ -396,21 +400,23 @@ impl<B: Backend> Decoder<B> {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
             return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
         }
-        b.begin(tokens, spans)?;
+        b.begin(tokens, spans, invariant)?;
         // Decode reuses its buffers (a captured step must find the same ones on every
         // replay, and allocations would be graph nodes); prefill allocates per call. The
         // pool only grows (calls on several threads at once), so no buffer a captured graph
         // points at is ever freed.
-        let cached = match m {
-            1 => self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).pop(),
-            _ => None,
+        // An invariant call (forward_spans) never takes the one-row decode path.
+        let one_row = m == 1 && !invariant;
+        let cached = match one_row {
+            true => self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).pop(),
+            false => None,
         };
         let mut w = match cached {
             Some(w) => w,
-            None => Work::new(b, c, m)?,
+            None => Work::new(b, c, m, one_row)?,
         };
-        let r = self.layers_into(tokens, spans, kv, which, (logits, argmax), &mut w);
-        if m == 1 {
+        let r = self.layers_into(tokens, spans, kv, which, out, &mut w);
+        if one_row {
             self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).push(w);
         }
         r
@@ -418,14 +424,13 @@ impl<B: Backend> Decoder<B> {
 
     /// The layers, then the final norm and the head into `logits` (and their argmax, when
     /// asked: (out, fed)).
-    #[allow(clippy::type_complexity)]
     fn layers_into(
         &self,
         tokens: &[u32],
         spans: &[Span<'_>],
         kv: &mut B::Kv,
         which: Logits,
-        (logits, argmax): (Option<&mut B::Act>, Option<(&mut B::Act, bool)>),
+        (logits, argmax): HeadOut<'_, B>,
         w: &mut Work<B>,
     ) -> Result<Option<Vec<f32>>> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
@@ -578,11 +583,12 @@ pub struct Work<B: Backend> {
 }
 
 impl<B: Backend> Work<B> {
-    fn new(b: &B, c: &ModelConfig, m: usize) -> Result<Self> {
+    /// `decode`: the one-row decode path's buffers (with the spare residual).
+    fn new(b: &B, c: &ModelConfig, m: usize, decode: bool) -> Result<Self> {
         let (d, qd, kvd) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         Ok(Work {
             x: b.act_f32(m, d)?,
-            spare: if m == 1 { Some(b.act_f32(1, d)?) } else { None },
+            spare: if decode { Some(b.act_f32(1, d)?) } else { None },
             xn: b.act(m, d)?,
             q: b.act(m, qd)?,
             k: b.act(m, kvd)?,

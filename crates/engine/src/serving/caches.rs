@@ -1,36 +1,17 @@
-//! Where the running requests' keys and values live. On a backend whose store honours
-//! block tables (`Backend::kv_paged`), one store shared by every request: blocks taken as
-//! sequences grow, full blocks published to the prefix cache, one forward call per step.
-//! Otherwise (CUDA until its kernels index through tables) each request has a store of its
-//! own, sized for its whole context when it is admitted, and runs its own forward call.
+//! Where the running requests' keys and values live: one store shared by every request,
+//! blocks taken as sequences grow, full blocks published to the prefix cache.
 
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::kv::paged::{Exhausted, PagedKv, SeqKv};
-use crate::kv::seq::SeqCache;
 use crate::kv::{has_sliding, layer_position_bytes, sliding_layers, KvBlocks, BLOCK};
 use crate::model::Decoder;
 use crate::Result;
 
-pub(super) enum Caches<B: Backend> {
-    Shared { store: B::Kv, paged: Box<PagedKv>, bytes: usize },
-    Own { budget: usize, used: usize, position_bytes: usize },
-}
-
-/// A request's place in the caches.
-pub(super) enum Place<B: Backend> {
-    Shared(SeqKv),
-    Own(Box<SeqCache<B>>),
-}
-
-impl<B: Backend> Place<B> {
-    /// Positions written.
-    pub(super) fn len(&self) -> usize {
-        match self {
-            Place::Shared(s) => s.len,
-            Place::Own(c) => c.len(),
-        }
-    }
+pub(super) struct Caches<B: Backend> {
+    pub(super) store: B::Kv,
+    paged: PagedKv,
+    bytes: usize,
 }
 
 /// How a budget of `bytes` splits into blocks: the sliding layers get what `max_batch`
@@ -40,7 +21,7 @@ pub(super) fn split_budget(cfg: &ModelConfig, bytes: usize, max_batch: usize, st
     let per_position = layer_position_bytes(cfg) * BLOCK;
     let sliding_layers = sliding_layers(cfg);
     let full_layers = cfg.n_layers - sliding_layers;
-    let sliding = match has_sliding(cfg) {
+    let sliding = match sliding_layers > 0 {
         true => {
             let per_seq = (cfg.sliding_window + step_rows - 1).div_ceil(BLOCK) + 1;
             let cap = bytes / 2 / (sliding_layers * per_position);
@@ -59,93 +40,51 @@ pub(super) fn split_budget(cfg: &ModelConfig, bytes: usize, max_batch: usize, st
 impl<B: Backend> Caches<B> {
     pub(super) fn new(model: &Decoder<B>, bytes: usize, max_batch: usize, step_rows: usize) -> Result<Self> {
         let cfg = &model.cfg;
-        if !model.backend.kv_paged() {
-            let position_bytes = cfg.n_layers * layer_position_bytes(cfg);
-            return Ok(Caches::Own { budget: bytes, used: 0, position_bytes });
-        }
         let blocks = split_budget(cfg, bytes, max_batch, step_rows);
         let sliding = has_sliding(cfg).then_some((blocks.sliding, cfg.sliding_window));
-        Ok(Caches::Shared {
+        Ok(Caches {
             store: model.backend.kv_store(cfg, blocks)?,
-            paged: Box::new(PagedKv::new(BLOCK, blocks.full, sliding)),
+            paged: PagedKv::new(BLOCK, blocks.full, sliding),
             bytes: crate::kv::store_bytes(cfg, blocks),
         })
     }
 
     /// Whether a request of `cap` positions can ever run here.
     pub(super) fn fits(&self, cap: usize) -> bool {
-        match self {
-            Caches::Shared { paged, .. } => cap.div_ceil(BLOCK) <= paged.full.len(),
-            Caches::Own { budget, position_bytes, .. } => cap * position_bytes <= *budget,
-        }
+        cap.div_ceil(BLOCK) <= self.paged.full.len()
     }
 
-    /// A place for a request of `cap` positions holding `tokens` (its prompt, or prompt
-    /// and generated tokens after a preemption), if there is room now: the shared cache
-    /// finds the longest cached prefix of `tokens`.
-    pub(super) fn admit(&mut self, model: &Decoder<B>, tokens: &[u32], cap: usize) -> Result<Option<Place<B>>> {
-        match self {
-            Caches::Shared { paged, .. } => {
-                // Room for the whole prompt, computed, and the first generated position.
-                if paged.full.available() < (tokens.len() + 1).div_ceil(BLOCK) {
-                    return Ok(None);
-                }
-                Ok(Some(Place::Shared(paged.start(tokens))))
-            }
-            Caches::Own { budget, used, position_bytes } => {
-                if *used + cap * *position_bytes > *budget {
-                    return Ok(None);
-                }
-                let cache = SeqCache::new(&model.backend, &model.cfg, cap)?;
-                *used += cap * *position_bytes;
-                Ok(Some(Place::Own(Box::new(cache))))
-            }
-        }
+    /// A place for a request holding `tokens` (its prompt, or prompt and generated tokens
+    /// after a preemption), starting from the longest cached prefix, if there is room now
+    /// for all of it and the first generated position.
+    pub(super) fn admit(&mut self, tokens: &[u32]) -> Option<SeqKv> {
+        (self.paged.full.available() >= (tokens.len() + 1).div_ceil(BLOCK)).then(|| self.paged.start(tokens))
     }
 
-    /// Blocks for `place` to hold positions up to `upto` (own stores hold them already).
-    pub(super) fn reserve(&mut self, place: &mut Place<B>, upto: usize) -> std::result::Result<(), Exhausted> {
-        match (self, place) {
-            (Caches::Shared { paged, .. }, Place::Shared(s)) => paged.reserve(s, upto),
-            _ => Ok(()),
-        }
+    /// Blocks for `place` to hold positions up to `upto`.
+    pub(super) fn reserve(&mut self, place: &mut SeqKv, upto: usize) -> std::result::Result<(), Exhausted> {
+        self.paged.reserve(place, upto)
     }
 
     /// The step wrote `place`'s positions up to `upto`; `tokens` holds them.
-    pub(super) fn commit(&mut self, place: &mut Place<B>, tokens: &[u32], upto: usize) {
-        if let (Caches::Shared { paged, .. }, Place::Shared(s)) = (self, place) {
-            paged.commit(s, tokens, upto);
-        }
+    pub(super) fn commit(&mut self, place: &mut SeqKv, tokens: &[u32], upto: usize) {
+        self.paged.commit(place, tokens, upto);
     }
 
-    /// The request left (or was preempted): its blocks or its store go back.
-    pub(super) fn free(&mut self, place: Place<B>) {
-        match (self, place) {
-            (Caches::Shared { paged, .. }, Place::Shared(s)) => paged.free(s),
-            (Caches::Own { used, position_bytes, .. }, Place::Own(c)) => {
-                *used -= c.capacity() * *position_bytes;
-            }
-            _ => {}
-        }
+    /// The request left (or was preempted): its blocks go back, cached ones stay findable.
+    pub(super) fn free(&mut self, place: SeqKv) {
+        self.paged.free(place);
     }
 
     /// Full-attention blocks the running requests hold, and the cache's.
     pub(super) fn blocks(&self) -> (usize, usize) {
-        match self {
-            Caches::Shared { paged, .. } => (paged.full.used(), paged.full.len()),
-            Caches::Own { .. } => (0, 0),
-        }
+        (self.paged.full.used(), self.paged.full.len())
     }
 
     /// Bytes the running requests hold, and the cache's size.
     pub(super) fn bytes(&self) -> (usize, usize) {
-        match self {
-            Caches::Shared { paged, bytes, .. } => {
-                let (used, total) = (paged.full.used(), paged.full.len().max(1));
-                (bytes * used / total, *bytes)
-            }
-            Caches::Own { budget, used, .. } => (*used, *budget),
-        }
+        let (used, total) = (self.paged.full.used(), self.paged.full.len().max(1));
+        (self.bytes * used / total, self.bytes)
     }
 }
 

@@ -1,12 +1,11 @@
 //! One engine step: which rows of which requests it computes, their blocks, the forward
 //! call(s), then a token for every request whose pending positions are all computed.
 
-use super::caches::{Caches, Place};
+use super::caches::Caches;
 use super::worker::{End, Seq, Worker};
 use super::{Failure, FailureKind};
 use crate::backend::Backend;
 use crate::kv::Span;
-use crate::model::Logits;
 use crate::Result;
 
 impl<B: Backend> Worker<'_, B> {
@@ -16,7 +15,7 @@ impl<B: Backend> Worker<'_, B> {
         if plan.is_empty() {
             return;
         }
-        let logits = match forward(self.model, &mut self.caches, &mut self.running, &plan) {
+        let logits = match forward(self.model, &mut self.caches, &self.running, &plan) {
             Ok(l) => l,
             Err(e) => {
                 // A device error: every request of the step fails, the others go on.
@@ -33,11 +32,7 @@ impl<B: Backend> Worker<'_, B> {
         for (&(i, rows), row) in plan.iter().zip(logits) {
             let s = &mut self.running[i];
             let place = s.place.as_mut().expect("planned requests hold a place");
-            // An own cache has advanced already: its length is the end of the rows.
-            let upto = match place {
-                Place::Shared(kv) => kv.len + rows,
-                Place::Own(c) => c.len(),
-            };
+            let upto = place.len + rows;
             self.caches.commit(place, &s.history, upto);
             if upto == s.history.len() {
                 if let Some(end) = self.sample(i, row) {
@@ -57,7 +52,7 @@ impl<B: Backend> Worker<'_, B> {
     /// with its blocks reserved. When blocks run out the youngest request is preempted.
     fn plan(&mut self) -> Vec<(usize, usize)> {
         let mut plan: Vec<(usize, usize)> = vec![];
-        let decoding = |s: &Seq<B>| s.pending() == 1 && s.generated > 0;
+        let decoding = |s: &Seq| s.pending() == 1 && s.generated > 0;
         for (i, s) in self.running.iter().enumerate() {
             if decoding(s) {
                 plan.push((i, 1));
@@ -77,7 +72,7 @@ impl<B: Backend> Worker<'_, B> {
             let (i, rows) = plan[k];
             let s = &mut self.running[i];
             let place = s.place.as_mut().expect("running requests hold a place");
-            let upto = place.len() + rows;
+            let upto = place.len + rows;
             if self.caches.reserve(place, upto).is_ok() {
                 k += 1;
                 continue;
@@ -97,36 +92,22 @@ impl<B: Backend> Worker<'_, B> {
     }
 }
 
-/// Run the plan: one forward call over every planned request where the store is shared,
-/// else one call each. The logits after each request's last planned row, in plan order.
+/// Run the plan in one forward call: the logits after each request's last planned row, in
+/// plan order.
 fn forward<B: Backend>(
     model: &crate::model::Decoder<B>,
     caches: &mut Caches<B>,
-    running: &mut [Seq<B>],
+    running: &[Seq],
     plan: &[(usize, usize)],
 ) -> Result<Vec<Vec<f32>>> {
-    let width = model.logits_width();
-    match caches {
-        Caches::Shared { store, .. } => {
-            let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
-            let mut spans = Vec::with_capacity(plan.len());
-            for &(i, rows) in plan {
-                let s = &running[i];
-                let Some(Place::Shared(kv)) = &s.place else { unreachable!("a shared cache's places are shared") };
-                tokens.extend_from_slice(&s.history[kv.len..kv.len + rows]);
-                spans.push(Span { rows, pos0: kv.len, full: &kv.full, sliding: &kv.sliding });
-            }
-            let logits = model.forward_spans(&tokens, &spans, store)?;
-            Ok(logits.chunks_exact(width).map(<[f32]>::to_vec).collect())
-        }
-        Caches::Own { .. } => plan
-            .iter()
-            .map(|&(i, rows)| {
-                let s = &mut running[i];
-                let Some(Place::Own(cache)) = &mut s.place else { unreachable!("own caches' places are own") };
-                let pos = cache.len();
-                model.forward(&s.history[pos..pos + rows], pos, cache, Logits::Last)
-            })
-            .collect(),
+    let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
+    let mut spans = Vec::with_capacity(plan.len());
+    for &(i, rows) in plan {
+        let s = &running[i];
+        let kv = s.place.as_ref().expect("planned requests hold a place");
+        tokens.extend_from_slice(&s.history[kv.len..kv.len + rows]);
+        spans.push(Span { rows, pos0: kv.len, full: &kv.full, sliding: &kv.sliding });
     }
+    let logits = model.forward_spans(&tokens, &spans, &mut caches.store)?;
+    Ok(logits.chunks_exact(model.logits_width()).map(<[f32]>::to_vec).collect())
 }

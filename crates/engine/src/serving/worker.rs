@@ -1,11 +1,12 @@
 //! The engine thread: admits waiting requests while the batch and the KV cache have room,
 //! then runs one step per round over every running request together (continuous
 //! batching): each decoding request's next token and prefill chunks of the others, up to
-//! a step's row budget, in one forward call where the backend's store is shared.
+//! a step's row budget, in one forward call.
 
-use super::caches::{Caches, Place};
+use super::caches::Caches;
 use super::{EngineConfig, Event, Failure, FailureKind, Finish, Job, Msg, Shared, Usage};
 use crate::backend::Backend;
+use crate::kv::paged::SeqKv;
 use crate::model::Decoder;
 use crate::sample::Sampler;
 use std::collections::VecDeque;
@@ -14,7 +15,7 @@ use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
 /// An admitted request.
-pub(super) struct Seq<B: Backend> {
+pub(super) struct Seq {
     pub(super) job: Job,
     sampler: Sampler,
     /// Prompt, then the generated tokens.
@@ -28,16 +29,13 @@ pub(super) struct Seq<B: Backend> {
     /// Whether `Started` went out.
     started: bool,
     /// None while preempted (its cache given back; recomputed when readmitted).
-    pub(super) place: Option<Place<B>>,
+    pub(super) place: Option<SeqKv>,
 }
 
-impl<B: Backend> Seq<B> {
+impl Seq {
     /// Positions to compute before its next token can be sampled.
     pub(super) fn pending(&self) -> usize {
-        self.history.len() - self.place.as_ref().map_or(0, |p| p.len())
-    }
-    fn cap(&self) -> usize {
-        self.prompt_len + self.max_tokens
+        self.history.len() - self.place.as_ref().map_or(0, |p| p.len)
     }
 }
 
@@ -64,9 +62,9 @@ pub(super) struct Worker<'m, B: Backend> {
     rx: mpsc::Receiver<Msg>,
     waiting: VecDeque<Job>,
     /// In admission order (the youngest is preempted first).
-    pub(super) running: Vec<Seq<B>>,
+    pub(super) running: Vec<Seq>,
     /// Preempted when blocks ran out; readmitted before anything waiting.
-    pub(super) preempted: VecDeque<Seq<B>>,
+    pub(super) preempted: VecDeque<Seq>,
     pub(super) caches: Caches<B>,
     /// Most rows one step computes (decode rows always fit; prefill chunks fill the rest).
     pub(super) step_rows: usize,
@@ -113,7 +111,7 @@ impl<'m, B: Backend> Worker<'m, B> {
         for job in std::mem::take(&mut self.waiting) {
             self.fail_job(job, shutting_down());
         }
-        let left: Vec<Seq<B>> = self.running.drain(..).chain(self.preempted.drain(..)).collect();
+        let left: Vec<Seq> = self.running.drain(..).chain(self.preempted.drain(..)).collect();
         for s in left {
             self.end(s, End::Failed(shutdown()));
         }
@@ -174,7 +172,7 @@ impl<'m, B: Backend> Worker<'m, B> {
     /// Fail the requests past the shutdown deadline or their timeout.
     fn expire(&mut self) {
         let now = Instant::now();
-        let failure = |s: &Seq<B>| -> Option<Failure> {
+        let failure = |s: &Seq| -> Option<Failure> {
             if self.deadline.is_some_and(|d| now >= d) {
                 return Some(shutdown());
             }
@@ -214,18 +212,10 @@ impl<'m, B: Backend> Worker<'m, B> {
     fn admit(&mut self) {
         while self.running.len() < self.cfg.max_batch {
             let Some(s) = self.preempted.front() else { break };
-            match self.caches.admit(self.model, &s.history, s.cap()) {
-                Ok(Some(place)) => {
-                    let mut s = self.preempted.pop_front().expect("front exists");
-                    s.place = Some(place);
-                    self.running.push(s);
-                }
-                Ok(None) => return,
-                Err(e) => {
-                    let s = self.preempted.pop_front().expect("front exists");
-                    self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
-                }
-            }
+            let Some(place) = self.caches.admit(&s.history) else { return };
+            let mut s = self.preempted.pop_front().expect("front exists");
+            s.place = Some(place);
+            self.running.push(s);
         }
         while self.running.len() < self.cfg.max_batch {
             let Some(job) = self.waiting.front() else { break };
@@ -241,19 +231,10 @@ impl<'m, B: Backend> Worker<'m, B> {
                 self.fail_job(job, Failure::new(FailureKind::TooLarge, msg));
                 continue;
             }
-            let place = match self.caches.admit(self.model, &job.req.prompt, cap) {
-                Ok(Some(p)) => p,
-                Ok(None) => break,
-                Err(e) => {
-                    let job = self.waiting.pop_front().expect("front exists");
-                    let msg = format!("allocating the request's KV cache: {e}");
-                    self.fail_job(job, Failure::new(FailureKind::Internal, msg));
-                    continue;
-                }
-            };
+            let Some(place) = self.caches.admit(&job.req.prompt) else { break };
             let job = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Relaxed);
-            let cached = place.len();
+            let cached = place.len;
             self.running.push(Seq {
                 sampler: Sampler::new(job.req.sampler.clone()),
                 history: job.req.prompt.clone(),
@@ -313,7 +294,7 @@ impl<'m, B: Backend> Worker<'m, B> {
     /// A request leaves (the caller has removed it from its queue): the counters and
     /// gauges first, then its last event, so that whoever hears it sees the request gone
     /// from the stats.
-    pub(super) fn end(&mut self, mut s: Seq<B>, end: End) {
+    pub(super) fn end(&mut self, mut s: Seq, end: End) {
         if let Some(p) = s.place.take() {
             self.caches.free(p);
         }

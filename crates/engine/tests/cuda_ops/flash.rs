@@ -53,7 +53,7 @@ fn flash_prefill_refuses_what_it_cannot_run() {
     // head_dim 96: the cache is fine, flash_attention.cu is not compiled for it.
     let kv = g.kv_store(&config(4, 2, 96), blocks_for(&config(4, 2, 96), 64)).unwrap();
     let q = g.act_from(3, 4 * 96, &bf(&r.v(3 * 4 * 96, 1.0))).unwrap();
-    g.begin(&[], &[InOrder::new(g.kv_blocks(&kv)).span(0, 3)]).unwrap();
+    g.begin(&[], &[InOrder::new(g.kv_blocks(&kv)).span(0, 3)], false).unwrap();
     let e =
         g.flash_prefill(&q, &kv, 0, Attend::causal(96), &mut g.act_poisoned(3, 4 * 96, false).unwrap()).unwrap_err();
     assert!(matches!(e, ferrolm::Error::Unsupported(_)), "{e}");

@@ -70,7 +70,7 @@ fn run<B: Backend>(
     let m = b.read_rows(x, 0).unwrap().len() / D;
     let t = InOrder::new(b.kv_blocks(kv));
     let at = [t.span(pos0, m)];
-    b.begin(&vec![0; m], &at).unwrap();
+    b.begin(&vec![0; m], &at, false).unwrap();
     let mut s = scratch(b, m);
     let [xn, q, k, v, att, o, gate, up, act] = &mut s[..] else { unreachable!() };
     let mut s = LayerScratch { xn, q, k, v, att, o, gate, up, act };

@@ -196,7 +196,7 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
         let (mut kv, t) = (g.kv_store(&cfg, blocks)?, ferrolm::kv::InOrder::new(blocks));
         let mut att = g.act(1, d)?;
         let mut resid = g.act_from_f32(1, d, &x)?;
-        g.begin(&[], &[t.span(pos, 1)])?;
+        g.begin(&[], &[t.span(pos, 1)], false)?;
         let us = graph_time(g, 48, &mut |i| {
             let j = i % n;
             let [q, k, v] = &mut og[..] else { unreachable!() };
@@ -247,7 +247,7 @@ fn decode_attention(lab: &mut Session) -> Result<()> {
         let mut k = g.act_from(1, n_kv * hd, &bf(&r.v(n_kv * hd, 1.0)))?;
         let v = g.act_from(1, n_kv * hd, &bf(&r.v(n_kv * hd, 1.0)))?;
         let mut out = g.act(1, heads * hd)?;
-        g.begin(&[], &[t.span(pos, 1)])?;
+        g.begin(&[], &[t.span(pos, 1)], false)?;
         let us = graph_time(g, 48, &mut |i| {
             g.rope_attention(
                 &mut q,
@@ -311,7 +311,7 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
         let mut out = g.act_poisoned(m, heads * hd, false)?;
         // Parity at depth 0: the split-K op writes the cache, flash reads it; the CPU
         // attends the same rows.
-        g.begin(&[], &[t.span(0, m)])?;
+        g.begin(&[], &[t.span(0, m)], false)?;
         g.attention(&q, &k, &v, &mut kv, 0, &[t.span(0, m)], Attend::causal(hd), &mut out)?;
         g.flash_prefill(&q, &kv, 0, Attend::causal(hd), &mut out)?;
         let blocks_c = ferrolm::kv::blocks_for(&cfg, m);
@@ -327,7 +327,7 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
         );
         for pos in depths {
             let at = [t.span(pos, m)];
-            g.begin(&[], &at)?;
+            g.begin(&[], &at, false)?;
             let split =
                 stream_time(g, 20, &mut || g.attention(&q, &k, &v, &mut kv, 0, &at, Attend::causal(hd), &mut out))?;
             let flash = stream_time(g, 20, &mut || g.flash_prefill(&q, &kv, 0, Attend::causal(hd), &mut out))?;

@@ -320,7 +320,7 @@ impl Cuda {
         // Deep caches score a round's positions together (SCORE_BATCH): faster at 8K cached,
         // slower at 512. Beside a q/k/v GEMV of at least half the SMs' blocks, a deep cache's
         // kernel is the register-capped one (ATT_CAP): twice its blocks fit beside q/k/v's.
-        let deep = kv.max_seq > kernels::ATTN_DEEP_POSITIONS;
+        let deep = kv.max_seq() > kernels::ATTN_DEEP_POSITIONS;
         let qkv_rows = (heads + 2 * n_kv) * kv.head_dim;
         let capped = deep && qb == 1 && qkv_rows / 32 >= self.sms / 2;
         let defines = kernels::attention_decode_defines(qb, deep, capped);
@@ -330,8 +330,8 @@ impl Cuda {
         // memory would overflow.
         let resident = f.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).unwrap_or(3).max(1) as usize;
         let max_splits = (resident * self.sms / (heads / qb)).clamp(1, DECODE_SPLITS_MAX);
-        let chunk = DECODE_CHUNK.max(kv.max_seq.div_ceil(max_splits));
-        let splits = kv.max_seq.div_ceil(chunk);
+        let chunk = DECODE_CHUNK.max(kv.max_seq().div_ceil(max_splits));
+        let splits = kv.max_seq().div_ceil(chunk);
         // Up to 8 · 128 positions: one cluster of up to 8 blocks per head merging through
         // shared memory. Deeper caches keep one wave of single blocks merging through global
         // memory (clusters there did not all fit one wave: 1B at 8191 cached 28 → 54 µs).
@@ -339,7 +339,7 @@ impl Cuda {
         let (cs, splits, chunk) = match clustered {
             true => {
                 let cs = ATTN_CLUSTER_MAX.min(splits);
-                (cs, cs, kv.max_seq.div_ceil(cs))
+                (cs, cs, kv.max_seq().div_ceil(cs))
             }
             false => (1, splits, chunk),
         };
@@ -369,7 +369,8 @@ impl Cuda {
             Some(([qn, kn], eps)) => args.extend([self.arg(qn), self.arg(kn), KArg::F32(eps)]),
             None => args.extend([KArg::Ptr(0), KArg::Ptr(0), KArg::F32(0.0)]),
         }
-        args.push(kv.slots_arg(layer, 1)?);
+        // One sequence: its table at offset 0.
+        args.push(self.steps.tables(self, kv.sliding(layer)?, "attention")?[0]);
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),

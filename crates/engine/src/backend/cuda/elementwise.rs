@@ -167,10 +167,11 @@ impl Cuda {
         self.launch(&f, cfg(elems(n), 256), &args, Order::Serial, "add launch")
     }
 
-    /// k/v rows into layer's cache at the staged position (pos0 + rows ≤ max_seq is checked
-    /// by the model).
+    /// k/v rows into layer's store at the staged rows' positions, through their sequences'
+    /// tables (which hold those blocks: checked by the model).
     pub(crate) fn kv_write(&self, k: &CudaAct, v: &CudaAct, kv: &mut CudaKv, layer: usize) -> Result<()> {
         let f = self.plain_kernel("attention.cu", "kv_write")?;
+        let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
         let pos = self.steps.pos(self, "attention")?;
         let args = [
             self.arg(&kv.k[layer]),
@@ -180,7 +181,8 @@ impl Cuda {
             KArg::I32(k.rows as i32),
             KArg::I32(kv.width as i32),
             pos,
-            kv.slots_arg(layer, k.rows)?,
+            tables[0],
+            tables[1],
         ];
         self.launch(&f, cfg(elems(k.rows * kv.width), 256), &args, Order::Serial, "kv_write launch")
     }

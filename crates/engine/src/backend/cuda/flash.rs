@@ -60,10 +60,11 @@ impl Cuda {
                 "CUDA flash attention: {heads} query heads do not group over {n_kv} kv heads"
             )));
         }
-        if q.rows > kv.max_seq {
+        if q.rows > kv.max_seq() {
             return Err(Error::Invalid(format!(
                 "CUDA flash attention: {} query rows in a {}-position cache",
-                q.rows, kv.max_seq
+                q.rows,
+                kv.max_seq()
             )));
         }
         let (ActBuf::Bf16(qb), ActBuf::Bf16(ob)) = (&q.buf, &mut out.buf) else {
@@ -95,7 +96,7 @@ impl Cuda {
             pos,
             KArg::F32(attend.scale),
             KArg::I32(super::prefill::window_arg(attend)?),
-            kv.slots_arg(layer, q.rows)?,
+            self.steps.tables(self, kv.sliding(layer)?, "attention")?[0], // one sequence: offset 0
         ];
         // Matches flash_attention.cu's flash_prefill; the cache holds pos0 + m positions.
         self.launch(&func, cfg, &args, Order::Serial, "flash_prefill launch")

@@ -195,6 +195,10 @@ impl Cuda {
         mode: GemvOut,
         extra: GemvExtra,
     ) -> Result<bool> {
+        // An invariant call's rows go through the GEMM whatever their count.
+        if self.steps.invariant() {
+            return Ok(false);
+        }
         let Some((f, args, blocks, smem)) = self.gemv_plan(input, mats, outs, mode, extra)? else { return Ok(false) };
         let threads = 32 * WARPS as u32;
         let blocks = blocks.min(self.gemv_grid(&f, threads, smem));

@@ -45,10 +45,7 @@ impl Backend for Cuda {
     fn act_f32(&self, rows: usize, cols: usize) -> Result<CudaAct> {
         Ok(CudaAct { rows, cols, buf: ActBuf::F32(self.zeros(rows * cols, "allocating logits")?) })
     }
-    /// One sequence's store: position p at row p (a sliding layer's ring at p mod its
-    /// slots), `blocks.full` blocks of positions.
     fn kv_store(&self, cfg: &ModelConfig, blocks: KvBlocks) -> Result<CudaKv> {
-        let max_seq = blocks.full * BLOCK;
         let width = cfg.n_kv_heads * cfg.head_dim;
         if !cfg.head_dim.is_multiple_of(32) || cfg.head_dim > 256 {
             return Err(Error::Unsupported(format!(
@@ -56,31 +53,22 @@ impl Backend for Cuda {
                 cfg.head_dim
             )));
         }
-        // A sliding layer keeps a ring (kv_row in common.cuh) where the store gives it fewer
-        // blocks than the positions (kv::seq::seq_blocks: its window and one call of
-        // CALL_ROWS, so a call overwrites no position its queries attend).
-        let ring = match blocks.sliding < blocks.full {
-            true => blocks.sliding * BLOCK,
-            false => max_seq,
-        };
-        let slots: Vec<usize> =
-            (0..cfg.n_layers).map(|i| if crate::kv::is_sliding(cfg, i) { ring } else { max_seq }).collect();
-        let layer = |s: usize| self.zeros::<u16>(s * width, "allocating the KV cache");
-        let k = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
-        let v = slots.iter().map(|&s| layer(s)).collect::<Result<Vec<_>>>()?;
-        Ok(CudaKv { max_seq, blocks, slots, width, head_dim: cfg.head_dim, k, v })
+        let sliding: Vec<bool> = (0..cfg.n_layers).map(|i| crate::kv::is_sliding(cfg, i)).collect();
+        let rows = |s: bool| if s { blocks.sliding } else { blocks.full } * BLOCK;
+        let layer = |s: &bool| self.zeros::<u16>(rows(*s) * width, "allocating the KV cache");
+        let k = sliding.iter().map(layer).collect::<Result<Vec<_>>>()?;
+        let v = sliding.iter().map(layer).collect::<Result<Vec<_>>>()?;
+        Ok(CudaKv { blocks, sliding, width, head_dim: cfg.head_dim, k, v })
     }
     fn kv_blocks(&self, kv: &CudaKv) -> KvBlocks {
         kv.blocks
     }
-    fn kv_paged(&self) -> bool {
-        false
+    fn begin(&self, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
+        self.steps.begin(self, tokens, spans, invariant)
     }
-    fn begin(&self, tokens: &[u32], spans: &[Span<'_>]) -> Result<()> {
-        self.steps.begin(self, tokens, one_sequence(spans)?)
-    }
-    fn step(&self, key: u64, tokens: &[u32], pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        self.steps.step(self, key, tokens, pos0, f)
+    fn step(&self, key: u64, tokens: &[u32], spans: &[Span<'_>], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        one_sequence(spans)?;
+        self.steps.step(self, key, tokens, spans, f)
     }
     fn forget(&self, key: u64) {
         self.steps.forget(key)
@@ -88,8 +76,15 @@ impl Backend for Cuda {
     fn feeds_steps(&self) -> bool {
         self.cfg.feed_steps
     }
-    fn step_fed(&self, key: u64, token: Option<u32>, pos0: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        self.steps.step_fed(self, key, token, pos0, f)
+    fn step_fed(
+        &self,
+        key: u64,
+        token: Option<u32>,
+        spans: &[Span<'_>],
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        let s = one_sequence(spans)?;
+        self.steps.step_fed(self, key, token, s, f)
     }
     fn queue_read(&self, _x: &CudaAct, pos: usize, n: usize, slot: usize) -> Result<()> {
         self.steps.queue_read(self, pos, n, slot)
@@ -160,7 +155,7 @@ impl Backend for Cuda {
     ) -> Result<()> {
         match q.rows {
             // RoPE and the cache write happen inside (q and k stay unrotated).
-            1 => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
+            1 if !self.steps.invariant() => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
             _ => self.prefill_attention(q, (k, v), kv, layer, rope, n_heads, attend, out),
         }
     }
@@ -202,7 +197,8 @@ impl Backend for Cuda {
         {
             return Ok(());
         }
-        if x.rows > 1 && self.cfg.prefill_fused_glu {
+        // An invariant call's rows take the fused GEMM whatever their count.
+        if (x.rows > 1 || self.steps.invariant()) && self.cfg.prefill_fused_glu {
             self.rms_norm(x, norm, eps, xn)?;
             if self.qgemm_glu(xn, (gate, up), act, out)? {
                 return Ok(());
@@ -312,16 +308,10 @@ impl Backend for Cuda {
     }
 }
 
-/// The position of a call's one sequence. The kernels keep position p at row p of a store
-/// that belongs to one sequence (`Backend::kv_paged` false), so a call holds one sequence
-/// whose full-layer table is the identity (as `kv::seq::SeqCache` builds it).
-fn one_sequence(spans: &[Span<'_>]) -> Result<usize> {
-    let [s] = spans else {
-        return Err(Error::Unsupported(format!("CUDA runs one sequence per forward call ({} given)", spans.len())));
-    };
-    let used = (s.pos0 + s.rows).div_ceil(BLOCK);
-    if s.full.len() < used || s.full[..used].iter().enumerate().any(|(i, &b)| b as usize != i) {
-        return Err(Error::Unsupported("CUDA needs a sequence's blocks in order (its own store)".into()));
+/// A captured step's one sequence.
+fn one_sequence<'a>(spans: &'a [Span<'a>]) -> Result<&'a Span<'a>> {
+    match spans {
+        [s] => Ok(s),
+        _ => Err(Error::Unsupported(format!("CUDA captures decode steps of one sequence ({} given)", spans.len()))),
     }
-    Ok(s.pos0)
 }

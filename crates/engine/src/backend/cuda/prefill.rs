@@ -35,7 +35,10 @@ impl Cuda {
                 out.cols
             )));
         }
-        if x.rows >= GEMM_MIN_ROWS && self.qgemm_supported(w) {
+        // An invariant call takes the GEMM (one kernel, each row's arithmetic independent of
+        // the others') at every row count, or else the one-row-per-block qmv.
+        let invariant = self.steps.invariant();
+        if (x.rows >= GEMM_MIN_ROWS || invariant) && self.qgemm_supported(w) {
             return self.qgemm(x, w, out);
         }
         let xb = self.arg(x.bf16());
@@ -43,7 +46,7 @@ impl Cuda {
         let (rows, cols, m) = (KArg::I32(w.rows() as i32), KArg::I32(w.cols() as i32), KArg::I32(x.rows as i32));
         // Eight activation rows per block from four rows on, so each weight chunk is read
         // m/8 times.
-        let multi = x.rows >= 4 && matches!(w, CudaMat::Affine { .. });
+        let multi = x.rows >= 4 && !invariant && matches!(w, CudaMat::Affine { .. });
         let ty = if multi { x.rows.div_ceil(8) } else { x.rows };
         let c = cfg((w.rows().div_ceil(4) as u32, ty as u32), 128);
         match w {
@@ -75,6 +78,7 @@ impl Cuda {
     ) -> Result<()> {
         let freqs = self.scratch.rope_freqs(self, rope)?;
         let f = self.plain_kernel("attention.cu", "rope_kv")?;
+        let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
         let pos = self.steps.pos(self, "rope")?;
         let n = q.rows * (q.cols / 2 + kv.width / 2 + kv.width);
         let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
@@ -87,7 +91,8 @@ impl Cuda {
             pos,
             KArg::F32(rope.linear),
             KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
-            kv.slots_arg(layer, q.rows)?,
+            tables[0],
+            tables[1],
         ]);
         let c = cfg((n.div_ceil(256).min(4096) as u32, 1), 256);
         // Matches attention.cu's rope_kv; pos0 + rows ≤ max_seq is checked by the model.
@@ -108,11 +113,18 @@ impl Cuda {
         let pos = self.steps.pos(self, "attention")?;
         let hd = kv.head_dim;
         let heads = q.cols / hd;
-        let splits = kv.max_seq.div_ceil(ATTN_CHUNK);
+        // A captured step replays at later positions: its splits cover the whole store.
+        // Otherwise the call's longest sequence (a shared store may be far larger).
+        let span = match self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+            true => kv.max_seq(),
+            false => self.steps.end().clamp(1, kv.max_seq()),
+        };
+        let splits = span.div_ceil(ATTN_CHUNK);
         let slots = q.rows * heads * splits;
         let ml = self.zeros::<f32>(2 * slots, "allocating attention scratch")?;
         let acc = self.zeros::<f32>(slots * hd, "allocating attention scratch")?;
         let a = self.plain_kernel("attention.cu", "attention_split")?;
+        let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
         let args = [
             q.arg(self),
             self.arg(&kv.k[layer]),
@@ -126,7 +138,8 @@ impl Cuda {
             KArg::I32(ATTN_CHUNK as i32),
             KArg::F32(attend.scale),
             KArg::I32(window_arg(attend)?),
-            kv.slots_arg(layer, q.rows)?,
+            tables[0],
+            tables[1],
         ];
         let c = LaunchConfig {
             grid_dim: (heads as u32, q.rows as u32, splits as u32),
@@ -152,7 +165,7 @@ impl Cuda {
     }
 
     /// The prefill half of `Backend::rope_attention`: RoPE with the cache write, then
-    /// flash attention (or the split-K kernels for other head dims).
+    /// flash attention (or the split-K kernels for other head dims and invariant calls).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn prefill_attention(
         &self,
@@ -166,7 +179,9 @@ impl Cuda {
         out: &mut CudaAct,
     ) -> Result<()> {
         self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
-        if kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim) {
+        // Flash takes one sequence's consecutive rows, in tiles whose arithmetic a row
+        // shares with its neighbours: not for an invariant call.
+        if kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim) && !self.steps.invariant() {
             self.flash_prefill(q, kv, layer, attend, out)
         } else {
             self.attention_cached(q, kv, layer, attend, out)

@@ -6,6 +6,7 @@
 
 use super::context::Context;
 use super::driver::{drv, KArg};
+use crate::kv::Span;
 use crate::{Error, Result};
 use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PinnedHostSlice};
 use std::collections::HashMap;
@@ -38,6 +39,16 @@ unsafe impl Send for Graph {}
 /// The staged inputs of a forward call.
 struct Staged {
     cap: usize,
+    /// Entries of each block table (the full layers', the sliding layers'), copied whole
+    /// (a captured step's copy has a fixed size); past a table's end, -1.
+    tab_cap: usize,
+    tab_host: [PinnedHostSlice<i32>; 2],
+    tab_dev: [CudaSlice<i32>; 2],
+    /// The staged call's largest position + 1 (its longest sequence).
+    end: usize,
+    /// Each row's offset of its sequence's table in `tab_dev` (per kind).
+    row_tab_host: [PinnedHostSlice<i32>; 2],
+    row_tab_dev: [CudaSlice<i32>; 2],
     tok_host: PinnedHostSlice<i32>,
     tok_dev: CudaSlice<i32>,
     pos_host: PinnedHostSlice<i32>,
@@ -59,6 +70,9 @@ pub(crate) struct Steps {
     /// Set while a fed step is queued or captured: its token and position are on the
     /// device already, so `begin` copies nothing.
     feeding: AtomicBool,
+    /// The call under way is invariant (`Backend::begin`; a call of several sequences is):
+    /// no one-row GEMV, fused decode attention or flash.
+    invariant: AtomicBool,
     reads: Mutex<Vec<ReadSlot>>,
 }
 
@@ -84,6 +98,23 @@ impl Steps {
         self.inputs(ctx, 0, what).map(|(_, p)| p)
     }
 
+    pub(crate) fn invariant(&self) -> bool {
+        self.invariant.load(Relaxed)
+    }
+
+    /// The staged call's longest sequence (its largest position + 1).
+    pub(crate) fn end(&self) -> usize {
+        self.staged.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map_or(0, |s| s.end)
+    }
+
+    /// The staged block tables' device address (the sliding layers' or the full ones') and
+    /// the rows' offsets into them. A call of one sequence has its table at offset 0.
+    pub(crate) fn tables(&self, ctx: &Context, sliding: bool, what: &str) -> Result<[KArg; 2]> {
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_ref().ok_or_else(|| Error::Invalid(format!("CUDA {what} without staged block tables")))?;
+        Ok([ctx.arg(&s.tab_dev[sliding as usize]), ctx.arg(&s.row_tab_dev[sliding as usize])])
+    }
+
     /// Where a fed step's argmax writes the next step's input: (token, position, token
     /// history).
     pub(crate) fn feed_args(&self, ctx: &Context) -> Result<[KArg; 3]> {
@@ -92,26 +123,39 @@ impl Steps {
         Ok([ctx.arg(&s.tok_dev), ctx.arg(&s.pos_dev), ctx.arg(&s.hist_dev)])
     }
 
-    /// Write tokens and pos0 into the pinned staging buffers (growing them, and dropping
-    /// captured graphs that point at the old ones, when a call has more tokens).
-    fn stage(&self, ctx: &Context, tokens: &[u32], pos0: usize) -> Result<()> {
+    /// Write the call's tokens, each row's position and table offsets (unless `tables_only`:
+    /// a fed step's token and position are on the device) and the spans' block tables
+    /// (concatenated, per kind) into the pinned staging buffers, growing them (and dropping
+    /// captured graphs that point at the old ones) when a call has more rows or tables.
+    fn stage(&self, ctx: &Context, tokens: &[u32], spans: &[Span<'_>], tables_only: bool) -> Result<()> {
         let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
-        if st.as_ref().is_none_or(|s| s.cap < tokens.len()) {
+        let rows = tokens.len().max(spans.iter().map(|s| s.rows).sum());
+        let tab_len = [false, true].map(|k| spans.iter().map(|s| s.table(k).len()).sum::<usize>());
+        let tab_len = tab_len[0].max(tab_len[1]);
+        if st.as_ref().is_none_or(|s| s.cap < rows || s.tab_cap < tab_len) {
             // A queued read (a speculative step's, never taken) may still copy from the old
             // token history on the read stream: let it finish before the history is freed.
             ctx.read_stream.synchronize().map_err(drv("waiting for queued reads"))?;
-            let cap = tokens.len().next_power_of_two().max(128);
-            // SAFETY: written below before any copy reads it.
-            let tok_host = unsafe { ctx.ctx.alloc_pinned::<i32>(cap) }.map_err(drv("allocating pinned memory"))?;
-            // SAFETY: as above.
-            let pos_host = unsafe { ctx.ctx.alloc_pinned::<i32>(1) }.map_err(drv("allocating pinned memory"))?;
+            let cap = rows.next_power_of_two().max(128);
+            let tab_cap = tab_len.next_power_of_two().max(64);
+            // SAFETY (each pinned buffer): written below before any copy reads it.
+            let pinned = |n: usize| unsafe { ctx.ctx.alloc_pinned::<i32>(n) }.map_err(drv("allocating pinned memory"));
             let uploaded = ctx.ctx.new_event(None).map_err(drv("creating an event"))?;
             let staged = Staged {
                 cap,
-                tok_host,
+                end: 0,
+                tab_cap,
+                tab_host: [pinned(tab_cap)?, pinned(tab_cap)?],
+                tab_dev: [
+                    ctx.zeros(tab_cap, "allocating block tables")?,
+                    ctx.zeros(tab_cap, "allocating block tables")?,
+                ],
+                row_tab_host: [pinned(cap)?, pinned(cap)?],
+                row_tab_dev: [ctx.zeros(cap, "allocating table offsets")?, ctx.zeros(cap, "allocating table offsets")?],
+                tok_host: pinned(cap)?,
                 tok_dev: ctx.zeros(cap, "allocating token ids")?,
-                pos_host,
-                pos_dev: ctx.zeros(1, "allocating the position")?,
+                pos_host: pinned(cap)?,
+                pos_dev: ctx.zeros(cap, "allocating positions")?,
                 hist_dev: ctx.zeros(FEED_HIST, "allocating the token history")?,
                 uploaded,
                 fed_kept: ctx.zeros(2, "allocating a fed step's kept input")?,
@@ -123,11 +167,38 @@ impl Steps {
         // The last direct upload (not a graph's) may still be queued: it reads these
         // buffers when it runs. cudarc's own tracking of that is off (Context::new).
         s.uploaded.synchronize().map_err(drv("waiting for the last upload"))?;
-        let th = s.tok_host.as_mut_slice().map_err(drv("writing token ids"))?;
-        for (d, &t) in th.iter_mut().zip(tokens) {
-            *d = t as i32;
+        if !tables_only {
+            s.end = spans.iter().map(|sp| sp.pos0 + sp.rows).max().unwrap_or(0);
+            let th = s.tok_host.as_mut_slice().map_err(drv("writing token ids"))?;
+            for (d, &t) in th.iter_mut().zip(tokens) {
+                *d = t as i32;
+            }
+            let ph = s.pos_host.as_mut_slice().map_err(drv("writing positions"))?;
+            let positions = spans.iter().flat_map(|sp| sp.pos0..sp.pos0 + sp.rows);
+            for (d, p) in ph.iter_mut().zip(positions) {
+                *d = p as i32;
+            }
+            for (k, host) in s.row_tab_host.iter_mut().enumerate() {
+                let h = host.as_mut_slice().map_err(drv("writing table offsets"))?;
+                let mut off = 0;
+                let offsets = spans.iter().flat_map(|sp| {
+                    let o = off;
+                    off += sp.table(k == 1).len();
+                    std::iter::repeat_n(o as i32, sp.rows)
+                });
+                for (d, o) in h.iter_mut().zip(offsets) {
+                    *d = o;
+                }
+            }
         }
-        s.pos_host.as_mut_slice().map_err(drv("writing the position"))?[0] = pos0 as i32;
+        for (k, host) in s.tab_host.iter_mut().enumerate() {
+            let h = host.as_mut_slice().map_err(drv("writing block tables"))?;
+            h.fill(-1);
+            let entries = spans.iter().flat_map(|sp| sp.table(k == 1));
+            for (d, &b) in h.iter_mut().zip(entries) {
+                *d = b as i32; // NO_BLOCK (u32::MAX) is -1
+            }
+        }
         Ok(())
     }
 
@@ -136,12 +207,23 @@ impl Steps {
         let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let s = st.as_mut().ok_or_else(|| Error::Invalid("CUDA forward without staged tokens".into()))?;
         ctx.stream.memcpy_htod(&s.tok_host, &mut s.tok_dev).map_err(drv("copying token ids"))?;
-        ctx.stream.memcpy_htod(&s.pos_host, &mut s.pos_dev).map_err(drv("copying the position"))?;
+        ctx.stream.memcpy_htod(&s.pos_host, &mut s.pos_dev).map_err(drv("copying positions"))?;
+        copy_up(ctx, &s.row_tab_host, &mut s.row_tab_dev, "copying table offsets")?;
+        copy_up(ctx, &s.tab_host, &mut s.tab_dev, "copying block tables")?;
         // Not inside a capture: the event would then mark a graph node, not this upload.
         if !ctx.capturing.load(Relaxed) {
             s.uploaded.record(&ctx.stream).map_err(drv("recording the upload"))?;
         }
         Ok(())
+    }
+
+    /// Enqueue the staged block tables' copies alone (a fed run's: its tokens and
+    /// positions are on the device), recorded as an upload.
+    fn upload_staged_tables(&self, ctx: &Context) -> Result<()> {
+        let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st.as_mut().ok_or_else(|| Error::Invalid("CUDA fed step without staged tables".into()))?;
+        copy_up(ctx, &s.tab_host, &mut s.tab_dev, "copying block tables")?;
+        s.uploaded.record(&ctx.stream).map_err(drv("recording the upload"))
     }
 
     /// Keep (`restore` false) or put back (true) the device's token and position of a fed
@@ -186,12 +268,13 @@ impl Steps {
 
     /// `Backend::begin`: stage and copy this call's tokens and position, unless a fed step's
     /// are on the device already or a capture (whose `step` staged them) only needs the copies.
-    pub(crate) fn begin(&self, ctx: &Context, tokens: &[u32], pos0: usize) -> Result<()> {
+    pub(crate) fn begin(&self, ctx: &Context, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
         if self.feeding.load(Relaxed) {
             return Ok(());
         }
         if !ctx.capturing.load(Relaxed) {
-            self.stage(ctx, tokens, pos0)?;
+            self.invariant.store(invariant || spans.len() > 1, Relaxed);
+            self.stage(ctx, tokens, spans, false)?;
         }
         self.upload_staged(ctx)
     }
@@ -203,11 +286,12 @@ impl Steps {
         ctx: &Context,
         key: u64,
         tokens: &[u32],
-        pos0: usize,
+        spans: &[Span<'_>],
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         // Stage first: a new staging buffer drops stale graphs before we look one up.
-        self.stage(ctx, tokens, pos0)?;
+        self.invariant.store(false, Relaxed);
+        self.stage(ctx, tokens, spans, false)?;
         if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
             return g.0.launch().map_err(drv("replaying the decode graph"));
         }
@@ -225,15 +309,27 @@ impl Steps {
         ctx: &Context,
         key: u64,
         token: Option<u32>,
-        pos0: usize,
+        span: &Span<'_>,
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
-        let captured = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&key);
-        // Staging waits for the previous upload from the pinned buffer to finish.
-        if let Some(t) = token {
-            self.stage(ctx, &[t], pos0)?;
-            self.upload_staged(ctx)?;
+        // Staging waits for the previous upload from the pinned buffers to finish, and a new
+        // staging buffer drops stale graphs before we look one up. The tables go up before
+        // the run's graph (which copies nothing: its inputs are on the device); they only
+        // gain blocks for later positions while an earlier run is queued (a sliding layer's
+        // blocks go back a run late: kv::seq::SeqCache).
+        let t: &[u32] = match &token {
+            Some(t) => std::slice::from_ref(t),
+            None => &[],
+        };
+        // The host's token sits at the span's first position (one row: the run's first).
+        let first = Span { rows: 1, ..*span };
+        self.invariant.store(false, Relaxed);
+        self.stage(ctx, t, &[first], token.is_none())?;
+        match token {
+            Some(_) => self.upload_staged(ctx)?,
+            None => self.upload_staged_tables(ctx)?,
         }
+        let captured = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).contains_key(&key);
         self.feeding.store(true, Relaxed);
         let r = match (captured, token) {
             (true, _) => self.graphs.lock().unwrap_or_else(|e| e.into_inner())[&key]
@@ -303,4 +399,12 @@ impl Steps {
         let (pos, n) = r.run;
         Ok((pos..pos + n).map(|p| hist[p % FEED_HIST] as u32).collect())
     }
+}
+
+/// Enqueue copies of staged pinned buffers (one per table kind) to their device twins.
+fn copy_up(ctx: &Context, host: &[PinnedHostSlice<i32>; 2], dev: &mut [CudaSlice<i32>; 2], what: &str) -> Result<()> {
+    for (h, d) in host.iter().zip(dev.iter_mut()) {
+        ctx.stream.memcpy_htod(h, d).map_err(drv(what))?;
+    }
+    Ok(())
 }

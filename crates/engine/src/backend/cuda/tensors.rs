@@ -81,13 +81,13 @@ impl CudaAct {
     }
 }
 
-/// bf16 KV cache: per layer `[slots, n_kv·hd]` for K and for V, position p in row p mod
-/// slots (every position, or a sliding layer's ring: Backend::kv_store in ops.rs).
+/// The bf16 KV store: per layer `[blocks·BLOCK, n_kv·hd]` for K and for V, over the full
+/// blocks or (a sliding-window layer) the sliding ones; kernels find a position's row
+/// through the staged block table of the layer's kind (kv_row in common.cuh).
 pub struct CudaKv {
-    pub max_seq: usize,
     pub blocks: crate::kv::KvBlocks,
-    /// Rows of each layer's cache.
-    pub slots: Vec<usize>,
+    /// Whether each layer is a sliding-window one.
+    pub sliding: Vec<bool>,
     pub width: usize,
     pub head_dim: usize,
     pub k: Vec<CudaSlice<u16>>,
@@ -95,19 +95,17 @@ pub struct CudaKv {
 }
 
 impl CudaKv {
-    /// `layer`'s row count, the kernels' `slots` argument, once `rows` new positions are
-    /// checked to fit a call (a ring takes crate::kv::CALL_ROWS at most).
-    pub(crate) fn slots_arg(&self, layer: usize, rows: usize) -> Result<KArg> {
-        let slots = *self.slots.get(layer).ok_or_else(|| {
-            Error::Invalid(format!("CUDA KV cache: layer {layer} of a {}-layer cache", self.slots.len()))
-        })?;
-        if slots < self.max_seq && rows > crate::kv::CALL_ROWS {
-            return Err(Error::Invalid(format!(
-                "CUDA attention: {rows} rows in one call on a sliding-window ring (at most {})",
-                crate::kv::CALL_ROWS
-            )));
-        }
-        Ok(KArg::I32(slots as i32))
+    /// Most positions one sequence can hold (every full block): what fixes the attention
+    /// kernels' split counts, so a captured step stays valid as its sequence grows.
+    pub(crate) fn max_seq(&self) -> usize {
+        self.blocks.full * crate::kv::BLOCK
+    }
+
+    /// Whether `layer` is a sliding-window layer (which table its kernels take).
+    pub(crate) fn sliding(&self, layer: usize) -> Result<bool> {
+        self.sliding.get(layer).copied().ok_or_else(|| {
+            Error::Invalid(format!("CUDA KV store: layer {layer} of a {}-layer store", self.sliding.len()))
+        })
     }
 }
 
