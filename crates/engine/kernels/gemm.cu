@@ -18,10 +18,13 @@
 //   - Warp (wm, wn) = (warp & 1, warp >> 1) computes tokens wm·32.. +32 × rows wn·32.. +32:
 //     2 m16 tiles × 4 n8 tiles of mma.sync.m16n8k16 (bf16 in, f32 accumulators, 32 floats per
 //     thread), 4 k16 steps per BK.
+//   - The accumulators restart from zero every CHUNK_K = 256 values (four steps) and are
+//     added into totals in chunk order: qgemm.cuh's arithmetic, which the few-token kernels
+//     (gemm_small.cuh, included at the end) share bit for bit.
 //   - Shared rows are padded to LDS = 72 bf16 (144 bytes): rows stay 16-byte aligned, and the
 //     8 row addresses of each ldmatrix phase fall in 8 distinct 16-byte bank groups (144·i mod
 //     128 = 16·i), as do the 16-byte dequant stores (8 lanes = 4 rows × 2 halves).
-//   - Epilogue: f32 accumulators written with bounds checks (t < m, r < rows), as bf16 or f32;
+//   - Epilogue: f32 totals written with bounds checks (t < m, r < rows), as bf16 or f32;
 //     pairs of columns go out as one 4/8-byte store where rows is even.
 //   - qgemm_glu, the prefill MLP's gate and up in one launch: a block's 64 weight rows are 32
 //     rows of gate and the same 32 rows of up, so warps wn = 0 hold gate's sums and wn = 1
@@ -48,6 +51,7 @@
 #include "common.cuh"
 #include "affine.cuh"
 #include "mma.cuh"
+#include "qgemm.cuh"
 
 
 #define BM 64       // tokens per block
@@ -63,10 +67,8 @@
 // 16-byte x copies per thread per step).
 static_assert(BN * BK / SEG == THREADS, "one weight segment per thread");
 static_assert(BM * BK / 8 == 4 * THREADS, "four x copies per thread");
+static_assert(CHUNK_K % BK == 0 && BK == KSTEP_ALIGN, "whole steps per chunk; steps padded as qgemm.cuh says");
 
-
-// q (0..255) as an exact f32: 2^23 + q has q in its low mantissa bits.
-__device__ __forceinline__ float q2f(u32 q) { return __uint_as_float(0x4b000000u | q) - 8388608.f; }
 
 // One thread's weight segment for a step, as loaded from global memory (dequantized later,
 // after the MMAs, so the loads' latency is hidden).
@@ -120,7 +122,7 @@ __device__ __forceinline__ void store_wseg(const WSeg& ws, bf16_t* dst) {
         const u32 q0 = (ws.q[(v0 * BITS) / 32] >> ((v0 * BITS) % 32)) & MASK;
         const u32 q1 = (ws.q[(v1 * BITS) / 32] >> ((v1 * BITS) % 32)) & MASK;
         const int g = v0 / SEG_G;  // v0 and v1 share a group (SEG_G is even)
-        p[j] = pack_bf16x2(fmaf(sc[g], q2f(q0), bi[g]), fmaf(sc[g], q2f(q1), bi[g]));
+        p[j] = dequant_pair(q0, q1, sc[g], bi[g]);
     }
     uint4* d = reinterpret_cast<uint4*>(dst);
 #pragma unroll
@@ -161,8 +163,8 @@ __device__ __forceinline__ void glu_epilogue(const float (&acc)[2][4][4], float*
         const int t = t0 + tl, r = r0 + c;
         if (t >= m) return;
         const float a0 = acc[i][j][2 * h], a1 = acc[i][j][2 * h + 1];
-        const float v0 = (act ? gelu_tanh(a0) : silu(a0)) * up_s[tl * US + c];
-        const float v1 = (act ? gelu_tanh(a1) : silu(a1)) * up_s[tl * US + c + 1];
+        const float v0 = glu_value(a0, up_s[tl * US + c], act);
+        const float v1 = glu_value(a1, up_s[tl * US + c + 1], act);
         bf16_t* po = out + (size_t)t * rows + r;
         if (even) {
             if (r < rows) *reinterpret_cast<u32*>(po) = pack_bf16x2(v0, v1);
@@ -232,13 +234,14 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
     for (int j = 0; j < 2; j++)
         b_addr[j] = ws_base + ((wn * 32 + j * 16 + (lane & 7) + ((lane >> 4) << 3)) * LDS + ((lane >> 3) & 1) * 8) * 2;
 
-    float acc[2][4][4];
+    // acc: the current CHUNK_K chunk's mma chain; tot: the chunks' sums in order (qgemm.cuh).
+    float acc[2][4][4], tot[2][4][4];
 #pragma unroll
     for (int i = 0; i < 2; i++)
 #pragma unroll
         for (int j = 0; j < 4; j++)
 #pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+            for (int e = 0; e < 4; e++) acc[i][j][e] = tot[i][j][e] = 0.f;
 
     WSeg seg;
     // Prologue: stage 0 holds step 0.
@@ -271,6 +274,14 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
 #pragma unroll
                 for (int j = 0; j < 4; j++) mma_bf16(acc[i][j], a[i], b[j][0], b[j][1]);
         }
+        if (!more || (s + 1) % (CHUNK_K / BK) == 0) {
+#pragma unroll
+            for (int i = 0; i < 2; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) tot[i][j][e] += acc[i][j][e], acc[i][j][e] = 0.f;
+        }
         if (more) store_wseg(seg, reinterpret_cast<bf16_t*>(ws_raw[cur ^ 1]) + seg_row * LDS + seg_k);
         cp_async_wait_all();
         __syncthreads();
@@ -279,7 +290,7 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
     // Epilogue: c0, c1 at (token g, rows 2tg, 2tg+1), c2, c3 at token g + 8.
     const int g = lane >> 2, tg = lane & 3;
     if constexpr (GLU) {
-        glu_epilogue(acc, reinterpret_cast<float*>(ws_raw), reinterpret_cast<bf16_t*>(out), t0, r0, rows, m, act);
+        glu_epilogue(tot, reinterpret_cast<float*>(ws_raw), reinterpret_cast<bf16_t*>(out), t0, r0, rows, m, act);
         return;
     }
     const bool even = (rows & 1) == 0;
@@ -292,7 +303,7 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
             for (int h = 0; h < 2; h++) {
                 const int t = t0 + wm * 32 + i * 16 + g + h * 8;
                 if (t >= m) continue;
-                const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+                const float v0 = tot[i][j][2 * h], v1 = tot[i][j][2 * h + 1];
                 const size_t o = (size_t)t * rows + r;
                 if (OUT_F32) {
                     float* po = reinterpret_cast<float*>(out) + o;
@@ -334,3 +345,6 @@ extern "C" __global__ void __launch_bounds__(THREADS)
               const scale_t* ub, const bf16_t* x, bf16_t* out, int rows, int cols, int m, int act) {
     qgemm_body<false, true>(QMat{gw, gs, gb}, QMat{uw, us, ub}, x, out, rows, cols, m, act);
 }
+
+// The few-token kernels (m ≤ 64) with this arithmetic.
+#include "gemm_small.cuh"

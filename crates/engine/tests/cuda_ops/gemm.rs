@@ -2,6 +2,7 @@
 
 use super::{bf, check, cpu, gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
+use ferrolm::backend::cuda::QgemmKernel;
 use ferrolm::backend::Backend;
 use ferrolm::config::Activation;
 use ferrolm::quant::{AffineTensor, DenseData, DenseTensor, ScaleDtype, Weight};
@@ -59,7 +60,7 @@ fn qgemm_matches_cpu_on_ragged_shapes() {
         (63, 96, 4, 16, ScaleDtype::F16),
     ] {
         let w = affine(&mut r, n, k, bits, group, dt);
-        compare(&format!("q{bits} g{group} {dt:?} n{n} k{k}"), &w, &[1, 63, 65, 130], &mut r);
+        compare(&format!("q{bits} g{group} {dt:?} n{n} k{k}"), &w, &[1, 5, 63, 65, 130], &mut r);
     }
 }
 
@@ -117,4 +118,56 @@ fn qgemm_glu_matches_cpu() {
             }
         }
     }
+}
+
+/// The output's values as bits (a bf16 read back as f32 is exact).
+fn to_bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// The few-token kernels (gemm_small.cuh) give the tiled kernel's bits for every element, at
+/// every token count they take, in every form (bf16 and f32 out, GLU): the serving engine's
+/// calls switch between them with the call's row count, and a row's logits must not
+/// change. Shapes: rows not a multiple of 8 or 64, cols with a partial chunk, a half 64-step
+/// (544) and more chunks than warps (4160: three rounds); each bit width.
+#[test]
+fn few_token_kernel_gives_the_tiled_bits() {
+    let (g, mut r) = (gpu(), Rng::seeded());
+    for (n, k, bits, group, dt) in [
+        (203, 544, 4, 32, ScaleDtype::F16),
+        (61, 4160, 4, 64, ScaleDtype::BF16),
+        (64, 96, 2, 16, ScaleDtype::F32),
+        (37, 1152, 8, 128, ScaleDtype::F16),
+        (130, 256, 2, 128, ScaleDtype::BF16),
+    ] {
+        let (w, up) = (affine(&mut r, n, k, bits, group, dt), affine(&mut r, n, k, bits, group, dt));
+        let (wg, ug) = (g.matrix(w).unwrap(), g.matrix(up).unwrap());
+        for m in [1, 2, 15, 16, 17, 40, 64] {
+            let what = format!("q{bits} g{group} {dt:?} n{n} k{k} m{m}");
+            let xg = g.act_from(m, k, &bf(&r.v(m * k, 1.0))).unwrap();
+            for f32_out in [false, true] {
+                let run = |kernel| {
+                    let mut o = g.act_poisoned(m, n, f32_out).unwrap();
+                    g.qgemm_as(&xg, &wg, &mut o, kernel).unwrap();
+                    to_bits(&g.read_rows(&o, 0).unwrap())
+                };
+                let (tiled, small) = (run(QgemmKernel::Tiled), run(QgemmKernel::Small));
+                assert!(tiled.iter().all(|b| !f32::from_bits(*b).is_nan()), "{what}: tiled left outputs unwritten");
+                assert_eq!(tiled, small, "{what} f32out {f32_out}: few-token bits differ from the tiled kernel's");
+            }
+            for act in [Activation::Silu, Activation::GeluTanh] {
+                let run = |kernel| {
+                    let mut o = g.act_poisoned(m, n, false).unwrap();
+                    assert!(g.qgemm_glu_as(&xg, (&wg, &ug), act, &mut o, kernel).unwrap(), "{what}: glu refused");
+                    to_bits(&g.read_rows(&o, 0).unwrap())
+                };
+                assert_eq!(run(QgemmKernel::Tiled), run(QgemmKernel::Small), "{what} glu {act:?}: bits differ");
+            }
+        }
+    }
+    // More tokens than the few-token kernels take is an error, never a silent other kernel.
+    let w = g.matrix(affine(&mut r, 64, 256, 4, 64, ScaleDtype::F16)).unwrap();
+    let x = g.act_from(65, 256, &bf(&r.v(65 * 256, 1.0))).unwrap();
+    let e = g.qgemm_as(&x, &w, &mut g.act_poisoned(65, 64, false).unwrap(), QgemmKernel::Small).unwrap_err();
+    assert!(e.to_string().contains("at most"), "{e}");
 }

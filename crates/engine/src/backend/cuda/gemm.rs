@@ -6,6 +6,11 @@
 //! The weight precision seen by the tensor cores is bf16 (scale·q + bias rounded once), about
 //! 2⁻⁹ relative per weight, well inside the 1e-2 parity tolerance.
 //!
+//! Up to [`SMALL_M`] tokens run on the few-token kernels (gemm_small.cuh: blocks of 8 rows,
+//! K split over 8 warps in 256-value chunks); both kernels share qgemm.cuh's arithmetic, so
+//! a row's outputs have the same bits whichever ran and however many tokens the call has
+//! (the serving engine's batch invariance rests on this).
+//!
 //! What it runs: affine weights of 2, 4 or 8 bits, any group the CUDA backend loads, any
 //! number of rows and tokens, cols a multiple of 32 (every 2- and 4-bit tensor; 8-bit
 //! tensors whose cols is an odd multiple of 16 are refused). Dense weights are refused.
@@ -29,6 +34,50 @@ const TILE_ROWS: usize = 64;
 const THREADS: u32 = 128;
 /// cols must be a multiple of this (one thread's 32-value weight segment).
 const COLS_MULTIPLE: usize = 32;
+/// Most tokens the few-token kernels take (gemm_small.cuh's _m4: four m16 tiles).
+pub const SMALL_M: usize = 64;
+/// Tokens of the few-token kernel's one-tile form (_m1).
+const SMALL_M1: usize = 16;
+/// Output rows per few-token block and its threads (gemm_small.cuh's SMALL_ROWS, SMALL_THREADS).
+const SMALL_ROWS: usize = 8;
+const SMALL_THREADS: u32 = 256;
+
+/// Which quantized GEMM kernel runs a call. `Auto` picks by token count; the others exist
+/// for the tests that hold the two to the same bits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QgemmKernel {
+    Auto,
+    /// 64×64 tiles (gemm.cu's qgemm*).
+    Tiled,
+    /// Eight rows per block, K over warps (gemm_small.cuh), up to [`SMALL_M`] tokens.
+    Small,
+}
+
+impl QgemmKernel {
+    /// The kernel name for `base` ("qgemm", "qgemm_f32", "qgemm_glu") at m tokens, and its
+    /// launch shape for `rows` outputs (`rows_per_tile`: the tiled kernel's rows per block).
+    fn pick(self, base: &str, m: usize, rows: usize, rows_per_tile: usize) -> Result<(String, LaunchConfig)> {
+        let small = match self {
+            QgemmKernel::Auto => m <= SMALL_M,
+            QgemmKernel::Tiled => false,
+            QgemmKernel::Small if m <= SMALL_M => true,
+            QgemmKernel::Small => {
+                return Err(Error::Invalid(format!("the few-token qgemm takes at most {SMALL_M} tokens, not {m}")))
+            }
+        };
+        if small {
+            let tiles = if m <= SMALL_M1 { 1 } else { 4 };
+            let name = format!("{}_m{tiles}", base.replacen("qgemm", "qgemm_small", 1));
+            let grid = (rows.div_ceil(SMALL_ROWS) as u32, 1, 1);
+            return Ok((name, LaunchConfig { grid_dim: grid, block_dim: (SMALL_THREADS, 1, 1), shared_mem_bytes: 0 }));
+        }
+        let grid = (rows.div_ceil(rows_per_tile) as u32, m.div_ceil(TILE_TOKENS) as u32, 1);
+        if grid.1 > 65535 {
+            return Err(Error::Unsupported(format!("CUDA qgemm: {m} tokens in one call")));
+        }
+        Ok((base.to_string(), LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }))
+    }
+}
 
 impl Cuda {
     /// Can [`Cuda::qgemm`] multiply by `w`? (Affine weights with cols a multiple of 32.)
@@ -38,6 +87,11 @@ impl Cuda {
 
     /// out = x · wᵀ on the tensor cores: x bf16 `[m, cols]`, out bf16 or f32 `[m, rows]`.
     pub fn qgemm(&self, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
+        self.qgemm_as(x, w, out, QgemmKernel::Auto)
+    }
+
+    /// `qgemm` on the given kernel.
+    pub fn qgemm_as(&self, x: &CudaAct, w: &CudaMat, out: &mut CudaAct, kernel: QgemmKernel) -> Result<()> {
         let (rows, cols) = (w.rows(), w.cols());
         if x.cols != cols || out.cols != rows || out.rows != x.rows {
             return Err(Error::Invalid(format!(
@@ -67,13 +121,10 @@ impl Cuda {
             )));
         }
         let f32_out = matches!(out.buf, ActBuf::F32(_));
-        let func = self.function(kernels::file("gemm.cu"), defines, if f32_out { "qgemm_f32" } else { "qgemm" })?;
+        let base = if f32_out { "qgemm_f32" } else { "qgemm" };
+        let (name, cfg) = kernel.pick(base, x.rows, rows, TILE_ROWS)?;
+        let func = self.function(kernels::file("gemm.cu"), defines, &name)?;
         let (rows_i, cols_i, m_i) = (rows as i32, cols as i32, x.rows as i32);
-        let grid = (rows.div_ceil(TILE_ROWS) as u32, x.rows.div_ceil(TILE_TOKENS) as u32, 1);
-        if grid.1 > 65535 {
-            return Err(Error::Unsupported(format!("CUDA qgemm: {} tokens in one call", x.rows)));
-        }
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
         let args = [
             self.arg(words),
             scales.arg(self),
@@ -84,7 +135,8 @@ impl Cuda {
             KArg::I32(cols_i),
             KArg::I32(m_i),
         ];
-        // Matches gemm.cu's qgemm / qgemm_f32 for the output's dtype; shapes checked above.
+        // Matches gemm.cu's qgemm / qgemm_f32 (or their few-token forms) for the output's
+        // dtype; shapes checked above.
         self.launch(&func, cfg, &args, Order::Serial, "qgemm launch")
     }
 
@@ -97,6 +149,18 @@ impl Cuda {
         (gate, up): (&CudaMat, &CudaMat),
         act: Activation,
         out: &mut CudaAct,
+    ) -> Result<bool> {
+        self.qgemm_glu_as(x, (gate, up), act, out, QgemmKernel::Auto)
+    }
+
+    /// `qgemm_glu` on the given kernel.
+    pub fn qgemm_glu_as(
+        &self,
+        x: &CudaAct,
+        (gate, up): (&CudaMat, &CudaMat),
+        act: Activation,
+        out: &mut CudaAct,
+        kernel: QgemmKernel,
     ) -> Result<bool> {
         let (
             CudaMat::Affine { words: gw, scales: gs, biases: gb, defines, rows, cols, .. },
@@ -113,12 +177,11 @@ impl Cuda {
         if x.rows == 0 || *rows == 0 {
             return Ok(true);
         }
-        if [*rows, *cols, x.rows].iter().any(|&v| i32::try_from(v).is_err()) || x.rows.div_ceil(TILE_TOKENS) > 65535 {
+        if [*rows, *cols, x.rows].iter().any(|&v| i32::try_from(v).is_err()) {
             return Ok(false);
         }
-        let func = self.function(kernels::file("gemm.cu"), defines, "qgemm_glu")?;
-        let grid = (rows.div_ceil(TILE_ROWS / 2) as u32, x.rows.div_ceil(TILE_TOKENS) as u32, 1);
-        let cfg = LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let (name, cfg) = kernel.pick("qgemm_glu", x.rows, *rows, TILE_ROWS / 2)?;
+        let func = self.function(kernels::file("gemm.cu"), defines, &name)?;
         let args = [
             self.arg(gw),
             gs.arg(self),
@@ -133,7 +196,7 @@ impl Cuda {
             KArg::I32(x.rows as i32),
             KArg::I32(i32::from(act == Activation::GeluTanh)),
         ];
-        // Matches gemm.cu's qgemm_glu; shapes checked above.
+        // Matches gemm.cu's qgemm_glu (or its few-token forms); shapes checked above.
         self.launch(&func, cfg, &args, Order::Serial, "qgemm_glu launch")?;
         Ok(true)
     }

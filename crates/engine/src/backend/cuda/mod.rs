@@ -39,6 +39,7 @@ mod trace;
 
 pub use config::CudaConfig;
 pub use device::Cuda;
+pub use gemm::{QgemmKernel, SMALL_M};
 pub use tensors::{ActBuf, CudaAct, CudaKv, CudaMat, DevScales};
 /// The launch API, for crates/lab's probes (cargo feature `lab`).
 #[cfg(feature = "lab")]

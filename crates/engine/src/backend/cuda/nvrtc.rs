@@ -14,6 +14,8 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("../../../kernels/common.cuh")),
     ("affine.cuh", include_str!("../../../kernels/affine.cuh")),
     ("mma.cuh", include_str!("../../../kernels/mma.cuh")),
+    ("qgemm.cuh", include_str!("../../../kernels/qgemm.cuh")),
+    ("gemm_small.cuh", include_str!("../../../kernels/gemm_small.cuh")),
     ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
