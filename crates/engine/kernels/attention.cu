@@ -2,7 +2,8 @@
 // (position p of the sequence in row kv_row(p, table), through its block table), GQA.
 // A call's rows may belong to several sequences: row r sits at position pos[r] and its
 // sequence's block table (of the layer's kind) starts at tables + row_tab[r] (both read from
-// device memory, staged per call). kv_write stores the call's k/v rows; attention then runs one block
+// device memory, staged per call; a captured call's padding rows sit at position -1: they
+// write nothing and attend nothing). kv_write stores the call's k/v rows; attention then runs one block
 // per (query row, head): its 4 warps take every 4th cached position, each keeps an online
 // softmax (running max, sum, and hd/32 accumulators per lane), and the warps merge in a
 // fixed order, so results are deterministic. f32 math. CPU reference:
@@ -18,6 +19,7 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
     long n = (long)rows * width;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         long r = i / width;
+        if (pos[r] < 0) continue;  // a padding row of a captured call
         long o = kv_row(pos[r], tables + row_tab[r]) * width + i % width;
         kc[o] = k[i];
         vc[o] = v[i];
@@ -106,7 +108,7 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restr
         if (t >= nq + nk) {
             long i = t - nq - nk;
             long r = i / width;
-            vc[kv_row(pos[r], tables + row_tab[r]) * width + i % width] = v[i];
+            if (pos[r] >= 0) vc[kv_row(pos[r], tables + row_tab[r]) * width + i % width] = v[i];
             continue;
         }
         bool isq = t < nq;
@@ -122,7 +124,7 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ q, const bf16_t* __restr
         if (isq) {
             q[rh * hd + i0] = y0;
             q[rh * hd + i1] = y1;
-        } else {
+        } else if (pos[row] >= 0) {  // padding rows (position -1) write nothing
             bf16_t* dst = kc + kv_row(pos[row], tables + row_tab[row]) * width + (rh - (long)row * n_kv) * hd;  // rh = row·n_kv + head
             dst[i0] = y0;
             dst[i1] = y1;
@@ -146,5 +148,6 @@ extern "C" __global__ void attention_merge(const float* __restrict__ part_ml, co
         L += part_ml[2 * (base + s) + 1] * w;
         o += part_acc[(base + s) * hd + d] * w;
     }
-    out[((long)t * heads + h) * hd + d] = f2bf(o / L);
+    // L = 0: a padding row (position -1) attended nothing; 0 keeps its later rows finite.
+    out[((long)t * heads + h) * hd + d] = f2bf(L > 0.f ? o / L : 0.f);
 }

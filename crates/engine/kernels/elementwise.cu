@@ -31,3 +31,12 @@ extern "C" __global__ void add_bias(bf16_t* __restrict__ x, const float* __restr
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         x[i] = f2bf(bf2f(x[i]) + b[i % cols]);
 }
+
+// out row i = x row sel[i], rows of `width` 16-bit units (a bf16 row, or an f32 row as two
+// units per value): one copy for both activation types. grid-stride over rows × width.
+extern "C" __global__ void gather_rows(const unsigned short* __restrict__ x, const int* __restrict__ sel,
+                                       unsigned short* __restrict__ out, int rows, int width) {
+    long n = (long)rows * width;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        out[i] = x[(long)sel[i / width] * width + i % width];
+}

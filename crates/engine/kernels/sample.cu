@@ -21,6 +21,18 @@ extern "C" __global__ void argmax(const float* __restrict__ logits, int n, float
     argmax_finish(best, bi, ArgmaxSink{out, part_v, part_i, done, feed_tok, feed_pos, feed_hist});
 }
 
+// One argmax per row of logits [rows, n] into out[row] (the index as f32): the serving
+// engine's greedy rows, read back as one float each. grid (rows), block 1024; the same
+// (max, lowest index) rule as argmax above (NaNs never win).
+extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int n, float* __restrict__ out) {
+    const float* row = logits + (long)blockIdx.x * n;
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) best_of(best, bi, row[i], i);
+    block_best(best, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = (float)(bi == 0x7fffffff ? 0 : bi);
+}
+
 // Order-preserving u32 key of a float: larger floats get larger keys, -0 < +0, and NaNs
 // sort as Rust's f32::total_cmp sorts them (the CPU sampler's order).
 __device__ __forceinline__ u32 order_key(float s) {

@@ -70,6 +70,7 @@ impl CudaConfig {
                 .and_then(|v| v.parse().ok())
                 .map_or(d.attention_query_heads, |n: usize| n.clamp(1, 4)),
             feed_steps: on_unless_zero("FERROLM_CUDA_FEED", d.feed_steps),
+            call_graphs: on_unless_zero("FERROLM_CALL_GRAPHS", d.call_graphs),
             device_top_k: on_unless_zero("FERROLM_CUDA_TOPK", d.device_top_k),
             trace: std::env::var_os("FERROLM_TRACE").filter(|p| !p.is_empty()).map(PathBuf::from),
             trace_all: var("FERROLM_TRACE_ALL").is_some_and(|v| v == "1"),

@@ -244,6 +244,11 @@ impl Sampler {
         c.temperature > 0.0 && !self.penalized() && c.top_k > 0 && c.top_k < vocab && c.top_k <= max_k
     }
 
+    /// Greedy without penalties: the token is the logits' argmax (`argmax`), nothing else.
+    pub fn plain_greedy(&self) -> bool {
+        self.cfg.temperature == 0.0 && !self.penalized()
+    }
+
     /// Whether a penalty changes the logits before the draw.
     pub fn penalized(&self) -> bool {
         let c = &self.cfg;

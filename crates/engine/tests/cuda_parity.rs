@@ -28,6 +28,8 @@ mod gemm;
 mod gemma;
 #[path = "cuda_ops/models.rs"]
 mod models;
+#[path = "cuda_ops/serving.rs"]
+mod serving;
 
 use models::smollm2;
 

@@ -178,6 +178,31 @@ pub trait Backend: Sync {
         let _ = (tokens, spans);
         f()
     }
+    /// The rows a serving engine's forward call of `m` rows runs as, where the backend
+    /// captures and replays calls of that size (`forward_call`): it pads them to a few sizes
+    /// (padding rows have token 0 and, past the spans' rows, write and attend nothing), and
+    /// the spans' head rows the same way (`call_rows(spans)`). None: the call runs as it is.
+    fn call_rows(&self, _m: usize) -> Option<usize> {
+        None
+    }
+    /// An identity of `kv` for `forward_call`'s key (a captured call bakes in its buffers).
+    fn store_id(&self, _kv: &Self::Kv) -> u64 {
+        0
+    }
+    /// Run a serving engine's forward call `f` (which begins the call itself, invariant,
+    /// with these `tokens`, padded to `call_rows`, and `spans`). A backend may capture it
+    /// the first time under (`key`, `store`) and the call's shape and replay the capture
+    /// afterwards: `f` must launch the same work into the same buffers for the same key
+    /// (`key` names the caller's buffers, `store` the KV store's `store_id`).
+    fn forward_call(
+        &self,
+        _key: (u64, u64),
+        _tokens: &[u32],
+        _spans: &[Span<'_>],
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        f()
+    }
     /// Drop what `step` (or `step_fed`) kept under `key`.
     fn forget(&self, _key: u64) {}
     /// Whether greedy decode steps can feed themselves (`step_fed`): each step's argmax
@@ -393,6 +418,9 @@ pub trait Backend: Sync {
     /// out[0] = index of the largest value of row 0 of x (ties → lowest index), stored as
     /// f32 (exact for indices below 2²⁴), so greedy decoding reads back 4 bytes.
     fn argmax(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()>;
+    /// out[r] = index of the largest value of row r of x (ties → lowest index), as f32: the
+    /// serving engine's greedy rows read back one value each. out f32 `[≥ x.rows, 1]`.
+    fn argmax_rows(&self, x: &Self::Act, out: &mut Self::Act) -> Result<()>;
     /// The `k` largest of row 0 of x × inv_t by (value desc, index asc), as (index, value)
     /// f32 pairs in out[0..2k] (f32 `[1, ≥ 2k]`), in any order; 1 ≤ k ≤ x.cols, k ≤
     /// `TOP_K_MAX`. With `Sampler::sample_candidates` a sampled step then reads back 8·k
@@ -406,10 +434,37 @@ pub trait Backend: Sync {
 
     /// A new activation holding rows `[first, rows)` of x.
     fn slice_rows(&self, x: &Self::Act, first: usize) -> Result<Self::Act>;
-    /// A new activation holding the given rows of x, in that order.
-    fn gather_rows(&self, x: &Self::Act, rows: &[usize]) -> Result<Self::Act>;
+    /// out row i = the row of x holding span i's last token (the call's rows are the spans'
+    /// in turn, as `begin` took them); out's rows past the spans' get some row of x (a
+    /// padded call's head rows).
+    fn gather_last_rows(&self, x: &Self::Act, spans: &[Span<'_>], out: &mut Self::Act) -> Result<()>;
     /// Copy rows `[first, rows)` to the host as f32.
     fn read_rows(&self, x: &Self::Act, first: usize) -> Result<Vec<f32>>;
+}
+
+/// `Backend::gather_last_rows`'s argument checks (shared by the backends): x `[rows,
+/// cols]`, `spans` spans whose last row is `last`, out `[out_rows, out_cols]`.
+pub fn check_gather(
+    rows: usize,
+    cols: usize,
+    spans: usize,
+    last: Option<usize>,
+    (out_rows, out_cols): (usize, usize),
+) -> Result<()> {
+    if out_cols != cols || out_rows < spans || last.is_some_and(|r| r >= rows) || rows == 0 {
+        return Err(crate::Error::Invalid(format!(
+            "gathering {spans} spans' last rows of [{rows}, {cols}] into [{out_rows}, {out_cols}]"
+        )));
+    }
+    Ok(())
+}
+
+/// `Backend::argmax_rows`'s argument checks: x `[rows, cols]`, `out` values of output.
+pub fn check_argmax_rows(rows: usize, cols: usize, out: usize) -> Result<()> {
+    if cols == 0 || out < rows || cols >= 1 << 24 {
+        return Err(crate::Error::Invalid(format!("argmax of [{rows}, {cols}] rows into {out} values")));
+    }
+    Ok(())
 }
 
 /// `Backend::top_k`'s argument checks (shared by the backends).

@@ -60,6 +60,17 @@ pub fn row_positions(spans: &[Span<'_>]) -> Vec<(usize, usize)> {
     spans.iter().enumerate().flat_map(|(i, s)| (s.pos0..s.pos0 + s.rows).map(move |p| (i, p))).collect()
 }
 
+/// The row of a call over `spans` that holds each span's last token.
+pub fn span_ends(spans: &[Span<'_>]) -> Vec<usize> {
+    spans
+        .iter()
+        .scan(0, |end, s| {
+            *end += s.rows;
+            Some(*end - 1)
+        })
+        .collect()
+}
+
 /// Whether layer i of the model attends a sliding window.
 pub fn is_sliding(cfg: &ModelConfig, i: usize) -> bool {
     cfg.layer_kind(i) == AttnKind::Sliding

@@ -13,6 +13,9 @@ use crate::kv::{KvBlocks, Span, BLOCK, CALL_ROWS};
 use crate::quant::Weight;
 use crate::{Error, Result};
 
+mod calls;
+pub use calls::RowOut;
+
 pub struct Layer<B: Backend> {
     attn_norm: B::Vector,              // [d]
     wq: B::Mat,                        // [h·hd, d]
@@ -66,6 +69,9 @@ pub struct Decoder<B: Backend> {
     pub decode_weight_bytes: usize,
     /// The decode (one-token) buffers, kept between steps.
     decode_work: std::sync::Mutex<Vec<Work<B>>>,
+    /// Serving calls' buffers by padded size, kept for the captured calls that use them
+    /// (calls.rs).
+    call_work: std::sync::Mutex<Vec<calls::CallWork<B>>>,
     /// Finished generation sessions' caches and step buffers, for the next (generate.rs).
     pub(crate) session_pool: std::sync::Mutex<Vec<crate::generate::SessionParts<B>>>,
 }
@@ -243,6 +249,7 @@ impl<B: Backend> Decoder<B> {
             logits_width,
             decode_weight_bytes,
             decode_work: std::sync::Mutex::new(Vec::new()),
+            call_work: std::sync::Mutex::new(Vec::new()),
             session_pool: std::sync::Mutex::new(Vec::new()),
         })
     }
@@ -331,7 +338,7 @@ impl<B: Backend> Decoder<B> {
         kv.prepare(pos0, m)?;
         let r = {
             let (store, span) = kv.span(pos0, m);
-            self.forward_impl(tokens, &[span], store, which, (logits, argmax), false)
+            self.forward_impl(tokens, &[span], store, which, (logits, argmax))
         };
         if r.is_ok() {
             kv.advance(pos0 + m);
@@ -339,20 +346,17 @@ impl<B: Backend> Decoder<B> {
         r
     }
 
-    /// One forward call over several sequences (continuous batching): `tokens` holds each
-    /// span's rows in turn, their K/V going into `store` through the spans' tables. Returns
-    /// the logits of each span's last row, `[spans, V]`. A row's logits do not depend on
-    /// the other sequences in the call (backends compute rows independently).
-    pub fn forward_spans(&self, tokens: &[u32], spans: &[Span<'_>], store: &mut B::Kv) -> Result<Vec<f32>> {
-        let mut logits = self.backend.act_f32(spans.len(), self.logits_width)?;
-        self.forward_impl(tokens, spans, store, Logits::Last, (Some(&mut logits), None), true)?;
-        self.backend.read_rows(&logits, 0)
-    }
-
-    /// Refuse a call whose spans do not cover its tokens or whose tables do not hold every
-    /// block it writes or attends (an error, never an out-of-range index in a kernel).
-    fn check_spans(&self, m: usize, spans: &[Span<'_>], blocks: KvBlocks) -> Result<()> {
-        let c = &self.cfg;
+    /// Refuse a call without tokens, with a token outside the vocabulary, whose spans do
+    /// not cover its tokens or whose tables do not hold every block it writes or attends
+    /// (an error, never an out-of-range index in a kernel).
+    fn check_call(&self, tokens: &[u32], spans: &[Span<'_>], blocks: KvBlocks) -> Result<()> {
+        let (c, m) = (&self.cfg, tokens.len());
+        if m == 0 {
+            return Err(Error::Invalid("forward: no tokens".into()));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
+        }
         if spans.iter().map(|s| s.rows).sum::<usize>() != m || spans.iter().any(|s| s.rows == 0) {
             return Err(Error::Invalid(format!("forward: {} spans do not cover {m} tokens", spans.len())));
         }
@@ -388,25 +392,15 @@ impl<B: Backend> Decoder<B> {
         kv: &mut B::Kv,
         which: Logits,
         out: HeadOut<'_, B>,
-        invariant: bool,
     ) -> Result<Option<Vec<f32>>> {
-        let b = &self.backend;
-        let c = &self.cfg;
-        let m = tokens.len();
-        if m == 0 {
-            return Err(Error::Invalid("forward: no tokens".into()));
-        }
-        self.check_spans(m, spans, b.kv_blocks(kv))?;
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
-        }
-        b.begin(tokens, spans, invariant)?;
+        let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
+        self.check_call(tokens, spans, b.kv_blocks(kv))?;
+        b.begin(tokens, spans, false)?;
         // Decode reuses its buffers (a captured step must find the same ones on every
         // replay, and allocations would be graph nodes); prefill allocates per call. The
         // pool only grows (calls on several threads at once), so no buffer a captured graph
         // points at is ever freed.
-        // An invariant call (forward_spans) never takes the one-row decode path.
-        let one_row = m == 1 && !invariant;
+        let one_row = m == 1;
         let cached = match one_row {
             true => self.decode_work.lock().unwrap_or_else(|e| e.into_inner()).pop(),
             false => None,
@@ -434,17 +428,60 @@ impl<B: Backend> Decoder<B> {
         w: &mut Work<B>,
     ) -> Result<Option<Vec<f32>>> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
-        let Work { x, spare, xn, q, k, v, att, o, gate, up, act, last } = w;
-        b.embed(&self.embed, tokens, c.embed_scale, x)?;
-        let full = Attend { scale: c.attn_scale(), window: None };
-        let shape =
-            LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps, act: c.activation, attend: full };
-        let sliding = LayerShape { attend: Attend { window: Some(c.sliding_window), ..full }, ..shape };
         // The layers before the one whose input is wanted (Logits::Hidden), or all.
         let stop = match which {
             Logits::Hidden(li) => li.min(self.layers.len()),
             _ => self.layers.len(),
         };
+        self.run_layers(tokens, spans, kv, stop, w)?;
+        // Only the rows whose logits are wanted go through the final norm and the head:
+        // every row, or the sequence's last.
+        let rows = match which {
+            Logits::All => m,
+            Logits::Last => 1,
+            Logits::Hidden(_) => return b.read_rows(&w.x, 0).map(Some),
+        };
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let logits = logits.ok_or_else(|| Error::Invalid("forward_into: no logits buffer".into()))?;
+        let tail;
+        let x = match rows == m {
+            true => &w.x,
+            false => {
+                tail = b.slice_rows(&w.x, m - 1)?;
+                &tail
+            }
+        };
+        if w.last.is_none() {
+            w.last = Some(b.act(rows, c.hidden)?);
+        }
+        let last = w.last.as_mut().expect("set above");
+        match argmax {
+            // [1, V], and its argmax [1]
+            Some((out, feed)) if rows == 1 => {
+                b.norm_head_argmax(x, (&self.norm, c.rms_eps), last, head, logits, out, feed)?
+            }
+            Some(_) => return Err(Error::Invalid("forward: an argmax of several rows".into())),
+            None => b.norm_matmul_many(x, &self.norm, c.rms_eps, last, &[head], &mut [logits])?, // [rows, V]
+        }
+        Ok(None)
+    }
+
+    /// The embedding and the first `stop` layers over the call's rows, into w.x.
+    fn run_layers(
+        &self,
+        tokens: &[u32],
+        spans: &[Span<'_>],
+        kv: &mut B::Kv,
+        stop: usize,
+        w: &mut Work<B>,
+    ) -> Result<()> {
+        let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
+        let Work { x, spare, xn, q, k, v, att, o, gate, up, act, last: _ } = w;
+        b.embed(&self.embed, tokens, c.embed_scale, x)?;
+        let full = Attend { scale: c.attn_scale(), window: None };
+        let shape =
+            LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps, act: c.activation, attend: full };
+        let sliding = LayerShape { attend: Attend { window: Some(c.sliding_window), ..full }, ..shape };
         let layers: Vec<DecodeLayer<'_, B>> = self.layers[..stop]
             .iter()
             .enumerate()
@@ -470,49 +507,14 @@ impl<B: Backend> Decoder<B> {
         match (m, spare.as_mut()) {
             // One token: the backend's decode step, the same math as layer_ops (CUDA:
             // backend/cuda/decode.rs).
-            (1, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, spans, s.reborrow())?,
+            (1, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, spans, s.reborrow()),
             _ => {
                 for l in &layers {
                     layer_ops(b, &l.weights, x, kv, l.index, spans, l.rope, l.shape, s.reborrow())?;
                 }
+                Ok(())
             }
         }
-        // Only the rows whose logits are wanted go through the final norm and the head:
-        // every row, or each sequence's last.
-        let rows = match which {
-            Logits::All => m,
-            Logits::Last => spans.len(),
-            Logits::Hidden(_) => return b.read_rows(x, 0).map(Some),
-        };
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
-        let logits = logits.ok_or_else(|| Error::Invalid("forward_into: no logits buffer".into()))?;
-        let tail;
-        let x = match spans {
-            _ if rows == m => &*x,
-            [_] => {
-                tail = b.slice_rows(x, m - 1)?;
-                &tail
-            }
-            _ => {
-                let ends: Vec<usize> =
-                    spans.iter().scan(0, |end, s| Some(std::mem::replace(end, *end + s.rows) + s.rows - 1)).collect();
-                tail = b.gather_rows(x, &ends)?;
-                &tail
-            }
-        };
-        if last.is_none() {
-            *last = Some(b.act(rows, c.hidden)?);
-        }
-        let last = last.as_mut().expect("set above");
-        match argmax {
-            // [1, V], and its argmax [1]
-            Some((out, feed)) if rows == 1 => {
-                b.norm_head_argmax(x, (&self.norm, c.rms_eps), last, head, logits, out, feed)?
-            }
-            Some(_) => return Err(Error::Invalid("forward: an argmax of several rows".into())),
-            None => b.norm_matmul_many(x, &self.norm, c.rms_eps, last, &[head], &mut [logits])?, // [rows, V]
-        }
-        Ok(None)
     }
 }
 

@@ -2,4 +2,4 @@
 
 pub mod decoder;
 
-pub use decoder::{Decoder, Logits};
+pub use decoder::{Decoder, Logits, RowOut};

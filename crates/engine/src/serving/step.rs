@@ -6,6 +6,7 @@ use super::worker::{End, Seq, Worker};
 use super::{Failure, FailureKind};
 use crate::backend::Backend;
 use crate::kv::Span;
+use crate::model::RowOut;
 use crate::Result;
 
 impl<B: Backend> Worker<'_, B> {
@@ -15,7 +16,7 @@ impl<B: Backend> Worker<'_, B> {
         if plan.is_empty() {
             return;
         }
-        let logits = match forward(self.model, &mut self.caches, &self.running, &plan) {
+        let outs = match forward(self.model, &mut self.caches, &self.running, &plan) {
             Ok(l) => l,
             Err(e) => {
                 // A device error: every request of the step fails, the others go on.
@@ -29,7 +30,7 @@ impl<B: Backend> Worker<'_, B> {
             }
         };
         let mut ended = vec![];
-        for (&(i, rows), row) in plan.iter().zip(logits) {
+        for (&(i, rows), row) in plan.iter().zip(outs) {
             let s = &mut self.running[i];
             let place = s.place.as_mut().expect("planned requests hold a place");
             let upto = place.len + rows;
@@ -92,22 +93,24 @@ impl<B: Backend> Worker<'_, B> {
     }
 }
 
-/// Run the plan in one forward call: the logits after each request's last planned row, in
-/// plan order.
+/// Run the plan in one forward call: what each request's last planned row gives, in plan
+/// order: its logits where it samples from them, else (a plain greedy request, or a prompt
+/// chunk that is not its last) the argmax the device found.
 fn forward<B: Backend>(
     model: &crate::model::Decoder<B>,
     caches: &mut Caches<B>,
     running: &[Seq],
     plan: &[(usize, usize)],
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<Vec<RowOut>> {
     let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
     let mut spans = Vec::with_capacity(plan.len());
+    let mut logits = Vec::with_capacity(plan.len());
     for &(i, rows) in plan {
         let s = &running[i];
         let kv = s.place.as_ref().expect("planned requests hold a place");
         tokens.extend_from_slice(&s.history[kv.len..kv.len + rows]);
         spans.push(Span { rows, pos0: kv.len, full: &kv.full, sliding: &kv.sliding });
+        logits.push(kv.len + rows == s.history.len() && s.wants_logits());
     }
-    let logits = model.forward_spans(&tokens, &spans, &mut caches.store)?;
-    Ok(logits.chunks_exact(model.logits_width()).map(<[f32]>::to_vec).collect())
+    model.forward_spans_out(&tokens, &spans, &mut caches.store, &logits)
 }

@@ -7,7 +7,7 @@ use super::caches::Caches;
 use super::{EngineConfig, Event, Failure, FailureKind, Finish, Job, Msg, Shared, Usage};
 use crate::backend::Backend;
 use crate::kv::paged::SeqKv;
-use crate::model::Decoder;
+use crate::model::{Decoder, RowOut};
 use crate::sample::Sampler;
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering::Relaxed;
@@ -36,6 +36,12 @@ impl Seq {
     /// Positions to compute before its next token can be sampled.
     pub(super) fn pending(&self) -> usize {
         self.history.len() - self.place.as_ref().map_or(0, |p| p.len)
+    }
+
+    /// Whether its next token needs the logits: it samples, penalizes or reports
+    /// log-probabilities (else the argmax is the token: `Sampler::plain_greedy`).
+    pub(super) fn wants_logits(&self) -> bool {
+        self.job.req.logprobs.is_some() || !self.sampler.plain_greedy()
     }
 }
 
@@ -263,7 +269,9 @@ impl<'m, B: Backend> Worker<'m, B> {
 
     /// The logits after a request's last token are in `logits`: sample its next token and
     /// hand it out. Some(end) when the request ends.
-    pub(super) fn sample(&mut self, i: usize, mut logits: Vec<f32>) -> Option<End> {
+    /// The next token of request i from its last row's output (`step::forward` asked for
+    /// logits exactly where the request samples from them).
+    pub(super) fn sample(&mut self, i: usize, row: RowOut) -> Option<End> {
         let s = &mut self.running[i];
         if !s.started {
             s.started = true;
@@ -272,12 +280,15 @@ impl<'m, B: Backend> Worker<'m, B> {
                 return Some(End::Gone);
             }
         }
-        let (id, logprobs) = match s.job.req.logprobs {
-            Some(n) => {
+        let (id, logprobs) = match (row, s.job.req.logprobs) {
+            (RowOut::Token(id), _) => (id, None),
+            (RowOut::Logits(mut logits), Some(n)) => {
                 let (id, lp) = s.sampler.sample_logprobs(&mut logits, &s.history, s.prompt_len, n);
                 (id, Some(lp))
             }
-            None => (s.sampler.sample_output(&mut logits, &s.history, s.prompt_len), None),
+            (RowOut::Logits(mut logits), None) => {
+                (s.sampler.sample_output(&mut logits, &s.history, s.prompt_len), None)
+            }
         };
         s.generated += 1;
         self.shared.generated.fetch_add(1, Relaxed);

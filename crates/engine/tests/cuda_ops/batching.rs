@@ -1,12 +1,15 @@
 //! Batch invariance on CUDA: the serving engine's calls (`Decoder::forward_spans`) give a
 //! sequence the same logits bits alone, one row a call, or batched with other sequences in
-//! any chunks, its blocks anywhere in a shared store; and those logits agree with the CPU's.
+//! any chunks, its blocks anywhere in a shared store, from captured calls or launched ones;
+//! and those logits agree with the CPU's.
 
 use super::models::smollm2;
+use super::smollm2_cuda;
+use ferrolm::backend::cuda::CudaConfig;
 use ferrolm::backend::Backend;
 use ferrolm::kv::paged::{PagedKv, SeqKv};
 use ferrolm::kv::{KvBlocks, Span, BLOCK};
-use ferrolm::model::Decoder;
+use ferrolm::model::{Decoder, RowOut};
 
 /// Every position's logits of each prompt through forward_spans, in the calls `plan` makes:
 /// (step, sequence, rows left) -> rows this call (0: not in it).
@@ -85,4 +88,92 @@ fn batched_calls_give_the_same_bits_as_one_row_calls() {
         }
     }
     assert!(agree * 10 >= n * 9, "argmax agrees at {agree} of {n} positions");
+}
+
+/// Calls replayed from graphs captured per padded size give the bits of calls launched
+/// kernel by kernel (`call_graphs` off), each size is captured once and replayed after, and
+/// a call past the captured sizes (more than 64 rows) runs launched with the same bits.
+#[test]
+fn captured_calls_give_the_launched_calls_bits() {
+    let (_, graphs, tok) = smollm2();
+    let launched = smollm2_cuda(CudaConfig { call_graphs: false, ..CudaConfig::default() });
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(12);
+    let texts = ["The capital of France is", "def fibonacci(n):\n    if n < 2:", long.as_str()];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    assert!(prompts[2].len() > 70, "the long prompt has {} tokens", prompts[2].len());
+    // The long prompt's first call takes 70 rows (launched), then chunks of 1..3 with the
+    // others' rows (captured at sizes 1..8).
+    let plan = |step: usize, i: usize, _| match (step, i) {
+        (0, 2) => 70,
+        (0, _) => 0,
+        _ => 1 + (step + i) % 3,
+    };
+    let before = graphs.backend.captures();
+    let a = run(&graphs, &prompts, plan);
+    let captured = graphs.backend.captures() - before;
+    assert!((1..=16).contains(&captured), "{captured} calls captured");
+    let b = run(&launched, &prompts, plan);
+    assert_eq!(launched.backend.captures(), 0, "call_graphs off captured calls");
+    let mut compared = 0;
+    for (ra, rb) in a.iter().flatten().zip(b.iter().flatten()) {
+        if ra.is_nan() && rb.is_nan() {
+            continue;
+        }
+        assert_eq!(ra.to_bits(), rb.to_bits(), "a captured call's logits differ from the launched call's");
+        compared += 1;
+    }
+    assert!(compared >= 20 * graphs.logits_width(), "{compared} logits compared");
+    // The same calls again replay what was captured.
+    let again = graphs.backend.captures();
+    let c = run(&graphs, &prompts, plan);
+    assert_eq!(graphs.backend.captures(), again, "a second run captured new calls");
+    assert!(a.iter().flatten().zip(c.iter().flatten()).all(|(x, y)| x.to_bits() == y.to_bits()));
+}
+
+/// A call's rows that ask only for their argmax get the host's argmax of the logits the
+/// same call gives (greedy serving reads one value a row); and `argmax_rows` by itself
+/// picks the lowest index of tied maxima, over rows longer than a block's stride.
+#[test]
+fn device_argmax_of_a_call_is_the_hosts() {
+    let (_, mg, tok) = smollm2();
+    let texts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"];
+    let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
+    let blocks = KvBlocks { full: 16, sliding: 0 };
+    let mut store = mg.backend.kv_store(&mg.cfg, blocks).unwrap();
+    let mut paged = PagedKv::new(BLOCK, blocks.full, None);
+    let mut seqs: Vec<SeqKv> = prompts.iter().map(|_| SeqKv::default()).collect();
+    for (s, p) in seqs.iter_mut().zip(&prompts) {
+        paged.reserve(s, p.len()).unwrap();
+    }
+    let tokens: Vec<u32> = prompts.concat();
+    let spans: Vec<Span<'_>> = seqs
+        .iter()
+        .zip(&prompts)
+        .map(|(s, p)| Span { rows: p.len(), pos0: 0, full: &s.full, sliding: &s.sliding })
+        .collect();
+    let v = mg.logits_width();
+    let logits = mg.forward_spans(&tokens, &spans, &mut store).unwrap();
+    // The same positions again (the same keys and values rewritten), two rows as tokens.
+    let outs = mg.forward_spans_out(&tokens, &spans, &mut store, &[false, true, false]).unwrap();
+    for (i, (out, want)) in outs.into_iter().zip(logits.chunks_exact(v)).enumerate() {
+        match out {
+            RowOut::Token(t) => assert_eq!(t, ferrolm::sample::argmax(want), "row {i}"),
+            RowOut::Logits(l) => assert!(l == want, "row {i}: logits differ from the first call's"),
+        }
+    }
+    let g = super::gpu();
+    let (rows, cols) = (5, 70_001);
+    let mut r = super::Rng::seeded();
+    let mut x = r.v(rows * cols, 1.0);
+    x[3 * cols + 69_000] = 9.0; // a tie: the lower index wins
+    x[3 * cols + 1_000] = 9.0;
+    x[4 * cols + cols - 1] = 9.0; // the last value
+    let xg = g.act_from_f32(rows, cols, &x).unwrap();
+    let mut out = g.act_poisoned(rows, 1, true).unwrap();
+    g.argmax_rows(&xg, &mut out).unwrap();
+    let got = g.read_rows(&out, 0).unwrap();
+    for (i, row) in x.chunks_exact(cols).enumerate() {
+        assert_eq!(got[i] as u32, ferrolm::sample::argmax(row), "row {i}");
+    }
+    assert_eq!(got[3] as usize, 1_000);
 }

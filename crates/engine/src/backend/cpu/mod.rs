@@ -128,9 +128,22 @@ impl Backend for Cpu {
     fn slice_rows(&self, x: &CpuAct, first: usize) -> Result<CpuAct> {
         Ok(CpuAct { rows: x.rows - first, cols: x.cols, data: x.data[first * x.cols..].to_vec() })
     }
-    fn gather_rows(&self, x: &CpuAct, rows: &[usize]) -> Result<CpuAct> {
-        let data = rows.iter().flat_map(|&r| &x.data[r * x.cols..(r + 1) * x.cols]).copied().collect();
-        Ok(CpuAct { rows: rows.len(), cols: x.cols, data })
+    fn argmax_rows(&self, x: &CpuAct, out: &mut CpuAct) -> Result<()> {
+        crate::backend::check_argmax_rows(x.rows, x.cols, out.rows * out.cols)?;
+        for (o, row) in out.data.iter_mut().zip(x.data.chunks_exact(x.cols)) {
+            *o = crate::sample::argmax(row) as f32;
+        }
+        Ok(())
+    }
+    fn gather_last_rows(&self, x: &CpuAct, spans: &[Span<'_>], out: &mut CpuAct) -> Result<()> {
+        let ends = crate::kv::span_ends(spans);
+        crate::backend::check_gather(x.rows, x.cols, spans.len(), ends.last().copied(), (out.rows, out.cols))?;
+        let c = x.cols;
+        for (i, o) in out.data.chunks_exact_mut(c).enumerate() {
+            let r = ends.get(i).copied().unwrap_or(0);
+            o.copy_from_slice(&x.data[r * c..(r + 1) * c]);
+        }
+        Ok(())
     }
     fn read_rows(&self, x: &CpuAct, first: usize) -> Result<Vec<f32>> {
         Ok(x.data[first * x.cols..].to_vec())

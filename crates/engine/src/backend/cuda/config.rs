@@ -42,6 +42,10 @@ pub struct CudaConfig {
     /// Greedy decode steps feed their token to the next step on the device, so the host
     /// never holds the GPU back. `FERROLM_CUDA_FEED`.
     pub feed_steps: bool,
+    /// The serving engine's forward calls of up to 64 rows run padded to a power of two and
+    /// replay a CUDA graph captured per padded size (and head rows, store, attention
+    /// splits), instead of launching every kernel. `FERROLM_CALL_GRAPHS`.
+    pub call_graphs: bool,
     /// Sampled steps take their top-k on the device and read back k pairs, not the logits.
     /// `FERROLM_CUDA_TOPK`.
     pub device_top_k: bool,
@@ -66,6 +70,7 @@ impl Default for CudaConfig {
             attention_clusters: true,
             attention_query_heads: 1,
             feed_steps: true,
+            call_graphs: true,
             device_top_k: true,
             trace: None,
             trace_all: false,

@@ -9,6 +9,7 @@ use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaKv, CudaMat};
 use crate::backend::Rope;
 use crate::config::{Activation, RopeStyle};
+use crate::kv::Span;
 use crate::{Error, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -198,33 +199,19 @@ impl Cuda {
         Ok(CudaAct { rows: x.rows - first, cols: x.cols, buf })
     }
 
-    /// Rows of x, in the given order, as a new activation (one copy a row: the head's
-    /// input rows of a call's sequences).
-    pub(crate) fn gather_rows(&self, x: &CudaAct, rows: &[usize]) -> Result<CudaAct> {
-        if let Some(r) = rows.iter().find(|&&r| r >= x.rows) {
-            return Err(crate::Error::Invalid(format!("gathering row {r} of {}", x.rows)));
+    /// `Backend::gather_last_rows`: out row i = x row sel[i] with the head rows `begin`
+    /// staged (each span's last row, then row 0), one launch for bf16 and f32 rows.
+    pub(crate) fn gather_last_rows(&self, x: &CudaAct, spans: &[Span<'_>], out: &mut CudaAct) -> Result<()> {
+        let last = crate::kv::span_ends(spans).last().copied();
+        crate::backend::check_gather(x.rows, x.cols, spans.len(), last, (out.rows, out.cols))?;
+        if x.is_f32() != out.is_f32() {
+            return Err(Error::Invalid("CUDA gather_last_rows between bf16 and f32 activations".into()));
         }
-        let c = x.cols;
-        let buf = match &x.buf {
-            ActBuf::Bf16(b) => ActBuf::Bf16(self.gather(b, rows, c)?),
-            ActBuf::F32(b) => ActBuf::F32(self.gather(b, rows, c)?),
-        };
-        Ok(CudaAct { rows: rows.len(), cols: c, buf })
-    }
-
-    /// Rows of `c` elements of `src`, in the given order, one copy a row.
-    fn gather<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        src: &cudarc::driver::CudaSlice<T>,
-        rows: &[usize],
-        c: usize,
-    ) -> Result<cudarc::driver::CudaSlice<T>> {
-        use super::driver::drv;
-        let mut out = self.zeros::<T>(rows.len() * c, "gathering rows")?;
-        for (i, &r) in rows.iter().enumerate() {
-            let row = src.slice(r * c..(r + 1) * c);
-            self.stream.memcpy_dtod(&row, &mut out.slice_mut(i * c..(i + 1) * c)).map_err(drv("copying rows"))?;
-        }
-        Ok(out)
+        let sel = self.steps.head_rows(self, out.rows)?;
+        let units = x.cols * if x.is_f32() { 2 } else { 1 }; // 16-bit units a row
+        let f = self.plain_kernel("elementwise.cu", "gather_rows")?;
+        let args = [x.arg(self), sel, out.arg(self), KArg::I32(out.rows as i32), KArg::I32(units as i32)];
+        // Matches elementwise.cu's gather_rows; the staged head rows cover out's rows.
+        self.launch(&f, cfg(elems(out.rows * units), 256), &args, Order::Serial, "gather_rows launch")
     }
 }

@@ -58,7 +58,9 @@ impl Backend for Cuda {
         let layer = |s: &bool| self.zeros::<u16>(rows(*s) * width, "allocating the KV cache");
         let k = sliding.iter().map(layer).collect::<Result<Vec<_>>>()?;
         let v = sliding.iter().map(layer).collect::<Result<Vec<_>>>()?;
-        Ok(CudaKv { blocks, sliding, width, head_dim: cfg.head_dim, k, v })
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(CudaKv { id, blocks, sliding, width, head_dim: cfg.head_dim, k, v })
     }
     fn kv_blocks(&self, kv: &CudaKv) -> KvBlocks {
         kv.blocks
@@ -69,6 +71,24 @@ impl Backend for Cuda {
     fn step(&self, key: u64, tokens: &[u32], spans: &[Span<'_>], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         one_sequence(spans)?;
         self.steps.step(self, key, tokens, spans, f)
+    }
+    fn call_rows(&self, m: usize) -> Option<usize> {
+        (self.cfg.call_graphs && m <= super::SMALL_M).then(|| m.next_power_of_two())
+    }
+    fn store_id(&self, kv: &CudaKv) -> u64 {
+        kv.id
+    }
+    fn forward_call(
+        &self,
+        key: (u64, u64),
+        tokens: &[u32],
+        spans: &[Span<'_>],
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        match self.cfg.call_graphs && tokens.len() <= super::SMALL_M {
+            true => self.steps.call(self, key, tokens, spans, f),
+            false => f(),
+        }
     }
     fn forget(&self, key: u64) {
         self.steps.forget(key)
@@ -274,6 +294,9 @@ impl Backend for Cuda {
     fn argmax(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
         self.argmax_f32(x, out, false)
     }
+    fn argmax_rows(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
+        self.argmax_rows_f32(x, out)
+    }
     fn argmax_fed(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
         self.argmax_f32(x, out, true)
     }
@@ -293,8 +316,8 @@ impl Backend for Cuda {
     fn slice_rows(&self, x: &CudaAct, first: usize) -> Result<CudaAct> {
         self.copy_rows(x, first)
     }
-    fn gather_rows(&self, x: &CudaAct, rows: &[usize]) -> Result<CudaAct> {
-        self.gather_rows(x, rows)
+    fn gather_last_rows(&self, x: &CudaAct, spans: &[Span<'_>], out: &mut CudaAct) -> Result<()> {
+        self.gather_last_rows(x, spans, out)
     }
     fn read_rows(&self, x: &CudaAct, first: usize) -> Result<Vec<f32>> {
         let (s, e) = (first * x.cols, x.rows * x.cols);

@@ -15,7 +15,7 @@ use crate::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
 /// Cached positions per attention split.
-const ATTN_CHUNK: usize = 256;
+pub(crate) const ATTN_CHUNK: usize = 256;
 
 /// Activation rows from which a matmul runs on tensor cores (below, the GEMV reads the
 /// weights fewer times than the GEMM's fixed 64-token tiles waste).
@@ -115,22 +115,36 @@ impl Cuda {
         let heads = q.cols / hd;
         // A captured step replays at later positions: its splits cover the whole store.
         // Otherwise the call's longest sequence (a shared store may be far larger).
-        let span = match self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed) {
-            true => kv.max_seq(),
-            false => self.steps.end().clamp(1, kv.max_seq()),
+        // An engine call's graph fixes its split count (steps.rs `call`) and its scratch is
+        // kept (the graph points at it); splits past a sequence's length are empty.
+        let (splits, kept) = match self.steps.call_splits() {
+            0 => {
+                let span = match self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed) {
+                    true => kv.max_seq(),
+                    false => self.steps.end().clamp(1, kv.max_seq()),
+                };
+                (span.div_ceil(ATTN_CHUNK), None)
+            }
+            n => (n, Some(self.scratch.attention(self, q.rows * heads, n, hd)?)),
         };
-        let splits = span.div_ceil(ATTN_CHUNK);
         let slots = q.rows * heads * splits;
-        let ml = self.zeros::<f32>(2 * slots, "allocating attention scratch")?;
-        let acc = self.zeros::<f32>(slots * hd, "allocating attention scratch")?;
+        let (ml, acc);
+        let [ml_arg, acc_arg] = match kept {
+            Some([kept_ml, kept_acc, _]) => [kept_ml, kept_acc],
+            None => {
+                ml = self.zeros::<f32>(2 * slots, "allocating attention scratch")?;
+                acc = self.zeros::<f32>(slots * hd, "allocating attention scratch")?;
+                [self.arg(&ml), self.arg(&acc)]
+            }
+        };
         let a = self.plain_kernel("attention.cu", "attention_split")?;
         let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
         let args = [
             q.arg(self),
             self.arg(&kv.k[layer]),
             self.arg(&kv.v[layer]),
-            self.arg(&ml),
-            self.arg(&acc),
+            ml_arg,
+            acc_arg,
             KArg::I32(heads as i32),
             KArg::I32((kv.width / hd) as i32),
             KArg::I32(hd as i32),
@@ -150,8 +164,8 @@ impl Cuda {
         self.launch(&a, c, &args, Order::Serial, "attention launch")?;
         let mg = self.plain_kernel("attention.cu", "attention_merge")?;
         let merge_args = [
-            self.arg(&ml),
-            self.arg(&acc),
+            ml_arg,
+            acc_arg,
             self.arg(out.bf16()),
             KArg::I32(heads as i32),
             KArg::I32(hd as i32),
@@ -159,8 +173,8 @@ impl Cuda {
         ];
         let merge_grid = cfg((heads as u32, q.rows as u32), hd as u32);
         self.launch(&mg, merge_grid, &merge_args, Order::Serial, "attention merge launch")?;
-        // The scratch is freed when this returns: cudarc frees it stream-ordered, after the
-        // merge has read it.
+        // Scratch made here is freed when this returns: cudarc frees it stream-ordered, after
+        // the merge has read it.
         Ok(())
     }
 

@@ -94,6 +94,24 @@ fn top_k_split(n: usize, k: usize) -> (usize, usize) {
     (n.div_ceil(per), per)
 }
 
+impl Cuda {
+    /// `Backend::argmax_rows`: sample.cu's argmax_rows, a block per row.
+    pub(crate) fn argmax_rows_f32(&self, x: &CudaAct, out: &mut CudaAct) -> Result<()> {
+        crate::backend::check_argmax_rows(x.rows, x.cols, out.rows * out.cols)?;
+        if !x.is_f32() || !out.is_f32() {
+            return Err(Error::Invalid("CUDA argmax_rows takes f32 logits into f32".into()));
+        }
+        if x.rows == 0 {
+            return Ok(());
+        }
+        let f = self.plain_kernel("sample.cu", "argmax_rows")?;
+        let args = [x.arg(self), KArg::I32(x.cols as i32), out.arg(self)];
+        let c = super::elementwise::cfg((x.rows as u32, 1), 1024);
+        // Matches sample.cu's argmax_rows; out holds a value per row (checked above).
+        self.launch(&f, c, &args, Order::Serial, "argmax_rows launch")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

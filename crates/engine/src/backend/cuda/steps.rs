@@ -1,7 +1,8 @@
-//! A forward call's inputs on the device and the decode steps' CUDA graphs: the token ids
-//! and start position staged in pinned memory and copied by the call itself (so a captured
-//! step replays with new values), each step captured once under its session's key and
-//! replayed, fed steps (each greedy step's argmax becomes the next one's input on the
+//! A forward call's inputs on the device and the CUDA graphs of decode steps and engine
+//! calls: the token ids, positions, block tables and head rows staged in pinned memory and
+//! copied by the call itself (so a captured call replays with new values), each session's
+//! step captured once under its key and replayed, the serving engine's calls captured per
+//! padded size, fed steps (each greedy step's argmax becomes the next one's input on the
 //! device), and the queued reads of the tokens fed steps chose.
 
 use super::context::Context;
@@ -12,6 +13,9 @@ use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, PinnedHostSlice};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::sync::Mutex;
+
+/// Keys of engine calls' graphs (`Steps::call`) have this bit; sessions' keys stay below.
+const CALL_TAG: u64 = 1 << 63;
 
 /// Fed steps' tokens the device keeps (sample.cu's FEED_HIST): the host reads a run of
 /// steps' tokens while later steps run, at most two runs (2·FEED_STEPS_MAX steps) behind.
@@ -53,6 +57,9 @@ struct Staged {
     tok_dev: CudaSlice<i32>,
     pos_host: PinnedHostSlice<i32>,
     pos_dev: CudaSlice<i32>,
+    /// The rows the head reads: each sequence's last row, then 0 (`Backend::gather_last_rows`).
+    sel_host: PinnedHostSlice<i32>,
+    sel_dev: CudaSlice<i32>,
     /// The tokens fed steps chose, at their position modulo FEED_HIST (sample.cu's argmax).
     hist_dev: CudaSlice<i32>,
     /// Recorded after each direct upload of the staged values; `stage` waits for it.
@@ -73,6 +80,9 @@ pub(crate) struct Steps {
     /// The call under way is invariant (`Backend::begin`; a call of several sequences is):
     /// no one-row GEMV, fused decode attention or flash.
     invariant: AtomicBool,
+    /// Attention splits of the engine call under way (`call`): fixed per captured graph, so
+    /// the split kernels take this count and kept scratch. 0 outside such calls.
+    call_splits: AtomicUsize,
     reads: Mutex<Vec<ReadSlot>>,
 }
 
@@ -102,6 +112,21 @@ impl Steps {
         self.invariant.load(Relaxed)
     }
 
+    /// The engine call's attention splits (`call`), 0 outside one.
+    pub(crate) fn call_splits(&self) -> usize {
+        self.call_splits.load(Relaxed)
+    }
+
+    /// The staged head rows' device address (`Backend::gather_last_rows`), for `rows` rows.
+    pub(crate) fn head_rows(&self, ctx: &Context, rows: usize) -> Result<KArg> {
+        let st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
+        let s = st
+            .as_ref()
+            .filter(|s| s.cap >= rows)
+            .ok_or_else(|| Error::Invalid(format!("CUDA gather of {rows} head rows without staged rows")))?;
+        Ok(ctx.arg(&s.sel_dev))
+    }
+
     /// The staged call's longest sequence (its largest position + 1).
     pub(crate) fn end(&self) -> usize {
         self.staged.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map_or(0, |s| s.end)
@@ -124,8 +149,10 @@ impl Steps {
     }
 
     /// Write the call's tokens, each row's position and table offsets (unless `tables_only`:
-    /// a fed step's token and position are on the device) and the spans' block tables
-    /// (concatenated, per kind) into the pinned staging buffers, growing them (and dropping
+    /// a fed step's token and position are on the device), the head rows and the spans'
+    /// block tables (concatenated, per kind) into the pinned staging buffers. Tokens past
+    /// the spans' rows are a padded call's: position -1 (they write and attend nothing).
+    /// Buffers grow growing them (and dropping
     /// captured graphs that point at the old ones) when a call has more rows or tables.
     fn stage(&self, ctx: &Context, tokens: &[u32], spans: &[Span<'_>], tables_only: bool) -> Result<()> {
         let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
@@ -156,6 +183,8 @@ impl Steps {
                 tok_dev: ctx.zeros(cap, "allocating token ids")?,
                 pos_host: pinned(cap)?,
                 pos_dev: ctx.zeros(cap, "allocating positions")?,
+                sel_host: pinned(cap)?,
+                sel_dev: ctx.zeros(cap, "allocating head rows")?,
                 hist_dev: ctx.zeros(FEED_HIST, "allocating the token history")?,
                 uploaded,
                 fed_kept: ctx.zeros(2, "allocating a fed step's kept input")?,
@@ -174,9 +203,17 @@ impl Steps {
                 *d = t as i32;
             }
             let ph = s.pos_host.as_mut_slice().map_err(drv("writing positions"))?;
-            let positions = spans.iter().flat_map(|sp| sp.pos0..sp.pos0 + sp.rows);
-            for (d, p) in ph.iter_mut().zip(positions) {
-                *d = p as i32;
+            let positions = spans.iter().flat_map(|sp| (sp.pos0..sp.pos0 + sp.rows).map(|p| p as i32));
+            for (d, p) in ph[..rows].iter_mut().zip(positions.chain(std::iter::repeat(-1))) {
+                *d = p;
+            }
+            let sh = s.sel_host.as_mut_slice().map_err(drv("writing head rows"))?;
+            let ends = spans.iter().scan(0, |end, sp| {
+                *end += sp.rows;
+                Some(*end as i32 - 1)
+            });
+            for (d, r) in sh.iter_mut().zip(ends.chain(std::iter::repeat(0))) {
+                *d = r;
             }
             for (k, host) in s.row_tab_host.iter_mut().enumerate() {
                 let h = host.as_mut_slice().map_err(drv("writing table offsets"))?;
@@ -186,7 +223,7 @@ impl Steps {
                     off += sp.table(k == 1).len();
                     std::iter::repeat_n(o as i32, sp.rows)
                 });
-                for (d, o) in h.iter_mut().zip(offsets) {
+                for (d, o) in h[..rows].iter_mut().zip(offsets.chain(std::iter::repeat(0))) {
                     *d = o;
                 }
             }
@@ -208,6 +245,7 @@ impl Steps {
         let s = st.as_mut().ok_or_else(|| Error::Invalid("CUDA forward without staged tokens".into()))?;
         ctx.stream.memcpy_htod(&s.tok_host, &mut s.tok_dev).map_err(drv("copying token ids"))?;
         ctx.stream.memcpy_htod(&s.pos_host, &mut s.pos_dev).map_err(drv("copying positions"))?;
+        ctx.stream.memcpy_htod(&s.sel_host, &mut s.sel_dev).map_err(drv("copying head rows"))?;
         copy_up(ctx, &s.row_tab_host, &mut s.row_tab_dev, "copying table offsets")?;
         copy_up(ctx, &s.tab_host, &mut s.tab_dev, "copying block tables")?;
         // Not inside a capture: the event would then mark a graph node, not this upload.
@@ -297,6 +335,34 @@ impl Steps {
         }
         ctx.dry_pass(f)?;
         self.capture_and_launch(ctx, key, f)
+    }
+
+    /// `Backend::forward_call`: an engine call of `tokens` (padded to a captured size, the
+    /// spans covering its first rows) replayed from its graph, or a dry pass and its capture.
+    /// The graph's key joins the caller's `key` (whose buffers the graph uses), the store's
+    /// id and the attention split count (the longest sequence's 256-position chunks, to a
+    /// power of two): what a graph bakes in besides the staged values.
+    pub(crate) fn call(
+        &self,
+        ctx: &Context,
+        (key, store): (u64, u64),
+        tokens: &[u32],
+        spans: &[Span<'_>],
+        f: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        self.invariant.store(true, Relaxed);
+        self.stage(ctx, tokens, spans, false)?;
+        let splits = self.end().div_ceil(super::prefill::ATTN_CHUNK).max(1).next_power_of_two();
+        let key =
+            CALL_TAG | (store & 0xffff) << 44 | u64::from(splits.trailing_zeros()) << 36 | (key & ((1 << 36) - 1));
+        self.call_splits.store(splits, Relaxed);
+        let graph = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|g| g.0.launch());
+        let r = match graph {
+            Some(launched) => launched.map_err(drv("replaying a forward call's graph")),
+            None => ctx.dry_pass(f).and_then(|()| self.capture_and_launch(ctx, key, f)),
+        };
+        self.call_splits.store(0, Relaxed);
+        r
     }
 
     pub(crate) fn forget(&self, key: u64) {

@@ -85,6 +85,8 @@ impl CudaAct {
 /// blocks or (a sliding-window layer) the sliding ones; kernels find a position's row
 /// through the staged block table of the layer's kind (kv_row in common.cuh).
 pub struct CudaKv {
+    /// Distinct per store made: engine calls' graphs bake in its buffers (steps.rs `call`).
+    pub(crate) id: u64,
     pub blocks: crate::kv::KvBlocks,
     /// Whether each layer is a sliding-window one.
     pub sliding: Vec<bool>,

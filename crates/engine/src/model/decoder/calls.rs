@@ -1,0 +1,143 @@
+//! The serving engine's forward calls: several sequences' rows in one call (continuous
+//! batching), each sequence's last row through the head. A row's logits do not depend on
+//! the call's other rows (the backends compute rows independently), so a backend may pad a
+//! call to a size it captured (`Backend::call_rows`) and replay it (`forward_call`); the
+//! buffers such a call uses are kept here per padded size.
+
+use super::{Decoder, Work};
+use crate::backend::Backend;
+use crate::kv::Span;
+use crate::Result;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+/// What a serving call gives a sequence: its last row's logits, or only their argmax (a
+/// greedy request without log-probabilities or penalties needs nothing else, and the
+/// device finds it: one value read back instead of the vocabulary's).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RowOut {
+    Token(u32),
+    Logits(Vec<f32>),
+}
+
+/// One padded call size's buffers: the layers' (for `rows` rows) and the head's (for
+/// `heads` rows): the gathered residual rows, their norm, the logits and their argmax.
+pub(crate) struct CallWork<B: Backend> {
+    /// Names these buffers in a captured call's key.
+    id: u64,
+    rows: usize,
+    heads: usize,
+    work: Work<B>,
+    tail: B::Act,   // [heads, d] f32
+    normed: B::Act, // [heads, d]
+    logits: B::Act, // [heads, V] f32
+    argmax: B::Act, // [heads, 1] f32
+}
+
+impl<B: Backend> CallWork<B> {
+    fn new(model: &Decoder<B>, rows: usize, heads: usize) -> Result<Self> {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+        let (b, d) = (&model.backend, model.cfg.hidden);
+        Ok(CallWork {
+            id: NEXT_ID.fetch_add(1, Relaxed),
+            rows,
+            heads,
+            work: Work::new(b, &model.cfg, rows, false)?,
+            tail: b.act_f32(heads, d)?,
+            normed: b.act(heads, d)?,
+            logits: b.act_f32(heads, model.logits_width)?,
+            argmax: b.act_f32(heads, 1)?,
+        })
+    }
+}
+
+impl<B: Backend> Decoder<B> {
+    /// One forward call over several sequences (continuous batching): `tokens` holds each
+    /// span's rows in turn, their K/V going into `store` through the spans' tables. Returns
+    /// the logits of each span's last row, `[spans, V]`.
+    pub fn forward_spans(&self, tokens: &[u32], spans: &[Span<'_>], store: &mut B::Kv) -> Result<Vec<f32>> {
+        let outs = self.forward_spans_out(tokens, spans, store, &vec![true; spans.len()])?;
+        Ok(outs
+            .into_iter()
+            .flat_map(|o| match o {
+                RowOut::Logits(l) => l,
+                RowOut::Token(_) => unreachable!("every row asked for its logits"),
+            })
+            .collect())
+    }
+
+    /// `forward_spans` where span i's last row comes back as its logits where `logits[i]`,
+    /// else as their argmax (ties to the lowest index, as `sample::argmax`).
+    pub fn forward_spans_out(
+        &self,
+        tokens: &[u32],
+        spans: &[Span<'_>],
+        store: &mut B::Kv,
+        logits: &[bool],
+    ) -> Result<Vec<RowOut>> {
+        let b = &self.backend;
+        if logits.len() != spans.len() {
+            return Err(crate::Error::Invalid(format!("{} spans, {} outputs asked", spans.len(), logits.len())));
+        }
+        self.check_call(tokens, spans, b.kv_blocks(store))?;
+        let (m, n) = (tokens.len(), spans.len());
+        // A captured size's buffers are kept (its graph points at them); a call the backend
+        // runs as it comes gets its own.
+        let captured = b.call_rows(m).zip(b.call_rows(n));
+        let (rows, heads) = captured.unwrap_or((m, n));
+        let padded: Vec<u32>;
+        let tokens = match rows > m {
+            true => {
+                padded = tokens.iter().copied().chain(std::iter::repeat(0)).take(rows).collect();
+                &padded[..]
+            }
+            false => tokens,
+        };
+        let mut w = match captured {
+            Some(_) => self.take_call_work(rows, heads)?,
+            None => CallWork::new(self, rows, heads)?,
+        };
+        let key = (w.id, b.store_id(store));
+        let r = b.forward_call(key, tokens, spans, &mut || self.call_body(tokens, spans, store, &mut w));
+        let read = |w: &CallWork<B>| -> Result<(Vec<f32>, Vec<f32>)> {
+            let ids = b.read_rows(&w.argmax, 0)?;
+            let rows = match logits.contains(&true) {
+                true => b.read_rows(&w.logits, 0)?,
+                false => vec![],
+            };
+            Ok((ids, rows))
+        };
+        let out = r.and_then(|()| read(&w));
+        if captured.is_some() {
+            self.call_work.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+        }
+        let (ids, rows) = out?;
+        let v = self.logits_width;
+        Ok((0..n)
+            .map(|i| match logits[i] {
+                true => RowOut::Logits(rows[i * v..(i + 1) * v].to_vec()),
+                false => RowOut::Token(ids[i] as u32),
+            })
+            .collect())
+    }
+
+    /// What `forward_spans` launches: begin the call (invariant), the layers, then each
+    /// span's last row through the final norm and the head, and the logits' argmax.
+    fn call_body(&self, tokens: &[u32], spans: &[Span<'_>], kv: &mut B::Kv, w: &mut CallWork<B>) -> Result<()> {
+        let b = &self.backend;
+        b.begin(tokens, spans, true)?;
+        self.run_layers(tokens, spans, kv, self.layers.len(), &mut w.work)?;
+        b.gather_last_rows(&w.work.x, spans, &mut w.tail)?;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        b.norm_matmul_many(&w.tail, &self.norm, self.cfg.rms_eps, &mut w.normed, &[head], &mut [&mut w.logits])?;
+        b.argmax_rows(&w.logits, &mut w.argmax)
+    }
+
+    /// Kept buffers of this size, or new ones.
+    fn take_call_work(&self, rows: usize, heads: usize) -> Result<CallWork<B>> {
+        let mut pool = self.call_work.lock().unwrap_or_else(|e| e.into_inner());
+        match pool.iter().position(|w| (w.rows, w.heads) == (rows, heads)) {
+            Some(i) => Ok(pool.swap_remove(i)),
+            None => CallWork::new(self, rows, heads),
+        }
+    }
+}
