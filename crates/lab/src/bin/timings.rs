@@ -7,8 +7,11 @@
 //!   sampling   device argmax and top-k over a 128K vocabulary (parity: the engine's tests)
 //!   flash      flash prefill of 512 rows at depth 0 and 8192 against the split-K attention
 //!   qgemm      the tensor-core GEMM at prefill size against the GEMV path
+//!   few        the few-token GEMM (1 to 64 tokens: the serving engine's calls) against
+//!              the tiled one and the GEMV path at the 1B and 8B shapes, checked for equal
+//!              bits with the tiled kernel
 //!
-//!   usage: timings [gemv|attention|sampling|flash|qgemm|all]... [--copies N] [--timing-only]
+//!   usage: timings [gemv|attention|sampling|flash|qgemm|few|all]... [--copies N] [--timing-only]
 //!                  [--seed S]
 //!
 //! Graph-timed launches cycle over `--copies` device copies of the weights (default 16), as
@@ -27,8 +30,8 @@ use ferrolm::Result;
 use ferrolm_lab::timing::{attn_cfg, bf, cpu, graph_time, report, stream_time, Checks, Rng};
 
 const USAGE: &str =
-    "usage: timings [gemv|attention|sampling|flash|qgemm|all]... [--copies N] [--timing-only] [--seed S]";
-const ALL: [&str; 5] = ["gemv", "attention", "sampling", "flash", "qgemm"];
+    "usage: timings [gemv|attention|sampling|flash|qgemm|few|all]... [--copies N] [--timing-only] [--seed S]";
+const ALL: [&str; 6] = ["gemv", "attention", "sampling", "flash", "qgemm", "few"];
 
 /// What a timing section gets: the device, fresh random inputs, the checks and the options.
 struct Session<'a> {
@@ -81,6 +84,7 @@ fn main() {
             "attention" => decode_attention(&mut lab),
             "sampling" => decode_sampling(&mut lab),
             "flash" => flash_prefill(&mut lab),
+            "few" => few_token_gemm(&mut lab),
             _ => qgemm(&mut lab),
         };
         if let Err(e) = r {
@@ -380,6 +384,46 @@ fn qgemm(lab: &mut Session) -> Result<()> {
             tv * 1e6,
             flops / tv / 1e12
         );
+    }
+    Ok(())
+}
+
+/// The few-token GEMM at the token counts of serving calls, on the 1B and 8B shapes (4-bit,
+/// group 64, bf16 scales): the same bits as the tiled kernel first, then each kernel's time
+/// per launch in a captured graph cycling over weight copies (HBM, not L2), with the GEMV
+/// path (one row a block below 16 tokens, else the tiled GEMM) beside them.
+fn few_token_gemm(lab: &mut Session) -> Result<()> {
+    use ferrolm::backend::cuda::QgemmKernel;
+    let (g, r, n) = (lab.g, &mut lab.r, lab.copies);
+    let shapes = [("1B q/o", 2048, 2048), ("1B gate", 8192, 2048), ("1B down", 2048, 8192)];
+    let shapes_8b = [("8B q/o", 4096, 4096), ("8B gate", 14336, 4096), ("8B down", 4096, 14336)];
+    for (name, rows, cols) in shapes.into_iter().chain(shapes_8b) {
+        let (wg, w) = mat(g, r, rows, cols)?;
+        let co = copies(g, &w, n)?;
+        for m in [1, 4, 16, 32, 64] {
+            let xg = g.act_from(m, cols, &bf(&r.v(m * cols, 1.0)))?;
+            let mut out = g.act_poisoned(m, rows, false)?;
+            let mut run = |k| -> Result<Vec<u32>> {
+                g.qgemm_as(&xg, &wg, &mut out, k)?;
+                Ok(g.read_rows(&out, 0)?.iter().map(|v| v.to_bits()).collect())
+            };
+            if run(QgemmKernel::Tiled)? != run(QgemmKernel::Small)? {
+                lab.checks.failed.push(format!("{name} m{m}: few-token bits differ from the tiled kernel's"));
+            }
+            let mut time = |k: Option<QgemmKernel>| {
+                graph_time(g, 48, &mut |i| match k {
+                    Some(k) => g.qgemm_as(&xg, &co[i % n], &mut out, k),
+                    None => g.matmul(&xg, &co[i % n], &mut out),
+                })
+            };
+            let (small, tiled, gemv) = (time(Some(QgemmKernel::Small))?, time(Some(QgemmKernel::Tiled))?, time(None)?);
+            let gbs = |us: f64| w.byte_size() as f64 / us / 1e3;
+            println!(
+                "{name} {rows}×{cols} m{m}: few-token {small:.2} µs ({:.0} GB/s), tiled {tiled:.2} µs ({:.0} GB/s), GEMV path {gemv:.2} µs",
+                gbs(small),
+                gbs(tiled)
+            );
+        }
     }
     Ok(())
 }
