@@ -54,47 +54,59 @@
 #include "qgemm.cuh"
 
 
-#define BM 64       // tokens per block
 #define BN 64       // output rows per block
 #define BK 64       // k values per step
 #define LDS 72      // shared row stride in bf16 (BK + 8 padding)
-#define THREADS 128
-#define SEG 32                                  // weight values one thread dequantizes per step
-#define SEG_G (GROUP < SEG ? GROUP : SEG)       // values per scale inside a segment
-#define NSG (SEG / SEG_G)                       // scale/bias pairs per segment (1 or 2)
 
-// The tile arithmetic below assumes these (one weight segment per thread per step; four
-// 16-byte x copies per thread per step).
-static_assert(BN * BK / SEG == THREADS, "one weight segment per thread");
-static_assert(BM * BK / 8 == 4 * THREADS, "four x copies per thread");
 static_assert(CHUNK_K % BK == 0 && BK == KSTEP_ALIGN, "whole steps per chunk; steps padded as qgemm.cuh says");
 
+// A block shape: BM_ tokens (64, or 128 for the wide form) by BN rows, 2·BM_ threads (warps
+// of 32 tokens × 32 rows: BM_/32 along the tokens, 2 along the rows), each dequantizing a
+// SEG-value weight segment per step (32 or 16) and copying four 16-byte x chunks. The wide
+// form keeps one weight stage (a barrier before each store) so its shared memory stays
+// under the 48 KiB of a static allocation.
+template <int BM_>
+struct Tile {
+    static constexpr int THREADS = 2 * BM_;
+    static constexpr int SEG = BN * BK / THREADS;
+    static constexpr int SEG_G = GROUP < SEG ? GROUP : SEG;  // values per scale inside a segment
+    static constexpr int NSG = SEG / SEG_G;                   // scale/bias pairs per segment (1 or 2)
+    static constexpr int WARPS_M = BM_ / 32;
+    static constexpr int W_STAGES = BM_ == 64 ? 2 : 1;
+    static_assert(BM_ * BK / 8 == 4 * THREADS, "four x copies per thread");
+    static_assert(SEG == 32 || SEG == 16, "a segment is whole 16-byte (or 8-byte at 2 bits) loads");
+    static_assert((2 * BM_ + W_STAGES * BN) * LDS * 2 <= 48 * 1024, "static shared memory");
+};
 
 // One thread's weight segment for a step, as loaded from global memory (dequantized later,
 // after the MMAs, so the loads' latency is hidden).
+template <int SEG, int NSG>
 struct WSeg {
-    u32 q[BITS];
+    u32 q[SEG * BITS / 32];
     scale_t s[NSG], b[NSG];
 };
 
-__device__ __forceinline__ void load_wseg(WSeg& ws, const u32* __restrict__ wrow, const scale_t* __restrict__ srow,
-                                          const scale_t* __restrict__ brow, int k, bool valid) {
+template <int SEG, int NSG>
+__device__ __forceinline__ void load_wseg(WSeg<SEG, NSG>& ws, const u32* __restrict__ wrow,
+                                          const scale_t* __restrict__ srow, const scale_t* __restrict__ brow, int k,
+                                          bool valid) {
+    constexpr int WORDS = SEG * BITS / 32;
+    constexpr int SEG_G = SEG / NSG;
     if (valid) {
-        const u32* p = wrow + k / (32 / BITS);  // k is a multiple of 32: whole words, aligned to 4·BITS bytes
-#if BITS == 2
-        uint2 v = *reinterpret_cast<const uint2*>(p);
-        ws.q[0] = v.x, ws.q[1] = v.y;
-#elif BITS == 4
-        uint4 v = *reinterpret_cast<const uint4*>(p);
-        ws.q[0] = v.x, ws.q[1] = v.y, ws.q[2] = v.z, ws.q[3] = v.w;
-#elif BITS == 8
-        uint4 v = *reinterpret_cast<const uint4*>(p);
-        uint4 u = *reinterpret_cast<const uint4*>(p + 4);
-        ws.q[0] = v.x, ws.q[1] = v.y, ws.q[2] = v.z, ws.q[3] = v.w;
-        ws.q[4] = u.x, ws.q[5] = u.y, ws.q[6] = u.z, ws.q[7] = u.w;
-#else
-#error "gemm.cu: BITS must be 2, 4 or 8"
-#endif
+        // k is a multiple of SEG: whole words, aligned to the load's size.
+        const u32* p = wrow + k / (32 / BITS);
+        if constexpr (WORDS == 1) {
+            ws.q[0] = *p;
+        } else if constexpr (WORDS == 2) {
+            uint2 v = *reinterpret_cast<const uint2*>(p);
+            ws.q[0] = v.x, ws.q[1] = v.y;
+        } else {
+#pragma unroll
+            for (int u = 0; u < WORDS / 4; u++) {
+                uint4 v = *reinterpret_cast<const uint4*>(p + 4 * u);
+                ws.q[4 * u] = v.x, ws.q[4 * u + 1] = v.y, ws.q[4 * u + 2] = v.z, ws.q[4 * u + 3] = v.w;
+            }
+        }
 #pragma unroll
         for (int i = 0; i < NSG; i++) {
             int g = (k + i * SEG_G) / GROUP;
@@ -104,14 +116,16 @@ __device__ __forceinline__ void load_wseg(WSeg& ws, const u32* __restrict__ wrow
     } else {
         // scale = bias = 0: the segment dequantizes to zeros.
 #pragma unroll
-        for (int i = 0; i < BITS; i++) ws.q[i] = 0;
+        for (int i = 0; i < WORDS; i++) ws.q[i] = 0;
 #pragma unroll
         for (int i = 0; i < NSG; i++) ws.s[i] = ws.b[i] = (scale_t)0;
     }
 }
 
-// Dequantize a segment (32 values) and store it as bf16 at dst (16-byte aligned).
-__device__ __forceinline__ void store_wseg(const WSeg& ws, bf16_t* dst) {
+// Dequantize a segment and store it as bf16 at dst (16-byte aligned).
+template <int SEG, int NSG>
+__device__ __forceinline__ void store_wseg(const WSeg<SEG, NSG>& ws, bf16_t* dst) {
+    constexpr int SEG_G = SEG / NSG;
     float sc[NSG], bi[NSG];
 #pragma unroll
     for (int i = 0; i < NSG; i++) sc[i] = s2f(ws.s[i]), bi[i] = s2f(ws.b[i]);
@@ -142,14 +156,16 @@ __device__ __forceinline__ void for_each_pair(int wm, int lane, F f) {
             for (int h = 0; h < 2; h++) f(i, j, h, wm * 32 + i * 16 + g + h * 8, j * 8 + tg * 2);
 }
 
-// qgemm_glu's epilogue: warps wn = 1 leave up's sums in shared memory (up_s: 64 tokens × 32
-// rows, padded; the weight tiles' space, free after the last step's barrier), then warps
-// wn = 0 store act(gate)·up for the same tokens and rows. act 0 silu, 1 gelu (tanh).
+// qgemm_glu's epilogue: warps wn = 1 leave up's sums in shared memory (up_s: BM_ tokens × 32
+// rows, padded; the x tiles' space, free after the last step's barrier), then warps wn = 0
+// store act(gate)·up for the same tokens and rows. act 0 silu, 1 gelu (tanh).
+template <int BM_>
 __device__ __forceinline__ void glu_epilogue(const float (&acc)[2][4][4], float* up_s, bf16_t* __restrict__ out,
                                              int t0, int r0, int rows, int m, int act) {
     constexpr int US = BN / 2 + 1;  // padded row stride
-    static_assert(BM * US * 4 <= 2 * BN * LDS * 2, "up's sums fit the weight tiles' shared memory");
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, wm = warp & 1, wn = warp >> 1;
+    static_assert(BM_ * US * 4 <= 2 * BM_ * LDS * 2, "up's sums fit the x tiles' shared memory");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int wm = warp % Tile<BM_>::WARPS_M, wn = warp / Tile<BM_>::WARPS_M;
     if (wn == 1) {
         for_each_pair(wm, lane, [&](int i, int j, int h, int tl, int c) {
             up_s[tl * US + c] = acc[i][j][2 * h];
@@ -162,9 +178,8 @@ __device__ __forceinline__ void glu_epilogue(const float (&acc)[2][4][4], float*
     for_each_pair(wm, lane, [&](int i, int j, int h, int tl, int c) {
         const int t = t0 + tl, r = r0 + c;
         if (t >= m) return;
-        const float a0 = acc[i][j][2 * h], a1 = acc[i][j][2 * h + 1];
-        const float v0 = glu_value(a0, up_s[tl * US + c], act);
-        const float v1 = glu_value(a1, up_s[tl * US + c + 1], act);
+        const float v0 = glu_value(acc[i][j][2 * h], up_s[tl * US + c], act);
+        const float v1 = glu_value(acc[i][j][2 * h + 1], up_s[tl * US + c + 1], act);
         bf16_t* po = out + (size_t)t * rows + r;
         if (even) {
             if (r < rows) *reinterpret_cast<u32*>(po) = pack_bf16x2(v0, v1);
@@ -184,21 +199,23 @@ struct QMat {
 
 // GLU: the gate/up form (see the design notes): `up` is the second matrix, act 0 silu, 1
 // gelu (tanh), out bf16 [m, rows].
-template <bool OUT_F32, bool GLU = false>
+template <int BM_, bool OUT_F32, bool GLU = false>
 __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __restrict__ x, void* __restrict__ out,
                                            int rows, int cols, int m, int act = 0) {
-    // Two stages of the x and w tiles (uint4 so the rows are 16-byte aligned).
-    __shared__ uint4 xs_raw[2][BM * LDS / 8];
-    __shared__ uint4 ws_raw[2][BN * LDS / 8];
+    using T = Tile<BM_>;
+    constexpr int THREADS = T::THREADS, SEG = T::SEG, WS = T::W_STAGES;
+    // The x tiles' and w tiles' stages (uint4 so the rows are 16-byte aligned).
+    __shared__ uint4 xs_raw[2][BM_ * LDS / 8];
+    __shared__ uint4 ws_raw[WS][BN * LDS / 8];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wm = warp & 1, wn = warp >> 1;
-    const int t0 = blockIdx.y * BM, r0 = blockIdx.x * (GLU ? BN / 2 : BN);
+    const int wm = warp % T::WARPS_M, wn = warp / T::WARPS_M;
+    const int t0 = blockIdx.y * BM_, r0 = blockIdx.x * (GLU ? BN / 2 : BN);
     const int nk = (cols + BK - 1) / BK;
 
-    // This thread's weight segment: row r0 + tid/2, values (tid & 1)·32.. of each step.
-    // (GLU: tile rows 32.. are up's.)
-    const int seg_row = tid >> 1, seg_k = (tid & 1) * SEG;
+    // This thread's weight segment: row r0 + tid / (BK / SEG), values (tid % (BK / SEG))·SEG..
+    // of each step. (GLU: tile rows 32.. are up's.)
+    const int seg_row = tid / (BK / SEG), seg_k = (tid % (BK / SEG)) * SEG;
     const QMat& src = GLU && seg_row >= BN / 2 ? up : gate;
     const int wr = r0 + (GLU ? seg_row % (BN / 2) : seg_row);
     const bool wr_ok = wr < rows;
@@ -225,7 +242,7 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
 
     // ldmatrix addresses (bytes, stage 0, k 0) of this lane.
     const u32 xs_base = smem_u32(xs_raw[0]), ws_base = smem_u32(ws_raw[0]);
-    const u32 xstage = BM * LDS * 2, wstage = BN * LDS * 2;
+    const u32 xstage = BM_ * LDS * 2, wstage = WS == 2 ? BN * LDS * 2 : 0;
     u32 a_addr[2], b_addr[2];
 #pragma unroll
     for (int i = 0; i < 2; i++)
@@ -243,7 +260,7 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = tot[i][j][e] = 0.f;
 
-    WSeg seg;
+    WSeg<SEG, T::NSG> seg;
     // Prologue: stage 0 holds step 0.
     load_x(0, 0);
     load_wseg(seg, wrow, srow, brow, seg_k, wr_ok && seg_k < cols);
@@ -252,7 +269,7 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
     __syncthreads();
 
     for (int s = 0; s < nk; s++) {
-        const int cur = s & 1;
+        const int cur = s & 1, wcur = WS == 2 ? cur : 0;
         const bool more = s + 1 < nk;
         if (more) {
             const int k0 = (s + 1) * BK;
@@ -267,7 +284,7 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
                 ldsm_x4(a_addr[i] + cur * xstage + kk * 2, a[i][0], a[i][1], a[i][2], a[i][3]);
 #pragma unroll
             for (int j = 0; j < 2; j++)
-                ldsm_x4(b_addr[j] + cur * wstage + kk * 2, b[2 * j][0], b[2 * j][1], b[2 * j + 1][0],
+                ldsm_x4(b_addr[j] + wcur * wstage + kk * 2, b[2 * j][0], b[2 * j][1], b[2 * j + 1][0],
                         b[2 * j + 1][1]);
 #pragma unroll
             for (int i = 0; i < 2; i++)
@@ -282,7 +299,8 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
 #pragma unroll
                     for (int e = 0; e < 4; e++) tot[i][j][e] += acc[i][j][e], acc[i][j][e] = 0.f;
         }
-        if (more) store_wseg(seg, reinterpret_cast<bf16_t*>(ws_raw[cur ^ 1]) + seg_row * LDS + seg_k);
+        if (WS == 1) __syncthreads();  // one weight stage: every warp has read it
+        if (more) store_wseg(seg, reinterpret_cast<bf16_t*>(ws_raw[WS == 2 ? cur ^ 1 : 0]) + seg_row * LDS + seg_k);
         cp_async_wait_all();
         __syncthreads();
     }
@@ -290,7 +308,8 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
     // Epilogue: c0, c1 at (token g, rows 2tg, 2tg+1), c2, c3 at token g + 8.
     const int g = lane >> 2, tg = lane & 3;
     if constexpr (GLU) {
-        glu_epilogue(tot, reinterpret_cast<float*>(ws_raw), reinterpret_cast<bf16_t*>(out), t0, r0, rows, m, act);
+        glu_epilogue<BM_>(tot, reinterpret_cast<float*>(xs_raw), reinterpret_cast<bf16_t*>(out), t0, r0, rows, m,
+                          act);
         return;
     }
     const bool even = (rows & 1) == 0;
@@ -327,24 +346,29 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
     }
 }
 
-// grid (ceil(rows / 64), ceil(m / 64)), block 128, static shared memory (36 KiB).
-// Needs cols a multiple of 32 (the launcher checks); x, w, scales 16-byte aligned allocations.
-extern "C" __global__ void __launch_bounds__(THREADS) qgemm(const u32* w, const scale_t* s, const scale_t* b,
-                                                            const bf16_t* x, bf16_t* out, int rows, int cols,
-                                                            int m) {
-    qgemm_body<false>(QMat{w, s, b}, QMat{w, s, b}, x, out, rows, cols, m);
-}
-extern "C" __global__ void __launch_bounds__(THREADS) qgemm_f32(const u32* w, const scale_t* s, const scale_t* b,
-                                                                const bf16_t* x, float* out, int rows, int cols,
-                                                                int m) {
-    qgemm_body<true>(QMat{w, s, b}, QMat{w, s, b}, x, out, rows, cols, m);
-}
-// out = act(x·gateᵀ) · (x·upᵀ), bf16 [m, rows]; grid (ceil(rows / 32), ceil(m / 64)).
-extern "C" __global__ void __launch_bounds__(THREADS)
-    qgemm_glu(const u32* gw, const scale_t* gs, const scale_t* gb, const u32* uw, const scale_t* us,
-              const scale_t* ub, const bf16_t* x, bf16_t* out, int rows, int cols, int m, int act) {
-    qgemm_body<false, true>(QMat{gw, gs, gb}, QMat{uw, us, ub}, x, out, rows, cols, m, act);
-}
+// grid (ceil(rows / 64), ceil(m / BM_)), block 2·BM_, static shared memory (36 / 45 KiB).
+// Needs cols a multiple of 32 (the launcher checks); x, w, scales 16-byte aligned
+// allocations. _w128: the wide form (128 tokens a block).
+#define TILED_ENTRIES(SUFFIX, BM_)                                                                            \
+    extern "C" __global__ void __launch_bounds__(2 * BM_)                                                     \
+        qgemm##SUFFIX(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* out, int rows, \
+                      int cols, int m) {                                                                      \
+        qgemm_body<BM_, false>(QMat{w, s, b}, QMat{w, s, b}, x, out, rows, cols, m);                          \
+    }                                                                                                         \
+    extern "C" __global__ void __launch_bounds__(2 * BM_)                                                     \
+        qgemm_f32##SUFFIX(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* out,        \
+                          int rows, int cols, int m) {                                                        \
+        qgemm_body<BM_, true>(QMat{w, s, b}, QMat{w, s, b}, x, out, rows, cols, m);                           \
+    }                                                                                                         \
+    /* out = act(x·gateᵀ) · (x·upᵀ), bf16 [m, rows]; grid (ceil(rows / 32), ceil(m / BM_)). */               \
+    extern "C" __global__ void __launch_bounds__(2 * BM_)                                                     \
+        qgemm_glu##SUFFIX(const u32* gw, const scale_t* gs, const scale_t* gb, const u32* uw,                 \
+                          const scale_t* us, const scale_t* ub, const bf16_t* x, bf16_t* out, int rows,       \
+                          int cols, int m, int act) {                                                         \
+        qgemm_body<BM_, false, true>(QMat{gw, gs, gb}, QMat{uw, us, ub}, x, out, rows, cols, m, act);         \
+    }
+TILED_ENTRIES(, 64)
+TILED_ENTRIES(_w128, 128)
 
 // The few-token kernels (m ≤ 64) with this arithmetic.
 #include "gemm_small.cuh"

@@ -125,13 +125,11 @@ fn to_bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// The few-token kernels (gemm_small.cuh) give the tiled kernel's bits for every element, at
-/// every token count they take, in every form (bf16 and f32 out, GLU): the serving engine's
-/// calls switch between them with the call's row count, and a row's logits must not
-/// change. Shapes: rows not a multiple of 8 or 64, cols with a partial chunk, a half 64-step
-/// (544) and more chunks than warps (4160: three rounds); each bit width.
-#[test]
-fn few_token_kernel_gives_the_tiled_bits() {
+/// Each of `kernels` gives the tiled kernel's bits for every element at each token count of
+/// `ms`, in every form (bf16 and f32 out, GLU). Shapes: rows not a multiple of 8 or 64, cols
+/// with a partial chunk, a half 64-step (544) and more chunks than the few-token kernel's
+/// warps (4160: three rounds); each bit width.
+fn same_bits_as_tiled(kernels: &[QgemmKernel], ms: &[usize]) {
     let (g, mut r) = (gpu(), Rng::seeded());
     for (n, k, bits, group, dt) in [
         (203, 544, 4, 32, ScaleDtype::F16),
@@ -142,7 +140,7 @@ fn few_token_kernel_gives_the_tiled_bits() {
     ] {
         let (w, up) = (affine(&mut r, n, k, bits, group, dt), affine(&mut r, n, k, bits, group, dt));
         let (wg, ug) = (g.matrix(w).unwrap(), g.matrix(up).unwrap());
-        for m in [1, 2, 15, 16, 17, 40, 64] {
+        for &m in ms {
             let what = format!("q{bits} g{group} {dt:?} n{n} k{k} m{m}");
             let xg = g.act_from(m, k, &bf(&r.v(m * k, 1.0))).unwrap();
             for f32_out in [false, true] {
@@ -151,9 +149,11 @@ fn few_token_kernel_gives_the_tiled_bits() {
                     g.qgemm_as(&xg, &wg, &mut o, kernel).unwrap();
                     to_bits(&g.read_rows(&o, 0).unwrap())
                 };
-                let (tiled, small) = (run(QgemmKernel::Tiled), run(QgemmKernel::Small));
+                let tiled = run(QgemmKernel::Tiled);
                 assert!(tiled.iter().all(|b| !f32::from_bits(*b).is_nan()), "{what}: tiled left outputs unwritten");
-                assert_eq!(tiled, small, "{what} f32out {f32_out}: few-token bits differ from the tiled kernel's");
+                for &kernel in kernels {
+                    assert_eq!(tiled, run(kernel), "{what} f32out {f32_out}: {kernel:?} bits differ from tiled");
+                }
             }
             for act in [Activation::Silu, Activation::GeluTanh] {
                 let run = |kernel| {
@@ -161,13 +161,32 @@ fn few_token_kernel_gives_the_tiled_bits() {
                     assert!(g.qgemm_glu_as(&xg, (&wg, &ug), act, &mut o, kernel).unwrap(), "{what}: glu refused");
                     to_bits(&g.read_rows(&o, 0).unwrap())
                 };
-                assert_eq!(run(QgemmKernel::Tiled), run(QgemmKernel::Small), "{what} glu {act:?}: bits differ");
+                let tiled = run(QgemmKernel::Tiled);
+                for &kernel in kernels {
+                    assert_eq!(tiled, run(kernel), "{what} glu {act:?}: {kernel:?} bits differ from tiled");
+                }
             }
         }
     }
+}
+
+/// The few-token kernels (gemm_small.cuh) give the tiled kernel's bits at every token count
+/// they take: the serving engine's calls switch between them with the call's row count,
+/// and a row's logits must not change.
+#[test]
+fn few_token_kernel_gives_the_tiled_bits() {
+    same_bits_as_tiled(&[QgemmKernel::Small], &[1, 2, 15, 16, 17, 40, 64]);
+    let (g, mut r) = (gpu(), Rng::seeded());
     // More tokens than the few-token kernels take is an error, never a silent other kernel.
     let w = g.matrix(affine(&mut r, 64, 256, 4, 64, ScaleDtype::F16)).unwrap();
     let x = g.act_from(65, 256, &bf(&r.v(65 * 256, 1.0))).unwrap();
     let e = g.qgemm_as(&x, &w, &mut g.act_poisoned(65, 64, false).unwrap(), QgemmKernel::Small).unwrap_err();
     assert!(e.to_string().contains("at most"), "{e}");
+}
+
+/// The wide tiles (128 tokens a block, one weight stage) give the tiled kernel's bits, with
+/// partial and several token tiles.
+#[test]
+fn wide_tiles_give_the_tiled_bits() {
+    same_bits_as_tiled(&[QgemmKernel::Wide], &[1, 65, 128, 300]);
 }

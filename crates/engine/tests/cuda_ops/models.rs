@@ -94,7 +94,8 @@ fn smollm2_cuda_agrees_with_cpu() {
 /// post-norms, GeGLU, sliding-window layers (the long text runs past the 512-position
 /// window and wraps the sliding layers' rings, in prefill and in decode); decode with the
 /// post-norm adds folded into the next GEMV (the default) and as launches of their own, each
-/// really taken; GeGLU fused and not, in decode and in prefill.
+/// really taken; GeGLU fused and not, in decode and in prefill; the prefill GEMM's 64- and
+/// 128-token tiles.
 #[test]
 fn gemma3_cuda_agrees_with_cpu() {
     let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
@@ -106,6 +107,7 @@ fn gemma3_cuda_agrees_with_cpu() {
         ("post-norm fold off", CudaConfig { post_norm_fold: false, ..d.clone() }),
         ("unfused decode GeGLU", CudaConfig { decode_fused_glu: false, ..d.clone() }),
         ("prefill GeGLU switched", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }),
+        ("GEMM tile width switched", CudaConfig { gemm_wide_tiles: !d.gemm_wide_tiles, ..d.clone() }),
     ];
     for (variant, cfg) in variants {
         let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();

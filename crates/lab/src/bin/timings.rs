@@ -6,7 +6,8 @@
 //!              rope_attention test)
 //!   sampling   device argmax and top-k over a 128K vocabulary (parity: the engine's tests)
 //!   flash      flash prefill of 512 rows at depth 0 and 8192 against the split-K attention
-//!   qgemm      the tensor-core GEMM at prefill size against the GEMV path
+//!   qgemm      the tensor-core GEMM at prefill size (64- and 128-token tiles) against the
+//!              matmul path at the 1B and 8B shapes
 //!   few        the few-token GEMM (1 to 64 tokens: the serving engine's calls) against
 //!              the tiled one and the GEMV path at the 1B and 8B shapes, checked for equal
 //!              bits with the tiled kernel
@@ -342,10 +343,11 @@ fn flash_prefill(lab: &mut Session) -> Result<()> {
 }
 
 /// The tensor-core GEMM at prefill size (512 tokens): checked against the CPU at 2048 ×
-/// 2048 (both output precisions), then timed against the GEMV path at the 1B shape's q/o,
-/// gate/up and down sizes (tools/peers/cublas_gemm.py times dequantize-then-cuBLAS at the
-/// same ones).
+/// 2048 (both output precisions), then its 64- and 128-token tiles timed beside the matmul
+/// as configured at the 1B and 8B shapes' q/o, gate/up and down sizes
+/// (tools/peers/cublas_gemm.py times dequantize-then-cuBLAS at the 1B ones).
 fn qgemm(lab: &mut Session) -> Result<()> {
+    use ferrolm::backend::cuda::QgemmKernel;
     let (g, c, r) = (lab.g, Cpu, &mut lab.r);
     let m = 512;
     let affine = |r: &mut Rng, n: usize, k: usize| {
@@ -370,19 +372,23 @@ fn qgemm(lab: &mut Session) -> Result<()> {
             lab.checks.check(&what, &g.read_rows(&og, 0)?, &want.data, 1e-2);
         }
     }
-    for (n, k) in [(2048, 2048), (8192, 2048), (2048, 8192)] {
+    for (n, k) in [(2048, 2048), (8192, 2048), (2048, 8192), (4096, 4096), (14336, 4096), (4096, 14336)] {
         let wg = g.matrix(affine(r, n, k)?)?;
         let xg = g.act_from(m, k, &bf(&r.v(m * k, 1.0)))?;
         let mut og = g.act_poisoned(m, n, false)?;
-        let tg = stream_time(g, 20, &mut || g.qgemm(&xg, &wg, &mut og))? / 1e3;
+        let tg = stream_time(g, 20, &mut || g.qgemm_as(&xg, &wg, &mut og, QgemmKernel::Tiled))? / 1e3;
+        let tw = stream_time(g, 20, &mut || g.qgemm_as(&xg, &wg, &mut og, QgemmKernel::Wide))? / 1e3;
         let tv = stream_time(g, 20, &mut || g.matmul(&xg, &wg, &mut og))? / 1e3;
         let flops = 2.0 * (m * n * k) as f64;
+        let tf = |t: f64| flops / t / 1e12;
         println!(
-            "q4 g64 m{m} n{n} k{k}: qgemm {:.1} µs ({:.1} TFLOP/s), GEMV path {:.1} µs ({:.1} TFLOP/s)",
+            "q4 g64 m{m} n{n} k{k}: qgemm 64-token tiles {:.1} µs ({:.1} TFLOP/s), 128-token tiles {:.1} µs ({:.1} TFLOP/s), matmul as configured {:.1} µs ({:.1} TFLOP/s)",
             tg * 1e6,
-            flops / tg / 1e12,
+            tf(tg),
+            tw * 1e6,
+            tf(tw),
             tv * 1e6,
-            flops / tv / 1e12
+            tf(tv)
         );
     }
     Ok(())

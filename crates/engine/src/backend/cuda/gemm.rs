@@ -30,8 +30,6 @@ use cudarc::driver::LaunchConfig;
 const TILE_TOKENS: usize = 64;
 /// Output rows per block (gemm.cu's BN).
 const TILE_ROWS: usize = 64;
-/// Threads per block (gemm.cu's THREADS).
-const THREADS: u32 = 128;
 /// cols must be a multiple of this (one thread's 32-value weight segment).
 const COLS_MULTIPLE: usize = 32;
 /// Most tokens the few-token kernels take (gemm_small.cuh's _m4: four m16 tiles).
@@ -41,14 +39,21 @@ const SMALL_M1: usize = 16;
 /// Output rows per few-token block and its threads (gemm_small.cuh's SMALL_ROWS, SMALL_THREADS).
 const SMALL_ROWS: usize = 8;
 const SMALL_THREADS: u32 = 256;
+/// Fewer tokens than this leave half of a wide tile idle: Auto keeps the 64-token tiles.
+pub const WIDE_MIN_M: usize = 128;
 
-/// Which quantized GEMM kernel runs a call. `Auto` picks by token count; the others exist
-/// for the tests that hold the two to the same bits.
+/// Which quantized GEMM kernel runs a call. `Auto` picks by token count (and
+/// `CudaConfig::gemm_wide_tiles`); naming one is for the tests and timings that hold the
+/// kernels to the same bits and compare their speed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum QgemmKernel {
     Auto,
     /// 64×64 tiles (gemm.cu's qgemm*).
     Tiled,
+    /// 128 tokens × 64 rows a block (gemm.cu's *_w128): each dequantized weight tile serves
+    /// twice the tokens. Auto takes it past [`WIDE_MIN_M`] tokens where
+    /// `CudaConfig::gemm_wide_tiles`.
+    Wide,
     /// Eight rows per block, K over warps (gemm_small.cuh), up to [`SMALL_M`] tokens.
     Small,
 }
@@ -56,26 +61,39 @@ pub enum QgemmKernel {
 impl QgemmKernel {
     /// The kernel name for `base` ("qgemm", "qgemm_f32", "qgemm_glu") at m tokens, and its
     /// launch shape for `rows` outputs (`rows_per_tile`: the tiled kernel's rows per block).
-    fn pick(self, base: &str, m: usize, rows: usize, rows_per_tile: usize) -> Result<(String, LaunchConfig)> {
-        let small = match self {
-            QgemmKernel::Auto => m <= SMALL_M,
-            QgemmKernel::Tiled => false,
-            QgemmKernel::Small if m <= SMALL_M => true,
-            QgemmKernel::Small => {
-                return Err(Error::Invalid(format!("the few-token qgemm takes at most {SMALL_M} tokens, not {m}")))
-            }
+    /// `wide`: whether Auto may take the wide tiles.
+    fn pick(
+        self,
+        base: &str,
+        m: usize,
+        (rows, rows_per_tile): (usize, usize),
+        wide: bool,
+    ) -> Result<(String, LaunchConfig)> {
+        let kernel = match self {
+            QgemmKernel::Auto if m <= SMALL_M => QgemmKernel::Small,
+            QgemmKernel::Auto if wide && m >= WIDE_MIN_M => QgemmKernel::Wide,
+            QgemmKernel::Auto => QgemmKernel::Tiled,
+            k => k,
         };
-        if small {
+        if kernel == QgemmKernel::Small {
+            if m > SMALL_M {
+                return Err(Error::Invalid(format!("the few-token qgemm takes at most {SMALL_M} tokens, not {m}")));
+            }
             let tiles = if m <= SMALL_M1 { 1 } else { 4 };
             let name = format!("{}_m{tiles}", base.replacen("qgemm", "qgemm_small", 1));
             let grid = (rows.div_ceil(SMALL_ROWS) as u32, 1, 1);
             return Ok((name, LaunchConfig { grid_dim: grid, block_dim: (SMALL_THREADS, 1, 1), shared_mem_bytes: 0 }));
         }
-        let grid = (rows.div_ceil(rows_per_tile) as u32, m.div_ceil(TILE_TOKENS) as u32, 1);
+        let (tokens, suffix) = match kernel {
+            QgemmKernel::Wide => (2 * TILE_TOKENS, "_w128"),
+            _ => (TILE_TOKENS, ""),
+        };
+        let grid = (rows.div_ceil(rows_per_tile) as u32, m.div_ceil(tokens) as u32, 1);
         if grid.1 > 65535 {
             return Err(Error::Unsupported(format!("CUDA qgemm: {m} tokens in one call")));
         }
-        Ok((base.to_string(), LaunchConfig { grid_dim: grid, block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }))
+        let block = (2 * tokens as u32, 1, 1); // gemm.cu: 2·BM threads
+        Ok((format!("{base}{suffix}"), LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: 0 }))
     }
 }
 
@@ -122,7 +140,7 @@ impl Cuda {
         }
         let f32_out = matches!(out.buf, ActBuf::F32(_));
         let base = if f32_out { "qgemm_f32" } else { "qgemm" };
-        let (name, cfg) = kernel.pick(base, x.rows, rows, TILE_ROWS)?;
+        let (name, cfg) = kernel.pick(base, x.rows, (rows, TILE_ROWS), self.cfg.gemm_wide_tiles)?;
         let func = self.function(kernels::file("gemm.cu"), defines, &name)?;
         let (rows_i, cols_i, m_i) = (rows as i32, cols as i32, x.rows as i32);
         let args = [
@@ -180,7 +198,7 @@ impl Cuda {
         if [*rows, *cols, x.rows].iter().any(|&v| i32::try_from(v).is_err()) {
             return Ok(false);
         }
-        let (name, cfg) = kernel.pick("qgemm_glu", x.rows, *rows, TILE_ROWS / 2)?;
+        let (name, cfg) = kernel.pick("qgemm_glu", x.rows, (*rows, TILE_ROWS / 2), self.cfg.gemm_wide_tiles)?;
         let func = self.function(kernels::file("gemm.cu"), defines, &name)?;
         let args = [
             self.arg(gw),
