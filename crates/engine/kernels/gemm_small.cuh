@@ -196,8 +196,9 @@ __device__ __forceinline__ void qgemm_small_body(QMat gate, QMat up, const bf16_
             for (int n = 0; n < NM; n++)
                 for (int w = 0; w < here; w++) tot[n][j] += part[n][w][o];  // chunk order
         }
+        if (cn < nchunk)
 #pragma unroll
-        for (int n = 0; n < NM; n++) cur[n] = nxt[n];
+            for (int n = 0; n < NM; n++) cur[n] = nxt[n];
     }
 
 #pragma unroll
