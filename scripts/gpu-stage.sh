@@ -22,6 +22,8 @@
 #     FERROLM_HOME=/root/fh gpu-bin/ferrolm convert --synthetic llama-3.2-1b --quantize 4 --output /root/m1b
 # (the same directory, byte for byte, as with the real file), e.g. for kernel variants A/B'd
 # by scripts/lab/gpu-ab.sh. Tests and benches of SmolLM2 itself need the real file.
+# With LAB=1 also gpu-bin/timings (crates/lab, the engine built again with its `lab`
+# feature: a few more minutes), for `timings few qgemm` and the like.
 # With KERNEL_CACHE=1 also gpu-bin/m2/kernels.tar.xz (~7 MB): every kernel variant compiled
 # here for sm_90 with NVRTC (`ferrolm kernels --arch sm_90 --prune`, no GPU needed; kept in
 # gpu-bin/khome, so a later staging compiles only what changed: ~13 min on 2 cores from
@@ -51,6 +53,10 @@ gemma=$(dirname "$model")/gemma-3-270m-q4_k_m.gguf
 rm -rf gpu-bin/g[1-5] && mkdir -p gpu-bin/g1 gpu-bin/g2 gpu-bin/g3 gpu-bin/g4 gpu-bin/g5
 split -b 52000000 -d -a 1 "$gemma" gpu-bin/gemma.part
 for i in 0 1 2 3 4; do mv "gpu-bin/gemma.part$i" "gpu-bin/g$((i + 1))/"; done
+if [[ ${LAB:-0} == 1 ]]; then
+  cargo build --profile gpu -p ferrolm-lab --bin timings
+  cp "${CARGO_TARGET_DIR:-target}"/gpu/timings gpu-bin/timings
+fi
 if [[ ${KERNEL_CACHE:-0} == 1 ]]; then
   source scripts/nvrtc-env.sh
   FERROLM_HOME=gpu-bin/khome "${CARGO_TARGET_DIR:-target}"/gpu/ferrolm kernels --arch sm_90 --prune
