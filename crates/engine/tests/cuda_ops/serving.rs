@@ -48,9 +48,11 @@ fn sixteen_requests_together_give_what_each_gives_alone() {
     let reqs = |ps: &[Vec<u32>]| -> Vec<Request> {
         ps.iter().enumerate().map(|(i, p)| request(p.clone(), i % 5 == 0)).collect()
     };
-    let e =
-        Engine::start(|| Ok(smollm2_cuda(CudaConfig::default())), EngineConfig { max_batch: 16, ..Default::default() })
-            .unwrap();
+    let e = Engine::start(
+        || Ok(smollm2_cuda(CudaConfig::default())),
+        EngineConfig { max_batch: 16, kv_memory: Some(256 << 20), ..Default::default() },
+    )
+    .unwrap();
     let together = run(&e, reqs(&prompts));
     for (i, p) in prompts.iter().enumerate() {
         let alone = run(&e, vec![request(p.clone(), i % 5 == 0)]);
