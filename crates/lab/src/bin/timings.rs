@@ -32,6 +32,8 @@ use ferrolm_lab::timing::{attn_cfg, bf, cpu, graph_time, report, stream_time, Ch
 
 const USAGE: &str =
     "usage: timings [gemv|attention|sampling|flash|qgemm|few|all]... [--copies N] [--timing-only] [--seed S]";
+/// The H200's bf16 dense matmul rate as measured (GPU-FACTS.md), FLOP/s.
+const BF16_DENSE_FLOPS: f64 = 790e12;
 const ALL: [&str; 6] = ["gemv", "attention", "sampling", "flash", "qgemm", "few"];
 
 /// What a timing section gets: the device, fresh random inputs, the checks and the options.
@@ -424,9 +426,13 @@ fn few_token_gemm(lab: &mut Session) -> Result<()> {
             };
             let (small, tiled, gemv) = (time(Some(QgemmKernel::Small))?, time(Some(QgemmKernel::Tiled))?, time(None)?);
             let gbs = |us: f64| w.byte_size() as f64 / us / 1e3;
+            // The fraction of the H200's measured bf16 dense matmul rate (GPU-FACTS.md: 790
+            // TFLOP/s at 8192³ in PyTorch) the few-token kernel's tensor work reaches.
+            let bf16_share = 2.0 * (m * rows * cols) as f64 / (small * 1e-6) / BF16_DENSE_FLOPS;
             println!(
-                "{name} {rows}×{cols} m{m}: few-token {small:.2} µs ({:.0} GB/s), tiled {tiled:.2} µs ({:.0} GB/s), GEMV path {gemv:.2} µs",
+                "{name} {rows}×{cols} m{m}: few-token {small:.2} µs ({:.0} GB/s, {:.1}% of bf16 dense), tiled {tiled:.2} µs ({:.0} GB/s), GEMV path {gemv:.2} µs",
                 gbs(small),
+                100.0 * bf16_share,
                 gbs(tiled)
             );
         }
