@@ -55,14 +55,14 @@ impl<B: Backend> Decoder<B> {
     /// span's rows in turn, their K/V going into `store` through the spans' tables. Returns
     /// the logits of each span's last row, `[spans, V]`.
     pub fn forward_spans(&self, tokens: &[u32], spans: &[Span<'_>], store: &mut B::Kv) -> Result<Vec<f32>> {
-        let outs = self.forward_spans_out(tokens, spans, store, &vec![true; spans.len()])?;
-        Ok(outs
-            .into_iter()
-            .flat_map(|o| match o {
-                RowOut::Logits(l) => l,
-                RowOut::Token(_) => unreachable!("every row asked for its logits"),
-            })
-            .collect())
+        let mut logits = Vec::with_capacity(spans.len() * self.logits_width);
+        for out in self.forward_spans_out(tokens, spans, store, &vec![true; spans.len()])? {
+            match out {
+                RowOut::Logits(l) => logits.extend(l),
+                RowOut::Token(_) => return Err(crate::Error::Invalid("forward_spans: a row without logits".into())),
+            }
+        }
+        Ok(logits)
     }
 
     /// `forward_spans` where span i's last row comes back as its logits where `logits[i]`,
