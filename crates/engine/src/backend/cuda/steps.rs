@@ -152,8 +152,8 @@ impl Steps {
     /// a fed step's token and position are on the device), the head rows and the spans'
     /// block tables (concatenated, per kind) into the pinned staging buffers. Tokens past
     /// the spans' rows are a padded call's: position -1 (they write and attend nothing).
-    /// Buffers grow growing them (and dropping
-    /// captured graphs that point at the old ones) when a call has more rows or tables.
+    /// The buffers grow (dropping the captured graphs that point at the old ones) when a
+    /// call has more rows or tables.
     fn stage(&self, ctx: &Context, tokens: &[u32], spans: &[Span<'_>], tables_only: bool) -> Result<()> {
         let mut st = self.staged.lock().unwrap_or_else(|e| e.into_inner());
         let rows = tokens.len().max(spans.iter().map(|s| s.rows).sum());
