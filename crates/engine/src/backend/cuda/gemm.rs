@@ -9,13 +9,15 @@
 //! Up to [`SMALL_M`] tokens run on the few-token kernels (gemm_small.cuh: blocks of 8 rows,
 //! K split over 8 warps in 256-value chunks); both kernels share qgemm.cuh's arithmetic, so
 //! a row's outputs have the same bits whichever ran and however many tokens the call has
-//! (the serving engine's batch invariance rests on this).
+//! (the serving engine's batch invariance rests on this). The wide tiles (128 tokens a
+//! block, `CudaConfig::gemm_wide_tiles`) share it too.
 //!
 //! What it runs: affine weights of 2, 4 or 8 bits, any group the CUDA backend loads, any
 //! number of rows and tokens, cols a multiple of 32 (every 2- and 4-bit tensor; 8-bit
 //! tensors whose cols is an odd multiple of 16 are refused). Dense weights are refused.
 //! Refusals are errors, never a silent fallback: callers check [`Cuda::qgemm_supported`]
-//! first and use the GEMV otherwise (which is also the better choice for a few tokens).
+//! first and use the GEMV otherwise (outside the serving engine's calls, also the better
+//! choice below 16 tokens: prefill.rs).
 
 use super::context::Order;
 use super::device::Cuda;
