@@ -108,10 +108,26 @@ fn captured_calls_give_the_launched_calls_bits() {
         (0, _) => 0,
         _ => 1 + (step + i) % 3,
     };
+    // The calls after the first: each request's 1 to 3 rows while it has any.
+    let (mut left, mut calls) = (prompts.iter().map(Vec::len).collect::<Vec<_>>(), 0);
+    left[2] -= 70;
+    for step in 1.. {
+        let mut any = false;
+        for (i, l) in left.iter_mut().enumerate() {
+            let rows = plan(step, i, *l).min(*l);
+            *l -= rows;
+            any |= rows > 0;
+        }
+        if !any {
+            break;
+        }
+        calls += 1;
+    }
     let before = graphs.backend.captures();
     let a = run(&graphs, &prompts, plan);
     let captured = graphs.backend.captures() - before;
-    assert!((1..=16).contains(&captured), "{captured} calls captured");
+    // One capture per (padded rows, padded head rows): at most 5 × 3, fewer than the calls.
+    assert!((1..=15).contains(&captured) && captured < calls, "{captured} captures for {calls} calls");
     let b = run(&launched, &prompts, plan);
     assert_eq!(launched.backend.captures(), 0, "call_graphs off captured calls");
     let mut compared = 0;
@@ -123,10 +139,11 @@ fn captured_calls_give_the_launched_calls_bits() {
         compared += 1;
     }
     assert!(compared >= 20 * graphs.logits_width(), "{compared} logits compared");
-    // The same calls again replay what was captured.
+    // The same calls on a new store: its own graphs (a graph bakes in the store), as many,
+    // and the same bits.
     let again = graphs.backend.captures();
     let c = run(&graphs, &prompts, plan);
-    assert_eq!(graphs.backend.captures(), again, "a second run captured new calls");
+    assert_eq!(graphs.backend.captures() - again, captured, "a new store's captures");
     assert!(a.iter().flatten().zip(c.iter().flatten()).all(|(x, y)| x.to_bits() == y.to_bits()));
 }
 
