@@ -2,14 +2,14 @@
 // with qgemm.cuh's arithmetic, so every element has the bits the tiled kernel gives it at any
 // token count. Launcher: backend/cuda/gemm.rs.
 //
-// Design. A block of SMALL_WARPS warps owns SMALL_ROWS = 8 output rows (one n8 tile) and all
-// m tokens (MT m16 tiles). Warp w computes the CHUNK_K chunks w, w + SMALL_WARPS, ...: each
-// chunk's 16 k16 steps as one mma chain per m16 tile from zero; the chunk sums go to shared
-// memory and the block adds them in chunk order into totals (each thread owns a few
-// outputs), a round of SMALL_WARPS chunks at a time. So the weights stream through
-// rows/8 × SMALL_WARPS warps at once, instead of the tiled kernel's rows/64 blocks each
-// walking all of K (at one token, the 1B's down projection was 32 blocks of 128 serial
-// steps).
+// Design. A block of NW warps (the launcher's: one per CHUNK_K chunk of K, at most
+// SMALL_WARPS) owns SMALL_ROWS = 8 output rows (one n8 tile) and all m tokens (MT m16
+// tiles). Warp w computes the chunks w, w + NW, ...: each chunk's 16 k16 steps as one mma
+// chain per m16 tile from zero; the chunk sums go to shared memory and the block adds them
+// in chunk order into totals (in shared memory, each output owned by one thread), a round
+// of NW chunks at a time. So the weights stream through rows/8 × NW warps at once, instead
+// of the tiled kernel's rows/64 blocks each walking all of K (at one token, the 1B's down
+// projection was 32 blocks of 128 serial steps). The warp count changes no bit.
 //   - Lane (g, tg) = (lane >> 2, lane & 3) multiplies weight row r0 + g (the B fragment's
 //     column g). The four lanes of a row load its chunk a quarter each (64 values: 2·BITS
 //     words, 16-byte loads or 8-byte ones at 2 bits), and the chunk's scales and biases
@@ -20,7 +20,7 @@
 //   - A fragments are read straight from global memory (a few cached rows), zero past m and
 //     past cols.
 
-#define SMALL_WARPS 8
+#define SMALL_WARPS 8                          // the most warps a block has
 #define SMALL_THREADS (SMALL_WARPS * 32)
 #define SMALL_ROWS 8                           // output rows per block: one n8 tile
 #define CHUNK_STEPS (CHUNK_K / 16)             // k16 steps per chunk
@@ -132,17 +132,18 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[NM][MT][4], const ChunkW 
     }
 }
 
-// grid (ceil(rows / 8)), block SMALL_THREADS, m ≤ 16·MT. GLU: gate and up of the same rows,
-// out bf16 act(gate)·up (glu_value), act 0 silu, 1 gelu (tanh).
+// grid (ceil(rows / 8)), block 32·min(SMALL_WARPS, ceil(cols / CHUNK_K)), m ≤ 16·MT. GLU:
+// gate and up of the same rows, out bf16 act(gate)·up (glu_value), act 0 silu, 1 gelu (tanh).
 template <int MT, bool OUT_F32, bool GLU>
 __device__ __forceinline__ void qgemm_small_body(QMat gate, QMat up, const bf16_t* __restrict__ x,
                                                  void* __restrict__ out, int rows, int cols, int m, int act) {
     constexpr int NM = GLU ? 2 : 1;
     constexpr int NOUT = 16 * MT * SMALL_ROWS;  // a block's outputs, token-major: o = t·8 + n
-    constexpr int OPT = (NOUT + SMALL_THREADS - 1) / SMALL_THREADS;
     __shared__ float part[NM][SMALL_WARPS][NOUT];
+    __shared__ float tot[NM][NOUT];
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, tg = lane & 3;
+    const int nt = blockDim.x, nw = nt >> 5;
     const int r0 = blockIdx.x * SMALL_ROWS;
     const bool row_ok = r0 + g < rows;
     const int row = row_ok ? r0 + g : 0;  // pointers stay inside the tensor
@@ -150,19 +151,17 @@ __device__ __forceinline__ void qgemm_small_body(QMat gate, QMat up, const bf16_
     const int nchunk = (kend + CHUNK_K - 1) / CHUNK_K;
     const QMat mats[2] = {gate, up};
 
-    float tot[NM][OPT];
+    for (int o = tid; o < NOUT; o += nt)
 #pragma unroll
-    for (int n = 0; n < NM; n++)
-#pragma unroll
-        for (int j = 0; j < OPT; j++) tot[n][j] = 0.f;
+        for (int n = 0; n < NM; n++) tot[n][o] = 0.f;  // read after the round's barriers
 
     ChunkW cur[NM], nxt[NM];
     if (warp < nchunk)
 #pragma unroll
         for (int n = 0; n < NM; n++) load_chunk(cur[n], mats[n], row, row_ok, warp, cols, tg);
 
-    for (int base = 0; base < nchunk; base += SMALL_WARPS) {
-        const int c = base + warp, cn = c + SMALL_WARPS;
+    for (int base = 0; base < nchunk; base += nw) {
+        const int c = base + warp, cn = c + nw;
         if (cn < nchunk)
 #pragma unroll
             for (int n = 0; n < NM; n++) load_chunk(nxt[n], mats[n], row, row_ok, cn, cols, tg);
@@ -187,32 +186,30 @@ __device__ __forceinline__ void qgemm_small_body(QMat gate, QMat up, const bf16_
                 }
         }
         __syncthreads();
-        const int here = min(SMALL_WARPS, nchunk - base);
+        const int here = min(nw, nchunk - base);
+        for (int o = tid; o < NOUT; o += nt)
 #pragma unroll
-        for (int j = 0; j < OPT; j++) {
-            const int o = tid + j * SMALL_THREADS;
-            if (o >= NOUT) break;
-#pragma unroll
-            for (int n = 0; n < NM; n++)
-                for (int w = 0; w < here; w++) tot[n][j] += part[n][w][o];  // chunk order
-        }
+            for (int n = 0; n < NM; n++) {
+                float t = tot[n][o];
+                for (int w = 0; w < here; w++) t += part[n][w][o];  // chunk order
+                tot[n][o] = t;
+            }
         if (cn < nchunk)
 #pragma unroll
             for (int n = 0; n < NM; n++) cur[n] = nxt[n];
     }
 
-#pragma unroll
-    for (int j = 0; j < OPT; j++) {
-        const int o = tid + j * SMALL_THREADS;
+    // Each thread stores the totals it summed (no other thread wrote them).
+    for (int o = tid; o < NOUT; o += nt) {
         const int t = o / SMALL_ROWS, r = r0 + o % SMALL_ROWS;
-        if (o >= NOUT || t >= m || r >= rows) continue;
+        if (t >= m || r >= rows) continue;
         const size_t at = (size_t)t * rows + r;
         if constexpr (GLU) {
-            reinterpret_cast<bf16_t*>(out)[at] = f2bf(glu_value(tot[0][j], tot[1][j], act));
+            reinterpret_cast<bf16_t*>(out)[at] = f2bf(glu_value(tot[0][o], tot[1][o], act));
         } else if constexpr (OUT_F32) {
-            reinterpret_cast<float*>(out)[at] = tot[0][j];
+            reinterpret_cast<float*>(out)[at] = tot[0][o];
         } else {
-            reinterpret_cast<bf16_t*>(out)[at] = f2bf(tot[0][j]);
+            reinterpret_cast<bf16_t*>(out)[at] = f2bf(tot[0][o]);
         }
     }
 }

@@ -7,9 +7,9 @@
 //! 2⁻⁹ relative per weight, well inside the 1e-2 parity tolerance.
 //!
 //! Up to [`SMALL_M`] tokens run on the few-token kernels (gemm_small.cuh: blocks of 8 rows,
-//! K split over 8 warps in 256-value chunks); both kernels share qgemm.cuh's arithmetic, so
-//! a row's outputs have the same bits whichever ran and however many tokens the call has
-//! (the serving engine's batch invariance rests on this). The wide tiles (128 tokens a
+//! K split over up to 8 warps in 256-value chunks); both kernels share qgemm.cuh's
+//! arithmetic, so a row's outputs have the same bits whichever ran and however many tokens
+//! the call has (the serving engine's batch invariance rests on this). The wide tiles (128 tokens a
 //! block, `CudaConfig::gemm_wide_tiles`) share it too.
 //!
 //! What it runs: affine weights of 2, 4 or 8 bits, any group the CUDA backend loads, any
@@ -38,9 +38,11 @@ const COLS_MULTIPLE: usize = 32;
 pub const SMALL_M: usize = 64;
 /// Tokens of the few-token kernel's one-tile form (_m1).
 const SMALL_M1: usize = 16;
-/// Output rows per few-token block and its threads (gemm_small.cuh's SMALL_ROWS, SMALL_THREADS).
+/// Output rows per few-token block and its most warps (gemm_small.cuh's SMALL_ROWS,
+/// SMALL_WARPS); a block has a warp per 256-value chunk of K up to that.
 const SMALL_ROWS: usize = 8;
-const SMALL_THREADS: u32 = 256;
+const SMALL_WARPS: usize = 8;
+const CHUNK_K: usize = 256;
 /// Fewer tokens than this leave half of a wide tile idle: Auto keeps the 64-token tiles.
 pub const WIDE_MIN_M: usize = 128;
 
@@ -56,18 +58,19 @@ pub enum QgemmKernel {
     /// twice the tokens. Auto takes it past [`WIDE_MIN_M`] tokens where
     /// `CudaConfig::gemm_wide_tiles`.
     Wide,
-    /// Eight rows per block, K over warps (gemm_small.cuh), up to [`SMALL_M`] tokens.
+    /// Eight rows per block, K over up to 8 warps (gemm_small.cuh), up to [`SMALL_M`] tokens.
     Small,
 }
 
 impl QgemmKernel {
-    /// The kernel name for `base` ("qgemm", "qgemm_f32", "qgemm_glu") at m tokens, and its
-    /// launch shape for `rows` outputs (`rows_per_tile`: the tiled kernel's rows per block).
+    /// The kernel name for `base` ("qgemm", "qgemm_f32", "qgemm_glu") at m tokens of cols
+    /// values, and its launch shape for `rows` outputs (`rows_per_tile`: the tiled kernel's
+    /// rows per block).
     /// `wide`: whether Auto may take the wide tiles.
     fn pick(
         self,
         base: &str,
-        m: usize,
+        (m, cols): (usize, usize),
         (rows, rows_per_tile): (usize, usize),
         wide: bool,
     ) -> Result<(String, LaunchConfig)> {
@@ -84,7 +87,8 @@ impl QgemmKernel {
             let tiles = if m <= SMALL_M1 { 1 } else { 4 };
             let name = format!("{}_m{tiles}", base.replacen("qgemm", "qgemm_small", 1));
             let grid = (rows.div_ceil(SMALL_ROWS) as u32, 1, 1);
-            return Ok((name, LaunchConfig { grid_dim: grid, block_dim: (SMALL_THREADS, 1, 1), shared_mem_bytes: 0 }));
+            let threads = 32 * cols.div_ceil(CHUNK_K).clamp(1, SMALL_WARPS) as u32;
+            return Ok((name, LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: 0 }));
         }
         let (tokens, suffix) = match kernel {
             QgemmKernel::Wide => (2 * TILE_TOKENS, "_w128"),
@@ -142,7 +146,7 @@ impl Cuda {
         }
         let f32_out = matches!(out.buf, ActBuf::F32(_));
         let base = if f32_out { "qgemm_f32" } else { "qgemm" };
-        let (name, cfg) = kernel.pick(base, x.rows, (rows, TILE_ROWS), self.cfg.gemm_wide_tiles)?;
+        let (name, cfg) = kernel.pick(base, (x.rows, cols), (rows, TILE_ROWS), self.cfg.gemm_wide_tiles)?;
         let func = self.function(kernels::file("gemm.cu"), defines, &name)?;
         let (rows_i, cols_i, m_i) = (rows as i32, cols as i32, x.rows as i32);
         let args = [
@@ -200,7 +204,8 @@ impl Cuda {
         if [*rows, *cols, x.rows].iter().any(|&v| i32::try_from(v).is_err()) {
             return Ok(false);
         }
-        let (name, cfg) = kernel.pick("qgemm_glu", x.rows, (*rows, TILE_ROWS / 2), self.cfg.gemm_wide_tiles)?;
+        let (name, cfg) =
+            kernel.pick("qgemm_glu", (x.rows, *cols), (*rows, TILE_ROWS / 2), self.cfg.gemm_wide_tiles)?;
         let func = self.function(kernels::file("gemm.cu"), defines, &name)?;
         let args = [
             self.arg(gw),
