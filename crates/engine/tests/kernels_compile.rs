@@ -10,18 +10,21 @@ use ferrolm::backend::cuda::{kernels, nvrtc};
 /// `--Ofast-compile=max`: the same front end, template instantiation and PTX assembly to a
 /// real sm_90 CUBIN (so any kernel that does not compile still fails), with less
 /// optimization. All of gemv.cu at full optimization was 20 of CI's 25 minutes of compiling
-/// (12–22 s a variant against 3–4 s quick, 2 cores), so the full pass keeps what the
-/// measured paths run: every file but gemv.cu in every format (each ~1 s), and gemv.cu in
-/// the default format of `convert --quantize 4` and the synthetic models (4-bit, group 64,
-/// bf16 scales), both x stagings. The other 35 formats of gemv.cu and its knob-only
-/// variants (ring, megakernel, split-K, fused layer end, attention block, warps, trace)
-/// compile quickly.
+/// (12–22 s a variant against 3–4 s quick, 2 cores), and gemm.cu with its few-token and
+/// wide forms takes 6–8 s a variant against ~1 s quick, so the full pass keeps what the
+/// measured paths run: every other file in every format (each ~1 s); gemv.cu in the default
+/// format of `convert --quantize 4` and the synthetic models (4-bit, group 64, bf16
+/// scales), both x stagings; gemm.cu in that format and in the Q4_0 GGUFs' (4-bit, group
+/// 32, f16 scales). The other formats of both and gemv.cu's knob-only variants (ring,
+/// megakernel, split-K, fused layer end, attention block, warps, trace) compile quickly.
 fn full_optimization(file: &str, defines: &[String]) -> bool {
+    let format = |f: [&str; 3]| defines.len() >= 3 && defines[..3].iter().zip(f).all(|(d, f)| d == f);
     let default_format = ["BITS=4", "GROUP=64", "SCALE_T=1"];
-    file != "gemv.cu"
-        || (defines.len() == 4
-            && defines[..3].iter().zip(default_format).all(|(d, f)| d == f)
-            && defines[3].starts_with("XQ="))
+    match file {
+        "gemv.cu" => defines.len() == 4 && format(default_format) && defines[3].starts_with("XQ="),
+        "gemm.cu" => format(default_format) || format(["BITS=4", "GROUP=32", "SCALE_T=0"]),
+        _ => true,
+    }
 }
 
 #[test]
@@ -30,8 +33,9 @@ fn every_kernel_variant_compiles_for_sm90() {
     let variants = kernels::all_variants();
     assert!(variants.len() >= 40, "{} variants", variants.len());
     let full = variants.iter().filter(|(f, d)| full_optimization(f.name, d)).count();
-    // The default format's two gemv.cu variants and every other file's variants.
-    assert!(full >= 2 + 36 * 2, "{full} variants at full optimization");
+    // The default format's two gemv.cu variants, two of gemm.cu's and every other file's
+    // variants (affine.cu's 36 formats among them).
+    assert!(full >= 2 + 2 + 36, "{full} variants at full optimization");
     // NVRTC is thread-safe: compile on every core (CI's wall time is mostly this), one
     // variant per rayon task, so an idle core takes the next one: the variants' costs
     // differ by 10× and more, and contiguous halves left one of two cores idle at the end.
