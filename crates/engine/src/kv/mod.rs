@@ -135,5 +135,34 @@ mod tests {
         assert_eq!(row_of(&t, BLOCK + 3), 2 * BLOCK + 3);
         let s = [Span { rows: 2, pos0: 7, full: &t, sliding: &[] }, Span { rows: 1, pos0: 0, full: &t, sliding: &[] }];
         assert_eq!(row_positions(&s), vec![(0, 7), (0, 8), (1, 0)]);
+        assert_eq!(span_ends(&s), vec![1, 2]);
+    }
+
+    /// The CPU's gather of each span's last row (what the serving calls' head reads): the
+    /// rows past the spans get row 0; shapes that do not fit are refused.
+    #[test]
+    fn last_rows_are_gathered_and_bad_shapes_refused() {
+        use crate::backend::cpu::{Cpu, CpuAct};
+        use crate::backend::Backend;
+        let t = [0u32];
+        let spans =
+            [Span { rows: 2, pos0: 0, full: &t, sliding: &[] }, Span { rows: 3, pos0: 0, full: &t, sliding: &[] }];
+        let x = CpuAct { rows: 5, cols: 2, data: (0..10).map(|v| v as f32).collect() };
+        let mut out = CpuAct { rows: 4, cols: 2, data: vec![f32::NAN; 8] };
+        Cpu.gather_last_rows(&x, &spans, &mut out).unwrap();
+        assert_eq!(out.data, [2.0, 3.0, 8.0, 9.0, 0.0, 1.0, 0.0, 1.0]);
+        let mut narrow = CpuAct { rows: 1, cols: 2, data: vec![0.0; 2] };
+        assert!(Cpu.gather_last_rows(&x, &spans, &mut narrow).is_err(), "fewer rows than spans");
+        let short = CpuAct { rows: 4, cols: 2, data: vec![0.0; 8] };
+        assert!(Cpu.gather_last_rows(&short, &spans, &mut out).is_err(), "a span past x's rows");
+        let mut ids = CpuAct { rows: 5, cols: 1, data: vec![f32::NAN; 5] };
+        let y = CpuAct {
+            rows: 5,
+            cols: 3,
+            data: vec![1.0, 3.0, 3.0, 0.0, -1.0, -2.0, 5.0, 5.0, 5.0, f32::NAN, 1.0, 0.5, -1.0, -1.0, 2.0],
+        };
+        Cpu.argmax_rows(&y, &mut ids).unwrap();
+        assert_eq!(ids.data, [1.0, 0.0, 0.0, 0.0, 2.0]);
+        assert!(Cpu.argmax_rows(&y, &mut CpuAct { rows: 4, cols: 1, data: vec![0.0; 4] }).is_err());
     }
 }
