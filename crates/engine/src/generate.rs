@@ -375,7 +375,7 @@ impl<'m, B: Backend> Session<'m, B> {
         let mut history = prompt.to_vec();
         // Greedy without penalties needs no logits on the host: the device picks the token.
         // Top-k sampling needs only the k best: the device finds them, the host draws.
-        let greedy = sampler.cfg.temperature == 0.0 && !sampler.penalized();
+        let greedy = sampler.plain_greedy();
         let b = &self.model.backend;
         let top_k =
             b.top_k_preferred() && sampler.top_k_on_device(self.model.logits_width(), crate::backend::TOP_K_MAX);

@@ -9,8 +9,8 @@
 //! Up to [`SMALL_M`] tokens run on the few-token kernels (gemm_small.cuh: blocks of 8 rows,
 //! K split over up to 8 warps in 256-value chunks); both kernels share qgemm.cuh's
 //! arithmetic, so a row's outputs have the same bits whichever ran and however many tokens
-//! the call has (the serving engine's batch invariance rests on this). The wide tiles (128 tokens a
-//! block, `CudaConfig::gemm_wide_tiles`) share it too.
+//! the call has (the serving engine's batch invariance rests on this). The wide tiles (128
+//! tokens a block, `CudaConfig::gemm_wide_tiles`) share it too.
 //!
 //! What it runs: affine weights of 2, 4 or 8 bits, any group the CUDA backend loads, any
 //! number of rows and tokens, cols a multiple of 32 (every 2- and 4-bit tensor; 8-bit
@@ -65,8 +65,7 @@ pub enum QgemmKernel {
 impl QgemmKernel {
     /// The kernel name for `base` ("qgemm", "qgemm_f32", "qgemm_glu") at m tokens of cols
     /// values, and its launch shape for `rows` outputs (`rows_per_tile`: the tiled kernel's
-    /// rows per block).
-    /// `wide`: whether Auto may take the wide tiles.
+    /// rows per block). `wide`: whether Auto may take the wide tiles.
     fn pick(
         self,
         base: &str,

@@ -73,7 +73,7 @@ impl Backend for Cuda {
         self.steps.step(self, key, tokens, spans, f)
     }
     fn call_rows(&self, m: usize) -> Option<usize> {
-        (self.cfg.call_graphs && m <= super::SMALL_M).then(|| m.next_power_of_two())
+        self.captures_calls_of(m).then(|| m.next_power_of_two())
     }
     fn store_id(&self, kv: &CudaKv) -> u64 {
         kv.id
@@ -85,7 +85,7 @@ impl Backend for Cuda {
         spans: &[Span<'_>],
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
-        match self.cfg.call_graphs && tokens.len() <= super::SMALL_M {
+        match self.captures_calls_of(tokens.len()) {
             true => self.steps.call(self, key, tokens, spans, f),
             false => f(),
         }
@@ -328,6 +328,14 @@ impl Backend for Cuda {
                 h.into_iter().map(|v| half::bf16::from_bits(v).to_f32()).collect()
             }
         })
+    }
+}
+
+impl Cuda {
+    /// Whether serving calls of `m` rows are captured and replayed (`call_rows`,
+    /// `forward_call`): with `call_graphs`, up to the few-token GEMM's rows.
+    fn captures_calls_of(&self, m: usize) -> bool {
+        self.cfg.call_graphs && m <= super::SMALL_M
     }
 }
 

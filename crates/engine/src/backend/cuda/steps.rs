@@ -208,10 +208,7 @@ impl Steps {
                 *d = p;
             }
             let sh = s.sel_host.as_mut_slice().map_err(drv("writing head rows"))?;
-            let ends = spans.iter().scan(0, |end, sp| {
-                *end += sp.rows;
-                Some(*end as i32 - 1)
-            });
+            let ends = crate::kv::span_ends(spans).into_iter().map(|r| r as i32);
             for (d, r) in sh.iter_mut().zip(ends.chain(std::iter::repeat(0))) {
                 *d = r;
             }
@@ -330,8 +327,14 @@ impl Steps {
         // Stage first: a new staging buffer drops stale graphs before we look one up.
         self.invariant.store(false, Relaxed);
         self.stage(ctx, tokens, spans, false)?;
+        self.replay_or_capture(ctx, key, f)
+    }
+
+    /// Replay the graph kept under `key`, or make it: a dry pass of `f` (buffers and kernels
+    /// made outside the graph), then its capture and launch.
+    fn replay_or_capture(&self, ctx: &Context, key: u64, f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         if let Some(g) = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-            return g.0.launch().map_err(drv("replaying the decode graph"));
+            return g.0.launch().map_err(drv("replaying a captured graph"));
         }
         ctx.dry_pass(f)?;
         self.capture_and_launch(ctx, key, f)
@@ -356,11 +359,7 @@ impl Steps {
         let key =
             CALL_TAG | (store & 0xffff) << 44 | u64::from(splits.trailing_zeros()) << 36 | (key & ((1 << 36) - 1));
         self.call_splits.store(splits, Relaxed);
-        let graph = self.graphs.lock().unwrap_or_else(|e| e.into_inner()).get(&key).map(|g| g.0.launch());
-        let r = match graph {
-            Some(launched) => launched.map_err(drv("replaying a forward call's graph")),
-            None => ctx.dry_pass(f).and_then(|()| self.capture_and_launch(ctx, key, f)),
-        };
+        let r = self.replay_or_capture(ctx, key, f);
         self.call_splits.store(0, Relaxed);
         r
     }
