@@ -60,10 +60,7 @@ fn run_batched(
             break;
         }
         let tokens: Vec<u32> = plan.iter().flat_map(|&(i, len, rows)| prompts[i][len..len + rows].to_vec()).collect();
-        let spans: Vec<Span<'_>> = plan
-            .iter()
-            .map(|&(i, len, rows)| Span { rows, pos0: len, full: &seqs[i].full, sliding: &seqs[i].sliding })
-            .collect();
+        let spans: Vec<Span<'_>> = plan.iter().map(|&(i, _, rows)| seqs[i].span(rows)).collect();
         let want_logits: Vec<bool> = plan.iter().map(|&(i, ..)| (step + i) % 2 == 0).collect();
         let outs = model.forward_spans_out(&tokens, &spans, &mut store, &want_logits).unwrap();
         for (&(i, len, rows), got) in plan.iter().zip(outs) {

@@ -30,6 +30,13 @@ pub struct SeqKv {
     hashes: Vec<u64>,
 }
 
+impl SeqKv {
+    /// A forward call's `rows` rows of this sequence, from its first unwritten position.
+    pub fn span(&self, rows: usize) -> super::Span<'_> {
+        super::Span { rows, pos0: self.len, full: &self.full, sliding: &self.sliding }
+    }
+}
+
 pub struct PagedKv {
     pub block: usize,
     /// Positions before a step's window whose sliding blocks are still kept (for steps

@@ -5,7 +5,6 @@ use super::caches::Caches;
 use super::worker::{End, Seq, Worker};
 use super::{Failure, FailureKind};
 use crate::backend::Backend;
-use crate::kv::Span;
 use crate::model::RowOut;
 use crate::Result;
 
@@ -109,7 +108,7 @@ fn forward<B: Backend>(
         let s = &running[i];
         let kv = s.place.as_ref().expect("planned requests hold a place");
         tokens.extend_from_slice(&s.history[kv.len..kv.len + rows]);
-        spans.push(Span { rows, pos0: kv.len, full: &kv.full, sliding: &kv.sliding });
+        spans.push(kv.span(rows));
         logits.push(kv.len + rows == s.history.len() && s.wants_logits());
     }
     model.forward_spans_out(&tokens, &spans, &mut caches.store, &logits)

@@ -41,10 +41,7 @@ fn run<B: Backend>(
             continue;
         }
         let tokens: Vec<u32> = call.iter().flat_map(|&(i, len, rows)| prompts[i][len..len + rows].to_vec()).collect();
-        let spans: Vec<Span<'_>> = call
-            .iter()
-            .map(|&(i, len, rows)| Span { rows, pos0: len, full: &seqs[i].full, sliding: &seqs[i].sliding })
-            .collect();
+        let spans: Vec<Span<'_>> = call.iter().map(|&(i, _, rows)| seqs[i].span(rows)).collect();
         let logits = model.forward_spans(&tokens, &spans, &mut store).unwrap();
         for (&(i, len, rows), row) in call.iter().zip(logits.chunks_exact(v)) {
             let at = len + rows - 1;
@@ -163,11 +160,7 @@ fn device_argmax_of_a_call_is_the_hosts() {
         paged.reserve(s, p.len()).unwrap();
     }
     let tokens: Vec<u32> = prompts.concat();
-    let spans: Vec<Span<'_>> = seqs
-        .iter()
-        .zip(&prompts)
-        .map(|(s, p)| Span { rows: p.len(), pos0: 0, full: &s.full, sliding: &s.sliding })
-        .collect();
+    let spans: Vec<Span<'_>> = seqs.iter().zip(&prompts).map(|(s, p)| s.span(p.len())).collect();
     let v = mg.logits_width();
     let logits = mg.forward_spans(&tokens, &spans, &mut store).unwrap();
     // The same positions again (the same keys and values rewritten), two rows as tokens.

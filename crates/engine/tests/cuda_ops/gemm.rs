@@ -127,14 +127,14 @@ fn to_bits(v: &[f32]) -> Vec<u32> {
 
 /// Each of `kernels` gives the tiled kernel's bits for every element at each token count of
 /// `ms`, in every form (bf16 and f32 out, GLU). Shapes: rows not a multiple of 8 or 64, cols
-/// with a partial chunk, a half 64-step (544) and more chunks than the few-token kernel's
-/// warps (4160: three rounds); each bit width.
+/// with a partial chunk, a half 64-step (544), under one chunk (192) and more chunks than
+/// the few-token kernel's warps (4160: three rounds); each bit width.
 fn same_bits_as_tiled(kernels: &[QgemmKernel], ms: &[usize]) {
     let (g, mut r) = (gpu(), Rng::seeded());
     for (n, k, bits, group, dt) in [
         (203, 544, 4, 32, ScaleDtype::F16),
         (61, 4160, 4, 64, ScaleDtype::BF16),
-        (64, 96, 2, 16, ScaleDtype::F32),
+        (64, 192, 2, 16, ScaleDtype::F32),
         (37, 1152, 8, 128, ScaleDtype::F16),
         (130, 256, 2, 128, ScaleDtype::BF16),
     ] {

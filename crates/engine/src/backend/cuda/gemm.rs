@@ -62,6 +62,26 @@ pub enum QgemmKernel {
     Small,
 }
 
+/// Whether the few-token kernel beats the tiled one at m tokens over `rows` rows (of each
+/// matrix: gate and up for the GLU form), by a cost model fitted to `timings few` on the H200
+/// (docs/perf-log.md Session 30; it picks the faster kernel in every 1B and 8B case measured
+/// but the 1B down projection at 64 tokens, within 16% there). The few-token kernel costs a
+/// time per weight element that grows with the tokens (each block of 8 rows reads all of x):
+/// about 1.0 ps at ≤ 4 tokens, 1.6 at ≤ 16, 0.095·m past that. The tiled kernel walks K in
+/// 64-wide steps, one at a time per block, about 12 ns per K column, longer once its
+/// blocks pass about 160 (its occupancy). Both sides scale with cols, so it cancels. The
+/// kernels give the same bits, so this choice changes speed only.
+fn small_is_faster(base: &str, m: usize, rows: usize, tiled_blocks: usize) -> bool {
+    let mats = if base.contains("glu") { 2.0 } else { 1.0 };
+    let ps_per_element = match m {
+        0..=4 => 1.0,
+        5..=16 => 1.6,
+        _ => 0.095 * m as f64,
+    };
+    let tiled_ps_per_col = 12_000.0 * (tiled_blocks as f64 / 160.0).max(1.0);
+    ps_per_element * mats * rows as f64 <= tiled_ps_per_col
+}
+
 impl QgemmKernel {
     /// The kernel name for `base` ("qgemm", "qgemm_f32", "qgemm_glu") at m tokens of cols
     /// values, and its launch shape for `rows` outputs (`rows_per_tile`: the tiled kernel's
@@ -74,7 +94,9 @@ impl QgemmKernel {
         wide: bool,
     ) -> Result<(String, LaunchConfig)> {
         let kernel = match self {
-            QgemmKernel::Auto if m <= SMALL_M => QgemmKernel::Small,
+            QgemmKernel::Auto if m <= SMALL_M && small_is_faster(base, m, rows, rows.div_ceil(rows_per_tile)) => {
+                QgemmKernel::Small
+            }
             QgemmKernel::Auto if wide && m >= WIDE_MIN_M => QgemmKernel::Wide,
             QgemmKernel::Auto => QgemmKernel::Tiled,
             k => k,
