@@ -16,8 +16,7 @@
 //     (group i held by lane i % 4, as f32); a step's words and scale come from the holding
 //     lane by shuffles, and each lane dequantizes its four values (k 2tg, 2tg+1, 2tg+8,
 //     2tg+9: the B registers' layout, gemm.cu's notes) with qgemm.cuh's dequant_pair.
-//   - A warp issues its next chunk's loads before the current chunk's MMAs (at ≤ 16 tokens
-//     also an L1 prefetch of the chunk's x rows: the A loads sit in the mma chain).
+//   - A warp issues its next chunk's loads before the current chunk's MMAs.
 //   - A fragments are read straight from global memory (a few cached rows), zero past m and
 //     past cols.
 
@@ -104,16 +103,6 @@ __device__ __forceinline__ void step_b(const ChunkW& cw, int j, int lane, u32& b
 #endif
 }
 
-// Ask L1 for chunk c's x rows (m ≤ 16 tokens: 512 bytes, four 128-byte lines, each), so
-// that the chunk's A-fragment loads, one per k16 step and serial with its mma chain, hit
-// L1 instead of waiting on L2 each. Issued with the chunk's weight loads, a chunk ahead.
-__device__ __forceinline__ void prefetch_x(const bf16_t* __restrict__ x, int c, int m, int cols, int lane) {
-    for (int i = lane; i < 4 * m; i += 32) {
-        const int t = i >> 2, k = c * CHUNK_K + (i & 3) * 64;
-        if (k < cols) asm volatile("prefetch.global.L1 [%0];" ::"l"(x + (size_t)t * cols + k));
-    }
-}
-
 // x's bf16 pair at (token t, k) as one A register; zero past m or cols.
 __device__ __forceinline__ u32 x_pair(const bf16_t* __restrict__ x, int t, int k, int m, bool kin, int cols) {
     return (t < m && kin) ? *reinterpret_cast<const u32*>(x + (size_t)t * cols + k) : 0u;
@@ -167,19 +156,15 @@ __device__ __forceinline__ void qgemm_small_body(QMat gate, QMat up, const bf16_
         for (int n = 0; n < NM; n++) tot[n][o] = 0.f;  // read after the round's barriers
 
     ChunkW cur[NM], nxt[NM];
-    if (warp < nchunk) {
+    if (warp < nchunk)
 #pragma unroll
         for (int n = 0; n < NM; n++) load_chunk(cur[n], mats[n], row, row_ok, warp, cols, tg);
-        if constexpr (MT == 1) prefetch_x(x, warp, m, cols, lane);
-    }
 
     for (int base = 0; base < nchunk; base += nw) {
         const int c = base + warp, cn = c + nw;
-        if (cn < nchunk) {
+        if (cn < nchunk)
 #pragma unroll
             for (int n = 0; n < NM; n++) load_chunk(nxt[n], mats[n], row, row_ok, cn, cols, tg);
-            if constexpr (MT == 1) prefetch_x(x, cn, m, cols, lane);
-        }
         float acc[NM][MT][4];
 #pragma unroll
         for (int n = 0; n < NM; n++)

@@ -30,8 +30,9 @@ pub struct CudaConfig {
     /// and a GLU launch (1.05-1.06x prefill on Gemma 3 270M and a 1B shape, docs/perf.md).
     /// `FERROLM_PREFILL_GLU`.
     pub prefill_fused_glu: bool,
-    /// Prefill GEMMs of 128 tokens and more take tiles of 128 tokens (each dequantized
-    /// weight tile serves twice the tokens) instead of 64. `FERROLM_GEMM_WIDE`.
+    /// Prefill GEMMs of 128 tokens and more over 4096 rows and more take tiles of 128 tokens
+    /// (each dequantized weight tile serves twice the tokens) instead of 64: +11% prefill on
+    /// the 8B shape at 512 and 4096 tokens (docs/perf.md). `FERROLM_GEMM_WIDE`.
     pub gemm_wide_tiles: bool,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
@@ -69,7 +70,7 @@ impl Default for CudaConfig {
             post_norm_fold: true,
             decode_fused_glu: true,
             prefill_fused_glu: true,
-            gemm_wide_tiles: false,
+            gemm_wide_tiles: true,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

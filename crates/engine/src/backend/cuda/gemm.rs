@@ -45,6 +45,10 @@ const SMALL_WARPS: usize = 8;
 const CHUNK_K: usize = 256;
 /// Fewer tokens than this leave half of a wide tile idle: Auto keeps the 64-token tiles.
 pub const WIDE_MIN_M: usize = 128;
+/// Wide tiles won on matrices of 4096 rows and more (`timings qgemm` at 512 tokens: 8B
+/// shapes 12-19% faster, 1B's 8192-row gate 9%) and tied or lost on 2048 rows (1B q/o,
+/// down): fewer, longer blocks do not fill the GPU there.
+const WIDE_MIN_ROWS: usize = 4096;
 
 /// Which quantized GEMM kernel runs a call. `Auto` picks by token count (and
 /// `CudaConfig::gemm_wide_tiles`); naming one is for the tests and timings that hold the
@@ -55,8 +59,8 @@ pub enum QgemmKernel {
     /// 64×64 tiles (gemm.cu's qgemm*).
     Tiled,
     /// 128 tokens × 64 rows a block (gemm.cu's *_w128): each dequantized weight tile serves
-    /// twice the tokens. Auto takes it past [`WIDE_MIN_M`] tokens where
-    /// `CudaConfig::gemm_wide_tiles`.
+    /// twice the tokens. Auto takes it from [`WIDE_MIN_M`] tokens and `WIDE_MIN_ROWS` rows
+    /// where `CudaConfig::gemm_wide_tiles` (the default).
     Wide,
     /// Eight rows per block, K over up to 8 warps (gemm_small.cuh), up to [`SMALL_M`] tokens.
     Small,
@@ -97,7 +101,7 @@ impl QgemmKernel {
             QgemmKernel::Auto if m <= SMALL_M && small_is_faster(base, m, rows, rows.div_ceil(rows_per_tile)) => {
                 QgemmKernel::Small
             }
-            QgemmKernel::Auto if wide && m >= WIDE_MIN_M => QgemmKernel::Wide,
+            QgemmKernel::Auto if wide && m >= WIDE_MIN_M && rows >= WIDE_MIN_ROWS => QgemmKernel::Wide,
             QgemmKernel::Auto => QgemmKernel::Tiled,
             k => k,
         };
