@@ -12,6 +12,10 @@
 #   call 7, carry [gpu-bin/g5]:
 #     cat /root/g/gemma.part? gpu-bin/g5/gemma.part4 > /root/fh/models/gemma-3-270m-q4_k_m.gguf
 #     FERROLM_HOME=/root/fh bash scripts/gpu-check.sh /root/gb
+# Fewer calls: `scripts/gpu-pack.sh` after this script packs the same things into parcels of
+# ~62 MB (the binaries and kernels with the first model bytes, then the models' rest), each
+# taken by `scripts/gpu-unpack.sh` at the start of a call that does work (Session 30 ran its
+# whole GPU plan in seven such calls back to back).
 # (`ferrolm kernels` started in the background in call 1, `setsid nohup … &`, has the
 # kernels compiled by call 7.)
 # A run on the synthetic 1B model alone needs one call: gpu-bin/tok/ holds a 1.7 MB GGUF with

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Parcels for the GPU machine, after scripts/gpu-stage.sh: gpu-bin/p1, p2, ... each under a
+# device call's 64 MiB (with the ~3 MB working tree), so that every call that does work also
+# carries the next piece of the models, and nothing waits on a call of its own:
+#   p1: the binaries (ferrolm, cuda_parity, timings when staged), the tokenizer GGUF, the
+#       kernels archive (KERNEL_CACHE=1), gpu-bin/peer/* when present (llama.cpp's source,
+#       docs/peers.md), then the first bytes of the models;
+#   p2...: the rest of the models (SmolLM2, then Gemma 3 270M) in order.
+# The models travel as one byte stream with a manifest (name, offset, size, sha256); on the
+# machine, `bash scripts/gpu-unpack.sh gpu-bin/pN` in each call (carry [gpu-bin/pN]) copies
+# what the parcel holds to /root/gb and $FERROLM_HOME (default /root/fh), appends its piece,
+# and writes each model to $FERROLM_HOME/models once its bytes are all there (checked).
+# Calls must follow each other within ~30 s (the machine keeps /root while it is warm).
+#   usage: scripts/gpu-pack.sh        env: PIECE (bytes per later parcel, default 62000000)
+set -euo pipefail
+cd "$(dirname "$0")/../gpu-bin"
+models=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models
+rm -rf p[0-9]*
+mkdir -p p1
+for f in ferrolm cuda_parity timings; do [[ -f $f ]] && cp "$f" p1/; done
+cp tok/*.gguf p1/tok.gguf
+[[ -f m2/kernels.tar.xz ]] && cp m2/kernels.tar.xz p1/
+[[ -d peer ]] && cp -r peer p1/peer
+python3 - "$models" "${PIECE:-62000000}" <<'PY'
+import hashlib, json, os, sys
+models, piece = sys.argv[1], int(sys.argv[2])
+names = ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"]
+blob, manifest = b"", []
+for n in names:
+    data = open(os.path.join(models, n), "rb").read()
+    manifest.append({"name": n, "offset": len(blob), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+    blob += data
+used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk("p1") for f in fs)
+first = max(0, 63_000_000 - used - 4096)
+cuts = [blob[:first]] + [blob[i:i + piece] for i in range(first, len(blob), piece)]
+for i, c in enumerate(cuts, 1):
+    os.makedirs(f"p{i}", exist_ok=True)
+    open(f"p{i}/piece", "wb").write(c)
+    json.dump({"index": i, "parcels": len(cuts), "files": manifest}, open(f"p{i}/manifest.json", "w"))
+print(f"{len(cuts)} parcels:", " ".join(f"p{i} {sum(os.path.getsize(os.path.join(f'p{i}', f)) for f in os.listdir(f'p{i}') if os.path.isfile(os.path.join(f'p{i}', f))) / 1e6:.1f} MB" for i in range(1, len(cuts) + 1)))
+PY

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On the GPU machine: take one parcel of scripts/gpu-pack.sh (its header says how).
+#   usage: bash scripts/gpu-unpack.sh gpu-bin/pN
+#   env:   GPU_ROOT (default /root): where the binaries (gb/), the stream and peer/ go;
+#          FERROLM_HOME (default $GPU_ROOT/fh)
+set -euo pipefail
+p=${1:?usage: gpu-unpack.sh gpu-bin/pN}
+root=${GPU_ROOT:-/root}
+home=${FERROLM_HOME:-$root/fh}
+mkdir -p "$home/models" "$root/gb"
+for f in ferrolm cuda_parity timings; do [[ -f $p/$f ]] && cp "$p/$f" "$root/gb/"; done
+[[ -f $p/tok.gguf ]] && cp "$p/tok.gguf" "$home/tok.gguf"
+[[ -f $p/kernels.tar.xz ]] && tar -xJf "$p/kernels.tar.xz" -C "$home"
+[[ -d $p/peer ]] && mkdir -p "$root/peer" && cp -r "$p"/peer/* "$root/peer/"
+python3 - "$p" "$home" "$root" <<'PY'
+import hashlib, json, os, sys
+p, home, root = sys.argv[1:4]
+m = json.load(open(os.path.join(p, "manifest.json")))
+blob, done = os.path.join(root, "blob"), os.path.join(root, "blob.parcels")
+have = open(done).read().split() if os.path.exists(done) else []
+if str(m["index"]) not in have:
+    if len(have) + 1 != m["index"]:
+        sys.exit(f"parcel {m['index']} out of order: have {have}")
+    with open(blob, "ab") as f:
+        f.write(open(os.path.join(p, "piece"), "rb").read())
+    open(done, "a").write(f"{m['index']}\n")
+size = os.path.getsize(blob)
+for f in m["files"]:
+    out = os.path.join(home, "models", f["name"])
+    if os.path.exists(out) or f["offset"] + f["size"] > size:
+        continue
+    with open(blob, "rb") as b:
+        b.seek(f["offset"])
+        data = b.read(f["size"])
+    if hashlib.sha256(data).hexdigest() != f["sha256"]:
+        sys.exit(f"{f['name']}: checksum mismatch")
+    open(out + ".tmp", "wb").write(data)
+    os.replace(out + ".tmp", out)
+    print(f"{f['name']}: complete ({f['size']} bytes)")
+print(f"parcel {m['index']} of {m['parcels']}: {size} bytes of the models here")
+PY
