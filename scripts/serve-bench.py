@@ -21,6 +21,9 @@ cache serves it.
 N-word prefix and one question (cold), then one with the same prefix and another question
 (the prefix cached); it reports both times to first token, their ratio, and the second
 request's usage.prompt_tokens_details.cached_tokens.
+
+Against ferrolm each level also reports the engine's mean step and the part of it spent in
+forward calls (from /metrics' ferrolm_engine_* counters): the rest of a step is the host's.
 """
 import argparse
 import http.client
@@ -77,6 +80,36 @@ def stream_once(url, body, headers):
     return first, gaps, tokens, usage
 
 
+def engine_counters(url):
+    """ferrolm's engine step counters from /metrics ({} from servers without them)."""
+    names = ("ferrolm_engine_steps_total", "ferrolm_engine_step_seconds_total", "ferrolm_engine_forward_seconds_total")
+    try:
+        u = urllib.parse.urlparse(url)
+        conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except Exception:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in names:
+            out[parts[0]] = float(parts[1])
+    return out if len(out) == len(names) else {}
+
+
+def step_costs(before, after):
+    """Mean engine step and forward-call milliseconds between two engine_counters."""
+    if not before or not after:
+        return None
+    steps = after["ferrolm_engine_steps_total"] - before["ferrolm_engine_steps_total"]
+    if steps <= 0:
+        return None
+    ms = lambda k: 1e3 * (after[k] - before[k]) / steps
+    return {"steps": int(steps), "step_ms": ms("ferrolm_engine_step_seconds_total"),
+            "forward_ms": ms("ferrolm_engine_forward_seconds_total")}
+
+
 def run_level(args, concurrency):
     headers = {"Content-Type": "application/json"}
     if args.api_key:
@@ -102,6 +135,7 @@ def run_level(args, concurrency):
                 itl.extend(g)
                 tokens[0] += n
 
+    counters = engine_counters(args.url)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(concurrency)]
     for t in threads:
@@ -109,6 +143,7 @@ def run_level(args, concurrency):
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    engine = step_costs(counters, engine_counters(args.url))
 
     def pct(xs, p):
         if not xs:
@@ -127,6 +162,8 @@ def run_level(args, concurrency):
         "ttft_s": {f"p{p}": pct(ttft, p) for p in (50, 90, 99)},
         "itl_s": {f"p{p}": pct(itl, p) for p in (50, 90, 99)},
         "itl_mean_s": statistics.fmean(itl) if itl else None,
+        # ferrolm only: the engine's mean step, and the forward call's part of it.
+        "engine": engine,
     }
 
 

@@ -105,6 +105,9 @@ fn requests_running_together_give_what_each_gives_alone() {
     let auto = e.info().kv_memory;
     assert!(auto > 64 << 20 && st.kv_bytes_budget == auto, "auto budget {auto}, stats {st:?}");
     assert_eq!(st.generated_tokens, 72);
+    // 6 requests of 12 tokens take at least 12 steps, each timed, its forward call inside it.
+    assert!(st.steps >= 12, "{st:?}");
+    assert!(st.forward_seconds > 0.0 && st.forward_seconds <= st.step_seconds, "{st:?}");
 }
 
 #[test]

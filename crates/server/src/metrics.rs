@@ -181,6 +181,20 @@ impl Metrics {
             header(&mut out, name, kind, help);
             let _ = writeln!(out, "{name} {v}");
         }
+        header(&mut out, "ferrolm_engine_steps_total", "counter", "Engine steps run.");
+        let _ = writeln!(out, "ferrolm_engine_steps_total {}", s.steps);
+        let seconds = [
+            ("ferrolm_engine_step_seconds_total", "Seconds the engine's steps took.", s.step_seconds),
+            (
+                "ferrolm_engine_forward_seconds_total",
+                "Seconds of those in forward calls (device work and its read-back).",
+                s.forward_seconds,
+            ),
+        ];
+        for (name, help, v) in seconds {
+            header(&mut out, name, "counter", help);
+            let _ = writeln!(out, "{name} {v}");
+        }
         lock(&self.ttft).render(&mut out, "ferrolm_time_to_first_token_seconds", "From arrival to the first token.");
         lock(&self.itl).render(&mut out, "ferrolm_inter_token_latency_seconds", "Between consecutive tokens.");
         out
@@ -203,7 +217,7 @@ mod tests {
         m.outcome(Outcome::Stop);
         m.outcome(Outcome::Stop);
         m.response(429);
-        let text = m.render(&Stats { running: 3, ..Default::default() });
+        let text = m.render(&Stats { running: 3, steps: 7, step_seconds: 0.5, ..Default::default() });
         for line in [
             "ferrolm_time_to_first_token_seconds_bucket{le=\"0.025\"} 0",
             "ferrolm_time_to_first_token_seconds_bucket{le=\"0.05\"} 1",
@@ -213,6 +227,9 @@ mod tests {
             "ferrolm_requests_total{outcome=\"stop\"} 2",
             "ferrolm_http_responses_total{code=\"429\"} 1",
             "ferrolm_requests_running 3",
+            "ferrolm_engine_steps_total 7",
+            "ferrolm_engine_step_seconds_total 0.5",
+            "ferrolm_engine_forward_seconds_total 0",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

@@ -170,7 +170,7 @@ pub struct ModelInfo {
 }
 
 /// Counters and gauges for /metrics.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Stats {
     pub waiting: usize,
     pub running: usize,
@@ -189,6 +189,12 @@ pub struct Stats {
     /// blocks count as free: they are reclaimed when needed).
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
+    /// Engine steps run, the seconds they took (admission, the forward call, sampling and
+    /// handing tokens out), and of those the seconds in forward calls (the device's work and
+    /// the read-back of its outputs): what a step costs beside its kernels.
+    pub steps: u64,
+    pub step_seconds: f64,
+    pub forward_seconds: f64,
 }
 
 /// Shared between the engine thread and its handles.
@@ -206,6 +212,9 @@ struct Shared {
     kv_used: AtomicUsize,
     kv_blocks_used: AtomicUsize,
     kv_blocks_total: AtomicUsize,
+    steps: AtomicU64,
+    step_nanos: AtomicU64,
+    forward_nanos: AtomicU64,
     closed: AtomicBool,
     /// Mean seconds a request has run, for Busy's retry_after (f64 bits).
     mean_secs: AtomicU64,
@@ -369,6 +378,9 @@ impl Engine {
             kv_bytes_budget: self.info.kv_memory,
             kv_blocks_used: s.kv_blocks_used.load(Relaxed),
             kv_blocks_total: s.kv_blocks_total.load(Relaxed),
+            steps: s.steps.load(Relaxed),
+            step_seconds: s.step_nanos.load(Relaxed) as f64 * 1e-9,
+            forward_seconds: s.forward_nanos.load(Relaxed) as f64 * 1e-9,
         }
     }
 

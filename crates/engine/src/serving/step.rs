@@ -7,15 +7,20 @@ use super::{Failure, FailureKind};
 use crate::backend::Backend;
 use crate::model::RowOut;
 use crate::Result;
+use std::sync::atomic::Ordering::Relaxed;
 
 impl<B: Backend> Worker<'_, B> {
-    /// One step over the running requests; those that end leave.
-    pub(super) fn step(&mut self) {
+    /// One step over the running requests; those that end leave. False when there was
+    /// nothing to compute.
+    pub(super) fn step(&mut self) -> bool {
         let plan = self.plan();
         if plan.is_empty() {
-            return;
+            return false;
         }
-        let outs = match forward(self.model, &mut self.caches, &self.running, &plan) {
+        let t = std::time::Instant::now();
+        let outs = forward(self.model, &mut self.caches, &self.running, &plan);
+        self.shared.forward_nanos.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+        let outs = match outs {
             Ok(l) => l,
             Err(e) => {
                 // A device error: every request of the step fails, the others go on.
@@ -25,7 +30,7 @@ impl<B: Backend> Worker<'_, B> {
                     let s = self.running.remove(i);
                     self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
                 }
-                return;
+                return true;
             }
         };
         let mut ended = vec![];
@@ -45,6 +50,7 @@ impl<B: Backend> Worker<'_, B> {
             let s = self.running.remove(i);
             self.end(s, end);
         }
+        true
     }
 
     /// The step's rows: (request, rows) with every decoding request's one row first, then

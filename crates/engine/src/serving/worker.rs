@@ -64,7 +64,7 @@ fn shutting_down() -> Failure {
 pub(super) struct Worker<'m, B: Backend> {
     pub(super) model: &'m Decoder<B>,
     cfg: EngineConfig,
-    shared: Arc<Shared>,
+    pub(super) shared: Arc<Shared>,
     rx: mpsc::Receiver<Msg>,
     waiting: VecDeque<Job>,
     /// In admission order (the youngest is preempted first).
@@ -106,10 +106,15 @@ impl<'m, B: Backend> Worker<'m, B> {
             if !self.receive() {
                 break;
             }
+            let t = Instant::now();
             self.expire();
             self.admit();
-            self.step();
+            let stepped = self.step();
             self.publish();
+            if stepped {
+                self.shared.steps.fetch_add(1, Relaxed);
+                self.shared.step_nanos.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+            }
             if self.deadline.is_some() && self.running.is_empty() && self.preempted.is_empty() {
                 break;
             }
