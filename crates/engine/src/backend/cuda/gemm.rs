@@ -251,3 +251,40 @@ impl Cuda {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The cost model picks the faster kernel of `timings few` (H200, perf-log.md Session 30)
+    /// in each measured case: (matrix, rows, cols, tokens, few-token µs, tiled µs).
+    #[test]
+    fn auto_picks_the_measured_faster_kernel() {
+        let measured = [
+            ("1B q/o", 2048, 2048, [(1, 5.98, 20.52), (4, 6.29, 20.33), (16, 7.53, 20.57), (32, 14.63, 20.65)]),
+            ("1B gate", 8192, 2048, [(1, 14.17, 24.09), (4, 15.25, 24.06), (16, 26.47, 24.20), (64, 95.39, 25.97)]),
+            ("1B down", 2048, 8192, [(1, 21.06, 102.30), (16, 27.35, 101.61), (32, 53.97, 101.01), (4, 21.92, 102.14)]),
+            ("8B q/o", 4096, 4096, [(1, 13.88, 48.34), (16, 26.16, 48.40), (32, 64.23, 48.38), (64, 124.32, 50.81)]),
+            ("8B gate", 14336, 4096, [(1, 40.69, 63.95), (4, 44.03, 63.96), (16, 96.40, 64.23), (32, 184.10, 64.32)]),
+            (
+                "8B down",
+                4096,
+                14336,
+                [(1, 40.98, 168.38), (16, 85.15, 167.76), (32, 258.39, 168.68), (64, 423.45, 184.33)],
+            ),
+        ];
+        for (name, rows, cols, cases) in measured {
+            for (m, few, tiled) in cases {
+                let (kernel, _) = QgemmKernel::Auto.pick("qgemm", (m, cols), (rows, TILE_ROWS), false).unwrap();
+                let small = kernel.starts_with("qgemm_small");
+                assert_eq!(small, few < tiled, "{name} at {m} tokens: picked {kernel}, measured {few} vs {tiled} µs");
+            }
+        }
+        // Past 64 tokens only the tiles; wide ones from 128 tokens on matrices of 4096 rows.
+        let pick = |m, rows, wide| QgemmKernel::Auto.pick("qgemm", (m, 4096), (rows, TILE_ROWS), wide).unwrap().0;
+        assert_eq!(pick(65, 4096, true), "qgemm");
+        assert_eq!(pick(128, 4096, true), "qgemm_w128");
+        assert_eq!(pick(128, 2048, true), "qgemm");
+        assert_eq!(pick(512, 14336, false), "qgemm");
+    }
+}
