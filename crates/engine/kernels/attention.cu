@@ -26,17 +26,20 @@ extern "C" __global__ void kv_write(bf16_t* __restrict__ kc, bf16_t* __restrict_
     }
 }
 
-// Flash-decoding split-K: grid (heads, m, splits), block 128. Split s covers cached
-// positions [s·chunk, (s+1)·chunk) of query row t (causal length pos[t] + 1; a window > 0
-// keeps only its last `window` positions); scores are scaled by `scale`. Its 4 warps
-// take every 4th position with an online softmax each, merged in warp order, and the split
-// writes its running max, sum and unnormalized accumulator to scratch. Splits past the
-// length write an empty partial. The split count is fixed by the cache size, so a captured
-// decode graph stays valid as the position grows.
+// Flash-decoding split-K: grid (heads, m, splits), block 128. Query row t attends the span
+// of its last `span` cached positions (its causal length pos[t] + 1, or a window > 0's last
+// `window` of them); split s covers the span's positions [s·chunk, (s+1)·chunk), where
+// chunk = min_chunk·2^k is the smallest such size that covers the span in max_splits splits.
+// The chunk is a function of the row's own span, so its bits do not depend on the call's
+// other rows, while a short decode row still spreads over several blocks. Scores are scaled
+// by `scale`. A split's 4 warps take every 4th position with an online softmax each, merged
+// in warp order, and the split writes its running max, sum and unnormalized accumulator to
+// scratch. Splits past the span write an empty partial, so a call (or a captured graph) may
+// launch more splits than its rows need.
 extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const bf16_t* __restrict__ kc,
                                            const bf16_t* __restrict__ vc, float* __restrict__ part_ml,
                                            float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                           const int* __restrict__ pos, int chunk, float scale, int window,
+                                           const int* __restrict__ pos, int min_chunk, int max_splits, float scale, int window,
                                            const int* __restrict__ tables, const int* __restrict__ row_tab) {
     __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
     int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
@@ -44,8 +47,10 @@ extern "C" __global__ void attention_split(const bf16_t* __restrict__ q, const b
     int kvh = h / (heads / n_kv), width = n_kv * hd, per = hd / 32;
     int len = pos[t] + 1;
     const int* table = tables + row_tab[t];
-    int p0 = sp * chunk, p1 = min(len, p0 + chunk);
-    if (window > 0) p0 = max(p0, len - window);
+    int start = window > 0 ? max(0, len - window) : 0, span = len - start;
+    int chunk = min_chunk;
+    while ((long)chunk * max_splits < span) chunk *= 2;
+    int p0 = start + sp * chunk, p1 = min(len, p0 + chunk);
     long slot = ((long)t * heads + h) * splits + sp;
     const bf16_t* qh = q + ((long)t * heads + h) * hd;
     float qv[MAXD], acc[MAXD];

@@ -70,6 +70,12 @@ impl CudaConfig {
             attention_query_heads: var("FERROLM_ATTN_QB")
                 .and_then(|v| v.parse().ok())
                 .map_or(d.attention_query_heads, |n: usize| n.clamp(1, 4)),
+            attention_min_chunk: var("FERROLM_ATTN_CHUNK")
+                .and_then(|v| v.parse().ok())
+                .map_or(d.attention_min_chunk, |n: usize| n.clamp(16, 4096)),
+            attention_max_splits: var("FERROLM_ATTN_SPLITS")
+                .and_then(|v| v.parse().ok())
+                .map_or(d.attention_max_splits, |n: usize| n.clamp(1, 64)),
             feed_steps: on_unless_zero("FERROLM_CUDA_FEED", d.feed_steps),
             call_graphs: on_unless_zero("FERROLM_CALL_GRAPHS", d.call_graphs),
             device_top_k: on_unless_zero("FERROLM_CUDA_TOPK", d.device_top_k),

@@ -43,6 +43,12 @@ pub struct CudaConfig {
     /// Most query heads of a GQA group one decode attention block serves (1 to 4).
     /// `FERROLM_ATTN_QB`.
     pub attention_query_heads: usize,
+    /// Smallest split, in cached positions, of the serving calls' attention (attention.cu's
+    /// attention_split): a row's span is cut into at most `attention_max_splits` splits of
+    /// this size doubled until they cover it. `FERROLM_ATTN_CHUNK`.
+    pub attention_min_chunk: usize,
+    /// Most splits a row's attention in a serving call takes. `FERROLM_ATTN_SPLITS`.
+    pub attention_max_splits: usize,
     /// Greedy decode steps feed their token to the next step on the device, so the host
     /// never holds the GPU back. `FERROLM_CUDA_FEED`.
     pub feed_steps: bool,
@@ -74,6 +80,8 @@ impl Default for CudaConfig {
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,
+            attention_min_chunk: 64,
+            attention_max_splits: 16,
             feed_steps: true,
             call_graphs: true,
             device_top_k: true,

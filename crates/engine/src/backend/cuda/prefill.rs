@@ -14,9 +14,6 @@ use crate::config::RopeStyle;
 use crate::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
-/// Cached positions per attention split.
-pub(crate) const ATTN_CHUNK: usize = 256;
-
 /// Activation rows from which a matmul runs on tensor cores (below, the GEMV reads the
 /// weights fewer times than the GEMM's fixed 64-token tiles waste).
 const GEMM_MIN_ROWS: usize = 16;
@@ -123,7 +120,7 @@ impl Cuda {
                     true => kv.max_seq(),
                     false => self.steps.end().clamp(1, kv.max_seq()),
                 };
-                (span.div_ceil(ATTN_CHUNK), None)
+                (attention_splits(span, &self.cfg), None)
             }
             n => (n, Some(self.scratch.attention(self, q.rows * heads, n, hd)?)),
         };
@@ -149,7 +146,8 @@ impl Cuda {
             KArg::I32((kv.width / hd) as i32),
             KArg::I32(hd as i32),
             pos,
-            KArg::I32(ATTN_CHUNK as i32),
+            KArg::I32(self.cfg.attention_min_chunk as i32),
+            KArg::I32(self.cfg.attention_max_splits as i32),
             KArg::F32(attend.scale),
             KArg::I32(window_arg(attend)?),
             tables[0],
@@ -203,6 +201,13 @@ impl Cuda {
     }
 }
 
+/// Splits that cover every row of a call whose longest span is `span` positions: a row
+/// needs ceil(its span / its chunk) ≤ ceil(span / the smallest chunk), and at most the
+/// most splits (attention.cu's chunk rule).
+pub(crate) fn attention_splits(span: usize, cfg: &super::CudaConfig) -> usize {
+    span.div_ceil(cfg.attention_min_chunk).clamp(1, cfg.attention_max_splits)
+}
+
 /// A kernel's window argument: the positions a sliding-window query sees, 0 for all.
 pub(crate) fn window_arg(attend: Attend) -> Result<i32> {
     match attend.window {
@@ -211,5 +216,39 @@ pub(crate) fn window_arg(attend: Attend) -> Result<i32> {
             .ok()
             .filter(|&w| w > 0)
             .ok_or_else(|| crate::Error::Unsupported(format!("a sliding window of {w} positions on CUDA"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::CudaConfig;
+    use super::attention_splits;
+
+    /// attention.cu's chunk of a row with `span` positions.
+    fn kernel_chunk(span: usize, cfg: &CudaConfig) -> usize {
+        let mut chunk = cfg.attention_min_chunk;
+        while chunk * cfg.attention_max_splits < span {
+            chunk *= 2;
+        }
+        chunk
+    }
+
+    #[test]
+    fn a_calls_splits_cover_each_of_its_rows() {
+        for (min_chunk, max_splits) in [(16, 32), (32, 32), (64, 16), (64, 8), (256, 32)] {
+            let cfg = CudaConfig {
+                attention_min_chunk: min_chunk,
+                attention_max_splits: max_splits,
+                ..CudaConfig::default()
+            };
+            for end in 1..5000 {
+                let splits = attention_splits(end, &cfg);
+                assert!(splits <= max_splits);
+                for span in (1..=end).step_by(7).chain([end]) {
+                    let need = span.div_ceil(kernel_chunk(span, &cfg));
+                    assert!(need <= splits, "span {span} needs {need} splits, a call to {end} launches {splits}");
+                }
+            }
+        }
     }
 }

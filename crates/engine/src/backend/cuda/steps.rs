@@ -343,11 +343,11 @@ impl Steps {
     /// `Backend::forward_call`: an engine call of `tokens` (padded to a captured size, the
     /// spans covering its first rows) replayed from its graph, or a dry pass and its capture.
     /// The graph's key joins the caller's `key` (whose buffers the graph uses), the store's
-    /// id and the attention split count (the longest sequence's 256-position chunks, to a
-    /// power of two): what a graph bakes in besides the staged values.
+    /// id and the attention split count (enough for the longest sequence, to a power of
+    /// two): what a graph bakes in besides the staged values.
     pub(crate) fn call(
         &self,
-        ctx: &Context,
+        ctx: &super::device::Cuda,
         (key, store): (u64, u64),
         tokens: &[u32],
         spans: &[Span<'_>],
@@ -355,7 +355,7 @@ impl Steps {
     ) -> Result<()> {
         self.invariant.store(true, Relaxed);
         self.stage(ctx, tokens, spans, false)?;
-        let splits = self.end().div_ceil(super::prefill::ATTN_CHUNK).max(1).next_power_of_two();
+        let splits = super::prefill::attention_splits(self.end(), &ctx.cfg).next_power_of_two();
         let key =
             CALL_TAG | (store & 0xffff) << 44 | u64::from(splits.trailing_zeros()) << 36 | (key & ((1 << 36) - 1));
         self.call_splits.store(splits, Relaxed);
