@@ -85,6 +85,13 @@ impl CudaConfig {
     }
 }
 
+/// The TurboQuant codec test's `FERROLM_TQ_GOLDENS`: a vector file in the format of
+/// ../shared/goldens/turboquant/codec-goldens.json (default: the copy of that file in
+/// crates/engine/tests/goldens/turboquant/).
+pub fn tq_goldens() -> Option<PathBuf> {
+    std::env::var_os("FERROLM_TQ_GOLDENS").filter(|p| !p.is_empty()).map(PathBuf::from)
+}
+
 /// The test suite's `FERROLM_MODELS`: where its models are (scripts/fetch-test-models.sh
 /// puts them there); default `$FERROLM_HOME/models`.
 pub fn test_models_dir() -> PathBuf {

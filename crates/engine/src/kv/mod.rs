@@ -6,6 +6,8 @@
 pub mod blocks;
 pub mod paged;
 pub mod seq;
+pub mod turboquant;
+mod turboquant_tables;
 
 use crate::config::{AttnKind, ModelConfig};
 
