@@ -6,6 +6,7 @@ use clap::Args;
 use ferrolm::config::{Activation, AttnKind};
 use ferrolm::formats::mlx_write::{tokenizer_files, write_mlx_dir};
 use ferrolm::formats::synthetic;
+use ferrolm::kv::scheme::KvScheme;
 use ferrolm::quant::scheme::{self, QuantScheme};
 use ferrolm::tokenizer::Tokenizer;
 use std::path::PathBuf;
@@ -103,6 +104,10 @@ pub struct InspectArgs {
     /// One JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// The KV cache scheme to size: what one cached position (every layer and KV head)
+    /// takes in bf16, affine:8, affine:4, affine:FILE.json or turbo[:kKvV].
+    #[arg(long, value_name = "SCHEME", default_value = "bf16")]
+    kv: String,
 }
 
 /// Sort key for tensor names in natural order: `layers.2` before `layers.10`.
@@ -125,6 +130,7 @@ fn inspect_json(
     src: &ferrolm::formats::ModelSource,
     tok: &ferrolm::tokenizer::Tokenizer,
     names: &[&String],
+    kv: &KvScheme,
 ) -> Result<()> {
     let c = &src.config;
     let tensors: Vec<serde_json::Value> = names
@@ -152,6 +158,10 @@ fn inspect_json(
         "tensors": tensors,
         "bytes_in_memory": names.iter().map(|n| src.tensors[*n].byte_size()).sum::<usize>(),
         "bytes_on_disk": src.file_bytes,
+        "kv": {
+            "scheme": kv.to_string(), "bytes_per_position": kv.position_bytes(c),
+            "bf16_bytes_per_position": KvScheme::Bf16.position_bytes(c),
+        },
         "tokenizer": {
             "vocab": tok.vocab_size(), "bos": tok.bos_token(), "add_bos": tok.add_bos_default(),
             "stop_ids": tok.stop_ids(), "chat_template": tok.chat_template().is_some(),
@@ -203,11 +213,13 @@ fn human(bytes: u64) -> String {
 }
 
 pub fn inspect(a: InspectArgs) -> Result<()> {
+    let kv = KvScheme::parse(&a.kv)?;
     let (src, tok) = load::source(a.model.as_deref())?;
+    kv.check(&src.config)?;
     let mut names: Vec<&String> = src.tensors.keys().collect();
     names.sort_by_cached_key(|n| natural_key(n));
     if a.json {
-        return inspect_json(&src, &tok, &names);
+        return inspect_json(&src, &tok, &names, &kv);
     }
     let c = &src.config;
     println!("model        {} ({})", crate::printable(&src.path.display().to_string()), src.format);
@@ -236,6 +248,13 @@ pub fn inspect(a: InspectArgs) -> Result<()> {
         c.attn_scale()
     );
     println!("attention    {}", layer_attention(c));
+    let (kv_bytes, bf16_bytes) = (kv.position_bytes(c), KvScheme::Bf16.position_bytes(c));
+    println!(
+        "KV cache     {kv}: {} a cached position ({:.2}x smaller than bf16's {})",
+        human(kv_bytes as u64),
+        bf16_bytes as f64 / kv_bytes as f64,
+        human(bf16_bytes as u64)
+    );
     println!("\n{:<48} {:>14} {:>14} {:>10}", "tensor", "shape", "format", "bytes");
     let mut total = 0u64;
     let mut by_format = std::collections::BTreeMap::<String, (usize, u64)>::new();

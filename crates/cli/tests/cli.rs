@@ -215,6 +215,15 @@ fn generate_tokenize_perplexity_inspect_work() {
     {
         assert!(s.contains(want), "inspect output lacks {want:?}:\n{s}");
     }
+    // KV bytes per cached position: 30 layers x 3 KV heads x head dim 64; turbo:k8v3 takes
+    // 100 bytes a head where bf16 takes 256.
+    let o = run(&["inspect", m, "--kv", "turbo", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(j["kv"]["bytes_per_position"], 30 * 3 * 100);
+    assert_eq!(j["kv"]["bf16_bytes_per_position"], 30 * 3 * 256);
+    let o = run(&["inspect", m, "--kv", "affine:3"]);
+    assert!(!o.status.success() && stderr(&o).contains("affine KV takes 4 or 8 bits"), "{}", stderr(&o));
 }
 
 #[test]

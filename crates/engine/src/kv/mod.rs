@@ -5,6 +5,7 @@
 
 pub mod blocks;
 pub mod paged;
+pub mod scheme;
 pub mod seq;
 pub mod turboquant;
 mod turboquant_tables;
