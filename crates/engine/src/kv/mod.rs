@@ -5,6 +5,7 @@
 
 pub mod blocks;
 pub mod paged;
+pub mod rows;
 pub mod scheme;
 pub mod seq;
 pub mod turboquant;

@@ -25,7 +25,10 @@ pub enum KvScheme {
     Bf16,
     /// Bits per layer (one entry: every layer).
     Affine(Vec<u32>),
-    Turbo { key: KeyFormat, value_bits: u32 },
+    Turbo {
+        key: KeyFormat,
+        value_bits: u32,
+    },
 }
 
 impl std::fmt::Display for KvScheme {
@@ -93,11 +96,15 @@ impl KvScheme {
             .map_err(|e| Error::Invalid(format!("KV scheme affine:{what}: not JSON: {e}")))?;
         if let Some(g) = v.get("group_size") {
             if g.as_u64() != Some(AFFINE_GROUP as u64) {
-                return Err(Error::Invalid(format!("KV scheme affine:{what}: group_size {g}; affine KV groups are 64")));
+                return Err(Error::Invalid(format!(
+                    "KV scheme affine:{what}: group_size {g}; affine KV groups are 64"
+                )));
             }
         }
         let list = v.get("bits").unwrap_or(&v).as_array().ok_or_else(|| {
-            Error::Invalid(format!("KV scheme affine:{what}: expected {{\"bits\": [..]}} or an array of bits per layer"))
+            Error::Invalid(format!(
+                "KV scheme affine:{what}: expected {{\"bits\": [..]}} or an array of bits per layer"
+            ))
         })?;
         let bits = list
             .iter()

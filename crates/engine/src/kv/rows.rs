@@ -1,0 +1,343 @@
+//! One cached position of one KV head in a quantized scheme (`KvScheme`): its byte layout,
+//! its encoding, and attention that reads it without a dequantized copy.
+//!
+//! Layouts (all little-endian; sizes are `KvScheme::head_position_bytes`):
+//! - affine, b bits: keys' q values as an LSB-first bit stream (head_dim·b/8 bytes), then a
+//!   bf16 scale per 64-group, then a bf16 bias per group; then the values the same way.
+//! - turbo: keys' indices (int8, or the unsigned ones packed), then per 32-group the f16
+//!   scale and zero point; values' packed Lloyd-Max indices (8-bit: a byte each), then per
+//!   group the f16 RMS scale.
+//!
+//! Attention factors the dequantization out of the inner loops: a key group's dot with q is
+//! scale·Σ qᵢ·codeᵢ plus the group's offset times Σ qᵢ; turbo values accumulate in the
+//! rotated domain (attention is linear in V), and the inverse rotation runs once on the
+//! output.
+
+use super::scheme::{KvScheme, AFFINE_GROUP};
+use super::turboquant::{self as tq, KeyFormat, Precision};
+use crate::quant::affine::{quantize_group, ScaleDtype};
+use half::{bf16, f16};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Format {
+    Affine { bits: u32 },
+    Turbo { key: KeyFormat, value_bits: u32 },
+}
+
+/// The codec of one layer's quantized rows.
+#[derive(Clone, Copy, Debug)]
+pub struct RowCodec {
+    format: Format,
+    head_dim: usize,
+    /// Bytes of the keys' half (the values' half follows).
+    k_bytes: usize,
+}
+
+fn le16(b: &[u8], i: usize) -> u16 {
+    u16::from_le_bytes([b[2 * i], b[2 * i + 1]])
+}
+
+fn put16(b: &mut [u8], i: usize, v: u16) {
+    b[2 * i..2 * i + 2].copy_from_slice(&v.to_le_bytes());
+}
+
+impl RowCodec {
+    /// The codec of `layer` under `scheme` (None for bf16), after `scheme.check`.
+    pub fn new(scheme: &KvScheme, layer: usize, head_dim: usize) -> Option<RowCodec> {
+        let format = match scheme {
+            KvScheme::Bf16 => return None,
+            KvScheme::Affine(bits) => Format::Affine { bits: bits[if bits.len() == 1 { 0 } else { layer }] },
+            KvScheme::Turbo { key, value_bits } => Format::Turbo { key: *key, value_bits: *value_bits },
+        };
+        let k_bytes = match format {
+            Format::Affine { bits } => head_dim * bits as usize / 8 + head_dim / AFFINE_GROUP * 4,
+            Format::Turbo { key, .. } => head_dim * key.bits as usize / 8 + head_dim / tq::GROUP * 4,
+        };
+        Some(RowCodec { format, head_dim, k_bytes })
+    }
+
+    /// Bytes of one row (keys and values).
+    pub fn bytes(&self) -> usize {
+        let hd = self.head_dim;
+        self.k_bytes
+            + match self.format {
+                Format::Affine { .. } => self.k_bytes,
+                Format::Turbo { value_bits, .. } => hd * value_bits as usize / 8 + hd / tq::GROUP * 2,
+            }
+    }
+
+    /// Encode one position's key and value head (in `p`'s precision) into `out`.
+    pub fn encode(&self, k: &[f32], v: &[f32], p: Precision, out: &mut [u8]) -> crate::Result<()> {
+        let (ko, vo) = out[..self.bytes()].split_at_mut(self.k_bytes);
+        match self.format {
+            Format::Affine { bits } => {
+                affine_encode(k, bits, ko);
+                affine_encode(v, bits, vo);
+            }
+            Format::Turbo { key, value_bits } => {
+                self.turbo_encode_keys(k, p, key, ko);
+                let hd = self.head_dim;
+                let (mut idx, mut scales) = (vec![0u8; hd], vec![0u16; hd / tq::GROUP]);
+                tq::encode_values(v, p, value_bits, &mut idx, &mut scales)?;
+                let (codes, tail) = vo.split_at_mut(hd * value_bits as usize / 8);
+                pack(&idx, value_bits, codes);
+                for (g, s) in scales.iter().enumerate() {
+                    put16(tail, g, *s);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn turbo_encode_keys(&self, k: &[f32], p: Precision, key: KeyFormat, out: &mut [u8]) {
+        let (codes, tail) = out.split_at_mut(self.head_dim * key.bits as usize / 8);
+        let mut idx = vec![0u8; self.head_dim];
+        for (g, x) in k.chunks(tq::GROUP).enumerate() {
+            let e = tq::encode_key_group(x, p, key);
+            for (o, &i) in idx[g * tq::GROUP..].iter_mut().zip(&e.idx) {
+                *o = i as u8; // int8 as its byte; unsigned ones fit
+            }
+            put16(tail, 2 * g, e.scale);
+            put16(tail, 2 * g + 1, e.zero);
+        }
+        pack(&idx, key.bits, codes);
+    }
+
+    /// Each key code of `row` as f32 (signed for int8 keys), with its group's (scale, offset):
+    /// key value i = scale·code + offset.
+    fn key_codes(&self, row: &[u8], codes: &mut [f32], groups: &mut [(f32, f32)]) {
+        let hd = self.head_dim;
+        match self.format {
+            Format::Affine { bits } => affine_codes(&row[..self.k_bytes], hd, bits, codes, groups),
+            Format::Turbo { key, .. } => {
+                let (packed, tail) = row[..self.k_bytes].split_at(hd * key.bits as usize / 8);
+                for (i, c) in codes.iter_mut().enumerate() {
+                    let u = unpack(packed, key.bits, i);
+                    *c = if key.signed { u as u8 as i8 as f32 } else { u as f32 };
+                }
+                for (g, sz) in groups.iter_mut().enumerate() {
+                    let s = f16::from_bits(le16(tail, 2 * g)).to_f32();
+                    let z = f16::from_bits(le16(tail, 2 * g + 1)).to_f32();
+                    *sz = (s, z * s); // (code + z)·s = s·code + z·s
+                }
+            }
+        }
+    }
+
+    /// Keys of `row` dequantized (the reference attention's input).
+    pub fn decode_k(&self, row: &[u8], out: &mut [f32]) {
+        let g = self.group();
+        let (mut codes, mut groups) = (vec![0f32; self.head_dim], vec![(0f32, 0f32); self.head_dim / g]);
+        self.key_codes(row, &mut codes, &mut groups);
+        if let Format::Turbo { .. } = self.format {
+            // The codec's own decode: (code + zero)·scale, not scale·code + zero·scale.
+            let tail = &row[self.k_bytes - self.head_dim / g * 4..self.k_bytes];
+            for (i, o) in out.iter_mut().enumerate() {
+                let (s, z) = (f16::from_bits(le16(tail, 2 * (i / g))), f16::from_bits(le16(tail, 2 * (i / g) + 1)));
+                *o = (codes[i] + z.to_f32()) * s.to_f32();
+            }
+            return;
+        }
+        for (i, o) in out.iter_mut().enumerate() {
+            let (s, b) = groups[i / g];
+            *o = s * codes[i] + b;
+        }
+    }
+
+    /// Values of `row` dequantized (inverse rotation included).
+    pub fn decode_v(&self, row: &[u8], out: &mut [f32]) -> crate::Result<()> {
+        out.fill(0.0);
+        self.accumulate_v(row, 1.0, out);
+        self.finish_v(out)
+    }
+
+    fn group(&self) -> usize {
+        match self.format {
+            Format::Affine { .. } => AFFINE_GROUP,
+            Format::Turbo { .. } => tq::GROUP,
+        }
+    }
+
+    /// q·key of `row`, the dequantization factored out: per group scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ.
+    /// `q_sums` holds Σ qᵢ per group (`group_sums`).
+    pub fn key_dot(&self, row: &[u8], q: &[f32], q_sums: &[f32], codes: &mut [f32], groups: &mut [(f32, f32)]) -> f32 {
+        self.key_codes(row, codes, groups);
+        let g = self.group();
+        let mut dot = 0f32;
+        for (gi, ((s, off), qs)) in groups.iter().zip(q_sums).enumerate() {
+            let raw: f32 = q[gi * g..(gi + 1) * g].iter().zip(&codes[gi * g..(gi + 1) * g]).map(|(a, c)| a * c).sum();
+            dot += s * raw + off * qs;
+        }
+        dot
+    }
+
+    /// Σ qᵢ per key group of q.
+    pub fn group_sums(&self, q: &[f32]) -> Vec<f32> {
+        q.chunks(self.group()).map(|c| c.iter().sum()).collect()
+    }
+
+    /// acc += w·value of `row`; turbo values stay in the rotated domain (`finish_v`).
+    pub fn accumulate_v(&self, row: &[u8], w: f32, acc: &mut [f32]) {
+        let hd = self.head_dim;
+        let v = &row[self.k_bytes..self.bytes()];
+        match self.format {
+            Format::Affine { bits } => {
+                let (mut codes, mut groups) = (vec![0f32; hd], vec![(0f32, 0f32); hd / AFFINE_GROUP]);
+                affine_codes(v, hd, bits, &mut codes, &mut groups);
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let (s, b) = groups[i / AFFINE_GROUP];
+                    *a += w * (s * codes[i] + b);
+                }
+            }
+            Format::Turbo { value_bits, .. } => {
+                let (packed, tail) = v.split_at(hd * value_bits as usize / 8);
+                let (cents, _) = tq::value_table(value_bits).expect("checked at construction");
+                for (i, a) in acc.iter_mut().enumerate() {
+                    let s = f16::from_bits(le16(tail, i / tq::GROUP)).to_f32();
+                    *a += w * (f32::from_bits(cents[unpack(packed, value_bits, i) as usize]) * s);
+                }
+            }
+        }
+    }
+
+    /// The accumulated values out of the rotated domain (turbo); nothing for affine.
+    pub fn finish_v(&self, acc: &mut [f32]) -> crate::Result<()> {
+        match self.format {
+            Format::Affine { .. } => Ok(()),
+            Format::Turbo { .. } => tq::unrotate(acc),
+        }
+    }
+}
+
+/// Attention of one query head over quantized rows (causal span already chosen): softmax
+/// of scale·q·kₚ over the rows, then Σ pₚ·vₚ, in row order. out has head_dim values.
+pub fn attend_head(codec: &RowCodec, q: &[f32], rows: &[&[u8]], scale: f32, out: &mut [f32]) -> crate::Result<()> {
+    let hd = q.len();
+    let q_sums = codec.group_sums(q);
+    let (mut codes, mut groups) = (vec![0f32; hd], vec![(0f32, 0f32); hd / codec.group()]);
+    let scores: Vec<f32> = rows.iter().map(|r| scale * codec.key_dot(r, q, &q_sums, &mut codes, &mut groups)).collect();
+    let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
+    let sum: f32 = e.iter().sum();
+    out.fill(0.0);
+    for (r, w) in rows.iter().zip(&e) {
+        codec.accumulate_v(r, w / sum, out);
+    }
+    codec.finish_v(out)
+}
+
+/// MLX affine groups of 64 with bf16 scale and bias, into `out`'s layout.
+fn affine_encode(x: &[f32], bits: u32, out: &mut [u8]) {
+    let hd = x.len();
+    let groups = hd / AFFINE_GROUP;
+    let (codes, tail) = out.split_at_mut(hd * bits as usize / 8);
+    let mut q = vec![0u32; hd];
+    for (g, vals) in x.chunks(AFFINE_GROUP).enumerate() {
+        let (s, b) = quantize_group(vals, bits, ScaleDtype::BF16, &mut q[g * AFFINE_GROUP..(g + 1) * AFFINE_GROUP]);
+        put16(tail, g, bf16::from_f32(s).to_bits());
+        put16(tail, groups + g, bf16::from_f32(b).to_bits());
+    }
+    let q8: Vec<u8> = q.iter().map(|&v| v as u8).collect();
+    pack(&q8, bits, codes);
+}
+
+fn affine_codes(half: &[u8], hd: usize, bits: u32, codes: &mut [f32], groups: &mut [(f32, f32)]) {
+    let (packed, tail) = half.split_at(hd * bits as usize / 8);
+    for (i, c) in codes.iter_mut().enumerate() {
+        *c = unpack(packed, bits, i) as f32;
+    }
+    let n = hd / AFFINE_GROUP;
+    for (g, sb) in groups.iter_mut().enumerate() {
+        *sb = (bf16::from_bits(le16(tail, g)).to_f32(), bf16::from_bits(le16(tail, n + g)).to_f32());
+    }
+}
+
+fn pack(vals: &[u8], bits: u32, out: &mut [u8]) {
+    match bits {
+        8 => out.copy_from_slice(vals),
+        _ => tq::pack_bits(vals.iter().map(|&v| v as u32), bits, out),
+    }
+}
+
+fn unpack(packed: &[u8], bits: u32, i: usize) -> u32 {
+    match bits {
+        8 => packed[i] as u32,
+        _ => tq::unpack_bit(packed, bits, i),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn randoms(n: usize, mut s: u64) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+            })
+            .collect()
+    }
+
+    /// Attention over the dequantized copy, in f64: the reference.
+    fn reference(codec: &RowCodec, q: &[f32], rows: &[&[u8]], scale: f32) -> Vec<f64> {
+        let hd = q.len();
+        let (mut k, mut v) = (vec![0f32; hd], vec![0f32; hd]);
+        let mut scores = vec![];
+        let mut vals = vec![];
+        for r in rows {
+            codec.decode_k(r, &mut k);
+            codec.decode_v(r, &mut v).unwrap();
+            scores.push(scale as f64 * q.iter().zip(&k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>());
+            vals.push(v.clone());
+        }
+        let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|s| (s - m).exp()).collect();
+        let sum: f64 = e.iter().sum();
+        (0..hd).map(|i| vals.iter().zip(&e).map(|(v, w)| v[i] as f64 * w / sum).sum()).collect()
+    }
+
+    #[test]
+    fn attention_over_quantized_rows_equals_attention_over_their_dequantized_copy() {
+        for scheme in ["affine:8", "affine:4", "turbo", "turbo:k4v2", "turbo:k2v8", "turbo:k5v5", "turbo:k8v4"] {
+            let s = KvScheme::parse(scheme).unwrap();
+            for hd in [64, 128] {
+                let codec = RowCodec::new(&s, 0, hd).unwrap();
+                assert_eq!(codec.bytes(), s.head_position_bytes(hd, 0), "{scheme} {hd}");
+                for n in [1, 31, 32, 33, 100] {
+                    let mut store = vec![0u8; n * codec.bytes()];
+                    for (p, row) in store.chunks_mut(codec.bytes()).enumerate() {
+                        let (k, v) = (randoms(hd, 7 + p as u64), randoms(hd, 1000 + p as u64));
+                        codec.encode(&k, &v, Precision::F32, row).unwrap();
+                    }
+                    let rows: Vec<&[u8]> = store.chunks(codec.bytes()).collect();
+                    let q = randoms(hd, 99 + n as u64);
+                    let scale = 1.0 / (hd as f32).sqrt();
+                    let mut out = vec![0f32; hd];
+                    attend_head(&codec, &q, &rows, scale, &mut out).unwrap();
+                    let want = reference(&codec, &q, &rows, scale);
+                    let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-3);
+                    let err = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt() / norm;
+                    assert!(err < 2e-5, "{scheme} head_dim {hd}, {n} positions: relative error {err:.2e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_decode_close_to_what_was_encoded() {
+        for (scheme, tol) in [("affine:8", 0.02), ("affine:4", 0.3), ("turbo:k8v8", 0.05), ("turbo", 0.6)] {
+            let codec = RowCodec::new(&KvScheme::parse(scheme).unwrap(), 0, 128).unwrap();
+            let (k, v) = (randoms(128, 3), randoms(128, 4));
+            let mut row = vec![0u8; codec.bytes()];
+            codec.encode(&k, &v, Precision::F32, &mut row).unwrap();
+            let (mut kd, mut vd) = (vec![0f32; 128], vec![0f32; 128]);
+            codec.decode_k(&row, &mut kd);
+            codec.decode_v(&row, &mut vd).unwrap();
+            let worst = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(worst(&k, &kd) < tol && worst(&v, &vd) < tol, "{scheme}: {} {}", worst(&k, &kd), worst(&v, &vd));
+        }
+    }
+}
