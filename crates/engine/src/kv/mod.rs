@@ -4,6 +4,7 @@
 //! Blocks are preallocated and updated in place, so decode steps have fixed shapes.
 
 pub mod blocks;
+pub mod file;
 pub mod paged;
 pub mod rows;
 pub mod scheme;
