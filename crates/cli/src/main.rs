@@ -40,6 +40,8 @@ enum Cmd {
     Tokenize(tools::TokenizeArgs),
     /// Teacher-forced perplexity over a text file.
     Perplexity(tools::PerplexityArgs),
+    /// Teacher-forced KL divergence of a model from a base model over a text file.
+    Kl(tools::KlArgs),
     /// Show a model's architecture, tensors, quantization and tokenizer.
     Inspect(tools::InspectArgs),
     /// Convert a model (GGUF, MLX or HF directory) to an MLX-format directory.
@@ -116,6 +118,7 @@ fn run(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Serve(a) => serve::serve(a),
         Cmd::Tokenize(a) => tools::tokenize(a),
         Cmd::Perplexity(a) => tools::perplexity(a),
+        Cmd::Kl(a) => tools::kl(a),
         Cmd::Inspect(a) => tools::inspect(a),
         Cmd::Convert(a) => tools::convert(a),
         Cmd::Bench(a) => bench::bench(a),

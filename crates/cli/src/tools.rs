@@ -98,6 +98,74 @@ fn perplexity_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: Perplexity
 }
 
 #[derive(Args, Debug)]
+pub struct KlArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// The reference the model is compared with (KL(base || model)): another quantization
+    /// of the same model, run on the same device.
+    #[arg(long, value_name = "M")]
+    base_model: String,
+    /// Quantize the base model's dense weights on load, as --quantize does for the model.
+    #[arg(long, value_name = "SCHEME")]
+    base_quantize: Option<String>,
+    /// Text file to evaluate.
+    #[arg(long, short)]
+    file: PathBuf,
+    /// Tokens per chunk; each chunk is evaluated from an empty cache.
+    #[arg(long, default_value_t = 512)]
+    ctx: usize,
+    /// One JSON object instead of the summary.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn kl(a: KlArgs) -> Result<()> {
+    let text = read_text(None, Some(a.file.clone()))?;
+    let base_arg = ModelArg {
+        model: Some(a.base_model.clone()),
+        quantize: a.base_quantize.clone(),
+        device: a.model.device.clone(),
+    };
+    let base = load::model(&base_arg).context("loading the base model")?;
+    let model = load::model(&a.model)?;
+    crate::with_model!(base, b => crate::with_model!(model, m => kl_on(&b, &m, &a, &text)))
+}
+
+fn kl_on<A: ferrolm::backend::Backend, B: ferrolm::backend::Backend>(
+    base: &load::Loaded<A>,
+    l: &load::Loaded<B>,
+    a: &KlArgs,
+    text: &str,
+) -> Result<()> {
+    let ids_of = |t: &Tokenizer| -> Result<Vec<u32>> {
+        let mut ids: Vec<u32> = if t.add_bos_default() { t.bos_id().into_iter().collect() } else { vec![] };
+        ids.extend(t.encode(text, false)?);
+        Ok(ids)
+    };
+    let ids = ids_of(&l.tokenizer)?;
+    if ids_of(&base.tokenizer)? != ids {
+        bail!("the base model's tokenizer gives other tokens for the text: KL needs the same tokens");
+    }
+    let r = ferrolm::eval::kl_divergence(&base.model, &l.model, &ids, a.ctx, load::progress())?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "positions {}  KL mean {:.6}  median {:.6}  p90 {:.6}  p99 {:.6}  p99.9 {:.6}  max {:.6}",
+            r.positions, r.kl_mean, r.kl_median, r.kl_p90, r.kl_p99, r.kl_p999, r.kl_max
+        );
+        println!(
+            "same top token {:.2}%  ppl base {:.4}  ppl {:.4}  ({:+.3}%)",
+            100.0 * r.top1_agreement,
+            r.ppl_base,
+            r.ppl,
+            100.0 * (r.ppl / r.ppl_base - 1.0)
+        );
+    }
+    Ok(())
+}
+
+#[derive(Args, Debug)]
 pub struct InspectArgs {
     /// A .gguf file, an MLX or HF directory, or a Hugging Face repo id (default: SmolLM2).
     model: Option<String>,

@@ -461,3 +461,29 @@ fn inspect_json_and_natural_layer_order() {
     let pos = |n: &str| table.find(n).unwrap();
     assert!(pos("model.layers.2.input_layernorm.weight") < pos("model.layers.10.input_layernorm.weight"));
 }
+
+#[test]
+fn kl_compares_a_model_with_a_base_quantization() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("text.txt");
+    std::fs::write(&file, "The quick brown fox jumps over the lazy dog. It rests in the sun, and the dog sleeps.")
+        .unwrap();
+    let kl = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec!["kl", "--model", m, "--base-model", m, "--file", file.to_str().unwrap(), "--json"];
+        args.extend(extra);
+        let o = run(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str(&stdout(&o)).unwrap()
+    };
+    let same = kl(&[]);
+    assert_eq!((same["kl_max"].as_f64(), same["top1_agreement"].as_f64()), (Some(0.0), Some(1.0)), "{same}");
+    assert!(same["positions"].as_u64().unwrap() > 10, "{same}");
+    // The base requantized at 8 bits from the file's 4: close, not equal.
+    let other = kl(&["--base-quantize", "8"]);
+    let mean = other["kl_mean"].as_f64().unwrap();
+    assert!(mean > 0.0 && mean < 0.05, "{other}");
+    assert!(other["kl_max"].as_f64().unwrap() >= other["kl_p99"].as_f64().unwrap(), "{other}");
+    assert!(other["kl_p99"].as_f64().unwrap() >= other["kl_median"].as_f64().unwrap(), "{other}");
+}

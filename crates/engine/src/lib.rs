@@ -5,6 +5,7 @@ pub mod backend;
 pub mod config;
 pub mod env;
 pub mod error;
+pub mod eval;
 pub mod files;
 pub mod formats;
 pub mod generate;

@@ -1,0 +1,133 @@
+//! Teacher-forced comparison of two models' next-token distributions over the same tokens
+//! (`ferrolm kl`): KL(base ‖ model) at every position, as llama.cpp's `--kl-divergence`
+//! reports it (mean, median, percentiles, max), the top-1 agreement, and both perplexities.
+//! Both run the text in chunks of `ctx` tokens, each chunk from an empty cache.
+
+use crate::backend::Backend;
+use crate::model::{Decoder, Logits};
+use crate::{Error, Result};
+
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct KlReport {
+    pub tokens: usize,
+    /// Positions compared (each chunk's but its last).
+    pub positions: usize,
+    pub kl_mean: f64,
+    pub kl_median: f64,
+    pub kl_p90: f64,
+    pub kl_p99: f64,
+    pub kl_p999: f64,
+    pub kl_max: f64,
+    /// Positions where both models' most likely next token is the same, as a fraction.
+    pub top1_agreement: f64,
+    pub ppl_base: f64,
+    pub ppl: f64,
+}
+
+/// Log-softmax of one row in f64.
+fn log_softmax(row: &[f32]) -> Vec<f64> {
+    let lse = crate::sample::log_sum_exp(row, 1.0);
+    row.iter().map(|&v| v as f64 - lse).collect()
+}
+
+/// KL(p ‖ q) of two log-distributions (f64 sums; ≥ 0 up to rounding, clamped at 0).
+fn kl(lp: &[f64], lq: &[f64]) -> f64 {
+    lp.iter().zip(lq).map(|(a, b)| if *a == f64::NEG_INFINITY { 0.0 } else { a.exp() * (a - b) }).sum::<f64>().max(0.0)
+}
+
+/// Value at quantile q (0..=1) of sorted values, nearest rank.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+/// Compare `model` with `base` on `tokens` (the same tokenizer's ids) in chunks of `ctx`.
+pub fn kl_divergence<A: Backend, B: Backend>(
+    base: &Decoder<A>,
+    model: &Decoder<B>,
+    tokens: &[u32],
+    ctx: usize,
+    progress: bool,
+) -> Result<KlReport> {
+    let vocab = model.logits_width();
+    if base.logits_width() != vocab {
+        return Err(Error::Invalid(format!(
+            "the base model predicts over {} tokens and the model over {vocab}: not the same vocabulary",
+            base.logits_width()
+        )));
+    }
+    if ctx < 2 || tokens.len() < 2 {
+        return Err(Error::Invalid(format!(
+            "kl needs chunks of 2 tokens or more (ctx {ctx}, {} tokens)",
+            tokens.len()
+        )));
+    }
+    let ctx = ctx.min(model.cfg.max_ctx).min(base.cfg.max_ctx);
+    let (mut kb, mut km) = (base.new_cache(ctx)?, model.new_cache(ctx)?);
+    let (mut kls, mut same) = (Vec::new(), 0usize);
+    let (mut nll_base, mut nll) = (0f64, 0f64);
+    let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");
+    for chunk in tokens.chunks(ctx) {
+        bar.inc(chunk.len() as u64);
+        if chunk.len() < 2 {
+            break;
+        }
+        let lb = base.forward(chunk, 0, &mut kb, Logits::All)?;
+        let lm = model.forward(chunk, 0, &mut km, Logits::All)?;
+        for (i, (rb, rm)) in lb.chunks_exact(vocab).zip(lm.chunks_exact(vocab)).take(chunk.len() - 1).enumerate() {
+            let (pb, pm) = (log_softmax(rb), log_softmax(rm));
+            let target = chunk[i + 1] as usize;
+            nll_base -= pb[target];
+            nll -= pm[target];
+            kls.push(kl(&pb, &pm));
+            same += usize::from(crate::sample::argmax(rb) == crate::sample::argmax(rm));
+        }
+    }
+    bar.finish_and_clear();
+    let n = kls.len() as f64;
+    let mut sorted = kls.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = match sorted.len() % 2 {
+        1 => sorted[sorted.len() / 2],
+        _ => 0.5 * (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]),
+    };
+    Ok(KlReport {
+        tokens: tokens.len(),
+        positions: kls.len(),
+        kl_mean: kls.iter().sum::<f64>() / n,
+        kl_median: median,
+        kl_p90: quantile(&sorted, 0.90),
+        kl_p99: quantile(&sorted, 0.99),
+        kl_p999: quantile(&sorted, 0.999),
+        kl_max: *sorted.last().expect("at least one position"),
+        top1_agreement: same as f64 / n,
+        ppl_base: (nll_base / n).exp(),
+        ppl: (nll / n).exp(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kl_of_a_distribution_with_itself_is_zero_and_grows_apart() {
+        let p = log_softmax(&[1.0, 2.0, 3.0, -1.0]);
+        assert_eq!(kl(&p, &p), 0.0);
+        let q = log_softmax(&[1.0, 2.0, 2.5, -1.0]);
+        let r = log_softmax(&[3.0, 2.0, 1.0, -1.0]);
+        assert!(kl(&p, &q) > 0.0 && kl(&p, &r) > kl(&p, &q));
+        // By hand: p = (½, ½), q = (¼, ¾): ½·ln 2 + ½·ln(2/3).
+        let (p2, q2) = ([0.5f64.ln(), 0.5f64.ln()], [0.25f64.ln(), 0.75f64.ln()]);
+        assert!((kl(&p2, &q2) - (0.5 * 2f64.ln() + 0.5 * (2.0f64 / 3.0).ln())).abs() < 1e-12);
+    }
+
+    #[test]
+    fn quantiles_take_the_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(
+            (quantile(&v, 0.5), quantile(&v, 0.99), quantile(&v, 0.999), quantile(&v, 0.0)),
+            (50.0, 99.0, 100.0, 1.0)
+        );
+    }
+}
