@@ -146,8 +146,8 @@ impl Cuda {
             KArg::I32((kv.width / hd) as i32),
             KArg::I32(hd as i32),
             pos,
-            KArg::I32(self.cfg.attention_min_chunk as i32),
-            KArg::I32(self.cfg.attention_max_splits as i32),
+            KArg::I32(attention_chunking(&self.cfg).0 as i32),
+            KArg::I32(attention_chunking(&self.cfg).1 as i32),
             KArg::F32(attend.scale),
             KArg::I32(window_arg(attend)?),
             tables[0],
@@ -205,7 +205,14 @@ impl Cuda {
 /// needs ceil(its span / its chunk) ≤ ceil(span / the smallest chunk), and at most the
 /// most splits (attention.cu's chunk rule).
 pub(crate) fn attention_splits(span: usize, cfg: &super::CudaConfig) -> usize {
-    span.div_ceil(cfg.attention_min_chunk).clamp(1, cfg.attention_max_splits)
+    let (min_chunk, max_splits) = attention_chunking(cfg);
+    span.div_ceil(min_chunk).clamp(1, max_splits)
+}
+
+/// The configuration's (smallest chunk, most splits), at least 1 each: the kernel's
+/// doubling loop needs both positive.
+fn attention_chunking(cfg: &super::CudaConfig) -> (usize, usize) {
+    (cfg.attention_min_chunk.max(1), cfg.attention_max_splits.max(1))
 }
 
 /// A kernel's window argument: the positions a sliding-window query sees, 0 for all.
@@ -235,7 +242,7 @@ mod tests {
 
     #[test]
     fn a_calls_splits_cover_each_of_its_rows() {
-        for (min_chunk, max_splits) in [(16, 32), (32, 32), (64, 16), (64, 8), (256, 32)] {
+        for (min_chunk, max_splits) in [(16, 32), (32, 32), (64, 16), (64, 8), (256, 32), (1, 1)] {
             let cfg = CudaConfig {
                 attention_min_chunk: min_chunk,
                 attention_max_splits: max_splits,
