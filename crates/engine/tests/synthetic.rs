@@ -340,3 +340,25 @@ fn gemma_and_qwen3_shapes_round_trip_through_mlx_directories() {
         assert_eq!(logits(&a), logits(&b), "{name}: logits");
     }
 }
+
+#[test]
+fn kv_file_fingerprints_tell_models_apart() {
+    use ferrolm::kv::file::model_fingerprint;
+    let path = ferrolm::hub::default_model().expect("the default model (SmolLM2 GGUF) must be available");
+    let load = || {
+        let src = formats::load(&path, false).unwrap();
+        let tok = Tokenizer::load(&src.tokenizer).unwrap();
+        (src, tok)
+    };
+    let (a, tok) = load();
+    let (mut b, tok_b) = load();
+    let fa = model_fingerprint(&a, &tok);
+    assert_eq!(fa.len(), 16);
+    assert_eq!(fa, model_fingerprint(&b, &tok_b), "two loads of one file");
+    apply(&mut b, &scheme("8"), false).unwrap();
+    let fb = model_fingerprint(&b, &tok_b);
+    assert!(fa[..8] != fb[..8] && fa[8..] == fb[8..], "requantized: {fa} vs {fb}");
+    let padded = tok.padded(tok.vocab_size() + 8, |i| format!("<pad{i}>")).unwrap();
+    let fc = model_fingerprint(&a, &padded);
+    assert!(fa[..8] == fc[..8] && fa[8..] != fc[8..], "another tokenizer: {fa} vs {fc}");
+}

@@ -144,6 +144,30 @@ pub fn read(path: &Path, expect: &Expect<'_>) -> Result<Option<(KvFileHeader, Ve
     Ok(Some((header, payload)))
 }
 
+/// A model's fingerprint for KV files: a CRC-32 over its configuration and every tensor's
+/// name, shape, format and size, and one over its tokenizer's tokens and special ids, as
+/// 16 hex digits. Two loads of one file agree; another quantization, shape or tokenizer
+/// differs. (Two checkpoints of one architecture and format share the first half; the
+/// file's header still holds the token ids its cache came from.)
+pub fn model_fingerprint(src: &crate::formats::ModelSource, tok: &crate::tokenizer::Tokenizer) -> String {
+    let mut meta = crc32fast::Hasher::new();
+    meta.update(format!("{:?}", src.config).as_bytes());
+    let mut names: Vec<&String> = src.tensors.keys().collect();
+    names.sort();
+    for n in names {
+        let w = &src.tensors[n];
+        meta.update(format!("{n} {}x{} {} {}\n", w.rows(), w.cols(), w.describe(), w.byte_size()).as_bytes());
+    }
+    let mut toks = crc32fast::Hasher::new();
+    toks.update(format!("{:?} {:?} {:?}\n", tok.bos_id(), tok.eos_id(), tok.stop_ids()).as_bytes());
+    let hf = tok.hf();
+    for id in 0..tok.vocab_size() as u32 {
+        toks.update(hf.id_to_token(id).unwrap_or_default().as_bytes());
+        toks.update(b"\0");
+    }
+    format!("{:08x}{:08x}", meta.finalize(), toks.finalize())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
