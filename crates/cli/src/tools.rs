@@ -54,34 +54,44 @@ pub fn tokenize(a: TokenizeArgs) -> Result<()> {
     Ok(())
 }
 
+/// The text a teacher-forced evaluation runs over (perplexity, kl).
 #[derive(Args, Debug)]
-pub struct PerplexityArgs {
-    #[command(flatten)]
-    model: ModelArg,
+pub struct EvalText {
     /// Text file to evaluate.
     #[arg(long, short)]
     file: PathBuf,
     /// Tokens per chunk; each chunk is evaluated from an empty cache.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
+}
+
+/// The file's token ids as an evaluation reads them: BOS first where the model adds one.
+fn eval_ids(t: &Tokenizer, text: &str) -> Result<Vec<u32>> {
+    let mut ids: Vec<u32> = if t.add_bos_default() { t.bos_id().into_iter().collect() } else { vec![] };
+    ids.extend(t.encode(text, false)?);
+    Ok(ids)
+}
+
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    #[command(flatten)]
+    text: EvalText,
     /// Print {"tokens","ppl","targets","nll","argmax"} as one JSON object.
     #[arg(long)]
     json: bool,
 }
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
-    let text = read_text(None, Some(a.file.clone()))?;
+    let text = read_text(None, Some(a.text.file.clone()))?;
     crate::with_model!(load::model(&a.model)?, l => perplexity_on(l, a, text))
 }
 
 fn perplexity_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: PerplexityArgs, text: String) -> Result<()> {
-    let mut ids = Vec::new();
-    if l.tokenizer.add_bos_default() {
-        ids.extend(l.tokenizer.bos_id());
-    }
-    ids.extend(l.tokenizer.encode(&text, false)?);
+    let ids = eval_ids(&l.tokenizer, &text)?;
     let t = std::time::Instant::now();
-    let p = ferrolm::generate::perplexity(&l.model, &ids, a.ctx, load::progress())?;
+    let p = ferrolm::generate::perplexity(&l.model, &ids, a.text.ctx, load::progress())?;
     if a.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {
@@ -108,19 +118,15 @@ pub struct KlArgs {
     /// Quantize the base model's dense weights on load, as --quantize does for the model.
     #[arg(long, value_name = "SCHEME")]
     base_quantize: Option<String>,
-    /// Text file to evaluate.
-    #[arg(long, short)]
-    file: PathBuf,
-    /// Tokens per chunk; each chunk is evaluated from an empty cache.
-    #[arg(long, default_value_t = 512)]
-    ctx: usize,
+    #[command(flatten)]
+    text: EvalText,
     /// One JSON object instead of the summary.
     #[arg(long)]
     json: bool,
 }
 
 pub fn kl(a: KlArgs) -> Result<()> {
-    let text = read_text(None, Some(a.file.clone()))?;
+    let text = read_text(None, Some(a.text.file.clone()))?;
     let base_arg = ModelArg {
         model: Some(a.base_model.clone()),
         quantize: a.base_quantize.clone(),
@@ -137,16 +143,11 @@ fn kl_on<A: ferrolm::backend::Backend, B: ferrolm::backend::Backend>(
     a: &KlArgs,
     text: &str,
 ) -> Result<()> {
-    let ids_of = |t: &Tokenizer| -> Result<Vec<u32>> {
-        let mut ids: Vec<u32> = if t.add_bos_default() { t.bos_id().into_iter().collect() } else { vec![] };
-        ids.extend(t.encode(text, false)?);
-        Ok(ids)
-    };
-    let ids = ids_of(&l.tokenizer)?;
-    if ids_of(&base.tokenizer)? != ids {
+    let ids = eval_ids(&l.tokenizer, text)?;
+    if eval_ids(&base.tokenizer, text)? != ids {
         bail!("the base model's tokenizer gives other tokens for the text: KL needs the same tokens");
     }
-    let r = ferrolm::eval::kl_divergence(&base.model, &l.model, &ids, a.ctx, load::progress())?;
+    let r = ferrolm::eval::kl_divergence(&base.model, &l.model, &ids, a.text.ctx, load::progress())?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
