@@ -42,18 +42,34 @@ fn put16(b: &mut [u8], i: usize, v: u16) {
 }
 
 impl RowCodec {
-    /// The codec of `layer` under `scheme` (None for bf16), after `scheme.check`.
-    pub fn new(scheme: &KvScheme, layer: usize, head_dim: usize) -> Option<RowCodec> {
+    /// The codec of `layer` under `scheme` (None for bf16); an error names a head dim or
+    /// bit width the scheme cannot take.
+    pub fn new(scheme: &KvScheme, layer: usize, head_dim: usize) -> crate::Result<Option<RowCodec>> {
+        let bad = |why: String| crate::Error::Unsupported(format!("KV scheme {scheme}: {why}"));
         let format = match scheme {
-            KvScheme::Bf16 => return None,
-            KvScheme::Affine(bits) => Format::Affine { bits: bits[if bits.len() == 1 { 0 } else { layer }] },
-            KvScheme::Turbo { key, value_bits } => Format::Turbo { key: *key, value_bits: *value_bits },
+            KvScheme::Bf16 => return Ok(None),
+            KvScheme::Affine(bits) => {
+                let bits = *bits
+                    .get(if bits.len() == 1 { 0 } else { layer })
+                    .ok_or_else(|| bad(format!("no bits for layer {layer}")))?;
+                if !super::scheme::AFFINE_BITS.contains(&bits) || !head_dim.is_multiple_of(AFFINE_GROUP) {
+                    return Err(bad(format!("{bits}-bit affine rows of head dim {head_dim}")));
+                }
+                Format::Affine { bits }
+            }
+            KvScheme::Turbo { key, value_bits } => {
+                tq::check_head_dim(head_dim)?;
+                if tq::value_table(*value_bits).is_none() || KeyFormat::for_bits(key.bits).is_none() {
+                    return Err(bad(format!("keys of {} bits, values of {value_bits}", key.bits)));
+                }
+                Format::Turbo { key: *key, value_bits: *value_bits }
+            }
         };
         let k_bytes = match format {
             Format::Affine { bits } => head_dim * bits as usize / 8 + head_dim / AFFINE_GROUP * 4,
             Format::Turbo { key, .. } => head_dim * key.bits as usize / 8 + head_dim / tq::GROUP * 4,
         };
-        Some(RowCodec { format, head_dim, k_bytes })
+        Ok(Some(RowCodec { format, head_dim, k_bytes }))
     }
 
     /// Bytes of one row (keys and values).
@@ -304,7 +320,7 @@ mod tests {
         for scheme in ["affine:8", "affine:4", "turbo", "turbo:k4v2", "turbo:k2v8", "turbo:k5v5", "turbo:k8v4"] {
             let s = KvScheme::parse(scheme).unwrap();
             for hd in [64, 128] {
-                let codec = RowCodec::new(&s, 0, hd).unwrap();
+                let codec = RowCodec::new(&s, 0, hd).unwrap().unwrap();
                 assert_eq!(codec.bytes(), s.head_position_bytes(hd, 0), "{scheme} {hd}");
                 for n in [1, 31, 32, 33, 100] {
                     let mut store = vec![0u8; n * codec.bytes()];
@@ -327,9 +343,18 @@ mod tests {
     }
 
     #[test]
+    fn schemes_a_row_cannot_take_are_errors() {
+        assert!(RowCodec::new(&KvScheme::Bf16, 0, 128).unwrap().is_none());
+        let bad_v = KvScheme::Turbo { key: KeyFormat::INT8, value_bits: 6 };
+        assert!(RowCodec::new(&bad_v, 0, 128).unwrap_err().to_string().contains("values of 6"));
+        assert!(RowCodec::new(&KvScheme::parse("turbo").unwrap(), 0, 96).unwrap_err().to_string().contains("96"));
+        assert!(RowCodec::new(&KvScheme::Affine(vec![8, 4]), 2, 128).unwrap_err().to_string().contains("layer 2"));
+    }
+
+    #[test]
     fn rows_decode_close_to_what_was_encoded() {
         for (scheme, tol) in [("affine:8", 0.02), ("affine:4", 0.3), ("turbo:k8v8", 0.05), ("turbo", 0.6)] {
-            let codec = RowCodec::new(&KvScheme::parse(scheme).unwrap(), 0, 128).unwrap();
+            let codec = RowCodec::new(&KvScheme::parse(scheme).unwrap(), 0, 128).unwrap().unwrap();
             let (k, v) = (randoms(128, 3), randoms(128, 4));
             let mut row = vec![0u8; codec.bytes()];
             codec.encode(&k, &v, Precision::F32, &mut row).unwrap();
