@@ -12,7 +12,7 @@ mod worker;
 use crate::model::Decoder;
 use crate::sample::{SamplerConfig, TokenLogprobs};
 use crate::{backend::Backend, Error, Result};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::Acquire, Ordering::Relaxed};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -364,6 +364,8 @@ impl Engine {
 
     pub fn stats(&self) -> Stats {
         let s = &self.shared;
+        // First (Acquire): the worker adds a step's forward time after its step counters.
+        let forward_nanos = s.forward_nanos.load(Acquire);
         Stats {
             waiting: s.waiting.load(Relaxed),
             running: s.running.load(Relaxed),
@@ -378,9 +380,9 @@ impl Engine {
             kv_bytes_budget: self.info.kv_memory,
             kv_blocks_used: s.kv_blocks_used.load(Relaxed),
             kv_blocks_total: s.kv_blocks_total.load(Relaxed),
-            steps: s.steps.load(Relaxed),
-            step_seconds: s.step_nanos.load(Relaxed) as f64 * 1e-9,
-            forward_seconds: s.forward_nanos.load(Relaxed) as f64 * 1e-9,
+            forward_seconds: forward_nanos as f64 * 1e-9,
+            steps: s.steps.load(Acquire),
+            step_seconds: s.step_nanos.load(Acquire) as f64 * 1e-9,
         }
     }
 

@@ -7,19 +7,19 @@ use super::{Failure, FailureKind};
 use crate::backend::Backend;
 use crate::model::RowOut;
 use crate::Result;
-use std::sync::atomic::Ordering::Relaxed;
 
 impl<B: Backend> Worker<'_, B> {
     /// One step over the running requests; those that end leave. False when there was
     /// nothing to compute.
-    pub(super) fn step(&mut self) -> bool {
+    /// One step; the nanoseconds of its forward call, or None when nothing was planned.
+    pub(super) fn step(&mut self) -> Option<u64> {
         let plan = self.plan();
         if plan.is_empty() {
-            return false;
+            return None;
         }
         let t = std::time::Instant::now();
         let outs = forward(self.model, &mut self.caches, &self.running, &plan);
-        self.shared.forward_nanos.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+        let forward_nanos = t.elapsed().as_nanos() as u64;
         let outs = match outs {
             Ok(l) => l,
             Err(e) => {
@@ -30,7 +30,7 @@ impl<B: Backend> Worker<'_, B> {
                     let s = self.running.remove(i);
                     self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
                 }
-                return true;
+                return Some(forward_nanos);
             }
         };
         let mut ended = vec![];
@@ -50,7 +50,7 @@ impl<B: Backend> Worker<'_, B> {
             let s = self.running.remove(i);
             self.end(s, end);
         }
-        true
+        Some(forward_nanos)
     }
 
     /// The step's rows: (request, rows) with every decoding request's one row first, then

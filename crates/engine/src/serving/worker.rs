@@ -10,7 +10,7 @@ use crate::kv::paged::SeqKv;
 use crate::model::{Decoder, RowOut};
 use crate::sample::Sampler;
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Relaxed, Release};
 use std::sync::{mpsc, Arc};
 use std::time::Instant;
 
@@ -109,11 +109,15 @@ impl<'m, B: Backend> Worker<'m, B> {
             let t = Instant::now();
             self.expire();
             self.admit();
-            let stepped = self.step();
+            let forward_nanos = self.step();
             self.publish();
-            if stepped {
-                self.shared.steps.fetch_add(1, Relaxed);
-                self.shared.step_nanos.fetch_add(t.elapsed().as_nanos() as u64, Relaxed);
+            if let Some(f) = forward_nanos {
+                // The step's counters before its forward time (Release; `stats` loads the
+                // forward time first, Acquire), so a reader never sees more forward time than
+                // step time.
+                self.shared.steps.fetch_add(1, Release);
+                self.shared.step_nanos.fetch_add(t.elapsed().as_nanos() as u64, Release);
+                self.shared.forward_nanos.fetch_add(f, Release);
             }
             if self.deadline.is_some() && self.running.is_empty() && self.preempted.is_empty() {
                 break;
