@@ -159,6 +159,19 @@ pub trait Backend: Sync {
     fn act_f32(&self, rows: usize, cols: usize) -> Result<Self::Act>;
     /// A store of `blocks` for the model's layers.
     fn kv_store(&self, cfg: &ModelConfig, blocks: crate::kv::KvBlocks) -> Result<Self::Kv>;
+    /// A store whose blocks hold `scheme`'s rows (kv::scheme); bf16 is `kv_store`. A
+    /// backend without the scheme's kernels says so.
+    fn kv_store_scheme(
+        &self,
+        cfg: &ModelConfig,
+        blocks: crate::kv::KvBlocks,
+        scheme: &crate::kv::scheme::KvScheme,
+    ) -> Result<Self::Kv> {
+        match scheme {
+            crate::kv::scheme::KvScheme::Bf16 => self.kv_store(cfg, blocks),
+            s => Err(crate::Error::Unsupported(format!("the KV scheme {s} on {}", self.name()))),
+        }
+    }
     /// The blocks a store holds.
     fn kv_blocks(&self, kv: &Self::Kv) -> crate::kv::KvBlocks;
 

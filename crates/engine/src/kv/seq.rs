@@ -35,11 +35,16 @@ pub fn seq_blocks(cfg: &ModelConfig, max_seq: usize) -> KvBlocks {
 
 impl<B: Backend> SeqCache<B> {
     pub fn new(b: &B, cfg: &ModelConfig, max_seq: usize) -> Result<Self> {
+        Self::with_scheme(b, cfg, max_seq, &super::scheme::KvScheme::Bf16)
+    }
+
+    /// A cache whose store holds `scheme`'s rows.
+    pub fn with_scheme(b: &B, cfg: &ModelConfig, max_seq: usize, scheme: &super::scheme::KvScheme) -> Result<Self> {
         let blocks = seq_blocks(cfg, max_seq);
         let sliding = has_sliding(cfg).then_some((blocks.sliding, cfg.sliding_window));
         let mut paged = PagedKv::new(BLOCK, blocks.full, sliding);
         paged.lag = RELEASE_LAG;
-        Ok(SeqCache { store: b.kv_store(cfg, blocks)?, paged, seq: SeqKv::default(), max_seq })
+        Ok(SeqCache { store: b.kv_store_scheme(cfg, blocks, scheme)?, paged, seq: SeqKv::default(), max_seq })
     }
 
     /// Positions the cache can hold.

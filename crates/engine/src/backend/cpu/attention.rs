@@ -21,13 +21,25 @@ pub fn attention<'a>(
     spans: &[Span<'_>],
     attend: Attend,
     out: &mut [f32],
-) {
+) -> crate::Result<()> {
     assert_eq!(out.len(), m * n_heads * hd, "attention: out is not [{m}, {n_heads}·{hd}]");
     let rows = crate::kv::row_positions(spans);
     assert_eq!(rows.len(), m, "attention: {m} query rows, spans of {}", rows.len());
     let n_kv = kv.width / hd;
     let group = n_heads / n_kv;
     let scale = attend.scale;
+    if let Some(q_layers) = &kv.quant {
+        let codec = &q_layers.codecs[layer];
+        return out.par_chunks_mut(hd).enumerate().try_for_each(|(idx, o)| {
+            let (t, h) = (idx / n_heads, idx % n_heads);
+            let (seq, pos) = rows[t];
+            let span = &spans[seq];
+            let qh = &q[t * n_heads * hd + h * hd..][..hd];
+            let kv_rows: Vec<&[u8]> =
+                (attend.first(pos)..=pos).map(|p| kv.quant_row(layer, kv.row(layer, span, p), h / group)).collect();
+            crate::kv::rows::attend_head(codec, qh, &kv_rows, scale, o)
+        });
+    }
     let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
     let simd = super::simd::has_avx2() && hd.is_multiple_of(8);
     out.par_chunks_mut(hd).enumerate().for_each(|(idx, o)| {
@@ -67,4 +79,5 @@ pub fn attention<'a>(
             }
         }
     });
+    Ok(())
 }

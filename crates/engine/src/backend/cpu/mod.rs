@@ -49,6 +49,14 @@ impl Backend for Cpu {
     fn kv_store(&self, cfg: &ModelConfig, blocks: KvBlocks) -> Result<CpuKv> {
         Ok(CpuKv::new(cfg, blocks))
     }
+    fn kv_store_scheme(
+        &self,
+        cfg: &ModelConfig,
+        blocks: KvBlocks,
+        scheme: &crate::kv::scheme::KvScheme,
+    ) -> Result<CpuKv> {
+        CpuKv::with_scheme(cfg, blocks, scheme)
+    }
     fn kv_blocks(&self, kv: &CpuKv) -> KvBlocks {
         kv.blocks
     }
@@ -98,10 +106,9 @@ impl Backend for Cpu {
         attend: Attend,
         out: &mut CpuAct,
     ) -> Result<()> {
-        kv.write(layer, spans, &k.data, &v.data);
+        kv.write(layer, spans, &k.data, &v.data)?;
         let hd = kv.head_dim;
-        attention::attention(&q.data, (q.rows, q.cols / hd, hd), kv, layer, spans, attend, &mut out.data);
-        Ok(())
+        attention::attention(&q.data, (q.rows, q.cols / hd, hd), kv, layer, spans, attend, &mut out.data)
     }
     fn glu(&self, gate: &CpuAct, up: &CpuAct, act: Activation, out: &mut CpuAct) -> Result<()> {
         ops::glu(&gate.data, &up.data, act, &mut out.data);
