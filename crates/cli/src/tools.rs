@@ -63,6 +63,10 @@ pub struct EvalText {
     /// Tokens per chunk; each chunk is evaluated from an empty cache.
     #[arg(long, default_value_t = 512)]
     ctx: usize,
+    /// The model's KV cache scheme: bf16, affine:8, affine:4, affine:FILE.json or
+    /// turbo[:kKvV] (docs/kv.md; quantized schemes run on the CPU for now).
+    #[arg(long, value_name = "SCHEME", default_value = "bf16")]
+    kv: String,
 }
 
 /// The file's token ids as an evaluation reads them: BOS first where the model adds one.
@@ -91,7 +95,8 @@ pub fn perplexity(a: PerplexityArgs) -> Result<()> {
 fn perplexity_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: PerplexityArgs, text: String) -> Result<()> {
     let ids = eval_ids(&l.tokenizer, &text)?;
     let t = std::time::Instant::now();
-    let p = ferrolm::generate::perplexity(&l.model, &ids, a.text.ctx, load::progress())?;
+    let kv = KvScheme::parse(&a.text.kv)?;
+    let p = ferrolm::generate::perplexity(&l.model, &ids, a.text.ctx, &kv, load::progress())?;
     if a.json {
         println!("{}", serde_json::to_string(&p)?);
     } else {
@@ -112,9 +117,13 @@ pub struct KlArgs {
     #[command(flatten)]
     model: ModelArg,
     /// The reference the model is compared with (KL(base || model)): another quantization
-    /// of the same model, run on the same device.
+    /// of the same model, run on the same device. Default: the model itself (with --kv, its
+    /// cache against the --base one).
     #[arg(long, value_name = "M")]
-    base_model: String,
+    base_model: Option<String>,
+    /// The base's KV cache scheme.
+    #[arg(long, value_name = "SCHEME", default_value = "bf16")]
+    base: String,
     /// Quantize the base model's dense weights on load, as --quantize does for the model.
     #[arg(long, value_name = "SCHEME")]
     base_quantize: Option<String>,
@@ -127,27 +136,32 @@ pub struct KlArgs {
 
 pub fn kl(a: KlArgs) -> Result<()> {
     let text = read_text(None, Some(a.text.file.clone()))?;
-    let base_arg = ModelArg {
-        model: Some(a.base_model.clone()),
-        quantize: a.base_quantize.clone(),
-        device: a.model.device.clone(),
-    };
-    let base = load::model(&base_arg).context("loading the base model")?;
+    let schemes = (KvScheme::parse(&a.base)?, KvScheme::parse(&a.text.kv)?);
     let model = load::model(&a.model)?;
-    crate::with_model!(base, b => crate::with_model!(model, m => kl_on(&b, &m, &a, &text)))
+    let Some(base_model) = &a.base_model else {
+        if a.base_quantize.is_some() || schemes.0 == schemes.1 {
+            bail!("kl compares two things: give --base-model, or --kv (and --base) with different schemes");
+        }
+        return crate::with_model!(model, m => kl_on(&m, &m, &a, &schemes, &text));
+    };
+    let base_arg =
+        ModelArg { model: Some(base_model.clone()), quantize: a.base_quantize.clone(), device: a.model.device.clone() };
+    let base = load::model(&base_arg).context("loading the base model")?;
+    crate::with_model!(base, b => crate::with_model!(model, m => kl_on(&b, &m, &a, &schemes, &text)))
 }
 
 fn kl_on<A: ferrolm::backend::Backend, B: ferrolm::backend::Backend>(
     base: &load::Loaded<A>,
     l: &load::Loaded<B>,
     a: &KlArgs,
+    (base_kv, kv): &(KvScheme, KvScheme),
     text: &str,
 ) -> Result<()> {
     let ids = eval_ids(&l.tokenizer, text)?;
     if eval_ids(&base.tokenizer, text)? != ids {
         bail!("the base model's tokenizer gives other tokens for the text: KL needs the same tokens");
     }
-    let r = ferrolm::eval::kl_divergence(&base.model, &l.model, &ids, a.text.ctx, load::progress())?;
+    let r = ferrolm::eval::kl_divergence((&base.model, base_kv), (&l.model, kv), &ids, a.text.ctx, load::progress())?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {

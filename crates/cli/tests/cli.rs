@@ -486,4 +486,30 @@ fn kl_compares_a_model_with_a_base_quantization() {
     assert!(mean > 0.0 && mean < 0.05, "{other}");
     assert!(other["kl_max"].as_f64().unwrap() >= other["kl_p99"].as_f64().unwrap(), "{other}");
     assert!(other["kl_p99"].as_f64().unwrap() >= other["kl_median"].as_f64().unwrap(), "{other}");
+    // One model, a TurboQuant cache against the bf16 one (no --base-model).
+    let o = run(&["kl", "--model", m, "--file", file.to_str().unwrap(), "--kv", "turbo", "--json", "--device", "cpu"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert!(j["kl_mean"].as_f64().unwrap() > 0.0 && j["top1_agreement"].as_f64().unwrap() > 0.5, "{j}");
+    let o = run(&["kl", "--model", m, "--file", file.to_str().unwrap()]);
+    assert!(!o.status.success() && stderr(&o).contains("compares two things"), "{}", stderr(&o));
+    // Perplexity with an 8-bit cache: within a few percent of bf16's.
+    let ppl = |kv: &str| -> f64 {
+        let o = run(&[
+            "perplexity",
+            "--model",
+            m,
+            "--file",
+            file.to_str().unwrap(),
+            "--kv",
+            kv,
+            "--json",
+            "--device",
+            "cpu",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(&stdout(&o)).unwrap()["ppl"].as_f64().unwrap()
+    };
+    let (p16, p8) = (ppl("bf16"), ppl("affine:8"));
+    assert!((p8 / p16 - 1.0).abs() < 0.05, "ppl bf16 {p16}, affine:8 {p8}");
 }

@@ -4,6 +4,8 @@
 //! Both run the text in chunks of `ctx` tokens, each chunk from an empty cache.
 
 use crate::backend::Backend;
+use crate::kv::scheme::KvScheme;
+use crate::kv::seq::SeqCache;
 use crate::model::{Decoder, Logits};
 use crate::{Error, Result};
 
@@ -41,10 +43,12 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
-/// Compare `model` with `base` on `tokens` (the same tokenizer's ids) in chunks of `ctx`.
+/// Compare `model` with `base` on `tokens` (the same tokenizer's ids) in chunks of `ctx`,
+/// each with its own KV scheme (one model against itself with another cache, or two
+/// quantizations of a model with the same cache).
 pub fn kl_divergence<A: Backend, B: Backend>(
-    base: &Decoder<A>,
-    model: &Decoder<B>,
+    (base, base_kv): (&Decoder<A>, &KvScheme),
+    (model, model_kv): (&Decoder<B>, &KvScheme),
     tokens: &[u32],
     ctx: usize,
     progress: bool,
@@ -63,7 +67,8 @@ pub fn kl_divergence<A: Backend, B: Backend>(
         )));
     }
     let ctx = ctx.min(model.cfg.max_ctx).min(base.cfg.max_ctx);
-    let (mut kb, mut km) = (base.new_cache(ctx)?, model.new_cache(ctx)?);
+    let mut kb = SeqCache::with_scheme(&base.backend, &base.cfg, ctx, base_kv)?;
+    let mut km = SeqCache::with_scheme(&model.backend, &model.cfg, ctx, model_kv)?;
     let (mut kls, mut same) = (Vec::new(), 0usize);
     let (mut nll_base, mut nll) = (0f64, 0f64);
     let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");

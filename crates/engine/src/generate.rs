@@ -470,7 +470,13 @@ pub struct Perplexity {
 
 /// Teacher-forced NLL of `tokens` in chunks of `ctx`, each from an empty cache; a progress
 /// bar over the tokens on stderr when `progress` (a terminal).
-pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize, progress: bool) -> Result<Perplexity> {
+pub fn perplexity<B: Backend>(
+    model: &Decoder<B>,
+    tokens: &[u32],
+    ctx: usize,
+    kv_scheme: &crate::kv::scheme::KvScheme,
+    progress: bool,
+) -> Result<Perplexity> {
     if ctx < 2 {
         return Err(Error::Invalid(format!("--ctx {ctx}: need at least 2 tokens per chunk")));
     }
@@ -480,7 +486,7 @@ pub fn perplexity<B: Backend>(model: &Decoder<B>, tokens: &[u32], ctx: usize, pr
     let ctx = ctx.min(model.cfg.max_ctx);
     let vocab = model.logits_width();
     let mut out = Perplexity { tokens: tokens.len(), ..Default::default() };
-    let mut kv = model.new_cache(ctx)?;
+    let mut kv = crate::kv::seq::SeqCache::with_scheme(&model.backend, &model.cfg, ctx, kv_scheme)?;
     let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");
     for chunk in tokens.chunks(ctx) {
         bar.inc(chunk.len() as u64);
