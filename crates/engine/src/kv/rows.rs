@@ -31,6 +31,14 @@ pub struct RowCodec {
     head_dim: usize,
     /// Bytes of the keys' half (the values' half follows).
     k_bytes: usize,
+    /// Bytes of a row.
+    bytes: usize,
+}
+
+/// Working buffers of `RowCodec::key_dot` and `accumulate_v`, made once per attention.
+pub struct RowScratch {
+    codes: Vec<f32>,
+    groups: Vec<(f32, f32)>,
 }
 
 fn le16(b: &[u8], i: usize) -> u16 {
@@ -65,21 +73,18 @@ impl RowCodec {
                 Format::Turbo { key: *key, value_bits: *value_bits }
             }
         };
-        let k_bytes = match format {
-            Format::Affine { bits } => head_dim * bits as usize / 8 + head_dim / AFFINE_GROUP * 4,
-            Format::Turbo { key, .. } => head_dim * key.bits as usize / 8 + head_dim / tq::GROUP * 4,
-        };
-        Ok(Some(RowCodec { format, head_dim, k_bytes }))
+        let (k_bytes, bytes) = (scheme.head_key_bytes(head_dim, layer), scheme.head_position_bytes(head_dim, layer));
+        Ok(Some(RowCodec { format, head_dim, k_bytes, bytes }))
     }
 
     /// Bytes of one row (keys and values).
     pub fn bytes(&self) -> usize {
-        let hd = self.head_dim;
-        self.k_bytes
-            + match self.format {
-                Format::Affine { .. } => self.k_bytes,
-                Format::Turbo { value_bits, .. } => hd * value_bits as usize / 8 + hd / tq::GROUP * 2,
-            }
+        self.bytes
+    }
+
+    /// Buffers for `key_dot` and `accumulate_v`.
+    pub fn scratch(&self) -> RowScratch {
+        RowScratch { codes: vec![0.0; self.head_dim], groups: vec![(0.0, 0.0); self.head_dim / self.group()] }
     }
 
     /// Encode one position's key and value head (in `p`'s precision) into `out`.
@@ -119,8 +124,8 @@ impl RowCodec {
         pack(&idx, key.bits, codes);
     }
 
-    /// Each key code of `row` as f32 (signed for int8 keys), with its group's (scale, offset):
-    /// key value i = scale·code + offset.
+    /// Each key code of `row` as f32 (signed for int8 keys), with its group's pair: affine
+    /// (scale, bias), key = scale·code + bias; turbo (scale, zero), key = (code + zero)·scale.
     fn key_codes(&self, row: &[u8], codes: &mut [f32], groups: &mut [(f32, f32)]) {
         let hd = self.head_dim;
         match self.format {
@@ -132,9 +137,7 @@ impl RowCodec {
                     *c = if key.signed { u as u8 as i8 as f32 } else { u as f32 };
                 }
                 for (g, sz) in groups.iter_mut().enumerate() {
-                    let s = f16::from_bits(le16(tail, 2 * g)).to_f32();
-                    let z = f16::from_bits(le16(tail, 2 * g + 1)).to_f32();
-                    *sz = (s, z * s); // (code + z)·s = s·code + z·s
+                    *sz = (f16::from_bits(le16(tail, 2 * g)).to_f32(), f16::from_bits(le16(tail, 2 * g + 1)).to_f32());
                 }
             }
         }
@@ -142,28 +145,19 @@ impl RowCodec {
 
     /// Keys of `row` dequantized (the reference attention's input).
     pub fn decode_k(&self, row: &[u8], out: &mut [f32]) {
-        let g = self.group();
-        let (mut codes, mut groups) = (vec![0f32; self.head_dim], vec![(0f32, 0f32); self.head_dim / g]);
-        self.key_codes(row, &mut codes, &mut groups);
-        if let Format::Turbo { .. } = self.format {
-            // The codec's own decode: (code + zero)·scale, not scale·code + zero·scale.
-            let tail = &row[self.k_bytes - self.head_dim / g * 4..self.k_bytes];
-            for (i, o) in out.iter_mut().enumerate() {
-                let (s, z) = (f16::from_bits(le16(tail, 2 * (i / g))), f16::from_bits(le16(tail, 2 * (i / g) + 1)));
-                *o = (codes[i] + z.to_f32()) * s.to_f32();
-            }
-            return;
-        }
+        let (g, mut sc) = (self.group(), self.scratch());
+        self.key_codes(row, &mut sc.codes, &mut sc.groups);
+        let turbo = matches!(self.format, Format::Turbo { .. });
         for (i, o) in out.iter_mut().enumerate() {
-            let (s, b) = groups[i / g];
-            *o = s * codes[i] + b;
+            let (s, b) = sc.groups[i / g];
+            *o = if turbo { (sc.codes[i] + b) * s } else { s * sc.codes[i] + b };
         }
     }
 
     /// Values of `row` dequantized (inverse rotation included).
     pub fn decode_v(&self, row: &[u8], out: &mut [f32]) -> crate::Result<()> {
         out.fill(0.0);
-        self.accumulate_v(row, 1.0, out);
+        self.accumulate_v(row, 1.0, out, &mut self.scratch());
         self.finish_v(out)
     }
 
@@ -174,14 +168,16 @@ impl RowCodec {
         }
     }
 
-    /// q·key of `row`, the dequantization factored out: per group scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ.
-    /// `q_sums` holds Σ qᵢ per group (`group_sums`).
-    pub fn key_dot(&self, row: &[u8], q: &[f32], q_sums: &[f32], codes: &mut [f32], groups: &mut [(f32, f32)]) -> f32 {
-        self.key_codes(row, codes, groups);
-        let g = self.group();
+    /// q·key of `row`, the dequantization factored out: per group scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ
+    /// (offset: the bias, or zero point·scale). `q_sums` holds Σ qᵢ per group (`group_sums`).
+    pub fn key_dot(&self, row: &[u8], q: &[f32], q_sums: &[f32], sc: &mut RowScratch) -> f32 {
+        self.key_codes(row, &mut sc.codes, &mut sc.groups);
+        let (g, turbo) = (self.group(), matches!(self.format, Format::Turbo { .. }));
         let mut dot = 0f32;
-        for (gi, ((s, off), qs)) in groups.iter().zip(q_sums).enumerate() {
-            let raw: f32 = q[gi * g..(gi + 1) * g].iter().zip(&codes[gi * g..(gi + 1) * g]).map(|(a, c)| a * c).sum();
+        for (gi, (&(s, b), qs)) in sc.groups.iter().zip(q_sums).enumerate() {
+            let raw: f32 =
+                q[gi * g..(gi + 1) * g].iter().zip(&sc.codes[gi * g..(gi + 1) * g]).map(|(a, c)| a * c).sum();
+            let off = if turbo { b * s } else { b };
             dot += s * raw + off * qs;
         }
         dot
@@ -193,16 +189,15 @@ impl RowCodec {
     }
 
     /// acc += w·value of `row`; turbo values stay in the rotated domain (`finish_v`).
-    pub fn accumulate_v(&self, row: &[u8], w: f32, acc: &mut [f32]) {
+    pub fn accumulate_v(&self, row: &[u8], w: f32, acc: &mut [f32], sc: &mut RowScratch) {
         let hd = self.head_dim;
         let v = &row[self.k_bytes..self.bytes()];
         match self.format {
             Format::Affine { bits } => {
-                let (mut codes, mut groups) = (vec![0f32; hd], vec![(0f32, 0f32); hd / AFFINE_GROUP]);
-                affine_codes(v, hd, bits, &mut codes, &mut groups);
+                affine_codes(v, hd, bits, &mut sc.codes, &mut sc.groups);
                 for (i, a) in acc.iter_mut().enumerate() {
-                    let (s, b) = groups[i / AFFINE_GROUP];
-                    *a += w * (s * codes[i] + b);
+                    let (s, b) = sc.groups[i / AFFINE_GROUP];
+                    *a += w * (s * sc.codes[i] + b);
                 }
             }
             Format::Turbo { value_bits, .. } => {
@@ -228,16 +223,14 @@ impl RowCodec {
 /// Attention of one query head over quantized rows (causal span already chosen): softmax
 /// of scale·q·kₚ over the rows, then Σ pₚ·vₚ, in row order. out has head_dim values.
 pub fn attend_head(codec: &RowCodec, q: &[f32], rows: &[&[u8]], scale: f32, out: &mut [f32]) -> crate::Result<()> {
-    let hd = q.len();
-    let q_sums = codec.group_sums(q);
-    let (mut codes, mut groups) = (vec![0f32; hd], vec![(0f32, 0f32); hd / codec.group()]);
-    let scores: Vec<f32> = rows.iter().map(|r| scale * codec.key_dot(r, q, &q_sums, &mut codes, &mut groups)).collect();
+    let (q_sums, mut sc) = (codec.group_sums(q), codec.scratch());
+    let scores: Vec<f32> = rows.iter().map(|r| scale * codec.key_dot(r, q, &q_sums, &mut sc)).collect();
     let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
     let sum: f32 = e.iter().sum();
     out.fill(0.0);
     for (r, w) in rows.iter().zip(&e) {
-        codec.accumulate_v(r, w / sum, out);
+        codec.accumulate_v(r, w / sum, out, &mut sc);
     }
     codec.finish_v(out)
 }

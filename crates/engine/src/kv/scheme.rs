@@ -146,19 +146,27 @@ impl KvScheme {
 
     /// Bytes one cached position of one KV head takes in `layer` (keys and values).
     pub fn head_position_bytes(&self, head_dim: usize, layer: usize) -> usize {
+        let value = match self {
+            KvScheme::Bf16 | KvScheme::Affine(_) => self.head_key_bytes(head_dim, layer),
+            // Packed codes, then an f16 RMS scale per group.
+            KvScheme::Turbo { value_bits, .. } => {
+                head_dim * *value_bits as usize / 8 + head_dim / turboquant::GROUP * 2
+            }
+        };
+        self.head_key_bytes(head_dim, layer) + value
+    }
+
+    /// Bytes of the keys' part of `head_position_bytes` (kv::rows's layout: keys first).
+    pub fn head_key_bytes(&self, head_dim: usize, layer: usize) -> usize {
         match self {
-            KvScheme::Bf16 => 2 * 2 * head_dim,
+            KvScheme::Bf16 => 2 * head_dim,
             KvScheme::Affine(bits) => {
                 let b = bits[if bits.len() == 1 { 0 } else { layer }] as usize;
-                // Packed values, then a bf16 scale and bias per group; for K and V.
-                2 * (head_dim * b / 8 + head_dim / AFFINE_GROUP * 4)
+                // Packed values, then a bf16 scale and bias per group.
+                head_dim * b / 8 + head_dim / AFFINE_GROUP * 4
             }
-            KvScheme::Turbo { key, value_bits } => {
-                let groups = head_dim / turboquant::GROUP;
-                let k = head_dim * key.bits as usize / 8 + groups * 4; // f16 scale + zero
-                let v = head_dim * *value_bits as usize / 8 + groups * 2; // f16 scale
-                k + v
-            }
+            // Codes, then an f16 scale and zero point per group.
+            KvScheme::Turbo { key, .. } => head_dim * key.bits as usize / 8 + head_dim / turboquant::GROUP * 4,
         }
     }
 
