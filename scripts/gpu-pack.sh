@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Parcels for the GPU machine, after scripts/gpu-stage.sh: gpu-bin/p1, p2, ... each under a
-# device call's 64 MiB (with the ~3 MB working tree), so that every call that does work also
+# device call's 64 MiB (with the working tree, measured here), so that every call that does work also
 # carries the next piece of the models, and nothing waits on a call of its own:
 #   p1: the binaries (ferrolm, cuda_parity, timings when staged), the tokenizer GGUF, the
 #       kernels archive (KERNEL_CACHE=1), gpu-bin/peer/* when present (llama.cpp's source,
@@ -31,7 +31,12 @@ for n in names:
     manifest.append({"name": n, "offset": len(blob), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     blob += data
 used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk("p1") for f in fs)
-first = max(0, 63_000_000 - used - 4096)
+# A call carries the working tree too (tracked and untracked files git does not ignore).
+import subprocess
+tree = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd="..",
+                      capture_output=True, check=True).stdout.split(b"\0")
+tree_bytes = sum(os.path.getsize(os.path.join("..", f.decode())) for f in tree if f and os.path.isfile(os.path.join("..", f.decode())))
+first = max(0, (64 << 20) - tree_bytes - used - (1 << 20))
 cuts = [blob[:first]] + [blob[i:i + piece] for i in range(first, len(blob), piece)]
 for i, c in enumerate(cuts, 1):
     os.makedirs(f"p{i}", exist_ok=True)
