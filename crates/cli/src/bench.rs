@@ -13,6 +13,8 @@ use ferrolm::sample::{Sampler, SamplerConfig};
 pub struct BenchArgs {
     #[command(flatten)]
     model: ModelArg,
+    #[command(flatten)]
+    kv: crate::KvArg,
     /// Prompt length (tokens) for the prefill measurement.
     #[arg(long, default_value_t = 512)]
     prompt_tokens: usize,
@@ -66,7 +68,7 @@ pub fn bench(a: BenchArgs) -> Result<()> {
     }
     SamplerConfig { temperature: a.temperature, ..Default::default() }.validate()?;
     let t0 = std::time::Instant::now();
-    crate::with_model!(load::model(&a.model)?, l => bench_on(l, a, t0))
+    crate::with_model!(load::model_with_kv(&a.model, &a.kv)?, l => bench_on(l, a, t0))
 }
 
 /// `t0`: when the command started (load time and load-to-first-token are measured from it).
@@ -83,7 +85,8 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
     let one = l.tokenizer.encode(TEXT, false)?;
     let text: Vec<u32> = one.iter().cycle().take(a.depth + a.prompt_tokens).copied().collect();
     let (mut pre, mut dec) = (Vec::new(), Vec::new());
-    let kv_bytes = ctx * l.model.cfg.n_layers * l.model.cfg.n_kv_heads * l.model.cfg.head_dim * 2 * 2;
+    let kv_token_bytes = l.model.kv_scheme().position_bytes(&l.model.cfg);
+    let kv_bytes = ctx * kv_token_bytes;
     // A warm-up run, then the timed ones.
     let bar = ferrolm::progress::count_bar(load::progress(), a.repeats as u64 + 1, "runs");
     for run in 0..=a.repeats {
@@ -128,6 +131,8 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
             "peak_rss_bytes": rss,
             "model_file_bytes": l.file_bytes,
             "kv_cache_bytes": kv_bytes,
+            "kv_scheme": l.model.kv_scheme().to_string(),
+            "kv_bytes_per_token": kv_token_bytes,
             "synthetic": l.synthetic,
             "depth": a.depth,
             "load_seconds": load_secs,
@@ -176,11 +181,12 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
         }
         if let Some(r) = rss {
             println!(
-                "peak RSS {:.1} MiB = {:.2}× (model file {:.1} MiB + KV cache {:.1} MiB)",
+                "peak RSS {:.1} MiB = {:.2}× (model file {:.1} MiB + KV cache {:.1} MiB, {} at {kv_token_bytes} B/token)",
                 r as f64 / 1048576.0,
                 r as f64 / (l.file_bytes + kv_bytes as u64) as f64,
                 l.file_bytes as f64 / 1048576.0,
-                kv_bytes as f64 / 1048576.0
+                kv_bytes as f64 / 1048576.0,
+                l.model.kv_scheme(),
             );
         }
     }

@@ -71,6 +71,8 @@ impl SamplingArgs {
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArg,
+    #[command(flatten)]
+    kv: crate::KvArg,
     /// The prompt text; `-` reads it from stdin.
     #[arg(long, short, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
     prompt: Option<String>,
@@ -104,6 +106,8 @@ pub struct GenerateArgs {
 pub struct ChatArgs {
     #[command(flatten)]
     model: ModelArg,
+    #[command(flatten)]
+    kv: crate::KvArg,
     /// System message.
     #[arg(long)]
     system: Option<String>,
@@ -138,7 +142,7 @@ fn streamer<'a, 't: 'a>(
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    crate::with_model!(load::model(&a.model)?, l => generate_on(l, a))
+    crate::with_model!(load::model_with_kv(&a.model, &a.kv)?, l => generate_on(l, a))
 }
 
 /// The prompt: the text given, stdin for `-`, or a file's text.
@@ -211,7 +215,7 @@ fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
-    crate::with_model!(load::model(&a.model)?, l => chat_on(l, a))
+    crate::with_model!(load::model_with_kv(&a.model, &a.kv)?, l => chat_on(l, a))
 }
 
 fn chat_on<B: Backend>(l: load::Loaded<B>, a: ChatArgs) -> Result<()> {

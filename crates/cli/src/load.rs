@@ -85,6 +85,22 @@ pub fn prepared_source(arg: &crate::ModelArg) -> Result<(ModelSource, Tokenizer)
     Ok((src, tokenizer))
 }
 
+/// The model with its caches in `--kv`'s scheme (refused here when the model or the
+/// device cannot take it).
+pub fn model_with_kv(arg: &crate::ModelArg, kv: &crate::KvArg) -> Result<AnyModel> {
+    let scheme = ferrolm::kv::scheme::KvScheme::parse(&kv.kv)?;
+    Ok(match model(arg)? {
+        AnyModel::Cpu(mut l) => {
+            l.model.set_kv_scheme(scheme)?;
+            AnyModel::Cpu(l)
+        }
+        AnyModel::Cuda(mut l) => {
+            l.model.set_kv_scheme(scheme).map_err(|e| anyhow::anyhow!("--kv {}: {e}", kv.kv))?;
+            AnyModel::Cuda(l)
+        }
+    })
+}
+
 pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
     let dev = device(&arg.device)?;
     let (mut src, tokenizer) = prepared_source(arg)?;

@@ -68,6 +68,16 @@ pub struct ModelArg {
     pub device: String,
 }
 
+/// `--kv`: the KV cache's scheme, for the commands that generate.
+#[derive(Args, Clone, Debug)]
+pub struct KvArg {
+    /// How the KV cache stores keys and values: bf16, affine:8, affine:4, affine:FILE.json
+    /// (bits per layer) or turbo[:k<K>v<V>] (turbo = turbo:k8v3); docs/kv.md. Quantized
+    /// schemes run on the CPU for now.
+    #[arg(long, default_value = "bf16")]
+    pub kv: String,
+}
+
 fn main() {
     // Die quietly on a closed pipe (`ferrolm inspect | head`), as Unix tools do, instead of
     // panicking inside println!.

@@ -14,6 +14,8 @@ use std::time::Duration;
 pub struct ServeArgs {
     #[command(flatten)]
     model: ModelArg,
+    #[command(flatten)]
+    kv: crate::KvArg,
     /// Address to listen on (0.0.0.0 for every interface).
     #[arg(long, default_value = "127.0.0.1")]
     host: IpAddr,
@@ -93,6 +95,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
         .init();
     let cuda = load::device_is_cuda(&a.model.device)?;
+    let scheme = ferrolm::kv::scheme::KvScheme::parse(&a.kv.kv)?;
     let (src, tokenizer) = load::prepared_source(&a.model)?;
     let cfg = EngineConfig {
         max_batch: a.max_batch,
@@ -106,7 +109,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         Engine::start(
             move || {
                 let mut src = src;
-                Decoder::load(Cuda::new(0)?, &mut src)
+                let mut m = Decoder::load(Cuda::new(0)?, &mut src)?;
+                m.set_kv_scheme(scheme)?;
+                Ok(m)
             },
             cfg,
         )
@@ -115,7 +120,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         Engine::start(
             move || {
                 let mut src = src;
-                Decoder::load(Cpu, &mut src)
+                let mut m = Decoder::load(Cpu, &mut src)?;
+                m.set_kv_scheme(scheme)?;
+                Ok(m)
             },
             cfg,
         )?
@@ -136,9 +143,11 @@ pub fn serve(a: ServeArgs) -> Result<()> {
             .with_context(|| format!("listening on {}:{}", a.host, a.port))?;
         // One line on stdout for scripts that wait for the server (and read its port).
         println!(
-            "ferrolm serve: {name} ({}, context {}, KV budget {} MiB) on http://{}",
+            "ferrolm serve: {name} ({}, context {}, KV {} {} B/token, budget {} MiB) on http://{}",
             info.backend,
             info.max_context,
+            info.kv_scheme,
+            info.kv_bytes_per_token,
             info.kv_memory >> 20,
             server.local_addr()
         );

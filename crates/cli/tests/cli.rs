@@ -164,6 +164,28 @@ fn generate_tokenize_perplexity_inspect_work() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stdout(&o).contains("Paris"), "greedy answer: {}", stdout(&o));
     assert!(stderr(&o).contains("tok/s"), "speed line missing: {}", stderr(&o));
+    // The same answer from 8-bit quantized caches.
+    for kv in ["affine:8", "turbo:k8v8"] {
+        let p = "What is the capital of France?";
+        let o = run(&[
+            "generate",
+            "--model",
+            m,
+            "--device",
+            "cpu",
+            "--chat",
+            "--prompt",
+            p,
+            "--kv",
+            kv,
+            "--temperature",
+            "0",
+            "-n",
+            "16",
+        ]);
+        assert!(o.status.success(), "{kv}: {}", stderr(&o));
+        assert!(stdout(&o).contains("Paris"), "{kv}: {}", stdout(&o));
+    }
     // same seed → same sampled text
     let sampled = |seed: &str| {
         let o = run(&[
@@ -322,6 +344,13 @@ fn bench_reports_json_greedy_and_sampled() {
         let (load, first) = (j["load_seconds"].as_f64().unwrap(), j["first_token_seconds"].as_f64().unwrap());
         assert!(load > 0.0 && first > load, "{j}");
     }
+    // A quantized cache: its scheme and bytes (affine:8 over SmolLM2's 30 layers of 3 KV
+    // heads of 64: 136 bytes a head; bf16: 256).
+    let o = run(&[&base[..], &["--repeats", "1", "--kv", "affine:8", "--json"]].concat());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: serde_json::Value = serde_json::from_str(stdout(&o).trim()).expect("one JSON object");
+    assert_eq!((j["kv_scheme"].as_str(), j["kv_bytes_per_token"].as_u64()), (Some("affine:8"), Some(12_240)), "{j}");
+    assert_eq!(j["kv_cache_bytes"].as_u64(), Some(14 * 12_240), "{j}");
     let o = run(&[&base[..], &["--repeats", "1", "--temperature=-1"]].concat());
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("temperature"), "{}", stderr(&o));

@@ -45,7 +45,7 @@ fn http(addr: SocketAddr, method: &str, path: &str, key: Option<&str>, body: &st
 
 #[test]
 fn serve_answers_and_exits_0_on_sigterm() {
-    let (mut child, addr) = serve(&["--kv-memory", "256MiB", "--max-batch", "2"], "sk-from-env");
+    let (mut child, addr) = serve(&["--kv-memory", "256MiB", "--max-batch", "2", "--kv", "turbo"], "sk-from-env");
     assert_eq!(http(addr, "GET", "/v1/models", None, "").0, 401);
     let (status, body) = http(addr, "GET", "/v1/models", Some("sk-from-env"), "");
     assert_eq!(status, 200);
@@ -56,6 +56,9 @@ fn serve_answers_and_exits_0_on_sigterm() {
     assert!(body.contains("\"completion_tokens\":4"), "{body}");
     let (_, metrics) = http(addr, "GET", "/metrics", None, "");
     assert!(metrics.contains(&format!("ferrolm_kv_cache_bytes_budget {}", 256 << 20)), "{metrics}");
+    // turbo:k8v3 over SmolLM2's 30 layers of 3 KV heads of 64: 100 bytes a head (bf16: 256).
+    assert!(metrics.contains("ferrolm_kv_cache_bytes_per_token 9000\n"), "{metrics}");
+    assert!(metrics.contains("ferrolm_kv_cache_info{scheme=\"turbo:k8v3\"} 1"), "{metrics}");
     // SAFETY: signalling the child this test started.
     unsafe {
         libc::kill(child.id() as i32, libc::SIGTERM);
@@ -77,6 +80,9 @@ fn bad_serve_flags_are_errors() {
     let o = run(&["--kv-memory", "12XB"]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("unknown unit"));
+    let o = run(&["--model", &smollm2(), "--device", "cpu", "--kv", "turbo:k8v6"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("v6"), "{}", String::from_utf8_lossy(&o.stderr));
     let o = run(&["--model", &smollm2(), "--device", "tpu"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--device tpu"));

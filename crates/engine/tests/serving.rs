@@ -249,7 +249,7 @@ fn prefix_hits_and_preemption_give_the_cold_tokens() {
     assert_eq!(e.stats().cached_tokens, hit as u64);
     drop(e);
     // Ten blocks for four requests that grow to three blocks each.
-    let block = ferrolm::kv::store_bytes(&model.cfg, ferrolm::kv::KvBlocks { full: 1, sliding: 0 });
+    let block = ferrolm::kv::block_bytes(&model.cfg, &ferrolm::kv::scheme::KvScheme::Bf16).0;
     let e = engine(EngineConfig { max_batch: 4, kv_memory: Some(10 * block), ..Default::default() });
     let ps: Vec<Vec<u32>> = prompts(&tok).into_iter().take(4).collect();
     let rxs: Vec<_> = ps
@@ -297,4 +297,68 @@ fn sliding_window_prefix_hits_give_the_cold_tokens() {
     let hit = 620 / ferrolm::kv::BLOCK * ferrolm::kv::BLOCK;
     assert_eq!(rx.recv().unwrap(), Event::Started { prompt_tokens: b.len(), cached_tokens: hit });
     assert_eq!(collect(&rx).0, want_b);
+}
+
+/// An engine whose model keeps its caches in `scheme`.
+fn engine_with(scheme: &str, cfg: EngineConfig) -> Engine {
+    let scheme = ferrolm::kv::scheme::KvScheme::parse(scheme).unwrap();
+    Engine::start(
+        move || {
+            let mut m = load()?;
+            m.set_kv_scheme(scheme)?;
+            Ok(m)
+        },
+        cfg,
+    )
+    .unwrap()
+}
+
+/// A quantized cache (turbo:k8v3) in the serving engine: requests batched together, one
+/// starting from a cached prefix and ones preempted for lack of blocks each give what a
+/// session of their own with the same cache scheme gives; the budget is counted in the
+/// scheme's bytes (2.56 times bf16's tokens).
+#[test]
+fn quantized_caches_batch_share_prefixes_and_preempt() {
+    let tok = tokenizer();
+    let mut model = load().unwrap();
+    model.set_kv_scheme(ferrolm::kv::scheme::KvScheme::parse("turbo").unwrap()).unwrap();
+    let ps: Vec<Vec<u32>> = prompts(&tok).into_iter().take(4).collect();
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&model, p, 40 - p.len())).collect();
+    // Five blocks for four requests that grow to two blocks each: some are preempted.
+    let block = ferrolm::kv::block_bytes(&model.cfg, model.kv_scheme()).0;
+    let e = engine_with("turbo", EngineConfig { max_batch: 4, kv_memory: Some(5 * block), ..Default::default() });
+    let rxs: Vec<_> = ps
+        .iter()
+        .map(|p| {
+            let (s, rx) = sink();
+            e.submit(greedy(p.clone(), 40 - p.len()), s).unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        let (ids, end) = collect(rx);
+        assert!(matches!(end, Event::Finished { reason: Finish::Length, .. }), "{end:?}");
+        assert_eq!(ids, want[i], "request {i}");
+    }
+    let st = e.stats();
+    // SmolLM2: 30 layers, 3 KV heads of 64: 100 bytes a head (bf16: 256).
+    assert_eq!((st.kv_scheme.as_str(), st.kv_bytes_per_token), ("turbo:k8v3", 30 * 3 * 100), "{st:?}");
+    assert!(st.kv_blocks_total == 5 && st.preemptions > 0, "{st:?}");
+    drop(e);
+    // The same budget holds 2.56 times the bf16 blocks.
+    let budget = 64 * ferrolm::kv::block_bytes(&model.cfg, &ferrolm::kv::scheme::KvScheme::Bf16).0;
+    let e = engine_with("turbo", EngineConfig { kv_memory: Some(budget), ..Default::default() });
+    // A prompt, then one sharing its first blocks: the second starts from them.
+    let long: Vec<u32> = ps.iter().flatten().copied().cycle().take(100).collect();
+    let mut other = long[..70].to_vec();
+    other.extend(&ps[1]);
+    for p in [&long, &other] {
+        let (s, rx) = sink();
+        e.submit(greedy(p.clone(), 6), s).unwrap();
+        let (ids, _) = collect(&rx);
+        assert_eq!(ids, alone(&model, p, 6));
+    }
+    let st = e.stats();
+    assert_eq!(st.cached_tokens, 64, "{st:?}");
+    assert_eq!(st.kv_blocks_total, 64 * 256 / 100, "{st:?}");
 }

@@ -133,7 +133,7 @@ impl Metrics {
             let _ = writeln!(out, "ferrolm_http_responses_total{{code=\"{code}\"}} {n}");
         }
         drop(c);
-        let values: [(&str, &str, &str, u64); 12] = [
+        let values: [(&str, &str, &str, u64); 13] = [
             ("ferrolm_prompt_tokens_total", "counter", "Prompt tokens of finished requests.", s.prompt_tokens),
             (
                 "ferrolm_prompt_cached_tokens_total",
@@ -176,11 +176,19 @@ impl Metrics {
                 "KV cache bytes the running requests may hold.",
                 s.kv_bytes_budget as u64,
             ),
+            (
+                "ferrolm_kv_cache_bytes_per_token",
+                "gauge",
+                "KV cache bytes one cached token takes over every layer, in the cache's scheme.",
+                s.kv_bytes_per_token as u64,
+            ),
         ];
         for (name, kind, help, v) in values {
             header(&mut out, name, kind, help);
             let _ = writeln!(out, "{name} {v}");
         }
+        header(&mut out, "ferrolm_kv_cache_info", "gauge", "The KV cache's scheme (--kv), as a label.");
+        let _ = writeln!(out, "ferrolm_kv_cache_info{{scheme=\"{}\"}} 1", s.kv_scheme);
         header(&mut out, "ferrolm_engine_steps_total", "counter", "Engine steps run.");
         let _ = writeln!(out, "ferrolm_engine_steps_total {}", s.steps);
         let seconds = [

@@ -91,16 +91,21 @@ pub fn has_sliding(cfg: &ModelConfig) -> bool {
     sliding_layers(cfg) > 0
 }
 
-/// Bytes of KV one position takes in one layer (K and V, bf16).
-pub fn layer_position_bytes(cfg: &ModelConfig) -> usize {
-    2 * cfg.n_kv_heads * cfg.head_dim * 2
+/// Bytes one block takes over the full-attention layers and over the sliding-window ones,
+/// in `scheme`'s rows.
+pub fn block_bytes(cfg: &ModelConfig, scheme: &scheme::KvScheme) -> (usize, usize) {
+    let (mut full, mut sliding) = (0, 0);
+    for l in 0..cfg.n_layers {
+        let b = BLOCK * scheme.layer_position_bytes(cfg, l);
+        *if is_sliding(cfg, l) { &mut sliding } else { &mut full } += b;
+    }
+    (full, sliding)
 }
 
-/// Store bytes of `blocks`.
-pub fn store_bytes(cfg: &ModelConfig, blocks: KvBlocks) -> usize {
-    let sliding = sliding_layers(cfg);
-    let rows = (cfg.n_layers - sliding) * blocks.full + sliding * blocks.sliding;
-    rows * BLOCK * layer_position_bytes(cfg)
+/// Store bytes of `blocks` in `scheme`'s rows.
+pub fn store_bytes(cfg: &ModelConfig, scheme: &scheme::KvScheme, blocks: KvBlocks) -> usize {
+    let (full, sliding) = block_bytes(cfg, scheme);
+    full * blocks.full + sliding * blocks.sliding
 }
 
 /// Blocks for every position up to `max_seq` in every layer (nothing released): for

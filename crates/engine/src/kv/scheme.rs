@@ -170,9 +170,14 @@ impl KvScheme {
         }
     }
 
+    /// Bytes one cached position takes in `layer` of `cfg` (every KV head's keys and values).
+    pub fn layer_position_bytes(&self, cfg: &ModelConfig, layer: usize) -> usize {
+        cfg.n_kv_heads * self.head_position_bytes(cfg.head_dim, layer)
+    }
+
     /// Bytes one cached position takes over every layer and KV head of `cfg`.
     pub fn position_bytes(&self, cfg: &ModelConfig) -> usize {
-        (0..cfg.n_layers).map(|l| cfg.n_kv_heads * self.head_position_bytes(cfg.head_dim, l)).sum()
+        (0..cfg.n_layers).map(|l| self.layer_position_bytes(cfg, l)).sum()
     }
 }
 

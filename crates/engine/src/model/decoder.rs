@@ -74,6 +74,8 @@ pub struct Decoder<B: Backend> {
     call_work: std::sync::Mutex<Vec<calls::CallWork<B>>>,
     /// Finished generation sessions' caches and step buffers, for the next (generate.rs).
     pub(crate) session_pool: std::sync::Mutex<Vec<crate::generate::SessionParts<B>>>,
+    /// How sessions' and the serving engine's caches store keys and values (kv_cache.rs).
+    pub(crate) kv_scheme: crate::kv::scheme::KvScheme,
 }
 
 /// The first `rows` rows of the head (the embedding when tied) of shape `shape`: a padded
@@ -251,17 +253,13 @@ impl<B: Backend> Decoder<B> {
             decode_work: std::sync::Mutex::new(Vec::new()),
             call_work: std::sync::Mutex::new(Vec::new()),
             session_pool: std::sync::Mutex::new(Vec::new()),
+            kv_scheme: crate::kv::scheme::KvScheme::Bf16,
         })
     }
 
     /// Logits per position (`cfg.vocab`, or the tokenizer's ids of a padded vocabulary).
     pub fn logits_width(&self) -> usize {
         self.logits_width
-    }
-
-    /// A cache of one sequence of up to `max_seq` positions, for `forward`.
-    pub fn new_cache(&self, max_seq: usize) -> Result<SeqCache<B>> {
-        SeqCache::new(&self.backend, &self.cfg, max_seq)
     }
 
     /// Run `tokens` at positions pos0.. through the model, appending to the cache (pos0 at

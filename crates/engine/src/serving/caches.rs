@@ -4,7 +4,8 @@
 use crate::backend::Backend;
 use crate::config::ModelConfig;
 use crate::kv::paged::{Exhausted, PagedKv, SeqKv};
-use crate::kv::{has_sliding, layer_position_bytes, sliding_layers, KvBlocks, BLOCK};
+use crate::kv::scheme::KvScheme;
+use crate::kv::{block_bytes, has_sliding, store_bytes, KvBlocks, BLOCK};
 use crate::model::Decoder;
 use crate::Result;
 
@@ -14,38 +15,43 @@ pub(super) struct Caches<B: Backend> {
     bytes: usize,
 }
 
-/// How a budget of `bytes` splits into blocks: the sliding layers get what `max_batch`
-/// sequences need at once (their window and one step of `step_rows`), the full layers
-/// the rest.
-pub(super) fn split_budget(cfg: &ModelConfig, bytes: usize, max_batch: usize, step_rows: usize) -> KvBlocks {
-    let per_position = layer_position_bytes(cfg) * BLOCK;
-    let sliding_layers = sliding_layers(cfg);
-    let full_layers = cfg.n_layers - sliding_layers;
-    let sliding = match sliding_layers > 0 {
+/// How a budget of `bytes` splits into blocks of `scheme`'s rows: the sliding layers get
+/// what `max_batch` sequences need at once (their window and one step of `step_rows`), the
+/// full layers the rest.
+pub(super) fn split_budget(
+    cfg: &ModelConfig,
+    scheme: &KvScheme,
+    bytes: usize,
+    max_batch: usize,
+    step_rows: usize,
+) -> KvBlocks {
+    let (full_block, sliding_block) = block_bytes(cfg, scheme);
+    let sliding = match sliding_block > 0 {
         true => {
             let per_seq = (cfg.sliding_window + step_rows - 1).div_ceil(BLOCK) + 1;
-            let cap = bytes / 2 / (sliding_layers * per_position);
+            let cap = bytes / 2 / sliding_block;
             (max_batch * per_seq).min(cap).max(per_seq)
         }
         false => 0,
     };
-    let rest = bytes.saturating_sub(sliding * sliding_layers * per_position);
-    let full = match full_layers {
+    let rest = bytes.saturating_sub(sliding * sliding_block);
+    let full = match full_block {
         0 => sliding,
-        n => rest / (n * per_position),
+        n => rest / n,
     };
     KvBlocks { full, sliding }
 }
 
 impl<B: Backend> Caches<B> {
+    /// A store of `model.kv_scheme()`'s rows within `bytes`.
     pub(super) fn new(model: &Decoder<B>, bytes: usize, max_batch: usize, step_rows: usize) -> Result<Self> {
-        let cfg = &model.cfg;
-        let blocks = split_budget(cfg, bytes, max_batch, step_rows);
+        let (cfg, scheme) = (&model.cfg, model.kv_scheme());
+        let blocks = split_budget(cfg, scheme, bytes, max_batch, step_rows);
         let sliding = has_sliding(cfg).then_some((blocks.sliding, cfg.sliding_window));
         Ok(Caches {
-            store: model.backend.kv_store(cfg, blocks)?,
+            store: model.backend.kv_store_scheme(cfg, blocks, scheme)?,
             paged: PagedKv::new(BLOCK, blocks.full, sliding),
-            bytes: crate::kv::store_bytes(cfg, blocks),
+            bytes: store_bytes(cfg, scheme, blocks),
         })
     }
 
@@ -108,16 +114,23 @@ mod tests {
             ..Default::default()
         };
         let budget = 1 << 30;
-        let b = split_budget(&cfg, budget, 8, 128);
+        let bf16 = KvScheme::Bf16;
+        let b = split_budget(&cfg, &bf16, budget, 8, 128);
         let per_seq = (512usize + 127).div_ceil(BLOCK) + 1;
         assert_eq!(b.sliding, 8 * per_seq);
-        assert!(crate::kv::store_bytes(&cfg, b) <= budget && b.full * BLOCK > 100_000, "{b:?}");
+        assert!(store_bytes(&cfg, &bf16, b) <= budget && b.full * BLOCK > 100_000, "{b:?}");
         // A small budget: at most half of it for the windows, still one request's worth.
-        let b = split_budget(&cfg, 4 << 20, 8, 128);
+        let b = split_budget(&cfg, &bf16, 4 << 20, 8, 128);
         assert_eq!(b.sliding, per_seq);
-        // No sliding layers: all of it for the full ones.
+        // No sliding layers: all of it for the full ones (a position: K and V, bf16).
         let plain = ModelConfig { layer_kinds: vec![], sliding_window: 0, ..cfg };
-        let b = split_budget(&plain, budget, 8, 128);
-        assert_eq!((b.sliding, b.full), (0, budget / (6 * layer_position_bytes(&plain) * BLOCK)));
+        let b = split_budget(&plain, &bf16, budget, 8, 128);
+        assert_eq!((b.sliding, b.full), (0, budget / (6 * 2 * 256 * 2 * BLOCK)));
+        // turbo:k8v3 at head dim 256 takes 400 bytes a position and head (1,024 in bf16):
+        // 2.56 times the blocks in the same budget.
+        let turbo = KvScheme::parse("turbo").unwrap();
+        let t = split_budget(&plain, &turbo, budget, 8, 128);
+        assert_eq!(t.full, budget / (6 * 400 * BLOCK));
+        assert!(store_bytes(&plain, &turbo, t) <= budget && t.full as f64 >= 2.55 * b.full as f64, "{t:?} {b:?}");
     }
 }

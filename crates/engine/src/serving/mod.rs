@@ -166,6 +166,10 @@ pub struct ModelInfo {
     pub vocab: usize,
     /// The KV byte budget in force (the configured one, or `auto_kv_memory`'s).
     pub kv_memory: usize,
+    /// The KV cache's scheme (`--kv`) and the bytes one cached token takes in it over every
+    /// layer.
+    pub kv_scheme: String,
+    pub kv_bytes_per_token: usize,
     pub backend: &'static str,
 }
 
@@ -185,6 +189,9 @@ pub struct Stats {
     pub preemptions: u64,
     pub kv_bytes_used: usize,
     pub kv_bytes_budget: usize,
+    /// The cache's scheme and the bytes a cached token takes in it (ModelInfo's).
+    pub kv_scheme: String,
+    pub kv_bytes_per_token: usize,
     /// Full-attention KV blocks held by running requests, and in the cache (idle cached
     /// blocks count as free: they are reclaimed when needed).
     pub kv_blocks_used: usize,
@@ -281,7 +288,14 @@ impl Engine {
                     }
                 };
                 let backend = model.backend.name();
-                let info = ModelInfo { max_context, vocab: model.logits_width(), kv_memory, backend };
+                let info = ModelInfo {
+                    max_context,
+                    vocab: model.logits_width(),
+                    kv_memory,
+                    kv_scheme: model.kv_scheme().to_string(),
+                    kv_bytes_per_token: model.kv_scheme().position_bytes(&model.cfg),
+                    backend,
+                };
                 let cfg = EngineConfig { max_context, kv_memory: Some(kv_memory), ..c };
                 let worker = match worker::Worker::new(&model, cfg, sh, rx) {
                     Ok(w) => w,
@@ -378,6 +392,8 @@ impl Engine {
             preemptions: s.preemptions.load(Relaxed),
             kv_bytes_used: s.kv_used.load(Relaxed),
             kv_bytes_budget: self.info.kv_memory,
+            kv_scheme: self.info.kv_scheme.clone(),
+            kv_bytes_per_token: self.info.kv_bytes_per_token,
             kv_blocks_used: s.kv_blocks_used.load(Relaxed),
             kv_blocks_total: s.kv_blocks_total.load(Relaxed),
             forward_seconds: forward_nanos as f64 * 1e-9,
