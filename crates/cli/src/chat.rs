@@ -73,6 +73,11 @@ pub struct GenerateArgs {
     model: ModelArg,
     #[command(flatten)]
     kv: crate::KvArg,
+    /// Start from the KV cache saved in FILE when it is there (a file of another model,
+    /// KV scheme or context is refused) and save the cache there afterwards (created if
+    /// missing): a later run with the same prompt prefix computes only what follows it.
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<std::path::PathBuf>,
     /// The prompt text; `-` reads it from stdin.
     #[arg(long, short, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
     prompt: Option<String>,
@@ -108,6 +113,11 @@ pub struct ChatArgs {
     model: ModelArg,
     #[command(flatten)]
     kv: crate::KvArg,
+    /// Start from the KV cache saved in FILE when it is there (a file of another model,
+    /// KV scheme or context is refused) and save the cache there afterwards (created if
+    /// missing): a later run with the same prompt prefix computes only what follows it.
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<std::path::PathBuf>,
     /// System message.
     #[arg(long)]
     system: Option<String>,
@@ -116,6 +126,24 @@ pub struct ChatArgs {
     max_tokens: usize,
     #[command(flatten)]
     sampling: SamplingArgs,
+}
+
+/// `--prompt-cache`: start `s` from the file's cache when there is one.
+fn restore_cache<B: Backend>(s: &mut Session<'_, B>, file: Option<&std::path::Path>, fingerprint: &str) -> Result<()> {
+    if let Some(path) = file {
+        if let Some(n) = s.restore_cache(path, fingerprint)? {
+            eprintln!("[prompt cache: {n} tokens from {}]", crate::printable(&path.display().to_string()));
+        }
+    }
+    Ok(())
+}
+
+/// `--prompt-cache`: save what `s` holds.
+fn save_cache<B: Backend>(s: &Session<'_, B>, file: Option<&std::path::Path>, fingerprint: &str) -> Result<()> {
+    if let Some(path) = file {
+        s.save_cache(path, fingerprint).with_context(|| format!("saving --prompt-cache {}", path.display()))?;
+    }
+    Ok(())
 }
 
 fn print_stats(st: &GenStats, seed: u64) {
@@ -187,6 +215,7 @@ fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
         ids
     };
     let mut session = Session::new(&l.model, a.sampling.ctx(l.model.cfg.max_ctx)?)?;
+    restore_cache(&mut session, a.prompt_cache.as_deref(), &l.fingerprint)?;
     let mut dec = StreamDecoder::new(&l.tokenizer);
     let mut stdout = std::io::stdout().lock();
     let stop_ids = if a.ignore_eos { &[][..] } else { l.tokenizer.stop_ids() };
@@ -206,6 +235,7 @@ fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
     if !st.stopped_by_eos && !stopped_by_text && st.prompt_tokens + st.generated >= session.capacity() {
         eprintln!("\n[stopped: the context of {} tokens is full; --ctx sets it]", session.capacity());
     }
+    save_cache(&session, a.prompt_cache.as_deref(), &l.fingerprint)?;
     // stdout carries only the generated text; end the line only for a human at a terminal.
     if std::io::IsTerminal::is_terminal(&stdout) {
         let _ = writeln!(stdout);
@@ -224,6 +254,7 @@ fn chat_on<B: Backend>(l: load::Loaded<B>, a: ChatArgs) -> Result<()> {
         anyhow::bail!("this model has no chat template; use `ferrolm generate` instead");
     }
     let mut session = Session::new(&l.model, a.sampling.ctx(l.model.cfg.max_ctx)?)?;
+    restore_cache(&mut session, a.prompt_cache.as_deref(), &l.fingerprint)?;
     let mut msgs: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
         msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
@@ -280,6 +311,7 @@ fn chat_on<B: Backend>(l: load::Loaded<B>, a: ChatArgs) -> Result<()> {
         let _ = writeln!(stdout);
         msgs.push(ChatMessage { role: "assistant".into(), content: l.tokenizer.decode(&reply_ids)? });
         print_stats(&st, sampler.cfg.seed);
+        save_cache(&session, a.prompt_cache.as_deref(), &l.fingerprint)?;
     }
     Ok(())
 }

@@ -16,6 +16,8 @@ pub struct Loaded<B: Backend> {
     pub file_bytes: u64,
     /// The shape's name when the weights are synthetic (random).
     pub synthetic: Option<String>,
+    /// kv::file::model_fingerprint: what a KV file must have been saved from.
+    pub fingerprint: String,
 }
 
 /// Show progress bars only when stderr is a terminal.
@@ -105,14 +107,16 @@ pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
     let dev = device(&arg.device)?;
     let (mut src, tokenizer) = prepared_source(arg)?;
     let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
+    let fingerprint = ferrolm::kv::file::model_fingerprint(&src, &tokenizer);
     Ok(match dev {
         None => {
-            AnyModel::Cpu(Box::new(Loaded { model: Decoder::load(Cpu, &mut src)?, tokenizer, file_bytes, synthetic }))
+            let model = Decoder::load(Cpu, &mut src)?;
+            AnyModel::Cpu(Box::new(Loaded { model, tokenizer, file_bytes, synthetic, fingerprint }))
         }
         Some(c) => {
             let model =
                 Decoder::load(c, &mut src).map_err(|e| anyhow::anyhow!("{e} (use --device cpu to run on the CPU)"))?;
-            AnyModel::Cuda(Box::new(Loaded { model, tokenizer, file_bytes, synthetic }))
+            AnyModel::Cuda(Box::new(Loaded { model, tokenizer, file_bytes, synthetic, fingerprint }))
         }
     })
 }

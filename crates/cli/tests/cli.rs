@@ -542,3 +542,39 @@ fn kl_compares_a_model_with_a_base_quantization() {
     let (p16, p8) = (ppl("bf16"), ppl("affine:8"));
     assert!((p8 / p16 - 1.0).abs() < 0.05, "ppl bf16 {p16}, affine:8 {p8}");
 }
+
+/// `--prompt-cache FILE`: created by the first run; a second run with the same prompt
+/// computes only its last token and prints the same text; a file of another KV scheme or
+/// a damaged one is refused by name.
+#[test]
+fn prompt_cache_files_are_created_reused_and_checked() {
+    let m = smollm2();
+    let m = m.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("p.kv");
+    let f = f.to_str().unwrap();
+    let args = |kv: &'static str| {
+        let p = "Write one sentence about the sea.";
+        ["generate", "--model", m, "--device", "cpu", "--prompt", p, "--temperature", "0", "-n", "12"]
+            .into_iter()
+            .chain(["--prompt-cache", f, "--kv", kv])
+            .collect::<Vec<&str>>()
+    };
+    let cold = run(&args("turbo"));
+    assert!(cold.status.success(), "{}", stderr(&cold));
+    assert!(std::path::Path::new(f).exists() && !stderr(&cold).contains("prompt cache:"), "{}", stderr(&cold));
+    let warm = run(&args("turbo"));
+    assert!(warm.status.success(), "{}", stderr(&warm));
+    assert_eq!(stdout(&warm), stdout(&cold));
+    assert!(stderr(&warm).contains("tokens from") && stderr(&warm).contains("(1 computed)"), "{}", stderr(&warm));
+    let other = run(&args("affine:8"));
+    assert_eq!(other.status.code(), Some(1));
+    assert!(stderr(&other).contains("turbo:k8v3") && stderr(&other).contains("affine:8"), "{}", stderr(&other));
+    let mut bytes = std::fs::read(f).unwrap();
+    let n = bytes.len();
+    bytes[n / 2] ^= 1;
+    std::fs::write(f, &bytes).unwrap();
+    let bad = run(&args("turbo"));
+    assert_eq!(bad.status.code(), Some(1));
+    assert!(stderr(&bad).contains("checksum"), "{}", stderr(&bad));
+}

@@ -128,6 +128,34 @@ impl<'m, B: Backend> Session<'m, B> {
         Ok(())
     }
 
+    /// Save the cache and the tokens it holds to a KV file (kv::persist), atomically.
+    /// `fingerprint`: kv::file::model_fingerprint of the model.
+    pub fn save_cache(&self, path: &std::path::Path, fingerprint: &str) -> Result<()> {
+        let kv = self.kv.as_ref().expect("a live session has its cache");
+        crate::kv::persist::save(self.model, kv, &self.tokens, fingerprint, path)
+    }
+
+    /// Replace the cache with the one saved at `path`; how many tokens it holds, or None
+    /// (and the session unchanged) when there is no file. A later `feed` computes only
+    /// what its prompt adds to them.
+    pub fn restore_cache(&mut self, path: &std::path::Path, fingerprint: &str) -> Result<Option<usize>> {
+        let kv = self.kv.as_mut().expect("a live session has its cache");
+        let restored = crate::kv::persist::restore(self.model, kv, fingerprint, path);
+        match restored {
+            Ok(Some(tokens)) => {
+                self.tokens = tokens;
+                Ok(Some(self.tokens.len()))
+            }
+            Ok(None) => Ok(None),
+            Err(e) => {
+                // A refused file may have stopped a restore midway: start empty.
+                self.kv.as_mut().expect("a live session has its cache").clear();
+                self.tokens.clear();
+                Err(e)
+            }
+        }
+    }
+
     pub fn capacity(&self) -> usize {
         self.kv.as_ref().expect("a live session has its cache").capacity()
     }

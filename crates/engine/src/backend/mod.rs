@@ -174,6 +174,15 @@ pub trait Backend: Sync {
     }
     /// The blocks a store holds.
     fn kv_blocks(&self, kv: &Self::Kv) -> crate::kv::KvBlocks;
+    /// Bytes one store row of `layer` takes as `kv_export` writes it: every KV head's key,
+    /// then every KV head's value, in bf16, or the quantized rows of kv::rows's layout
+    /// (the same bytes on every backend, so a KV file moves between them).
+    fn kv_row_bytes(&self, kv: &Self::Kv, layer: usize) -> usize;
+    /// Append store rows `rows` of `layer` to `out` (`kv_row_bytes` each).
+    fn kv_export(&self, kv: &Self::Kv, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()>;
+    /// Write rows as `kv_export` gave them (`data`, `kv_row_bytes` each) into store rows
+    /// `rows` of `layer`.
+    fn kv_import(&self, kv: &mut Self::Kv, layer: usize, rows: &[usize], data: &[u8]) -> Result<()>;
 
     /// Start a forward call: make `tokens` and the rows' places (`spans`, consecutive
     /// sequences) visible to the device ops (CUDA copies them from pinned host memory, so a

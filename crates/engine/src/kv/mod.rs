@@ -6,6 +6,7 @@
 pub mod blocks;
 pub mod file;
 pub mod paged;
+pub mod persist;
 pub mod rows;
 pub mod scheme;
 pub mod seq;

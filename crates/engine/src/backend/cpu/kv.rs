@@ -83,6 +83,75 @@ impl CpuKv {
         &q.rows[layer][(row * n + kvh) * b..][..b]
     }
 
+    /// Bytes of one row of `layer` in `Backend::kv_export`'s form.
+    pub fn row_bytes(&self, layer: usize) -> usize {
+        match &self.quant {
+            Some(q) => self.width / self.head_dim * q.codecs[layer].bytes(),
+            None => 4 * self.width,
+        }
+    }
+
+    /// Check a request for `rows` of `layer` (and `data`'s length, when importing).
+    fn check_rows(&self, layer: usize, rows: &[usize], data: Option<usize>) -> crate::Result<()> {
+        let stored = self.k.get(layer).map(Vec::len).unwrap_or(0) / self.width.max(1);
+        let stored = match &self.quant {
+            Some(q) => q.rows.get(layer).map_or(0, |r| r.len() / self.row_bytes(layer)),
+            None => stored,
+        };
+        if layer >= self.sliding.len() || rows.iter().any(|&r| r >= stored) {
+            return Err(crate::Error::Invalid(format!("KV rows past layer {layer}'s {stored} rows")));
+        }
+        match data {
+            Some(n) if n != rows.len() * self.row_bytes(layer) => Err(crate::Error::Invalid(format!(
+                "{n} bytes for {} KV rows of {} bytes",
+                rows.len(),
+                self.row_bytes(layer)
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Append `rows` of `layer` to `out` (a quantized row as stored; a bf16 row as its key
+    /// then its value, little-endian).
+    pub fn export(&self, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> crate::Result<()> {
+        self.check_rows(layer, rows, None)?;
+        let w = self.width;
+        for &r in rows {
+            match &self.quant {
+                Some(q) => {
+                    let b = self.row_bytes(layer);
+                    out.extend_from_slice(&q.rows[layer][r * b..(r + 1) * b]);
+                }
+                None => {
+                    for x in self.k[layer][r * w..(r + 1) * w].iter().chain(&self.v[layer][r * w..(r + 1) * w]) {
+                        out.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Write `data` (as `export` gave it) into `rows` of `layer`.
+    pub fn import(&mut self, layer: usize, rows: &[usize], data: &[u8]) -> crate::Result<()> {
+        self.check_rows(layer, rows, Some(data.len()))?;
+        let (w, b) = (self.width, self.row_bytes(layer));
+        for (&r, src) in rows.iter().zip(data.chunks_exact(b)) {
+            match &mut self.quant {
+                Some(q) => q.rows[layer][r * b..(r + 1) * b].copy_from_slice(src),
+                None => {
+                    let (k, v) = src.split_at(2 * w);
+                    for (dst, x) in [(&mut self.k[layer], k), (&mut self.v[layer], v)] {
+                        for (d, x) in dst[r * w..(r + 1) * w].iter_mut().zip(x.chunks_exact(2)) {
+                            *d = bf16::from_le_bytes([x[0], x[1]]);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Store row of position p of the sequence `span` in `layer`.
     pub fn row(&self, layer: usize, span: &Span<'_>, p: usize) -> usize {
         row_of(span.table(self.sliding[layer]), p)

@@ -60,6 +60,15 @@ impl Backend for Cpu {
     fn kv_blocks(&self, kv: &CpuKv) -> KvBlocks {
         kv.blocks
     }
+    fn kv_row_bytes(&self, kv: &CpuKv, layer: usize) -> usize {
+        kv.row_bytes(layer)
+    }
+    fn kv_export(&self, kv: &CpuKv, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()> {
+        kv.export(layer, rows, out)
+    }
+    fn kv_import(&self, kv: &mut CpuKv, layer: usize, rows: &[usize], data: &[u8]) -> Result<()> {
+        kv.import(layer, rows, data)
+    }
     fn embed(&self, table: &Weight, tokens: &[u32], scale: f32, out: &mut CpuAct) -> Result<()> {
         ops::embed(table, tokens, scale, &mut out.data);
         Ok(())

@@ -65,6 +65,15 @@ impl Backend for Cuda {
     fn kv_blocks(&self, kv: &CudaKv) -> KvBlocks {
         kv.blocks
     }
+    fn kv_row_bytes(&self, kv: &CudaKv, _layer: usize) -> usize {
+        4 * kv.width
+    }
+    fn kv_export(&self, kv: &CudaKv, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()> {
+        kv.export(self, layer, rows, out)
+    }
+    fn kv_import(&self, kv: &mut CudaKv, layer: usize, rows: &[usize], data: &[u8]) -> Result<()> {
+        kv.import(self, layer, rows, data)
+    }
     fn begin(&self, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
         self.steps.begin(self, tokens, spans, invariant)
     }

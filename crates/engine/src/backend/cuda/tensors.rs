@@ -1,7 +1,7 @@
 //! The device forms of weights, activations and the KV cache, and their uploads.
 
 use super::context::Context;
-use super::driver::KArg;
+use super::driver::{drv, KArg};
 use super::kernels;
 use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
 use crate::{Error, Result};
@@ -101,6 +101,69 @@ impl CudaKv {
     /// kernels' split counts, so a captured step stays valid as its sequence grows.
     pub(crate) fn max_seq(&self) -> usize {
         self.blocks.full * crate::kv::BLOCK
+    }
+
+    /// Maximal runs of consecutive store rows in `rows`: (first, count).
+    fn runs(rows: &[usize]) -> Vec<(usize, usize)> {
+        let mut out: Vec<(usize, usize)> = Vec::new();
+        for &r in rows {
+            match out.last_mut() {
+                Some((a, n)) if *a + *n == r => *n += 1,
+                _ => out.push((r, 1)),
+            }
+        }
+        out
+    }
+
+    fn check_rows(&self, layer: usize, rows: &[usize]) -> Result<()> {
+        let stored = self.k.get(layer).map_or(0, |k| k.len() / self.width);
+        match rows.iter().all(|&r| r < stored) {
+            true => Ok(()),
+            false => Err(Error::Invalid(format!("KV rows past layer {layer}'s {stored} rows"))),
+        }
+    }
+
+    /// `Backend::kv_export`: each row's key then value, bf16 little-endian; a run of
+    /// consecutive rows is one copy.
+    pub(crate) fn export(&self, ctx: &Context, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()> {
+        self.check_rows(layer, rows)?;
+        let w = self.width;
+        for (a, n) in Self::runs(rows) {
+            let read = |buf: &CudaSlice<u16>| ctx.stream.clone_dtoh(&buf.slice(a * w..(a + n) * w));
+            let (k, v) = (read(&self.k[layer]), read(&self.v[layer]));
+            let (k, v) = (k.map_err(drv("reading the KV cache"))?, v.map_err(drv("reading the KV cache"))?);
+            for i in 0..n {
+                for x in k[i * w..(i + 1) * w].iter().chain(&v[i * w..(i + 1) * w]) {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `Backend::kv_import`: `data` as `export` gives it into `rows` of `layer`.
+    pub(crate) fn import(&mut self, ctx: &Context, layer: usize, rows: &[usize], data: &[u8]) -> Result<()> {
+        self.check_rows(layer, rows)?;
+        let w = self.width;
+        if data.len() != rows.len() * 4 * w {
+            return Err(Error::Invalid(format!("{} bytes for {} KV rows of {} bytes", data.len(), rows.len(), 4 * w)));
+        }
+        let mut at = 0;
+        for (a, n) in Self::runs(rows) {
+            let (mut k, mut v) = (Vec::with_capacity(n * w), Vec::with_capacity(n * w));
+            for row in data[at * 4 * w..(at + n) * 4 * w].chunks_exact(4 * w) {
+                let (rk, rv) = row.split_at(2 * w);
+                k.extend(rk.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])));
+                v.extend(rv.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])));
+            }
+            let span = a * w..(a + n) * w;
+            ctx.stream
+                .memcpy_htod(&k, &mut self.k[layer].slice_mut(span.clone()))
+                .map_err(drv("writing the KV cache"))?;
+            ctx.stream.memcpy_htod(&v, &mut self.v[layer].slice_mut(span)).map_err(drv("writing the KV cache"))?;
+            at += n;
+        }
+        ctx.stream.synchronize().map_err(drv("writing the KV cache"))
     }
 
     /// Whether `layer` is a sliding-window layer (which table its kernels take).
