@@ -6,7 +6,7 @@ use clap::Args;
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::Cuda;
 use ferrolm::model::Decoder;
-use ferrolm::serving::{Engine, EngineConfig};
+use ferrolm::serving::{Engine, EngineConfig, PrefixCacheDir};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
@@ -39,6 +39,11 @@ pub struct ServeArgs {
     /// memory available on the CPU.
     #[arg(long, value_parser = parse_bytes)]
     kv_memory: Option<usize>,
+    /// Keep the prefix cache in DIR too (made if missing): prompts' KV blocks saved as KV
+    /// files when their prefill is done, and found again by later requests, after a
+    /// restart too. The directory grows with every distinct prompt; delete files to trim it.
+    #[arg(long, value_name = "DIR")]
+    prefix_cache_dir: Option<std::path::PathBuf>,
     /// Require `Authorization: Bearer KEY` on every /v1 route.
     #[arg(long, env = "FERROLM_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -97,12 +102,14 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     let cuda = load::device_is_cuda(&a.model.device)?;
     let scheme = ferrolm::kv::scheme::KvScheme::parse(&a.kv.kv)?;
     let (src, tokenizer) = load::prepared_source(&a.model)?;
+    let fingerprint = ferrolm::kv::file::model_fingerprint(&src, &tokenizer);
     let cfg = EngineConfig {
         max_batch: a.max_batch,
         max_queue: a.max_queue,
         max_context: a.max_context.unwrap_or(DEFAULT_MAX_CONTEXT),
         kv_memory: a.kv_memory,
         request_timeout: (a.request_timeout > 0).then(|| Duration::from_secs(a.request_timeout)),
+        prefix_cache_dir: a.prefix_cache_dir.clone().map(|dir| PrefixCacheDir { dir, fingerprint }),
     };
     // The model is built on the engine's thread, which keeps it (and a device context).
     let engine = if cuda {

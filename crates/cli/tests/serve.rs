@@ -67,6 +67,34 @@ fn serve_answers_and_exits_0_on_sigterm() {
     assert_eq!(status.code(), Some(0));
 }
 
+/// `--prefix-cache-dir`: a prompt served once is found again after a restart (its
+/// blocks cached, the same completion).
+#[test]
+fn the_prefix_cache_dir_outlives_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let prompt = "The lighthouse keeper wrote in his log every evening: the weather, the ships that \
+        passed, the birds that rested on the rail, and the colour of the sea at dusk. One evening";
+    let req = format!(r#"{{"prompt": "{prompt}", "max_tokens": 6, "temperature": 0}}"#);
+    let mut bodies = vec![];
+    for _ in 0..2 {
+        let (mut child, addr) = serve(&["--kv-memory", "64MiB", "--prefix-cache-dir", d], "");
+        let (status, body) = http(addr, "POST", "/v1/completions", None, &req);
+        assert_eq!(status, 200, "{body}");
+        bodies.push(body);
+        // SAFETY: signalling the child this test started.
+        unsafe {
+            libc::kill(child.id() as i32, libc::SIGTERM);
+        }
+        assert_eq!(child.wait().unwrap().code(), Some(0));
+    }
+    let json = |b: &str| serde_json::from_str::<serde_json::Value>(b).unwrap();
+    let (cold, warm) = (json(&bodies[0]), json(&bodies[1]));
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "{cold}");
+    assert!(warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() >= 32, "{warm}");
+    assert_eq!(cold["choices"][0]["text"], warm["choices"][0]["text"]);
+}
+
 #[test]
 fn bad_serve_flags_are_errors() {
     let run = |args: &[&str]| {

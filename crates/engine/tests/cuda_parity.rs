@@ -26,6 +26,8 @@ mod flash;
 mod gemm;
 #[path = "cuda_ops/gemma.rs"]
 mod gemma;
+#[path = "cuda_ops/kv_files.rs"]
+mod kv_files;
 #[path = "cuda_ops/models.rs"]
 mod models;
 #[path = "cuda_ops/serving.rs"]

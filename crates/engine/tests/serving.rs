@@ -362,3 +362,48 @@ fn quantized_caches_batch_share_prefixes_and_preempt() {
     assert_eq!(st.cached_tokens, 64, "{st:?}");
     assert_eq!(st.kv_blocks_total, 64 * 256 / 100, "{st:?}");
 }
+
+/// The prefix cache on disk: a prompt's blocks are saved when its prefill is done; an
+/// engine started again on the same directory (a restart) starts a prompt sharing some of
+/// them from disk, with the tokens it gives cold; another model's files are not used.
+#[test]
+fn the_prefix_cache_on_disk_outlives_the_engine() {
+    use ferrolm::serving::PrefixCacheDir;
+    let tok = tokenizer();
+    let model = load().unwrap();
+    let (src, t) = ferrolm::formats::load_with_tokenizer(&model_path(), false).unwrap();
+    let fp = ferrolm::kv::file::model_fingerprint(&src, &t);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = |fp: &str| EngineConfig {
+        prefix_cache_dir: Some(PrefixCacheDir { dir: dir.path().to_path_buf(), fingerprint: fp.into() }),
+        ..Default::default()
+    };
+    let base = "Background for both questions: the river flows north through three towns, each with \
+        its own bridge, market and school. The first town is the oldest, the second the largest, and \
+        the third sits where the river meets the sea. Ferries cross twice a day in summer.";
+    let a = tok.encode(&format!("{base} Which way does the river flow?"), true).unwrap();
+    let question = "How many towns are there, which of them is the oldest, which is the largest, and \
+        where does the river meet the sea? Answer in one short sentence, please.";
+    let b = tok.encode(&format!("{base} {question}"), true).unwrap();
+    let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    // b shares a block with a, and has one of its own after them.
+    assert!(common >= 32 && (b.len() - 1) / 32 > common / 32, "{common} shared tokens of {}", b.len());
+    let want_b = alone(&model, &b, 8);
+    let run = |e: &Engine, p: &[u32]| {
+        let (s, rx) = sink();
+        e.submit(greedy(p.to_vec(), 8), s).unwrap();
+        let Event::Started { cached_tokens, .. } = rx.recv().unwrap() else { panic!("no start") };
+        (cached_tokens, collect(&rx).0)
+    };
+    let e = engine(cfg(&fp));
+    assert_eq!(run(&e, &a).0, 0);
+    drop(e);
+    let files = || std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(files(), 1);
+    let e = engine(cfg(&fp));
+    assert_eq!(run(&e, &b), (common / ferrolm::kv::BLOCK * ferrolm::kv::BLOCK, want_b.clone()));
+    drop(e);
+    assert_eq!(files(), 2, "b's own blocks saved too");
+    let e = engine(cfg("another model"));
+    assert_eq!(run(&e, &b), (0, want_b));
+}

@@ -101,6 +101,26 @@ pub fn write(path: &Path, header: &KvFileHeader, payload: &[u8]) -> Result<()> {
     Ok(())
 }
 
+/// The header of the file at `path` alone (its payload and checksum unread: `read` checks
+/// them), for an index of many files.
+pub fn read_header(path: &Path) -> Result<KvFileHeader> {
+    use std::io::Read;
+    let bad = |why: String| Error::Invalid(format!("KV file {}: {why}", path.display()));
+    let mut f = std::fs::File::open(path).map_err(|e| io_err(path, "reading", e))?;
+    let mut head = [0u8; 12];
+    f.read_exact(&mut head).map_err(|_| bad("too short".into()))?;
+    if &head[..8] != MAGIC {
+        return Err(bad("not a ferrolm KV file (bad magic)".into()));
+    }
+    let hlen = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+    if hlen > MAX_HEADER {
+        return Err(bad(format!("a header of {hlen} bytes")));
+    }
+    let mut json = vec![0u8; hlen];
+    f.read_exact(&mut json).map_err(|_| bad("truncated header".into()))?;
+    serde_json::from_slice(&json).map_err(|e| bad(format!("corrupt header: {e}")))
+}
+
 /// Read the file at `path` if there is one; an error names what is wrong with it.
 pub fn read(path: &Path, expect: &Expect<'_>) -> Result<Option<(KvFileHeader, Vec<u8>)>> {
     let bytes = match std::fs::read(path) {

@@ -151,6 +151,18 @@ impl PagedKv {
         }
     }
 
+    /// Give `s`'s sliding-layer blocks before block `first` back, unpublished (their rows
+    /// were never written, or are no longer wanted).
+    pub fn release_sliding_before(&mut self, s: &mut SeqKv, first: usize) {
+        if let Some((pool, _)) = &mut self.sliding {
+            for x in s.sliding.iter_mut().take(first) {
+                if *x != NO_BLOCK {
+                    pool.release(std::mem::replace(x, NO_BLOCK));
+                }
+            }
+        }
+    }
+
     /// The sequence is done (or preempted): its blocks go back, cached ones stay findable.
     pub fn free(&mut self, s: SeqKv) {
         s.full.iter().for_each(|&blk| self.full.release(blk));

@@ -123,27 +123,9 @@ impl<B: Backend> SeqCache<B> {
         self.seq.len = upto;
     }
 
-    /// The store rows of `positions` in the full layers' or the sliding layers' tables
-    /// (positions written or prepared; a released one is an error).
-    pub fn store_rows(&self, sliding: bool, positions: std::ops::Range<usize>) -> Result<Vec<usize>> {
-        let table = if sliding { &self.seq.sliding } else { &self.seq.full };
-        positions
-            .map(|p| match table.get(p / BLOCK) {
-                Some(&blk) if blk != NO_BLOCK => Ok(blk as usize * BLOCK + p % BLOCK),
-                _ => Err(Error::Invalid(format!("position {p} is not in the KV cache"))),
-            })
-            .collect()
-    }
-
     /// Give the sliding layers' blocks before block `first` back (their positions are gone).
     pub fn release_sliding_before(&mut self, first: usize) {
-        if let Some((pool, _)) = &mut self.paged.sliding {
-            for x in self.seq.sliding.iter_mut().take(first) {
-                if *x != NO_BLOCK {
-                    pool.release(std::mem::replace(x, NO_BLOCK));
-                }
-            }
-        }
+        self.paged.release_sliding_before(&mut self.seq, first);
     }
 
     /// Start over, empty, as a new cache: the blocks handed out in order again (0, 1, …).

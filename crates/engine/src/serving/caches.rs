@@ -67,6 +67,26 @@ impl<B: Backend> Caches<B> {
         (self.paged.full.available() >= (tokens.len() + 1).div_ceil(BLOCK)).then(|| self.paged.start(tokens))
     }
 
+    /// Positions of `tokens` the prefix cache holds now (whole blocks; at least the last
+    /// token left to compute).
+    pub(super) fn cached_prefix(&mut self, tokens: &[u32]) -> usize {
+        let place = self.paged.start(tokens);
+        let n = place.len;
+        self.paged.free(place);
+        n
+    }
+
+    /// A place for `tokens` from the longest cached prefix, whatever room there is (the
+    /// disk prefix cache fills the rest block by block).
+    pub(super) fn start(&mut self, tokens: &[u32]) -> SeqKv {
+        self.paged.start(tokens)
+    }
+
+    /// Give `place`'s sliding blocks before block `first` back, unpublished.
+    pub(super) fn release_sliding_before(&mut self, place: &mut SeqKv, first: usize) {
+        self.paged.release_sliding_before(place, first);
+    }
+
     /// Blocks for `place` to hold positions up to `upto`.
     pub(super) fn reserve(&mut self, place: &mut SeqKv, upto: usize) -> std::result::Result<(), Exhausted> {
         self.paged.reserve(place, upto)

@@ -6,6 +6,7 @@
 //! it through `Engine::submit` and the events each request's sink receives.
 
 mod caches;
+mod disk;
 mod step;
 mod worker;
 
@@ -31,6 +32,16 @@ pub struct EngineConfig {
     pub kv_memory: Option<usize>,
     /// A request still running this long after it arrived fails with a timeout.
     pub request_timeout: Option<Duration>,
+    /// Keep the prefix cache on disk too (serving/disk.rs), across restarts.
+    pub prefix_cache_dir: Option<PrefixCacheDir>,
+}
+
+/// The prefix cache's directory, and the model's fingerprint (kv::file::model_fingerprint)
+/// its files must carry.
+#[derive(Clone, Debug)]
+pub struct PrefixCacheDir {
+    pub dir: std::path::PathBuf,
+    pub fingerprint: String,
 }
 
 impl Default for EngineConfig {
@@ -41,6 +52,7 @@ impl Default for EngineConfig {
             max_context: usize::MAX,
             kv_memory: None,
             request_timeout: Some(Duration::from_secs(600)),
+            prefix_cache_dir: None,
         }
     }
 }
@@ -238,6 +250,8 @@ struct Job {
     req: Request,
     sink: Sink,
     arrived: Instant,
+    /// Whether the disk prefix cache was asked for its prompt already.
+    disk_checked: bool,
 }
 
 /// The engine: a thread that owns the model. Dropping it shuts down at once (running
@@ -338,7 +352,7 @@ impl Engine {
         }
         let id = self.next_id.fetch_add(1, Relaxed);
         self.shared.waiting.fetch_add(1, Relaxed);
-        let job = Job { id, req, sink, arrived: Instant::now() };
+        let job = Job { id, req, sink, arrived: Instant::now(), disk_checked: false };
         self.tx.send(Msg::Submit(job)).map_err(|_| {
             self.shared.waiting.fetch_sub(1, Relaxed);
             SubmitError::Closed

@@ -4,9 +4,11 @@
 //! a step's row budget, in one forward call.
 
 use super::caches::Caches;
+use super::disk::DiskPrefixes;
 use super::{EngineConfig, Event, Failure, FailureKind, Finish, Job, Msg, Shared, Usage};
 use crate::backend::Backend;
 use crate::kv::paged::SeqKv;
+use crate::kv::BLOCK;
 use crate::model::{Decoder, RowOut};
 use crate::sample::Sampler;
 use std::collections::VecDeque;
@@ -76,6 +78,8 @@ pub(super) struct Worker<'m, B: Backend> {
     pub(super) step_rows: usize,
     /// Set by a shutdown: running requests still going then fail.
     deadline: Option<Instant>,
+    /// The prefix cache on disk, when there is one (disk.rs).
+    disk: Option<DiskPrefixes>,
 }
 
 impl<'m, B: Backend> Worker<'m, B> {
@@ -87,6 +91,7 @@ impl<'m, B: Backend> Worker<'m, B> {
     ) -> crate::Result<Self> {
         let step_rows = model.backend.prefill_chunk();
         let caches = Caches::new(model, cfg.kv_memory.unwrap_or(0), cfg.max_batch, step_rows)?;
+        let disk = cfg.prefix_cache_dir.clone().map(DiskPrefixes::open).transpose()?;
         Ok(Worker {
             model,
             cfg,
@@ -98,6 +103,7 @@ impl<'m, B: Backend> Worker<'m, B> {
             caches,
             step_rows,
             deadline: None,
+            disk,
         })
     }
 
@@ -233,6 +239,7 @@ impl<'m, B: Backend> Worker<'m, B> {
             self.running.push(s);
         }
         while self.running.len() < self.cfg.max_batch {
+            self.load_prefix_from_disk();
             let Some(job) = self.waiting.front() else { break };
             let prompt_len = job.req.prompt.len();
             let max_tokens = job.req.max_tokens.unwrap_or(usize::MAX).min(self.cfg.max_context - prompt_len);
@@ -264,6 +271,31 @@ impl<'m, B: Backend> Worker<'m, B> {
         }
     }
 
+    /// The first waiting request's prompt, once: blocks of it the disk prefix cache holds
+    /// beyond the memory's go into the memory cache (disk.rs).
+    fn load_prefix_from_disk(&mut self) {
+        let Some(disk) = &self.disk else { return };
+        let Some(job) = self.waiting.front_mut().filter(|j| !j.disk_checked) else { return };
+        job.disk_checked = true;
+        let prompt = job.req.prompt.clone();
+        if let Err(e) = disk.load(self.model, &mut self.caches, &prompt, self.step_rows) {
+            tracing::warn!("prefix cache on disk: {e}; computing the prompt");
+        }
+    }
+
+    /// Request i's prefill is done: save its prompt's shareable blocks to the disk prefix
+    /// cache when it computed some of them (disk.rs).
+    fn save_prefix_to_disk(&mut self, i: usize) {
+        let s = &self.running[i];
+        let (Some(disk), Some(place)) = (&mut self.disk, &s.place) else { return };
+        if s.cached >= s.prompt_len.saturating_sub(1) / BLOCK * BLOCK {
+            return;
+        }
+        if let Err(e) = disk.save(self.model, &self.caches, place, &s.history[..s.prompt_len]) {
+            tracing::warn!("prefix cache on disk: {e}");
+        }
+    }
+
     /// Preempt the youngest running request: its cache goes back (its full blocks stay in
     /// the prefix cache) and it waits to be readmitted and recomputed.
     pub(super) fn preempt_youngest(&mut self) {
@@ -281,6 +313,9 @@ impl<'m, B: Backend> Worker<'m, B> {
     /// The next token of request i from its last row's output (`step::forward` asked for
     /// logits exactly where the request samples from them).
     pub(super) fn sample(&mut self, i: usize, row: RowOut) -> Option<End> {
+        if !self.running[i].started {
+            self.save_prefix_to_disk(i);
+        }
         let s = &mut self.running[i];
         if !s.started {
             s.started = true;
