@@ -30,14 +30,16 @@ pub fn attention<'a>(
     let scale = attend.scale;
     if let Some(q_layers) = &kv.quant {
         let codec = &q_layers.codecs[layer];
-        return out.par_chunks_mut(hd).enumerate().try_for_each(|(idx, o)| {
-            let (t, h) = (idx / n_heads, idx % n_heads);
+        // A task per (row, KV head): the query heads sharing a KV head are consecutive, and
+        // each cached row's codes are unpacked once for all of them.
+        return out.par_chunks_mut(group * hd).enumerate().try_for_each(|(idx, o)| {
+            let (t, kvh) = (idx / n_kv, idx % n_kv);
             let (seq, pos) = rows[t];
             let span = &spans[seq];
-            let qh = &q[t * n_heads * hd + h * hd..][..hd];
+            let qs = &q[t * n_heads * hd + kvh * group * hd..][..group * hd];
             let kv_rows: Vec<&[u8]> =
-                (attend.first(pos)..=pos).map(|p| kv.quant_row(layer, kv.row(layer, span, p), h / group)).collect();
-            crate::kv::rows::attend_head(codec, qh, &kv_rows, scale, o)
+                (attend.first(pos)..=pos).map(|p| kv.quant_row(layer, kv.row(layer, span, p), kvh)).collect();
+            crate::kv::rows::attend_group(codec, qs, &kv_rows, scale, o)
         });
     }
     let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
