@@ -64,7 +64,8 @@ pub struct EvalText {
     #[arg(long, default_value_t = 512)]
     ctx: usize,
     /// The model's KV cache scheme: bf16, affine:8, affine:4, affine:FILE.json or
-    /// turbo[:kKvV] (docs/kv.md; quantized schemes run on the CPU for now).
+    /// turbo[:kKvV] (docs/kv.md; quantized schemes run on the CPU for now). kl takes a
+    /// comma-separated list: each scheme compared with the base, which runs once.
     #[arg(long, value_name = "SCHEME", default_value = "bf16")]
     kv: String,
 }
@@ -136,10 +137,11 @@ pub struct KlArgs {
 
 pub fn kl(a: KlArgs) -> Result<()> {
     let text = read_text(None, Some(a.text.file.clone()))?;
-    let schemes = (KvScheme::parse(&a.base)?, KvScheme::parse(&a.text.kv)?);
+    let kvs = a.text.kv.split(',').map(KvScheme::parse).collect::<ferrolm::Result<Vec<_>>>()?;
+    let schemes = (KvScheme::parse(&a.base)?, kvs);
     let model = load::model(&a.model)?;
     let Some(base_model) = &a.base_model else {
-        if a.base_quantize.is_some() || schemes.0 == schemes.1 {
+        if a.base_quantize.is_some() || schemes.1.contains(&schemes.0) {
             bail!("kl compares two things: give --base-model, or --kv (and --base) with different schemes");
         }
         return crate::with_model!(model, m => kl_on(&m, &m, &a, &schemes, &text));
@@ -154,28 +156,34 @@ fn kl_on<A: ferrolm::backend::Backend, B: ferrolm::backend::Backend>(
     base: &load::Loaded<A>,
     l: &load::Loaded<B>,
     a: &KlArgs,
-    (base_kv, kv): &(KvScheme, KvScheme),
+    (base_kv, kvs): &(KvScheme, Vec<KvScheme>),
     text: &str,
 ) -> Result<()> {
     let ids = eval_ids(&l.tokenizer, text)?;
     if eval_ids(&base.tokenizer, text)? != ids {
         bail!("the base model's tokenizer gives other tokens for the text: KL needs the same tokens");
     }
-    let r = ferrolm::eval::kl_divergence((&base.model, base_kv), (&l.model, kv), &ids, a.text.ctx, load::progress())?;
-    if a.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
-        println!(
-            "positions {}  KL mean {:.6}  median {:.6}  p90 {:.6}  p99 {:.6}  p99.9 {:.6}  max {:.6}",
-            r.positions, r.kl_mean, r.kl_median, r.kl_p90, r.kl_p99, r.kl_p999, r.kl_max
-        );
-        println!(
-            "same top token {:.2}%  ppl base {:.4}  ppl {:.4}  ({:+.3}%)",
-            100.0 * r.top1_agreement,
-            r.ppl_base,
-            r.ppl,
-            100.0 * (r.ppl / r.ppl_base - 1.0)
-        );
+    let models: Vec<_> = kvs.iter().map(|kv| (&l.model, kv.clone())).collect();
+    let rs = ferrolm::eval::kl_divergence((&base.model, base_kv), &models, &ids, a.text.ctx, load::progress())?;
+    match (a.json, &rs[..]) {
+        (true, [r]) => println!("{}", serde_json::to_string(r)?),
+        (true, _) => println!("{}", serde_json::to_string(&rs)?),
+        (false, _) => {
+            for r in &rs {
+                let name = if rs.len() > 1 { format!("{}: ", r.scheme) } else { String::new() };
+                println!(
+                    "{name}positions {}  KL mean {:.6}  median {:.6}  p90 {:.6}  p99 {:.6}  p99.9 {:.6}  max {:.6}",
+                    r.positions, r.kl_mean, r.kl_median, r.kl_p90, r.kl_p99, r.kl_p999, r.kl_max
+                );
+                println!(
+                    "{name}same top token {:.2}%  ppl base {:.4}  ppl {:.4}  ({:+.3}%)",
+                    100.0 * r.top1_agreement,
+                    r.ppl_base,
+                    r.ppl,
+                    100.0 * (r.ppl / r.ppl_base - 1.0)
+                );
+            }
+        }
     }
     Ok(())
 }

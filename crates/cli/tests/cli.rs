@@ -520,6 +520,16 @@ fn kl_compares_a_model_with_a_base_quantization() {
     assert!(o.status.success(), "{}", stderr(&o));
     let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert!(j["kl_mean"].as_f64().unwrap() > 0.0 && j["top1_agreement"].as_f64().unwrap() > 0.5, "{j}");
+    // Several schemes in one run (the base once): one report each, in order, the same
+    // numbers as alone, fewer bits further from the base.
+    let f = file.to_str().unwrap();
+    let o = run(&["kl", "--model", m, "--file", f, "--kv", "affine:8,turbo,turbo:k4v2", "--json", "--device", "cpu"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let all: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let names: Vec<&str> = all.as_array().unwrap().iter().map(|r| r["scheme"].as_str().unwrap()).collect();
+    assert_eq!(names, ["affine:8", "turbo:k8v3", "turbo:k4v2"], "{all}");
+    assert_eq!(all[1]["kl_mean"], j["kl_mean"], "turbo alone and in a list");
+    assert!(all[2]["kl_mean"].as_f64() > all[0]["kl_mean"].as_f64(), "{all}");
     let o = run(&["kl", "--model", m, "--file", file.to_str().unwrap()]);
     assert!(!o.status.success() && stderr(&o).contains("compares two things"), "{}", stderr(&o));
     // Perplexity with an 8-bit cache: within a few percent of bf16's.

@@ -11,6 +11,8 @@ use crate::{Error, Result};
 
 #[derive(Clone, Debug, Default, serde::Serialize)]
 pub struct KlReport {
+    /// The compared model's KV scheme.
+    pub scheme: String,
     pub tokens: usize,
     /// Positions compared (each chunk's but its last).
     pub positions: usize,
@@ -43,34 +45,70 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank - 1]
 }
 
-/// Compare `model` with `base` on `tokens` (the same tokenizer's ids) in chunks of `ctx`,
-/// each with its own KV scheme (one model against itself with another cache, or two
-/// quantizations of a model with the same cache).
+/// One model's KL and agreement per position against the base, and both NLLs.
+#[derive(Default)]
+struct Tally {
+    kls: Vec<f64>,
+    same: usize,
+    nll_base: f64,
+    nll: f64,
+}
+
+impl Tally {
+    fn report(self, tokens: usize, scheme: String) -> KlReport {
+        let n = self.kls.len() as f64;
+        let mut sorted = self.kls.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = match sorted.len() % 2 {
+            1 => sorted[sorted.len() / 2],
+            _ => 0.5 * (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]),
+        };
+        KlReport {
+            scheme,
+            tokens,
+            positions: self.kls.len(),
+            kl_mean: self.kls.iter().sum::<f64>() / n,
+            kl_median: median,
+            kl_p90: quantile(&sorted, 0.90),
+            kl_p99: quantile(&sorted, 0.99),
+            kl_p999: quantile(&sorted, 0.999),
+            kl_max: *sorted.last().expect("at least one position"),
+            top1_agreement: self.same as f64 / n,
+            ppl_base: (self.nll_base / n).exp(),
+            ppl: (self.nll / n).exp(),
+        }
+    }
+}
+
+/// Compare each of `models` with `base` on `tokens` (the same tokenizer's ids) in chunks
+/// of `ctx`, each with its own KV scheme (one model against itself with other caches, or
+/// another quantization of it with the same cache); the base runs once per chunk for all
+/// of them. One report per model, in order.
 pub fn kl_divergence<A: Backend, B: Backend>(
     (base, base_kv): (&Decoder<A>, &KvScheme),
-    (model, model_kv): (&Decoder<B>, &KvScheme),
+    models: &[(&Decoder<B>, KvScheme)],
     tokens: &[u32],
     ctx: usize,
     progress: bool,
-) -> Result<KlReport> {
-    let vocab = model.logits_width();
-    if base.logits_width() != vocab {
+) -> Result<Vec<KlReport>> {
+    let vocab = base.logits_width();
+    if let Some((m, _)) = models.iter().find(|(m, _)| m.logits_width() != vocab) {
         return Err(Error::Invalid(format!(
-            "the base model predicts over {} tokens and the model over {vocab}: not the same vocabulary",
-            base.logits_width()
+            "the base model predicts over {vocab} tokens and the model over {}: not the same vocabulary",
+            m.logits_width()
         )));
     }
-    if ctx < 2 || tokens.len() < 2 {
+    if ctx < 2 || tokens.len() < 2 || models.is_empty() {
         return Err(Error::Invalid(format!(
-            "kl needs chunks of 2 tokens or more (ctx {ctx}, {} tokens)",
+            "kl needs chunks of 2 tokens or more (ctx {ctx}, {} tokens) and a model to compare",
             tokens.len()
         )));
     }
-    let ctx = ctx.min(model.cfg.max_ctx).min(base.cfg.max_ctx);
+    let ctx = models.iter().fold(ctx.min(base.cfg.max_ctx), |c, (m, _)| c.min(m.cfg.max_ctx));
     let mut kb = SeqCache::with_scheme(&base.backend, &base.cfg, ctx, base_kv)?;
-    let mut km = SeqCache::with_scheme(&model.backend, &model.cfg, ctx, model_kv)?;
-    let (mut kls, mut same) = (Vec::new(), 0usize);
-    let (mut nll_base, mut nll) = (0f64, 0f64);
+    let mut caches =
+        models.iter().map(|(m, kv)| SeqCache::with_scheme(&m.backend, &m.cfg, ctx, kv)).collect::<Result<Vec<_>>>()?;
+    let mut tallies: Vec<Tally> = models.iter().map(|_| Tally::default()).collect();
     let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");
     for chunk in tokens.chunks(ctx) {
         bar.inc(chunk.len() as u64);
@@ -78,37 +116,20 @@ pub fn kl_divergence<A: Backend, B: Backend>(
             break;
         }
         let lb = base.forward(chunk, 0, &mut kb, Logits::All)?;
-        let lm = model.forward(chunk, 0, &mut km, Logits::All)?;
-        for (i, (rb, rm)) in lb.chunks_exact(vocab).zip(lm.chunks_exact(vocab)).take(chunk.len() - 1).enumerate() {
-            let (pb, pm) = (log_softmax(rb), log_softmax(rm));
-            let target = chunk[i + 1] as usize;
-            nll_base -= pb[target];
-            nll -= pm[target];
-            kls.push(kl(&pb, &pm));
-            same += usize::from(crate::sample::argmax(rb) == crate::sample::argmax(rm));
+        for (((m, _), km), t) in models.iter().zip(&mut caches).zip(&mut tallies) {
+            let lm = m.forward(chunk, 0, km, Logits::All)?;
+            for (i, (rb, rm)) in lb.chunks_exact(vocab).zip(lm.chunks_exact(vocab)).take(chunk.len() - 1).enumerate() {
+                let (pb, pm) = (log_softmax(rb), log_softmax(rm));
+                let target = chunk[i + 1] as usize;
+                t.nll_base -= pb[target];
+                t.nll -= pm[target];
+                t.kls.push(kl(&pb, &pm));
+                t.same += usize::from(crate::sample::argmax(rb) == crate::sample::argmax(rm));
+            }
         }
     }
     bar.finish_and_clear();
-    let n = kls.len() as f64;
-    let mut sorted = kls.clone();
-    sorted.sort_by(f64::total_cmp);
-    let median = match sorted.len() % 2 {
-        1 => sorted[sorted.len() / 2],
-        _ => 0.5 * (sorted[sorted.len() / 2 - 1] + sorted[sorted.len() / 2]),
-    };
-    Ok(KlReport {
-        tokens: tokens.len(),
-        positions: kls.len(),
-        kl_mean: kls.iter().sum::<f64>() / n,
-        kl_median: median,
-        kl_p90: quantile(&sorted, 0.90),
-        kl_p99: quantile(&sorted, 0.99),
-        kl_p999: quantile(&sorted, 0.999),
-        kl_max: *sorted.last().expect("at least one position"),
-        top1_agreement: same as f64 / n,
-        ppl_base: (nll_base / n).exp(),
-        ppl: (nll / n).exp(),
-    })
+    Ok(tallies.into_iter().zip(models).map(|(t, (_, kv))| t.report(tokens.len(), kv.to_string())).collect())
 }
 
 #[cfg(test)]

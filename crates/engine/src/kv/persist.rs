@@ -92,7 +92,7 @@ pub fn import_range<B: Backend>(
     range: std::ops::Range<usize>,
 ) -> Result<()> {
     let (c, b) = (&model.cfg, &model.backend);
-    for l in 0..c.n_layers {
+    for (l, &start) in starts.iter().take(c.n_layers).enumerate() {
         let first = first_position(c, l, len);
         let from = first.max(range.start);
         if from >= range.end {
@@ -101,7 +101,7 @@ pub fn import_range<B: Backend>(
         let table = if is_sliding(c, l) { sliding } else { full };
         let rows = table_rows(table, from..range.end)?;
         let rb = b.kv_row_bytes(store, l);
-        let at = starts[l] + (from - first) * rb;
+        let at = start + (from - first) * rb;
         b.kv_import(store, l, &rows, &payload[at..at + rows.len() * rb])?;
     }
     Ok(())
