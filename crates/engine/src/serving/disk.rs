@@ -1,8 +1,10 @@
 //! The prefix cache on disk (`serve --prefix-cache-dir`). When a request's prefill is done,
 //! its prompt's shareable blocks (all but the last token's) are saved as one KV file, named
-//! by the chain hash of the last of them, unless one is there. An index maps the chain hash
-//! of every block of every file (read from the headers at start, extended as files are
-//! written) to its file, so a prompt sharing any whole blocks with a file finds it. Before
+//! by the chain hash of the last of them, unless one is there: the engine reads the rows,
+//! a writer thread of its own writes the file, so steps never wait on the disk (files still
+//! queued are written before the engine ends). An index maps the chain hash of every block
+//! of every file (read from the headers at start, extended as files are queued) to its
+//! file, so a prompt sharing any whole blocks with a file finds it. Before
 //! a request is admitted, the blocks of its prompt that a file holds beyond what the memory
 //! cache has are loaded into free blocks and published to the memory cache, so it starts
 //! from them as from any cached prefix. A file that cannot be used (damaged, of another
@@ -41,6 +43,19 @@ pub(super) struct DiskPrefixes {
     cfg: PrefixCacheDir,
     /// Chain hash of a block → the file (by its name's hash) whose tokens run through it.
     index: HashMap<u64, u64>,
+    /// Files to write, to the writer thread: the engine's steps do not wait on the disk.
+    writes: Option<std::sync::mpsc::Sender<(PathBuf, file::KvFileHeader, Vec<u8>)>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for DiskPrefixes {
+    /// The files queued are written before the engine ends.
+    fn drop(&mut self) {
+        self.writes.take();
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
 }
 
 impl DiskPrefixes {
@@ -48,7 +63,18 @@ impl DiskPrefixes {
     pub(super) fn open(cfg: PrefixCacheDir) -> Result<Self> {
         let err = |e: std::io::Error| Error::Invalid(format!("prefix cache directory {}: {e}", cfg.dir.display()));
         std::fs::create_dir_all(&cfg.dir).map_err(err)?;
-        let mut d = DiskPrefixes { index: HashMap::new(), cfg: cfg.clone() };
+        let (tx, rx) = std::sync::mpsc::channel::<(PathBuf, file::KvFileHeader, Vec<u8>)>();
+        let writer = std::thread::Builder::new()
+            .name("ferrolm-prefix-disk".into())
+            .spawn(move || {
+                for (path, header, payload) in rx {
+                    if let Err(e) = file::write(&path, &header, &payload) {
+                        tracing::warn!("prefix cache on disk: {e}");
+                    }
+                }
+            })
+            .map_err(err)?;
+        let mut d = DiskPrefixes { index: HashMap::new(), cfg: cfg.clone(), writes: Some(tx), writer: Some(writer) };
         for entry in std::fs::read_dir(&cfg.dir).map_err(err)? {
             let path = entry.map_err(err)?.path();
             let name = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".kv"));
@@ -73,7 +99,8 @@ impl DiskPrefixes {
     }
 
     /// After its prefill: save the prompt's shareable blocks through `place`'s tables,
-    /// unless a file has them already.
+    /// unless a file has them already (the rows are read here, the file is written by the
+    /// writer thread; until it is there, a lookup finds no file and computes).
     pub(super) fn save<B: Backend>(
         &mut self,
         model: &Decoder<B>,
@@ -88,7 +115,10 @@ impl DiskPrefixes {
         }
         let payload = persist::export_payload(model, &caches.store, (&place.full, &place.sliding), len)?;
         let header = persist::header(model, &caches.store, &self.cfg.fingerprint, &prompt[..len]);
-        file::write(&self.path(last), &header, &payload)?;
+        let writes = self.writes.as_ref().expect("set until drop");
+        writes
+            .send((self.path(last), header, payload))
+            .map_err(|_| Error::Invalid("the writer thread ended".into()))?;
         self.add(last, &prompt[..len]);
         Ok(())
     }
