@@ -406,4 +406,9 @@ fn the_prefix_cache_on_disk_outlives_the_engine() {
     assert_eq!(files(), 2, "b's own blocks saved too");
     let e = engine(cfg("another model"));
     assert_eq!(run(&e, &b), (0, want_b));
+    drop(e);
+    // Its own file beside the first model's, which it did not write over.
+    assert_eq!(files(), 3);
+    let e = engine(cfg(&fp));
+    assert_eq!(run(&e, &b).0, (b.len() - 1) / ferrolm::kv::BLOCK * ferrolm::kv::BLOCK, "b's own file");
 }

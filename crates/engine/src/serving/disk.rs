@@ -1,6 +1,6 @@
 //! The prefix cache on disk (`serve --prefix-cache-dir`). When a request's prefill is done,
 //! its prompt's shareable blocks (all but the last token's) are saved as one KV file, named
-//! by the chain hash of the last of them, unless one is there: the engine reads the rows,
+//! by the chain hash of the last of them (and the model and scheme), unless one is there: the engine reads the rows,
 //! a writer thread of its own writes the file, so steps never wait on the disk (files still
 //! queued are written before the engine ends). An index maps the chain hash of every block
 //! of every file (read from the headers at start, extended as files are queued) to its
@@ -43,6 +43,8 @@ pub(super) struct DiskPrefixes {
     cfg: PrefixCacheDir,
     /// Chain hash of a block → the file (by its name's hash) whose tokens run through it.
     index: HashMap<u64, u64>,
+    /// The model's fingerprint and KV scheme, as the files' names carry them.
+    tag: String,
     /// Files to write, to the writer thread: the engine's steps do not wait on the disk.
     writes: Option<std::sync::mpsc::Sender<(PathBuf, file::KvFileHeader, Vec<u8>)>>,
     writer: Option<std::thread::JoinHandle<()>>,
@@ -59,8 +61,10 @@ impl Drop for DiskPrefixes {
 }
 
 impl DiskPrefixes {
-    /// The directory (made if missing) and the index of the files in it of this model.
-    pub(super) fn open(cfg: PrefixCacheDir) -> Result<Self> {
+    /// The directory (made if missing) and the index of the files in it of this model and
+    /// KV scheme (`scheme`'s name): files are named by both too, so that engines of other
+    /// models or schemes sharing the directory never write over each other's.
+    pub(super) fn open(cfg: PrefixCacheDir, scheme: &str) -> Result<Self> {
         let err = |e: std::io::Error| Error::Invalid(format!("prefix cache directory {}: {e}", cfg.dir.display()));
         std::fs::create_dir_all(&cfg.dir).map_err(err)?;
         let (tx, rx) = std::sync::mpsc::channel::<(PathBuf, file::KvFileHeader, Vec<u8>)>();
@@ -74,13 +78,19 @@ impl DiskPrefixes {
                 }
             })
             .map_err(err)?;
-        let mut d = DiskPrefixes { index: HashMap::new(), cfg: cfg.clone(), writes: Some(tx), writer: Some(writer) };
+        let tag: String = format!("{}.{scheme}", cfg.fingerprint)
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() || c == '.' { c } else { '_' })
+            .collect();
+        let mut d =
+            DiskPrefixes { index: HashMap::new(), cfg: cfg.clone(), tag, writes: Some(tx), writer: Some(writer) };
+        let suffix = format!(".{}.kv", d.tag);
         for entry in std::fs::read_dir(&cfg.dir).map_err(err)? {
             let path = entry.map_err(err)?.path();
-            let name = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(".kv"));
+            let name = path.file_name().and_then(|n| n.to_str()).and_then(|n| n.strip_suffix(&suffix));
             let Some(hash) = name.and_then(|n| u64::from_str_radix(n, 16).ok()) else { continue };
             match file::read_header(&path) {
-                Ok(h) if h.model == cfg.fingerprint => d.add(hash, &h.tokens),
+                Ok(h) if h.model == cfg.fingerprint && h.scheme == scheme => d.add(hash, &h.tokens),
                 Ok(_) => {}
                 Err(e) => tracing::warn!("prefix cache on disk: {e}; skipped"),
             }
@@ -95,7 +105,7 @@ impl DiskPrefixes {
     }
 
     fn path(&self, hash: u64) -> PathBuf {
-        self.cfg.dir.join(format!("{hash:016x}.kv"))
+        self.cfg.dir.join(format!("{hash:016x}.{}.kv", self.tag))
     }
 
     /// After its prefill: save the prompt's shareable blocks through `place`'s tables,

@@ -91,7 +91,8 @@ impl<'m, B: Backend> Worker<'m, B> {
     ) -> crate::Result<Self> {
         let step_rows = model.backend.prefill_chunk();
         let caches = Caches::new(model, cfg.kv_memory.unwrap_or(0), cfg.max_batch, step_rows)?;
-        let disk = cfg.prefix_cache_dir.clone().map(DiskPrefixes::open).transpose()?;
+        let scheme = model.kv_scheme().to_string();
+        let disk = cfg.prefix_cache_dir.clone().map(|d| DiskPrefixes::open(d, &scheme)).transpose()?;
         Ok(Worker {
             model,
             cfg,
