@@ -67,17 +67,24 @@ impl SamplingArgs {
     }
 }
 
+/// `--prompt-cache`, for generate and chat.
+#[derive(Args, Debug)]
+pub struct PromptCacheArg {
+    /// Start from the KV cache saved in FILE when it is there (a file of another model,
+    /// KV scheme or context is refused) and save the cache there afterwards (created if
+    /// missing): a later run with the same prompt prefix computes only what follows it.
+    #[arg(long, value_name = "FILE")]
+    prompt_cache: Option<std::path::PathBuf>,
+}
+
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     #[command(flatten)]
     model: ModelArg,
     #[command(flatten)]
     kv: crate::KvArg,
-    /// Start from the KV cache saved in FILE when it is there (a file of another model,
-    /// KV scheme or context is refused) and save the cache there afterwards (created if
-    /// missing): a later run with the same prompt prefix computes only what follows it.
-    #[arg(long, value_name = "FILE")]
-    prompt_cache: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    cache: PromptCacheArg,
     /// The prompt text; `-` reads it from stdin.
     #[arg(long, short, required_unless_present = "prompt_file", conflicts_with = "prompt_file")]
     prompt: Option<String>,
@@ -113,11 +120,8 @@ pub struct ChatArgs {
     model: ModelArg,
     #[command(flatten)]
     kv: crate::KvArg,
-    /// Start from the KV cache saved in FILE when it is there (a file of another model,
-    /// KV scheme or context is refused) and save the cache there afterwards (created if
-    /// missing): a later run with the same prompt prefix computes only what follows it.
-    #[arg(long, value_name = "FILE")]
-    prompt_cache: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    cache: PromptCacheArg,
     /// System message.
     #[arg(long)]
     system: Option<String>,
@@ -215,7 +219,7 @@ fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
         ids
     };
     let mut session = Session::new(&l.model, a.sampling.ctx(l.model.cfg.max_ctx)?)?;
-    restore_cache(&mut session, a.prompt_cache.as_deref(), &l.fingerprint)?;
+    restore_cache(&mut session, a.cache.prompt_cache.as_deref(), &l.fingerprint)?;
     let mut dec = StreamDecoder::new(&l.tokenizer);
     let mut stdout = std::io::stdout().lock();
     let stop_ids = if a.ignore_eos { &[][..] } else { l.tokenizer.stop_ids() };
@@ -235,7 +239,7 @@ fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
     if !st.stopped_by_eos && !stopped_by_text && st.prompt_tokens + st.generated >= session.capacity() {
         eprintln!("\n[stopped: the context of {} tokens is full; --ctx sets it]", session.capacity());
     }
-    save_cache(&session, a.prompt_cache.as_deref(), &l.fingerprint)?;
+    save_cache(&session, a.cache.prompt_cache.as_deref(), &l.fingerprint)?;
     // stdout carries only the generated text; end the line only for a human at a terminal.
     if std::io::IsTerminal::is_terminal(&stdout) {
         let _ = writeln!(stdout);
@@ -254,7 +258,7 @@ fn chat_on<B: Backend>(l: load::Loaded<B>, a: ChatArgs) -> Result<()> {
         anyhow::bail!("this model has no chat template; use `ferrolm generate` instead");
     }
     let mut session = Session::new(&l.model, a.sampling.ctx(l.model.cfg.max_ctx)?)?;
-    restore_cache(&mut session, a.prompt_cache.as_deref(), &l.fingerprint)?;
+    restore_cache(&mut session, a.cache.prompt_cache.as_deref(), &l.fingerprint)?;
     let mut msgs: Vec<ChatMessage> = Vec::new();
     if let Some(s) = &a.system {
         msgs.push(ChatMessage { role: "system".into(), content: s.clone() });
@@ -311,7 +315,7 @@ fn chat_on<B: Backend>(l: load::Loaded<B>, a: ChatArgs) -> Result<()> {
         let _ = writeln!(stdout);
         msgs.push(ChatMessage { role: "assistant".into(), content: l.tokenizer.decode(&reply_ids)? });
         print_stats(&st, sampler.cfg.seed);
-        save_cache(&session, a.prompt_cache.as_deref(), &l.fingerprint)?;
+        save_cache(&session, a.cache.prompt_cache.as_deref(), &l.fingerprint)?;
     }
     Ok(())
 }
