@@ -35,7 +35,7 @@ pub struct RowCodec {
     bytes: usize,
 }
 
-/// Working buffers of `RowCodec::key_dot` and `accumulate_v`, made once per attention.
+/// Working buffers of `RowCodec::key_dot` and `values`, made once per attention.
 pub struct RowScratch {
     codes: Vec<f32>,
     groups: Vec<(f32, f32)>,
@@ -82,7 +82,7 @@ impl RowCodec {
         self.bytes
     }
 
-    /// Buffers for `key_dot` and `accumulate_v`.
+    /// Buffers for `key_dot` and `values`.
     pub fn scratch(&self) -> RowScratch {
         RowScratch { codes: vec![0.0; self.head_dim], groups: vec![(0.0, 0.0); self.head_dim / self.group()] }
     }
@@ -157,8 +157,7 @@ impl RowCodec {
 
     /// Values of `row` dequantized (inverse rotation included).
     pub fn decode_v(&self, row: &[u8], out: &mut [f32]) -> crate::Result<()> {
-        out.fill(0.0);
-        self.accumulate_v(row, 1.0, out, &mut self.scratch());
+        self.values(row, out, &mut self.scratch());
         self.finish_v(out)
     }
 
@@ -192,13 +191,6 @@ impl RowCodec {
     /// Σ qᵢ per key group of q.
     pub fn group_sums(&self, q: &[f32]) -> Vec<f32> {
         q.chunks(self.group()).map(|c| c.iter().sum()).collect()
-    }
-
-    /// acc += w·value of `row`; turbo values stay in the rotated domain (`finish_v`).
-    pub fn accumulate_v(&self, row: &[u8], w: f32, acc: &mut [f32], sc: &mut RowScratch) {
-        let mut vals = vec![0f32; self.head_dim];
-        self.values(row, &mut vals, sc);
-        acc.iter_mut().zip(&vals).for_each(|(a, v)| *a += w * v);
     }
 
     /// The values of `row` (turbo's still rotated), into `out`.

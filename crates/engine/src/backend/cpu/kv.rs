@@ -93,10 +93,9 @@ impl CpuKv {
 
     /// Check a request for `rows` of `layer` (and `data`'s length, when importing).
     fn check_rows(&self, layer: usize, rows: &[usize], data: Option<usize>) -> crate::Result<()> {
-        let stored = self.k.get(layer).map(Vec::len).unwrap_or(0) / self.width.max(1);
         let stored = match &self.quant {
             Some(q) => q.rows.get(layer).map_or(0, |r| r.len() / self.row_bytes(layer)),
-            None => stored,
+            None => self.k.get(layer).map_or(0, Vec::len) / self.width.max(1),
         };
         if layer >= self.sliding.len() || rows.iter().any(|&r| r >= stored) {
             return Err(crate::Error::Invalid(format!("KV rows past layer {layer}'s {stored} rows")));
