@@ -28,6 +28,8 @@ mod gemm;
 mod gemma;
 #[path = "cuda_ops/kv_files.rs"]
 mod kv_files;
+#[path = "cuda_ops/kv_quant.rs"]
+mod kv_quant;
 #[path = "cuda_ops/models.rs"]
 mod models;
 #[path = "cuda_ops/serving.rs"]

@@ -82,6 +82,15 @@ impl RowCodec {
         self.bytes
     }
 
+    /// The row format as a kernel takes it: (turbo, key bits, signed keys, value bits);
+    /// affine rows' keys and values share their bits.
+    pub fn kernel_format(&self) -> (bool, u32, bool, u32) {
+        match self.format {
+            Format::Affine { bits } => (false, bits, false, bits),
+            Format::Turbo { key, value_bits } => (true, key.bits, key.signed, value_bits),
+        }
+    }
+
     /// Buffers for `key_dot` and `values`.
     pub fn scratch(&self) -> RowScratch {
         RowScratch { codes: vec![0.0; self.head_dim], groups: vec![(0.0, 0.0); self.head_dim / self.group()] }

@@ -150,6 +150,14 @@ fn signs(head_dim: usize) -> Option<&'static [u64]> {
     }
 }
 
+/// The sign vector of `head_dim` as 32-bit words (bit i of word i/32: element i negated),
+/// as kernels take it.
+pub fn sign_words(head_dim: usize) -> crate::Result<Vec<u32>> {
+    check_head_dim(head_dim)?;
+    let masks = signs(head_dim).expect("checked");
+    Ok(masks.iter().flat_map(|m| [*m as u32, (*m >> 32) as u32]).collect())
+}
+
 /// A head dim the value codec refuses, with what it takes.
 pub fn check_head_dim(head_dim: usize) -> crate::Result<()> {
     match signs(head_dim) {

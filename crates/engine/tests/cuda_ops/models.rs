@@ -141,7 +141,7 @@ fn smollm2_layer_by_layer() {
 
 /// Mean KL(p‖q) of the softmaxes of logit rows `p` (reference) and `q`, and how many of
 /// the rows whose reference top-2 margin exceeds 0.05 agree on the argmax (of how many).
-fn kl_and_agreement(p: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, usize, usize) {
+pub fn kl_and_agreement(p: &[Vec<f32>], q: &[Vec<f32>]) -> (f64, usize, usize) {
     let lsm = |r: &[f32]| {
         let mx = r.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
         let lse = mx + r.iter().map(|&x| (x as f64 - mx).exp()).sum::<f64>().ln();

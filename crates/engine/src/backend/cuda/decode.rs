@@ -310,6 +310,12 @@ impl Cuda {
             }
         }
         let heads = q.cols / kv.head_dim;
+        if kv.quant.is_some() {
+            // q rotated into `out`, which the merge overwrites once the splits have read it.
+            let q_rot = out.arg(self);
+            self.kv_encode(Some((q.arg(self), q_rot)), (k, v), kv, layer, Some(rope), qk_norm, heads)?;
+            return self.attention_cached_from(q_rot, (1, heads), kv, layer, attend, out);
+        }
         let n_kv = kv.width / kv.head_dim;
         // Query heads per block: one by default. Up to 4 of a GQA group per block read each
         // K/V row once for all of them, but give each lane 4× the scoring chain on a quarter

@@ -26,6 +26,7 @@ pub const FILES: &[KernelFile] = &[
     kernel!("sample.cu"),
     kernel!("gemm.cu"),
     kernel!("flash_attention.cu"),
+    kernel!("kv_quant.cu"),
 ];
 
 pub fn file(name: &str) -> &'static KernelFile {
@@ -66,8 +67,30 @@ pub fn attention_decode_defines(qb: usize, deep: bool, capped: bool) -> Vec<Stri
 /// together (SCORE_BATCH): faster at 8K cached, slower at 512 (attn_decode.rs).
 pub const ATTN_DEEP_POSITIONS: usize = 8 * 128;
 
+/// -D defines for kv_quant.cu: a quantized KV row format (TURBO 0: affine, its bits in both).
+pub fn kv_quant_defines(turbo: bool, key_bits: u32, signed_keys: bool, value_bits: u32) -> Vec<String> {
+    vec![
+        format!("TURBO={}", u8::from(turbo)),
+        format!("KBITS={key_bits}"),
+        format!("KSIGNED={}", u8::from(signed_keys)),
+        format!("VBITS={value_bits}"),
+    ]
+}
+
+/// Every row format kv_quant.cu is built for: affine 4 and 8 bits, and TurboQuant's keys
+/// (int8, or 5, 4, 2 bits unsigned) by values (2, 3, 4, 5, 8 bits).
+pub fn kv_quant_variants() -> Vec<Vec<String>> {
+    let affine = crate::kv::scheme::AFFINE_BITS.map(|b| kv_quant_defines(false, b, false, b));
+    let keys = [(8, true), (5, false), (4, false), (2, false)];
+    let turbo = keys
+        .into_iter()
+        .flat_map(|(k, s)| crate::kv::turboquant::VALUE_BITS.into_iter().map(move |v| kv_quant_defines(true, k, s, v)));
+    affine.into_iter().chain(turbo).collect()
+}
+
 /// Files compiled only with per-variant defines.
-const PER_VARIANT: [&str; 5] = ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu"];
+const PER_VARIANT: [&str; 6] =
+    ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu", "kv_quant.cu"];
 
 /// `all_variants` that compile for `arch` ("sm_86", "sm_90", …). Every variant builds on
 /// sm_80 and later (sm_90 features, clusters and PDL, are launch attributes).
@@ -112,6 +135,7 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     for hd in FLASH_HEAD_DIMS {
         v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }
+    v.extend(kv_quant_variants().into_iter().map(|d| (file("kv_quant.cu"), d)));
     v
 }
 

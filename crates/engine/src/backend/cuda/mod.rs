@@ -7,7 +7,8 @@
 //! - driver, config, kernels, nvrtc, trace: vocabulary, `CudaConfig`, the kernel sources
 //!   and their variants, run-time compilation, the kernel timeline;
 //! - context: the device, the kernel cache and the one typed launch API (`Context::launch`);
-//! - tensors: weights, activations and the KV cache on the device;
+//! - tensors: weights, activations and the KV cache on the device (kv_quant: quantized
+//!   stores and their kernels' launches);
 //! - scratch, steps: buffers kept for captured graphs; staging, graph capture and replay;
 //! - device: `Cuda`, the above put together;
 //! - gemv, decode: the decode GEMV and the decode step (decode.rs reads top to bottom);
@@ -28,6 +29,7 @@ mod flash;
 mod gemm;
 mod gemv;
 pub mod kernels;
+mod kv_quant;
 pub mod nvrtc;
 mod ops;
 mod prefill;

@@ -8,7 +8,8 @@ use super::gemv::{GemvExtra, GemvIn, GemvOut};
 use super::tensors::{ActBuf, CudaAct, CudaKv, CudaMat};
 use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
 use crate::config::{Activation, ModelConfig};
-use crate::kv::{KvBlocks, Span, BLOCK};
+use crate::kv::scheme::KvScheme;
+use crate::kv::{KvBlocks, Span};
 use crate::{Error, Result};
 use cudarc::driver::CudaSlice;
 
@@ -46,27 +47,19 @@ impl Backend for Cuda {
         Ok(CudaAct { rows, cols, buf: ActBuf::F32(self.zeros(rows * cols, "allocating logits")?) })
     }
     fn kv_store(&self, cfg: &ModelConfig, blocks: KvBlocks) -> Result<CudaKv> {
-        let width = cfg.n_kv_heads * cfg.head_dim;
-        if !cfg.head_dim.is_multiple_of(32) || cfg.head_dim > 256 {
-            return Err(Error::Unsupported(format!(
-                "CUDA attention needs head_dim a multiple of 32 up to 256 ({})",
-                cfg.head_dim
-            )));
+        self.kv_store_bf16(cfg, blocks, true)
+    }
+    fn kv_store_scheme(&self, cfg: &ModelConfig, blocks: KvBlocks, scheme: &KvScheme) -> Result<CudaKv> {
+        match scheme {
+            KvScheme::Bf16 => self.kv_store(cfg, blocks),
+            s => self.kv_store_quant(cfg, blocks, s),
         }
-        let sliding: Vec<bool> = (0..cfg.n_layers).map(|i| crate::kv::is_sliding(cfg, i)).collect();
-        let rows = |s: bool| if s { blocks.sliding } else { blocks.full } * BLOCK;
-        let layer = |s: &bool| self.zeros::<u16>(rows(*s) * width, "allocating the KV cache");
-        let k = sliding.iter().map(layer).collect::<Result<Vec<_>>>()?;
-        let v = sliding.iter().map(layer).collect::<Result<Vec<_>>>()?;
-        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        Ok(CudaKv { id, blocks, sliding, width, head_dim: cfg.head_dim, k, v })
     }
     fn kv_blocks(&self, kv: &CudaKv) -> KvBlocks {
         kv.blocks
     }
-    fn kv_row_bytes(&self, kv: &CudaKv, _layer: usize) -> usize {
-        4 * kv.width
+    fn kv_row_bytes(&self, kv: &CudaKv, layer: usize) -> usize {
+        kv.row_bytes(layer)
     }
     fn kv_export(&self, kv: &CudaKv, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()> {
         kv.export(self, layer, rows, out)
@@ -165,7 +158,10 @@ impl Backend for Cuda {
         attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
-        self.kv_write(k, v, kv, layer)?;
+        match kv.quant {
+            Some(_) => self.kv_encode(None, (k, v), kv, layer, None, None, q.cols / kv.head_dim)?,
+            None => self.kv_write(k, v, kv, layer)?,
+        }
         self.attention_cached(q, kv, layer, attend, out)
     }
     #[allow(clippy::too_many_arguments)]

@@ -107,9 +107,23 @@ impl Cuda {
         attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
+        self.attention_cached_from(q.arg(self), (q.rows, q.cols / kv.head_dim), kv, layer, attend, out)
+    }
+
+    /// `attention_cached` of the q at `q` (`rows` × `heads` heads, which may be `out`'s
+    /// buffer: the splits read q before the merge writes out). A quantized store takes
+    /// kv_quant.cu's kernels.
+    pub(crate) fn attention_cached_from(
+        &self,
+        q: KArg,
+        (rows, heads): (usize, usize),
+        kv: &CudaKv,
+        layer: usize,
+        attend: Attend,
+        out: &mut CudaAct,
+    ) -> Result<()> {
         let pos = self.steps.pos(self, "attention")?;
         let hd = kv.head_dim;
-        let heads = q.cols / hd;
         // A captured step replays at later positions: its splits cover the whole store.
         // Otherwise the call's longest sequence (a shared store may be far larger).
         // An engine call's graph fixes its split count (steps.rs `call`) and its scratch is
@@ -122,9 +136,9 @@ impl Cuda {
                 };
                 (attention_splits(span, &self.cfg), None)
             }
-            n => (n, Some(self.scratch.attention(self, q.rows * heads, n, hd)?)),
+            n => (n, Some(self.scratch.attention(self, rows * heads, n, hd)?)),
         };
-        let slots = q.rows * heads * splits;
+        let slots = rows * heads * splits;
         let (ml, acc);
         let [ml_arg, acc_arg] = match kept {
             Some([kept_ml, kept_acc, _]) => [kept_ml, kept_acc],
@@ -134,12 +148,22 @@ impl Cuda {
                 [self.arg(&ml), self.arg(&acc)]
             }
         };
-        let a = self.plain_kernel("attention.cu", "attention_split")?;
+        let (a, mg, store, merge_extra) = match kv.quant {
+            Some(_) => {
+                let (a, mg, store, extra) = self.quant_attention_kernels(kv, layer)?;
+                (a, mg, store, Some(extra))
+            }
+            None => {
+                let store = [self.arg(&kv.k[layer]), self.arg(&kv.v[layer])];
+                let a = self.plain_kernel("attention.cu", "attention_split")?;
+                (a, self.plain_kernel("attention.cu", "attention_merge")?, store, None)
+            }
+        };
         let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
         let args = [
-            q.arg(self),
-            self.arg(&kv.k[layer]),
-            self.arg(&kv.v[layer]),
+            q,
+            store[0],
+            store[1],
             ml_arg,
             acc_arg,
             KArg::I32(heads as i32),
@@ -154,14 +178,13 @@ impl Cuda {
             tables[1],
         ];
         let c = LaunchConfig {
-            grid_dim: (heads as u32, q.rows as u32, splits as u32),
+            grid_dim: (heads as u32, rows as u32, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         // Matches attention.cu's attention_split; scratch sized [m, heads, splits].
         self.launch(&a, c, &args, Order::Serial, "attention launch")?;
-        let mg = self.plain_kernel("attention.cu", "attention_merge")?;
-        let merge_args = [
+        let mut merge_args = vec![
             ml_arg,
             acc_arg,
             self.arg(out.bf16()),
@@ -169,7 +192,8 @@ impl Cuda {
             KArg::I32(hd as i32),
             KArg::I32(splits as i32),
         ];
-        let merge_grid = cfg((heads as u32, q.rows as u32), hd as u32);
+        merge_args.extend(merge_extra.into_iter().flatten());
+        let merge_grid = cfg((heads as u32, rows as u32), hd as u32);
         self.launch(&mg, merge_grid, &merge_args, Order::Serial, "attention merge launch")?;
         // Scratch made here is freed when this returns: cudarc frees it stream-ordered, after
         // the merge has read it.
@@ -190,6 +214,11 @@ impl Cuda {
         attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
+        if kv.quant.is_some() {
+            let qa = q.arg(self);
+            self.kv_encode(Some((qa, qa)), (k, v), kv, layer, Some(rope), None, n_heads)?;
+            return self.attention_cached(q, kv, layer, attend, out);
+        }
         self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
         // Flash takes one sequence's consecutive rows, in tiles whose arithmetic a row
         // shares with its neighbours: not for an invariant call.

@@ -3,6 +3,8 @@
 use super::context::Context;
 use super::driver::{drv, KArg};
 use super::kernels;
+use crate::config::ModelConfig;
+use crate::kv::KvBlocks;
 use crate::quant::{AffineTensor, DenseData, DenseTensor, Scales, Weight};
 use crate::{Error, Result};
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
@@ -81,9 +83,10 @@ impl CudaAct {
     }
 }
 
-/// The bf16 KV store: per layer `[blocks·BLOCK, n_kv·hd]` for K and for V, over the full
-/// blocks or (a sliding-window layer) the sliding ones; kernels find a position's row
-/// through the staged block table of the layer's kind (kv_row in common.cuh).
+/// The KV store: per layer `[blocks·BLOCK, n_kv·hd]` bf16 for K and for V, over the full
+/// blocks or (a sliding-window layer) the sliding ones, or (a quantized scheme, `quant`)
+/// kv::rows's rows instead; kernels find a position's row through the staged block table
+/// of the layer's kind (kv_row in common.cuh).
 pub struct CudaKv {
     /// Distinct per store made: engine calls' graphs bake in its buffers (steps.rs `call`).
     pub(crate) id: u64,
@@ -92,8 +95,10 @@ pub struct CudaKv {
     pub sliding: Vec<bool>,
     pub width: usize,
     pub head_dim: usize,
+    /// Empty when `quant` holds the rows.
     pub k: Vec<CudaSlice<u16>>,
     pub v: Vec<CudaSlice<u16>>,
+    pub(crate) quant: Option<super::kv_quant::QuantKv>,
 }
 
 impl CudaKv {
@@ -115,18 +120,37 @@ impl CudaKv {
         out
     }
 
+    /// `Backend::kv_row_bytes`.
+    pub(crate) fn row_bytes(&self, layer: usize) -> usize {
+        match &self.quant {
+            Some(q) if layer < q.codecs.len() => q.row_bytes(layer, self.width / self.head_dim),
+            _ => 4 * self.width,
+        }
+    }
+
     fn check_rows(&self, layer: usize, rows: &[usize]) -> Result<()> {
-        let stored = self.k.get(layer).map_or(0, |k| k.len() / self.width);
+        let stored = match &self.quant {
+            Some(q) => q.rows.get(layer).map_or(0, |r| r.len() / self.row_bytes(layer)),
+            None => self.k.get(layer).map_or(0, |k| k.len() / self.width),
+        };
         match rows.iter().all(|&r| r < stored) {
             true => Ok(()),
             false => Err(Error::Invalid(format!("KV rows past layer {layer}'s {stored} rows"))),
         }
     }
 
-    /// `Backend::kv_export`: each row's key then value, bf16 little-endian; a run of
-    /// consecutive rows is one copy.
+    /// `Backend::kv_export`: each row's key then value, bf16 little-endian (or the quantized
+    /// rows as stored); a run of consecutive rows is one copy.
     pub(crate) fn export(&self, ctx: &Context, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()> {
         self.check_rows(layer, rows)?;
+        if let Some(q) = &self.quant {
+            let b = self.row_bytes(layer);
+            for (a, n) in Self::runs(rows) {
+                let bytes = ctx.stream.clone_dtoh(&q.rows[layer].slice(a * b..(a + n) * b));
+                out.extend(bytes.map_err(drv("reading the KV cache"))?);
+            }
+            return Ok(());
+        }
         let w = self.width;
         for (a, n) in Self::runs(rows) {
             let read = |buf: &CudaSlice<u16>| ctx.stream.clone_dtoh(&buf.slice(a * w..(a + n) * w));
@@ -144,11 +168,19 @@ impl CudaKv {
     /// `Backend::kv_import`: `data` as `export` gives it into `rows` of `layer`.
     pub(crate) fn import(&mut self, ctx: &Context, layer: usize, rows: &[usize], data: &[u8]) -> Result<()> {
         self.check_rows(layer, rows)?;
-        let w = self.width;
-        if data.len() != rows.len() * 4 * w {
-            return Err(Error::Invalid(format!("{} bytes for {} KV rows of {} bytes", data.len(), rows.len(), 4 * w)));
+        let (w, b) = (self.width, self.row_bytes(layer));
+        if data.len() != rows.len() * b {
+            return Err(Error::Invalid(format!("{} bytes for {} KV rows of {b} bytes", data.len(), rows.len())));
         }
         let mut at = 0;
+        if let Some(q) = &mut self.quant {
+            for (a, n) in Self::runs(rows) {
+                let dst = &mut q.rows[layer].slice_mut(a * b..(a + n) * b);
+                ctx.stream.memcpy_htod(&data[at * b..(at + n) * b], dst).map_err(drv("writing the KV cache"))?;
+                at += n;
+            }
+            return ctx.stream.synchronize().map_err(drv("writing the KV cache"));
+        }
         for (a, n) in Self::runs(rows) {
             let (mut k, mut v) = (Vec::with_capacity(n * w), Vec::with_capacity(n * w));
             for row in data[at * 4 * w..(at + n) * 4 * w].chunks_exact(4 * w) {
@@ -171,6 +203,32 @@ impl CudaKv {
         self.sliding.get(layer).copied().ok_or_else(|| {
             Error::Invalid(format!("CUDA KV store: layer {layer} of a {}-layer store", self.sliding.len()))
         })
+    }
+}
+
+impl Context {
+    /// A store of `blocks` for `cfg`'s layers, its bf16 K and V allocated where `bf16`
+    /// (a quantized store adds its rows: kv_quant.rs).
+    pub(crate) fn kv_store_bf16(&self, cfg: &ModelConfig, blocks: KvBlocks, bf16: bool) -> Result<CudaKv> {
+        let width = cfg.n_kv_heads * cfg.head_dim;
+        if !cfg.head_dim.is_multiple_of(32) || cfg.head_dim > 256 {
+            return Err(Error::Unsupported(format!(
+                "CUDA attention needs head_dim a multiple of 32 up to 256 ({})",
+                cfg.head_dim
+            )));
+        }
+        let sliding: Vec<bool> = (0..cfg.n_layers).map(|i| crate::kv::is_sliding(cfg, i)).collect();
+        let rows = |s: bool| if s { blocks.sliding } else { blocks.full } * crate::kv::BLOCK;
+        let layer = |s: &bool| self.zeros::<u16>(rows(*s) * width, "allocating the KV cache");
+        let (k, v) = match bf16 {
+            true => {
+                (sliding.iter().map(layer).collect::<Result<_>>()?, sliding.iter().map(layer).collect::<Result<_>>()?)
+            }
+            false => (vec![], vec![]),
+        };
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(CudaKv { id, blocks, sliding, width, head_dim: cfg.head_dim, k, v, quant: None })
     }
 }
 

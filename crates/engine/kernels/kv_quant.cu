@@ -1,0 +1,412 @@
+// Quantized KV caches (--kv affine:B, turbo:kKvV): the store holds kv/rows.rs's rows, one
+// per (cached position, KV head), `bytes` each, row (kv_row(p) · n_kv + head), so a KV
+// file's payload is the store's bytes on every backend. Compiled per scheme:
+//   TURBO 0: affine (MLX's rule, groups of 64, bf16 scale and bias); KBITS = VBITS = 4 or 8.
+//   TURBO 1: TurboQuant (kv/turboquant.rs, groups of 32): keys KBITS (KSIGNED 1: int8),
+//            values VBITS Lloyd-Max indices of the sign-flipped Walsh-Hadamard rotation.
+// The head dim is a run-time argument (64, 128 or 256).
+//
+// kv_encode writes rows bit for bit as RowCodec::encode does from the same values (f32
+// arithmetic, every operation rounded as the CPU's: __f*_rn keeps NVRTC from contracting
+// a multiply and an add into one fma). attention_q is attention.cu's split-K over the rows,
+// dequantizing in the inner loop: a key's dot with q is scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ over
+// a lane's dims (one group); turbo values accumulate in the rotated domain and
+// attention_merge_q undoes the rotation once per output head. Deterministic: fixed orders.
+#include "common.cuh"
+
+#ifndef TURBO
+#define TURBO 1
+#endif
+#ifndef KBITS
+#define KBITS 8
+#endif
+#ifndef KSIGNED
+#define KSIGNED 1
+#endif
+#ifndef VBITS
+#define VBITS 3
+#endif
+#define QG (TURBO ? 32 : 64)  // values per quantization group (keys and values)
+#define AW 4                  // warps per attention block
+#define MAXD 8                // hd / 32 ≤ 8
+#define HD_MAX 256
+// The scheme's table (turbo; Cuda::kv_store_scheme uploads it): the sign vector's bits
+// (bit i of word i/32: element i negated), then the Lloyd-Max centroids and boundaries of
+// VBITS-bit values as f32 bits.
+#define TAB_CENT 8
+#define TAB_BOUND (8 + 256)
+
+typedef unsigned char u8;
+
+struct RowLayout {
+    int k_codes, k_bytes, v_codes, bytes;
+};
+__device__ __forceinline__ RowLayout row_layout(int hd) {
+    RowLayout r;
+    r.k_codes = hd * KBITS / 8;
+    r.k_bytes = r.k_codes + hd / QG * 4;  // affine: scales then biases (bf16); turbo: (scale, zero) f16 pairs
+    r.v_codes = hd * VBITS / 8;
+    r.bytes = r.k_bytes + r.v_codes + hd / QG * (TURBO ? 2 : 4);
+    return r;
+}
+
+__device__ __forceinline__ f16_t f2h(float f) {
+    f16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+__device__ __forceinline__ u32 ld16(const u8* p) { return *reinterpret_cast<const unsigned short*>(p); }
+__device__ __forceinline__ void st16(u8* p, u32 v) { *reinterpret_cast<unsigned short*>(p) = (unsigned short)v; }
+
+// Value i of an LSB-first BITS-bit stream. Reads the byte after the value's first, which a
+// row always holds (group parameters follow each stream).
+template <int BITS>
+__device__ __forceinline__ u32 code_at(const u8* s, int i) {
+    if (BITS == 8) return s[i];
+    int at = i * BITS;
+    u32 w = (u32)s[at >> 3] | ((u32)s[(at >> 3) + 1] << 8);
+    return (w >> (at & 7)) & ((1u << BITS) - 1);
+}
+
+// The hd codes in s_code packed LSB first into out (hd·bits/8 bytes), a byte per thread.
+__device__ __forceinline__ void pack_codes(const u8* s_code, int bits, int hd, u8* out) {
+    int d = threadIdx.x;
+    if (d >= hd * bits / 8) return;
+    if (bits == 8) {
+        out[d] = s_code[d];
+        return;
+    }
+    u32 byte = 0, mask = (1u << bits) - 1;
+    for (int i = 8 * d / bits; i <= (8 * d + 7) / bits; i++) {
+        int shift = i * bits - 8 * d;
+        u32 c = s_code[i] & mask;
+        byte |= shift >= 0 ? c << shift : c >> -shift;
+    }
+    out[d] = (u8)byte;
+}
+
+// MLX's affine_quantize of a group of 64 (quant::affine::quantize_group): its f32 scale and
+// bias (the codes use them unrounded; the row stores them as bf16).
+__device__ void affine_group(const float* x, int bits, float& scale, float& bias) {
+    float n_bins = (float)((1 << bits) - 1), eps = 1e-7f;
+    float wmin = INFINITY, wmax = -INFINITY;
+    for (int i = 0; i < 64; i++) {
+        if (wmax < x[i]) wmax = x[i];
+        if (x[i] < wmin) wmin = x[i];
+    }
+    bool mask = fabsf(wmin) > fabsf(wmax);
+    float range = __fdiv_rn(__fsub_rn(wmax, wmin), n_bins);
+    scale = range < eps ? eps : range;
+    scale = mask ? scale : -scale;
+    float edge = mask ? wmin : wmax;
+    float q0 = rintf(__fdiv_rn(edge, scale));
+    bias = 0.f;
+    if (q0 != 0.f) {
+        scale = __fdiv_rn(edge, q0);
+        bias = edge;
+    }
+}
+
+// One head's hd values in s_x encoded as affine: codes, then bf16 scales, then bf16 biases.
+__device__ void encode_affine(const float* s_x, float* s_gp, u8* s_code, int bits, int hd, u8* out) {
+    int d = threadIdx.x, g = d / 64, groups = hd / 64, codes = hd * bits / 8;
+    if (d % 64 == 0) {
+        float s, b;
+        affine_group(s_x + d, bits, s, b);
+        s_gp[2 * g] = s;
+        s_gp[2 * g + 1] = b;
+        st16(out + codes + 2 * g, f2bf(s));
+        st16(out + codes + 2 * (groups + g), f2bf(b));
+    }
+    __syncthreads();
+    float n_bins = (float)((1 << bits) - 1);
+    float c = rintf(__fdiv_rn(__fsub_rn(s_x[d], s_gp[2 * g + 1]), s_gp[2 * g]));
+    s_code[d] = (u8)fminf(fmaxf(c, 0.f), n_bins);
+    __syncthreads();
+    pack_codes(s_code, bits, hd, out);
+    __syncthreads();
+}
+
+// TurboQuant keys (turboquant.rs encode_key_group): per 32-group an asymmetric affine index
+// with f16 scale and zero point; a group the rule cannot hold (no range, a zero point past
+// f16) stores index 0, zero point 1 and its midpoint as the scale.
+__device__ void encode_turbo_keys(const float* s_x, float* s_gp, u8* s_code, int hd, u8* out) {
+    int d = threadIdx.x, g = d / 32, codes = hd * KBITS / 8;
+    const float mv = KSIGNED ? (float)((1 << (KBITS - 1)) - 1) : (float)((1 << KBITS) - 1);
+    if (d % 32 == 0) {
+        float lo = INFINITY, hi = -INFINITY;
+        for (int i = 0; i < 32; i++) {
+            lo = fminf(lo, s_x[d + i]);
+            hi = fmaxf(hi, s_x[d + i]);
+        }
+        float range = __fsub_rn(hi, lo), scale, zero, se;
+        if (KSIGNED) {
+            scale = __fdiv_rn(range, 2.f * mv);
+            se = __fadd_rn(scale, 1e-8f);
+            zero = rintf(__fdiv_rn(__fadd_rn(hi, lo), 2.f * se));
+        } else {
+            scale = __fdiv_rn(range, mv);
+            se = __fadd_rn(scale, 1e-8f);
+            zero = rintf(__fdiv_rn(lo, se));
+        }
+        bool constant = range == 0.f || !(fabsf(zero) < 65520.f);  // f16(zero) not finite
+        if (constant) {
+            float mid = (float)(0.5 * ((double)lo + (double)hi));
+            mid = fminf(fmaxf(mid, -65504.f), 65504.f);
+            st16(out + codes + 4 * g, f2h(mid));
+            st16(out + codes + 4 * g + 2, 0x3c00);  // 1.0
+        } else {
+            st16(out + codes + 4 * g, f2h(scale));
+            st16(out + codes + 4 * g + 2, f2h(zero));
+        }
+        s_gp[2 * g] = constant ? 0.f : se;
+        s_gp[2 * g + 1] = zero;
+    }
+    __syncthreads();
+    float se = s_gp[2 * g];
+    int idx = 0;
+    if (se != 0.f) {
+        float c = rintf(__fsub_rn(__fdiv_rn(s_x[d], se), s_gp[2 * g + 1]));
+        idx = (int)fminf(fmaxf(c, KSIGNED ? -mv : 0.f), mv);
+    }
+    s_code[d] = (u8)idx;  // int8 as its byte
+    __syncthreads();
+    pack_codes(s_code, KBITS, hd, out);
+    __syncthreads();
+}
+
+// TurboQuant values (turboquant.rs encode_values): signs, the orthonormal Walsh-Hadamard
+// transform (butterflies stage by stage; the last stage's results times 1/√hd), then per
+// 32-group the RMS scale (f16) and each value's Lloyd-Max index over it.
+__device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd, float had_scale,
+                                    const u32* __restrict__ tab, u8* out) {
+    int d = threadIdx.x, g = d / 32, codes = hd * VBITS / 8;
+    if (tab[d / 32] >> (d % 32) & 1) s_x[d] = -s_x[d];
+    __syncthreads();
+    for (int h = 1; h < hd; h <<= 1) {
+        if (d < hd / 2) {
+            int k = d & (h - 1), j = ((d - k) << 1) + k;
+            float a = s_x[j], b = s_x[j + h];
+            float x0 = __fadd_rn(a, b), x1 = __fsub_rn(a, b);
+            if (2 * h == hd) {
+                x0 = __fmul_rn(x0, had_scale);
+                x1 = __fmul_rn(x1, had_scale);
+            }
+            s_x[j] = x0;
+            s_x[j + h] = x1;
+        }
+        __syncthreads();
+    }
+    if (d % 32 == 0) {
+        float sum = 0.f;
+        for (int i = 0; i < 32; i++) sum = __fadd_rn(sum, __fmul_rn(s_x[d + i], s_x[d + i]));
+        float scale = __fsqrt_rn(__fmul_rn(sum, 1.f / 32.f));
+        s_gp[g] = __fadd_rn(scale, 1e-8f);
+        st16(out + codes + 2 * g, f2h(scale));
+    }
+    __syncthreads();
+    float xn = __fdiv_rn(s_x[d], s_gp[g]);
+    // The count of boundaries below xn (sorted ascending): a binary search.
+    const float* bounds = reinterpret_cast<const float*>(tab + TAB_BOUND);
+    int lo = 0, hi = (1 << VBITS) - 1;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (xn > bounds[mid]) lo = mid + 1;
+        else hi = mid;
+    }
+    s_code[d] = (u8)lo;
+    __syncthreads();
+    pack_codes(s_code, VBITS, hd, out);
+}
+
+// This call's k and v rows into the store at their positions (kv_write's addressing), and q
+// (if q_out) into q_out (which may be q): per head the norm (gains qn/kn, or none), then
+// RoPE (inv_freq, or none) with attention.cu's math and bf16 roundings. grid (rows, heads +
+// n_kv): blocks [0, heads) take q's heads, the rest the KV heads; block hd threads. Padding
+// rows (position -1) write nothing.
+extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_t* __restrict__ k,
+                                     const bf16_t* __restrict__ v, u8* __restrict__ store, const u32* __restrict__ tab,
+                                     const float* __restrict__ inv_freq, float linear, int interleaved,
+                                     const float* __restrict__ qn, const float* __restrict__ kn, float eps, int heads,
+                                     int n_kv, int hd, float had_scale, const int* __restrict__ pos,
+                                     const int* __restrict__ tables, const int* __restrict__ row_tab) {
+    __shared__ float s_x[HD_MAX], s_red[32], s_gp[2 * HD_MAX / 32];
+    __shared__ u8 s_code[HD_MAX];
+    int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x, p = pos[t];
+    bool isq = slot < heads;
+    if ((isq && !q_out) || (!isq && p < 0)) return;
+    int h = isq ? slot : slot - heads;
+    const bf16_t* src = isq ? q + ((long)t * heads + h) * hd : k + ((long)t * n_kv + h) * hd;
+    float x = bf2f(src[d]);
+    const float* nw = isq ? qn : kn;
+    if (nw) x = nw[d] * (x * rsqrtf(block_sum(x * x, s_red) / hd + eps));
+    s_x[d] = x;
+    __syncthreads();
+    if (inv_freq) {
+        int half = hd / 2, i0 = 0, i1 = 0;
+        bf16_t y0 = 0, y1 = 0;
+        if (d < half) {
+            rope_pair_index(d, half, interleaved, i0, i1);
+            rope_rotate(s_x[i0], s_x[i1], p, linear, inv_freq[d], y0, y1);
+        }
+        __syncthreads();
+        if (d < half) {
+            s_x[i0] = bf2f(y0);
+            s_x[i1] = bf2f(y1);
+        }
+        __syncthreads();
+    }
+    if (isq) {
+        q_out[((long)t * heads + h) * hd + d] = f2bf(s_x[d]);
+        return;
+    }
+    RowLayout L = row_layout(hd);
+    u8* row = store + (kv_row(p, tables + row_tab[t]) * n_kv + h) * L.bytes;
+#if TURBO
+    encode_turbo_keys(s_x, s_gp, s_code, hd, row);
+#else
+    encode_affine(s_x, s_gp, s_code, KBITS, hd, row);
+#endif
+    s_x[d] = bf2f(v[((long)t * n_kv + h) * hd + d]);
+    __syncthreads();
+#if TURBO
+    encode_turbo_values(s_x, s_gp, s_code, hd, had_scale, tab, row + L.k_bytes);
+#else
+    encode_affine(s_x, s_gp, s_code, VBITS, hd, row + L.k_bytes);
+#endif
+}
+
+// attention.cu's attention_split over quantized rows: grid (heads, m, splits), block 128.
+// Lane l holds q's dims [l·per, l·per + per) (per = hd/32, within one group).
+extern "C" __global__ void attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store,
+                                       const u32* __restrict__ tab, float* __restrict__ part_ml,
+                                       float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                                       const int* __restrict__ pos, int min_chunk, int max_splits, float scale,
+                                       int window, const int* __restrict__ tables, const int* __restrict__ row_tab) {
+    __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
+    __shared__ float s_cent[TURBO ? 256 : 1];
+    int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int kvh = h / (heads / n_kv), per = hd / 32, d0 = lane * per, g = d0 / QG;
+#if TURBO
+    for (int i = threadIdx.x; i < (1 << VBITS); i += blockDim.x) s_cent[i] = __uint_as_float(tab[TAB_CENT + i]);
+    __syncthreads();
+#endif
+    RowLayout L = row_layout(hd);
+    int len = pos[t] + 1;
+    const int* table = tables + row_tab[t];
+    int start = window > 0 ? max(0, len - window) : 0, span = len - start;
+    int chunk = min_chunk;
+    while ((long)chunk * max_splits < span) chunk *= 2;
+    int p0 = start + sp * chunk, p1 = min(len, p0 + chunk);
+    long slot = ((long)t * heads + h) * splits + sp;
+    const bf16_t* qh = q + ((long)t * heads + h) * hd;
+    float qv[MAXD], acc[MAXD], qsum = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAXD; i++) {
+        qv[i] = i < per ? bf2f(qh[d0 + i]) * scale : 0.f;
+        qsum += qv[i];
+        acc[i] = 0.f;
+    }
+    float m = -INFINITY, l = 0.f;
+    for (int p = p0 + warp; p < p1; p += AW) {
+        const u8* row = store + (kv_row(p, table) * n_kv + kvh) * L.bytes;
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < MAXD; i++) {
+            if (i >= per) break;
+            u32 c = code_at<KBITS>(row, d0 + i);
+            float cf = KSIGNED ? (float)(signed char)c : (float)c;
+            dot = fmaf(qv[i], cf, dot);
+        }
+#if TURBO
+        float ks = h2f(ld16(row + L.k_codes + 4 * g)), kz = h2f(ld16(row + L.k_codes + 4 * g + 2));
+        float s = ks * dot + kz * ks * qsum;
+#else
+        float ks = bf2f(ld16(row + L.k_codes + 2 * g)), kb = bf2f(ld16(row + L.k_codes + 2 * (hd / 64 + g)));
+        float s = ks * dot + kb * qsum;
+#endif
+        s = warp_sum(s);
+        float mn = fmaxf(m, s), corr = __expf(m - mn), e = __expf(s - mn);
+        l = l * corr + e;
+        const u8* vrow = row + L.k_bytes;
+#if TURBO
+        float vs = h2f(ld16(vrow + L.v_codes + 2 * g));
+#else
+        float vs = bf2f(ld16(vrow + L.v_codes + 2 * g)), vb = bf2f(ld16(vrow + L.v_codes + 2 * (hd / 64 + g)));
+#endif
+#pragma unroll
+        for (int i = 0; i < MAXD; i++) {
+            if (i >= per) break;
+            u32 c = code_at<VBITS>(vrow, d0 + i);
+#if TURBO
+            float val = s_cent[c] * vs;
+#else
+            float val = vs * (float)c + vb;
+#endif
+            acc[i] = acc[i] * corr + e * val;
+        }
+        m = mn;
+    }
+    if (lane == 0) {
+        s_m[warp] = m;
+        s_l[warp] = l;
+    }
+#pragma unroll
+    for (int i = 0; i < MAXD; i++)
+        if (i < per) s_acc[warp][d0 + i] = acc[i];
+    __syncthreads();
+    if (warp == 0) {
+        float M = -INFINITY;
+        for (int w = 0; w < AW; w++) M = fmaxf(M, s_m[w]);
+        float Lsum = 0.f;
+        for (int w = 0; w < AW; w++) Lsum += s_m[w] == -INFINITY ? 0.f : s_l[w] * __expf(s_m[w] - M);
+        if (lane == 0) {
+            part_ml[2 * slot] = M;
+            part_ml[2 * slot + 1] = Lsum;
+        }
+        for (int i = 0; i < per; i++) {
+            int dd = lane + 32 * i;
+            float o = 0.f;
+            for (int w = 0; w < AW; w++)
+                if (s_m[w] != -INFINITY) o += s_acc[w][dd] * __expf(s_m[w] - M);
+            part_acc[slot * hd + dd] = o;
+        }
+    }
+}
+
+// attention.cu's attention_merge, then (turbo) the values' inverse rotation in f32 before
+// the bf16 output: the Walsh-Hadamard transform, then the signs. grid (heads, m), block hd.
+extern "C" __global__ void attention_merge_q(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
+                                             bf16_t* __restrict__ out, int heads, int hd, int splits,
+                                             const u32* __restrict__ tab, float had_scale) {
+    __shared__ float s_o[HD_MAX];
+    int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    long base = ((long)t * heads + h) * splits;
+    float M = -INFINITY;
+    for (int s = 0; s < splits; s++) M = fmaxf(M, part_ml[2 * (base + s)]);
+    float Lsum = 0.f, o = 0.f;
+    for (int s = 0; s < splits; s++) {
+        float m = part_ml[2 * (base + s)];
+        if (m == -INFINITY) continue;
+        float w = __expf(m - M);
+        Lsum += part_ml[2 * (base + s) + 1] * w;
+        o += part_acc[(base + s) * hd + d] * w;
+    }
+    o = Lsum > 0.f ? o / Lsum : 0.f;
+#if TURBO
+    s_o[d] = o;
+    __syncthreads();
+    for (int hh = 1; hh < hd; hh <<= 1) {
+        if (d < hd / 2) {
+            int k = d & (hh - 1), j = ((d - k) << 1) + k;
+            float a = s_o[j], b = s_o[j + hh];
+            s_o[j] = 2 * hh == hd ? (a + b) * had_scale : a + b;
+            s_o[j + hh] = 2 * hh == hd ? (a - b) * had_scale : a - b;
+        }
+        __syncthreads();
+    }
+    o = tab[d / 32] >> (d % 32) & 1 ? -s_o[d] : s_o[d];
+#endif
+    out[((long)t * heads + h) * hd + d] = f2bf(o);
+}

@@ -1,0 +1,174 @@
+//! Quantized KV stores on CUDA (`--kv affine:B`, `--kv turbo:…`; kernels/kv_quant.cu): the
+//! store holds kv::rows's rows (the CPU's bytes, so KV files move between backends),
+//! written by kv_encode (RoPE, the q/k norms and the encoding in one launch, bit-exact with
+//! RowCodec::encode) and read by attention_q, the split-K attention of attention.cu
+//! dequantizing in its inner loop, whose merge undoes TurboQuant's value rotation once per
+//! output head. Every path (decode, prefill, batched and invariant calls) takes these two
+//! kernels: the fused decode attention and flash prefill read bf16 only.
+
+use super::decode::QkNorm;
+use super::device::Cuda;
+use super::driver::KArg;
+use super::kernels;
+use super::tensors::{CudaAct, CudaKv};
+use crate::backend::Rope;
+use crate::config::{ModelConfig, RopeStyle};
+use crate::kv::rows::RowCodec;
+use crate::kv::scheme::KvScheme;
+use crate::kv::{turboquant as tq, KvBlocks, BLOCK};
+use crate::{Error, Result};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
+
+/// Head dims kv_quant.cu takes (a lane's dims stay within one group).
+pub const QUANT_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// The quantized half of a `CudaKv`.
+pub(crate) struct QuantKv {
+    pub(crate) codecs: Vec<RowCodec>,
+    /// Per layer: its store rows × KV heads × `codecs[layer].bytes()` bytes.
+    pub(crate) rows: Vec<CudaSlice<u8>>,
+    /// The sign words, centroids and boundaries kv_quant.cu reads (zeros for affine).
+    pub(crate) table: CudaSlice<u32>,
+}
+
+impl QuantKv {
+    /// Bytes of one store row of `layer` (every KV head's row).
+    pub(crate) fn row_bytes(&self, layer: usize, n_kv: usize) -> usize {
+        n_kv * self.codecs[layer].bytes()
+    }
+}
+
+/// 1/√hd as the Walsh-Hadamard transform scales by it (turboquant::hadamard).
+fn hadamard_scale(hd: usize) -> f32 {
+    (1.0 / (hd as f64).sqrt()) as f32
+}
+
+/// The table kv_quant.cu reads: 8 sign words, 256 centroids, 255 boundaries.
+fn scheme_table(scheme: &KvScheme, hd: usize) -> Result<Vec<u32>> {
+    let mut t = vec![0u32; 8 + 256 + 255];
+    if let KvScheme::Turbo { value_bits, .. } = scheme {
+        let signs = tq::sign_words(hd)?;
+        t[..signs.len()].copy_from_slice(&signs);
+        let (cents, bounds) = tq::value_table(*value_bits)
+            .ok_or_else(|| Error::Unsupported(format!("TurboQuant values of {value_bits} bits")))?;
+        t[8..8 + cents.len()].copy_from_slice(cents);
+        t[8 + 256..8 + 256 + bounds.len()].copy_from_slice(bounds);
+    }
+    Ok(t)
+}
+
+impl Cuda {
+    /// `Backend::kv_store_scheme` for a quantized scheme.
+    pub(crate) fn kv_store_quant(&self, cfg: &ModelConfig, blocks: KvBlocks, scheme: &KvScheme) -> Result<CudaKv> {
+        scheme.check(cfg)?;
+        let hd = cfg.head_dim;
+        if !QUANT_HEAD_DIMS.contains(&hd) {
+            return Err(Error::Unsupported(format!(
+                "the KV scheme {scheme} on CUDA needs a head dim of 64, 128 or 256; this model's is {hd}"
+            )));
+        }
+        let codecs = (0..cfg.n_layers)
+            .map(|l| RowCodec::new(scheme, l, hd)?.ok_or_else(|| Error::Invalid("bf16 is not quantized".into())))
+            .collect::<Result<Vec<_>>>()?;
+        let mut kv = self.kv_store_bf16(cfg, blocks, false)?;
+        let rows = (0..cfg.n_layers)
+            .map(|l| {
+                let n = if kv.sliding[l] { blocks.sliding } else { blocks.full } * BLOCK;
+                self.zeros::<u8>(n * cfg.n_kv_heads * codecs[l].bytes(), "allocating the KV cache")
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (l, c) in codecs.iter().enumerate() {
+            self.function(kernels::file("kv_quant.cu"), &quant_defines(c), "attention_q").map_err(|e| {
+                Error::Unsupported(format!("the KV scheme {scheme} (layer {l}) on CUDA: its kernels: {e}"))
+            })?;
+        }
+        let table = self.upload(&scheme_table(scheme, hd)?, "uploading the KV scheme's tables")?;
+        kv.quant = Some(QuantKv { codecs, rows, table });
+        Ok(kv)
+    }
+
+    fn quant_function<'a>(&self, kv: &'a CudaKv, layer: usize, name: &str) -> Result<(CudaFunction, &'a QuantKv)> {
+        let qk =
+            kv.quant.as_ref().ok_or_else(|| Error::Invalid("a bf16 KV store given to a quantized kernel".into()))?;
+        let codec = qk.codecs.get(layer).ok_or_else(|| {
+            Error::Invalid(format!("CUDA KV store: layer {layer} of a {}-layer store", qk.codecs.len()))
+        })?;
+        Ok((self.function(kernels::file("kv_quant.cu"), &quant_defines(codec), name)?, qk))
+    }
+
+    /// This call's k/v rows encoded into `layer`'s quantized store at the staged positions,
+    /// after the k norm (`norms`) and RoPE (`rope`) where given; with `q` = (input, output)
+    /// q's heads get the same norm and RoPE into the output (which may be the input).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn kv_encode(
+        &self,
+        q: Option<(KArg, KArg)>,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &mut CudaKv,
+        layer: usize,
+        rope: Option<&Rope>,
+        norms: Option<QkNorm>,
+        heads: usize,
+    ) -> Result<()> {
+        let (hd, n_kv) = (kv.head_dim, kv.width / kv.head_dim);
+        let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
+        let pos = self.steps.pos(self, "attention")?;
+        let (f, qk) = self.quant_function(kv, layer, "kv_encode")?;
+        let (q_in, q_out) = q.unwrap_or((KArg::Ptr(0), KArg::Ptr(0)));
+        let (freqs, linear, interleaved) = match rope {
+            Some(r) => (self.scratch.rope_freqs(self, r)?, r.linear, r.style == RopeStyle::Interleaved),
+            None => (KArg::Ptr(0), 1.0, false),
+        };
+        let (qn, kn, eps) = match norms {
+            Some(([qn, kn], eps)) => (self.arg(qn), self.arg(kn), eps),
+            None => (KArg::Ptr(0), KArg::Ptr(0), 0.0),
+        };
+        let args = [
+            q_in,
+            q_out,
+            self.arg(k.bf16()),
+            self.arg(v.bf16()),
+            self.arg(&qk.rows[layer]),
+            self.arg(&qk.table),
+            freqs,
+            KArg::F32(linear),
+            KArg::I32(i32::from(interleaved)),
+            qn,
+            kn,
+            KArg::F32(eps),
+            KArg::I32(heads as i32),
+            KArg::I32(n_kv as i32),
+            KArg::I32(hd as i32),
+            KArg::F32(hadamard_scale(hd)),
+            pos,
+            tables[0],
+            tables[1],
+        ];
+        let c = LaunchConfig {
+            grid_dim: (k.rows as u32, (heads + n_kv) as u32, 1),
+            block_dim: (hd as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(&f, c, &args, super::context::Order::Serial, "kv_encode launch")
+    }
+
+    /// attention_q's and attention_merge_q's functions and their store arguments (in place
+    /// of attention_split's k and v caches, and appended to the merge's).
+    pub(crate) fn quant_attention_kernels(
+        &self,
+        kv: &CudaKv,
+        layer: usize,
+    ) -> Result<(CudaFunction, CudaFunction, [KArg; 2], [KArg; 2])> {
+        let (split, qk) = self.quant_function(kv, layer, "attention_q")?;
+        let (merge, _) = self.quant_function(kv, layer, "attention_merge_q")?;
+        let table = self.arg(&qk.table);
+        let had = KArg::F32(hadamard_scale(kv.head_dim));
+        Ok((split, merge, [self.arg(&qk.rows[layer]), table], [table, had]))
+    }
+}
+
+/// -D defines of the kv_quant.cu build for `codec`'s rows.
+pub fn quant_defines(codec: &RowCodec) -> Vec<String> {
+    let (turbo, kbits, signed, vbits) = codec.kernel_format();
+    kernels::kv_quant_defines(turbo, kbits, signed, vbits)
+}
