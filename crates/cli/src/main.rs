@@ -72,8 +72,8 @@ pub struct ModelArg {
 #[derive(Args, Clone, Debug)]
 pub struct KvArg {
     /// How the KV cache stores keys and values: bf16, affine:8, affine:4, affine:FILE.json
-    /// (bits per layer) or turbo[:k<K>v<V>] (turbo = turbo:k8v3); docs/kv.md. Quantized
-    /// schemes run on the CPU for now.
+    /// (bits per layer) or turbo[:k<K>v<V>] (turbo = turbo:k8v3); docs/kv.md. CPU and CUDA
+    /// (head dims 64, 128 and 256 on CUDA).
     #[arg(long, default_value = "bf16")]
     pub kv: String,
 }

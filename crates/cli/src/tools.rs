@@ -64,7 +64,7 @@ pub struct EvalText {
     #[arg(long, default_value_t = 512)]
     ctx: usize,
     /// The model's KV cache scheme: bf16, affine:8, affine:4, affine:FILE.json or
-    /// turbo[:kKvV] (docs/kv.md; quantized schemes run on the CPU for now). kl takes a
+    /// turbo[:kKvV] (docs/kv.md; CPU and CUDA). kl takes a
     /// comma-separated list: each scheme compared with the base, which runs once.
     #[arg(long, value_name = "SCHEME", default_value = "bf16")]
     kv: String,
