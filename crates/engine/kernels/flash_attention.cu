@@ -71,6 +71,94 @@
 #endif
 #define STR (HD + 8)       // shared row stride in bf16
 
+#ifndef KVQ
+#define KVQ 0
+#endif
+#if KVQ
+// A quantized store (kv_quant.cu's rows, compiled with its TURBO/KBITS/KSIGNED/VBITS): tiles
+// are dequantized into shared memory as bf16 (keys scale·code + bias or (code + zero)·scale;
+// TurboQuant values still rotated: Cuda::flash_prefill undoes the rotation of the output
+// with kv_quant.cu's unrotate_rows). kc is the store's bytes, vc its table (centroids).
+#define QG (TURBO ? 32 : 64)
+#define K_CODES (HD * KBITS / 8)
+#define K_BYTES (K_CODES + HD / QG * 4)
+#define V_CODES (HD * VBITS / 8)
+#define ROW_BYTES (K_BYTES + V_CODES + HD / QG * (TURBO ? 2 : 4))
+#define KV_ARGS const unsigned char* __restrict__ kc, const u32* __restrict__ vc
+typedef unsigned char u8;
+
+template <int BITS>
+__device__ __forceinline__ u32 code_at(const u8* s, int i) {
+    if (BITS == 8) return s[i];
+    int at = i * BITS;
+    u32 w = (u32)s[at >> 3] | ((u32)s[(at >> 3) + 1] << 8);
+    return (w >> (at & 7)) & ((1u << BITS) - 1);
+}
+__device__ __forceinline__ float ld_half(const u8* p, bool bf) {
+    unsigned short v = *reinterpret_cast<const unsigned short*>(p);
+    return bf ? bf2f(v) : h2f(v);
+}
+
+// Rows kv0..kv0+BKV-1 of kv head kvh dequantized into s (keys, or values); rows past kend or
+// of given-back blocks zeroed. Plain loads and stores: the barriers that follow a
+// load_tile's cp.async wait order them the same way.
+__device__ __forceinline__ void load_tile_q(bf16_t* s, const u8* __restrict__ store, const u32* __restrict__ tab,
+                                            bool values, int kv0, int kend, int n_kv, int kvh,
+                                            const int* __restrict__ table) {
+#pragma unroll 1
+    for (int i = threadIdx.x; i < BKV * (HD / 8); i += NT) {
+        int r = i / (HD / 8), c = (i % (HD / 8)) * 8;
+        int p = kv0 + r;
+        int blk = p < kend ? table[p / KV_BLOCK] : -1;
+        uint4 w = {0u, 0u, 0u, 0u};
+        if (blk >= 0) {
+            const u8* row = store + ((long)(blk * KV_BLOCK + p % KV_BLOCK) * n_kv + kvh) * ROW_BYTES;
+            int g = c / QG;
+            float x[8];
+            if (!values) {
+#if TURBO
+                float ks = ld_half(row + K_CODES + 4 * g, false), kz = ld_half(row + K_CODES + 4 * g + 2, false);
+#else
+                float ks = ld_half(row + K_CODES + 2 * g, true), kb = ld_half(row + K_CODES + 2 * (HD / 64 + g), true);
+#endif
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    u32 q = code_at<KBITS>(row, c + j);
+                    float cf = KSIGNED ? (float)(signed char)q : (float)q;
+#if TURBO
+                    x[j] = (cf + kz) * ks;
+#else
+                    x[j] = ks * cf + kb;
+#endif
+                }
+            } else {
+                const u8* v = row + K_BYTES;
+#if TURBO
+                float vs = ld_half(v + V_CODES + 2 * g, false);
+#pragma unroll
+                for (int j = 0; j < 8; j++) x[j] = __uint_as_float(__ldg(tab + 8 + code_at<VBITS>(v, c + j))) * vs;
+#else
+                float vs = ld_half(v + V_CODES + 2 * g, true), vb = ld_half(v + V_CODES + 2 * (HD / 64 + g), true);
+#pragma unroll
+                for (int j = 0; j < 8; j++) x[j] = vs * (float)code_at<VBITS>(v, c + j) + vb;
+#endif
+            }
+            w.x = pack_bf16x2(x[0], x[1]);
+            w.y = pack_bf16x2(x[2], x[3]);
+            w.z = pack_bf16x2(x[4], x[5]);
+            w.w = pack_bf16x2(x[6], x[7]);
+        }
+        *reinterpret_cast<uint4*>(s + r * STR + c) = w;
+    }
+}
+#define LOAD_K(s, kv0) load_tile_q(s, kc, vc, false, kv0, kend, n_kv, kvh, table)
+#define LOAD_V(s, kv0) load_tile_q(s, kc, vc, true, kv0, kend, n_kv, kvh, table)
+#else
+#define KV_ARGS const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc
+#define LOAD_K(s, kv0) load_tile(s, kc, kv0, kend, width, kvh, table)
+#define LOAD_V(s, kv0) load_tile(s, vc, kv0, kend, width, kvh, table)
+#endif
+
 // Start copying key/value rows kv0..kv0+BKV-1 of kv head kvh into s; rows ≥ kend, and rows
 // of blocks the sequence gave back (a sliding layer's, before every row's window: masked
 // anyway), are zeroed.
@@ -88,9 +176,7 @@ __device__ __forceinline__ void load_tile(bf16_t* s, const bf16_t* __restrict__ 
     cp_async_commit();
 }
 
-extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __restrict__ q,
-                                                               const bf16_t* __restrict__ kc,
-                                                               const bf16_t* __restrict__ vc,
+extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __restrict__ q, KV_ARGS,
                                                                bf16_t* __restrict__ out, int m, int heads, int n_kv,
                                                                const int* __restrict__ pos0p, float scale,
                                                                int window, const int* __restrict__ table) {
@@ -143,12 +229,12 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
     const int v_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * STR + (lane >> 4) * 8;
     const u32 sk_base = smem_u32(sk) + 2 * k_off, sv_base = smem_u32(sv) + 2 * v_off;
 
-    load_tile(sk, kc, tile0 * BKV, kend, width, kvh, table);
+    LOAD_K(sk, tile0 * BKV);
     for (int it = tile0; it < ntiles; it++) {
         const int kv0 = it * BKV;
         cp_async_wait_all();
         __syncthreads();   // K tile in; every warp is done with the previous V tile
-        load_tile(sv, vc, kv0, kend, width, kvh, table);
+        LOAD_V(sv, kv0);
         // warp-uniform: some row of the warp sees this tile
         const bool active = kv0 <= wlast && kv0 + BKV - 1 >= wlow;
         u32 pf[BKV / 16][4];                // P as A fragments, per 16-key chunk
@@ -216,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(NT) flash_prefill(const bf16_t* __r
         }
         cp_async_wait_all();
         __syncthreads();   // V tile in; every warp is done with this K tile
-        if (it + 1 < ntiles) load_tile(sk, kc, kv0 + BKV, kend, width, kvh, table);
+        if (it + 1 < ntiles) LOAD_K(sk, kv0 + BKV);
         if (active) {
 #pragma unroll
             for (int kq = 0; kq < BKV / 16; kq++) {

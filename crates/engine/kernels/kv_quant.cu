@@ -375,6 +375,24 @@ extern "C" __global__ void attention_q(const bf16_t* __restrict__ q, const u8* _
     }
 }
 
+// Thread d's value of the head whose thread i holds x (one thread per dim, the whole block)
+// after the values' inverse rotation, H(x)·signs in f32 (s_o: hd floats of shared memory).
+__device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32* __restrict__ tab, float had_scale) {
+    int d = threadIdx.x;
+    s_o[d] = x;
+    __syncthreads();
+    for (int hh = 1; hh < hd; hh <<= 1) {
+        if (d < hd / 2) {
+            int k = d & (hh - 1), j = ((d - k) << 1) + k;
+            float a = s_o[j], b = s_o[j + hh];
+            s_o[j] = 2 * hh == hd ? (a + b) * had_scale : a + b;
+            s_o[j + hh] = 2 * hh == hd ? (a - b) * had_scale : a - b;
+        }
+        __syncthreads();
+    }
+    return tab[d / 32] >> (d % 32) & 1 ? -s_o[d] : s_o[d];
+}
+
 // attention.cu's attention_merge, then (turbo) the values' inverse rotation in f32 before
 // the bf16 output: the Walsh-Hadamard transform, then the signs. grid (heads, m), block hd.
 extern "C" __global__ void attention_merge_q(const float* __restrict__ part_ml, const float* __restrict__ part_acc,
@@ -395,18 +413,17 @@ extern "C" __global__ void attention_merge_q(const float* __restrict__ part_ml, 
     }
     o = Lsum > 0.f ? o / Lsum : 0.f;
 #if TURBO
-    s_o[d] = o;
-    __syncthreads();
-    for (int hh = 1; hh < hd; hh <<= 1) {
-        if (d < hd / 2) {
-            int k = d & (hh - 1), j = ((d - k) << 1) + k;
-            float a = s_o[j], b = s_o[j + hh];
-            s_o[j] = 2 * hh == hd ? (a + b) * had_scale : a + b;
-            s_o[j + hh] = 2 * hh == hd ? (a - b) * had_scale : a - b;
-        }
-        __syncthreads();
-    }
-    o = tab[d / 32] >> (d % 32) & 1 ? -s_o[d] : s_o[d];
+    o = unrotate(s_o, o, hd, tab, had_scale);
 #endif
     out[((long)t * heads + h) * hd + d] = f2bf(o);
+}
+
+// The values' inverse rotation of rows of bf16 heads in place (flash prefill over TurboQuant
+// rows accumulates them rotated): x = H(x)·signs in f32. grid rows·heads, block hd.
+extern "C" __global__ void unrotate_rows(bf16_t* __restrict__ x, int hd, const u32* __restrict__ tab,
+                                         float had_scale) {
+    __shared__ float s_o[HD_MAX];
+    int d = threadIdx.x;
+    bf16_t* row = x + (long)blockIdx.x * hd;
+    row[d] = f2bf(unrotate(s_o, bf2f(row[d]), hd, tab, had_scale));
 }

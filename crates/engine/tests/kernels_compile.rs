@@ -16,13 +16,18 @@ use ferrolm::backend::cuda::{kernels, nvrtc};
 /// format of `convert --quantize 4` and the synthetic models (4-bit, group 64, bf16
 /// scales), both x stagings; gemm.cu in that format and in the Q4_0 GGUFs' (4-bit, group
 /// 32, f16 scales). The other formats of both and gemv.cu's knob-only variants (ring,
-/// megakernel, split-K, fused layer end, attention block, warps, trace) compile quickly.
+/// megakernel, split-K, fused layer end, attention block, warps, trace) compile quickly, as
+/// do flash_attention.cu's builds over quantized KV rows but the default scheme's
+/// (turbo:k8v3).
 fn full_optimization(file: &str, defines: &[String]) -> bool {
     let format = |f: [&str; 3]| defines.len() >= 3 && defines[..3].iter().zip(f).all(|(d, f)| d == f);
     let default_format = ["BITS=4", "GROUP=64", "SCALE_T=1"];
     match file {
         "gemv.cu" => defines.len() == 4 && format(default_format) && defines[3].starts_with("XQ="),
         "gemm.cu" => format(default_format) || format(["BITS=4", "GROUP=32", "SCALE_T=0"]),
+        "flash_attention.cu" if defines.iter().any(|d| d == "KVQ=1") => {
+            defines.ends_with(&kernels::kv_quant_defines(true, 8, true, 3))
+        }
         _ => true,
     }
 }

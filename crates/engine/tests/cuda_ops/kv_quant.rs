@@ -51,12 +51,25 @@ fn quantized_rows_and_attention_match_the_cpu() {
 }
 
 /// RoPE with the cache write and attention (`rope_attention`: kv_encode with q rotated in
-/// place for prefill, into the output for a decode row) against the CPU, windows included.
+/// place for prefill, into the output for a decode row) against the CPU, windows included
+/// (prefill rows m > 1 and single decode rows).
 /// The CPU rotates k in f32 and CUDA in bf16, so a value at a code boundary may land one
 /// code apart: the bar is the bf16 path's, widened for 2-bit values.
 #[test]
 fn quantized_rope_attention_matches_cpu() {
-    let (g, c) = (gpu(), Cpu);
+    rope_attention_cases(gpu());
+}
+
+/// `quantized_rope_attention_matches_cpu` with prefill through flash attention over
+/// dequantized tiles (`FERROLM_FLASH_KVQ`; TurboQuant's output rotation undone after).
+#[test]
+fn quantized_flash_prefill_matches_cpu() {
+    let cfg = CudaConfig { flash_quant_prefill: true, ..CudaConfig::default() };
+    rope_attention_cases(&Cuda::with_config(0, cfg).unwrap());
+}
+
+fn rope_attention_cases(g: &Cuda) {
+    let c = Cpu;
     let mut r = Rng::seeded();
     let window = |w: usize, scale: f32| Attend { scale, window: Some(w) };
     let cases = [

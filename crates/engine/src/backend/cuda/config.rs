@@ -34,6 +34,10 @@ pub struct CudaConfig {
     /// (each dequantized weight tile serves twice the tokens) instead of 64: +11% prefill on
     /// the 8B shape at 512 and 4096 tokens (docs/perf.md). `FERROLM_GEMM_WIDE`.
     pub gemm_wide_tiles: bool,
+    /// Prefill over a quantized KV store runs flash attention, its tiles dequantized into
+    /// shared memory, instead of the split-K kernel on CUDA cores. Off until measured on a
+    /// GPU (docs/kv.md). `FERROLM_FLASH_KVQ`.
+    pub flash_quant_prefill: bool,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
     pub head_argmax: bool,
@@ -77,6 +81,7 @@ impl Default for CudaConfig {
             decode_fused_glu: true,
             prefill_fused_glu: true,
             gemm_wide_tiles: true,
+            flash_quant_prefill: false,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

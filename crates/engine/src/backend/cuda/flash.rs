@@ -44,8 +44,9 @@ impl Cuda {
                 kernels::FLASH_HEAD_DIMS
             )));
         }
-        if layer >= kv.k.len() {
-            return Err(Error::Invalid(format!("CUDA flash attention: layer {layer} of a {}-layer cache", kv.k.len())));
+        let layers = kv.sliding.len();
+        if layer >= layers {
+            return Err(Error::Invalid(format!("CUDA flash attention: layer {layer} of a {layers}-layer cache")));
         }
         let n_kv = kv.width / hd;
         if q.cols != out.cols || q.rows != out.rows || !q.cols.is_multiple_of(hd) || n_kv == 0 {
@@ -77,7 +78,15 @@ impl Cuda {
         if heads > 65535 || i32::try_from(q.rows).is_err() {
             return Err(Error::Unsupported(format!("CUDA flash attention: {heads} heads, {} rows", q.rows)));
         }
-        let func = self.function(kernels::file("flash_attention.cu"), &[format!("HD={hd}")], "flash_prefill")?;
+        // A quantized store: its rows and table in place of K and V, the tiles dequantized.
+        let (defines, store, rotated) = match &kv.quant {
+            Some(qk) => {
+                let defines = kernels::flash_kv_quant_defines(hd, &super::kv_quant::quant_defines(&qk.codecs[layer]));
+                (defines, [self.arg(&qk.rows[layer]), self.arg(&qk.table)], qk.codecs[layer].kernel_format().0)
+            }
+            None => (vec![format!("HD={hd}")], [self.arg(&kv.k[layer]), self.arg(&kv.v[layer])], false),
+        };
+        let func = self.function(kernels::file("flash_attention.cu"), &defines, "flash_prefill")?;
         let pos = self.steps.pos(self, "flash attention")?;
         let (m_i, heads_i, n_kv_i) = (q.rows as i32, heads as i32, n_kv as i32);
         let cfg = LaunchConfig {
@@ -87,8 +96,8 @@ impl Cuda {
         };
         let args = [
             self.arg(qb),
-            self.arg(&kv.k[layer]),
-            self.arg(&kv.v[layer]),
+            store[0],
+            store[1],
             self.arg(ob),
             KArg::I32(m_i),
             KArg::I32(heads_i),
@@ -99,6 +108,10 @@ impl Cuda {
             self.steps.tables(self, kv.sliding(layer)?, "attention")?[0], // one sequence: offset 0
         ];
         // Matches flash_attention.cu's flash_prefill; the cache holds pos0 + m positions.
-        self.launch(&func, cfg, &args, Order::Serial, "flash_prefill launch")
+        self.launch(&func, cfg, &args, Order::Serial, "flash_prefill launch")?;
+        match rotated {
+            true => self.unrotate_rows(out, kv, layer),
+            false => Ok(()),
+        }
     }
 }

@@ -88,6 +88,11 @@ pub fn kv_quant_variants() -> Vec<Vec<String>> {
     affine.into_iter().chain(turbo).collect()
 }
 
+/// -D defines for flash_attention.cu over a quantized store of `format`'s rows (head dim `hd`).
+pub fn flash_kv_quant_defines(hd: usize, format: &[String]) -> Vec<String> {
+    [vec![format!("HD={hd}"), "KVQ=1".into()], format.to_vec()].concat()
+}
+
 /// Files compiled only with per-variant defines.
 const PER_VARIANT: [&str; 6] =
     ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu", "kv_quant.cu"];
@@ -135,7 +140,12 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
     for hd in FLASH_HEAD_DIMS {
         v.push((file("flash_attention.cu"), vec![format!("HD={hd}")]));
     }
-    v.extend(kv_quant_variants().into_iter().map(|d| (file("kv_quant.cu"), d)));
+    for d in kv_quant_variants() {
+        for hd in FLASH_HEAD_DIMS {
+            v.push((file("flash_attention.cu"), flash_kv_quant_defines(hd, &d)));
+        }
+        v.push((file("kv_quant.cu"), d));
+    }
     v
 }
 

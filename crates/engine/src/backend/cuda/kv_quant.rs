@@ -152,6 +152,19 @@ impl Cuda {
         self.launch(&f, c, &args, super::context::Order::Serial, "kv_encode launch")
     }
 
+    /// TurboQuant's value rotation undone on every head of `x` (flash prefill's output).
+    pub(crate) fn unrotate_rows(&self, x: &mut CudaAct, kv: &CudaKv, layer: usize) -> Result<()> {
+        let (f, qk) = self.quant_function(kv, layer, "unrotate_rows")?;
+        let hd = kv.head_dim;
+        let args = [x.arg(self), KArg::I32(hd as i32), self.arg(&qk.table), KArg::F32(hadamard_scale(hd))];
+        let c = LaunchConfig {
+            grid_dim: ((x.rows * x.cols / hd) as u32, 1, 1),
+            block_dim: (hd as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(&f, c, &args, super::context::Order::Serial, "unrotate_rows launch")
+    }
+
     /// attention_q's and attention_merge_q's functions and their store arguments (in place
     /// of attention_split's k and v caches, and appended to the merge's).
     pub(crate) fn quant_attention_kernels(

@@ -217,7 +217,11 @@ impl Cuda {
         if kv.quant.is_some() {
             let qa = q.arg(self);
             self.kv_encode(Some((qa, qa)), (k, v), kv, layer, Some(rope), None, n_heads)?;
-            return self.attention_cached(q, kv, layer, attend, out);
+            let flash = self.cfg.flash_quant_prefill && kernels::FLASH_HEAD_DIMS.contains(&kv.head_dim);
+            return match flash && !self.steps.invariant() {
+                true => self.flash_prefill(q, kv, layer, attend, out),
+                false => self.attention_cached(q, kv, layer, attend, out),
+            };
         }
         self.rope_kv(q, k, v, kv, layer, rope, n_heads)?;
         // Flash takes one sequence's consecutive rows, in tiles whose arithmetic a row
