@@ -122,6 +122,34 @@ fn attention_both(
     (og, oc.data, qg)
 }
 
+/// One `rope_attention` call (RoPE, cache write, causal attention) on `g` and the CPU with
+/// fresh random q/k/v for `m` rows at `pos` of layer 1: the GPU output and the CPU's.
+fn rope_attention_both(
+    g: &Cuda,
+    r: &mut Rng,
+    (kvg, kvc): (&mut ferrolm::backend::cuda::CudaKv, &mut <Cpu as Backend>::Kv),
+    (heads, n_kv, hd): (usize, usize, usize),
+    rope: &Rope,
+    (m, pos): (usize, usize),
+    attend: Attend,
+) -> (Vec<f32>, Vec<f32>) {
+    let c = Cpu;
+    let q = bf(&r.v(m * heads * hd, 1.0));
+    let k = bf(&r.v(m * n_kv * hd, 1.0));
+    let v = bf(&r.v(m * n_kv * hd, 1.0));
+    let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+    let t = InOrder::new(g.kv_blocks(kvg));
+    let at = [t.span(pos, m)];
+    g.begin(&[], &at, false).unwrap();
+    let (mut qg, mut kg) = (g.act_from(m, heads * hd, &q).unwrap(), g.act_from(m, n_kv * hd, &k).unwrap());
+    let vg = g.act_from(m, n_kv * hd, &v).unwrap();
+    g.rope_attention(&mut qg, &mut kg, &vg, kvg, 1, &at, rope, (heads, n_kv), attend, &mut og).unwrap();
+    let mut oc = c.act(m, heads * hd).unwrap();
+    let (mut qc, mut kc, vc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k), cpu(m, n_kv * hd, v));
+    c.rope_attention(&mut qc, &mut kc, &vc, kvc, 1, &at, rope, (heads, n_kv), attend, &mut oc).unwrap();
+    (g.read_rows(&og, 0).unwrap(), oc.data)
+}
+
 #[test]
 fn ops_match_cpu() {
     let (g, c) = (gpu(), Cpu);
@@ -465,25 +493,10 @@ fn rope_attention_matches_cpu() {
         let mut kvc = c.kv_store(&cfg, blocks_for(&cfg, cache)).unwrap();
         let mut pos = 0;
         for &m in steps {
-            let q = bf(&r.v(m * heads * hd, 1.0));
-            let k = bf(&r.v(m * n_kv * hd, 1.0));
-            let v = bf(&r.v(m * n_kv * hd, 1.0));
-            let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
-            let t = InOrder::new(g.kv_blocks(&kvg));
-            let at = [t.span(pos, m)];
-            g.begin(&[], &at, false).unwrap();
-            let (mut qg, mut kg) = (g.act_from(m, heads * hd, &q).unwrap(), g.act_from(m, n_kv * hd, &k).unwrap());
-            let vg = g.act_from(m, n_kv * hd, &v).unwrap();
-            g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, &at, &rope, (heads, n_kv), attend, &mut og).unwrap();
-            let mut oc = c.act(m, heads * hd).unwrap();
-            let (mut qc, mut kc, vc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k), cpu(m, n_kv * hd, v));
-            c.rope_attention(&mut qc, &mut kc, &vc, &mut kvc, 1, &at, &rope, (heads, n_kv), attend, &mut oc).unwrap();
-            check(
-                &format!("rope_attention {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos} {attend:?}"),
-                &g.read_rows(&og, 0).unwrap(),
-                &oc.data,
-                1e-2,
-            );
+            let (got, want) =
+                rope_attention_both(g, &mut r, (&mut kvg, &mut kvc), (heads, n_kv, hd), &rope, (m, pos), attend);
+            let what = format!("rope_attention {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos} {attend:?}");
+            check(&what, &got, &want, 1e-2);
             pos += m;
         }
     }

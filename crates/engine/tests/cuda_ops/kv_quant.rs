@@ -4,13 +4,13 @@
 //! blocks), and real models whose quantized caches cost on CUDA what they cost on the CPU.
 
 use super::models::kl_and_agreement;
-use super::{attention_both, attn_cfg, bf, check, cpu, gpu, Rng};
+use super::{attention_both, attn_cfg, check, gpu, rope_attention_both, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::{Attend, Backend, Rope};
 use ferrolm::config::RopeStyle;
 use ferrolm::kv::scheme::KvScheme;
-use ferrolm::kv::{blocks_for, InOrder, BLOCK};
+use ferrolm::kv::{blocks_for, BLOCK};
 use ferrolm::model::{Decoder, Logits};
 
 /// Every row format's kernels: affine 8/4, TurboQuant int8 and packed keys, 2-8-bit values.
@@ -87,24 +87,11 @@ fn rope_attention_cases(g: &Cuda) {
             let mut kvc = c.kv_store_scheme(&cfg, blocks_for(&cfg, cache), &scheme).unwrap();
             let mut pos = 0;
             for m in [300, 1, 1, 77, 1, 1, 250, 1] {
-                let q = bf(&r.v(m * heads * hd, 1.0));
-                let k = bf(&r.v(m * n_kv * hd, 1.0));
-                let v = bf(&r.v(m * n_kv * hd, 1.0));
-                let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
-                let t = InOrder::new(g.kv_blocks(&kvg));
-                let at = [t.span(pos, m)];
-                g.begin(&[], &at, false).unwrap();
-                let (mut qg, mut kg) = (g.act_from(m, heads * hd, &q).unwrap(), g.act_from(m, n_kv * hd, &k).unwrap());
-                let vg = g.act_from(m, n_kv * hd, &v).unwrap();
-                g.rope_attention(&mut qg, &mut kg, &vg, &mut kvg, 1, &at, &rope, (heads, n_kv), attend, &mut og)
-                    .unwrap();
-                let mut oc = c.act(m, heads * hd).unwrap();
-                let (mut qc, mut kc, vc) = (cpu(m, heads * hd, q), cpu(m, n_kv * hd, k), cpu(m, n_kv * hd, v));
-                c.rope_attention(&mut qc, &mut kc, &vc, &mut kvc, 1, &at, &rope, (heads, n_kv), attend, &mut oc)
-                    .unwrap();
+                let shape = (heads, n_kv, hd);
+                let (got, want) = rope_attention_both(g, &mut r, (&mut kvg, &mut kvc), shape, &rope, (m, pos), attend);
                 let tol = if s.ends_with("v2") { 4e-2 } else { 2e-2 };
                 let what = format!("{s} rope_attention {heads}/{n_kv}x{hd} {style:?} m{m} pos{pos} {attend:?}");
-                check(&what, &g.read_rows(&og, 0).unwrap(), &oc.data, tol);
+                check(&what, &got, &want, tol);
                 pos += m;
             }
         }
