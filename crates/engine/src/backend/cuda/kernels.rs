@@ -81,10 +81,10 @@ pub fn kv_quant_defines(turbo: bool, key_bits: u32, signed_keys: bool, value_bit
 /// (int8, or 5, 4, 2 bits unsigned) by values (2, 3, 4, 5, 8 bits).
 pub fn kv_quant_variants() -> Vec<Vec<String>> {
     let affine = crate::kv::scheme::AFFINE_BITS.map(|b| kv_quant_defines(false, b, false, b));
-    let keys = [(8, true), (5, false), (4, false), (2, false)];
-    let turbo = keys
-        .into_iter()
-        .flat_map(|(k, s)| crate::kv::turboquant::VALUE_BITS.into_iter().map(move |v| kv_quant_defines(true, k, s, v)));
+    use crate::kv::turboquant::{KeyFormat, VALUE_BITS};
+    let keys = [8, 5, 4, 2].map(|b| KeyFormat::for_bits(b).expect("a TurboQuant key width"));
+    let turbo =
+        keys.into_iter().flat_map(|k| VALUE_BITS.into_iter().map(move |v| kv_quant_defines(true, k.bits, k.signed, v)));
     affine.into_iter().chain(turbo).collect()
 }
 
