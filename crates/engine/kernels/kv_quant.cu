@@ -27,8 +27,6 @@
 #define VBITS 3
 #endif
 #define QG (TURBO ? 32 : 64)  // values per quantization group (keys and values)
-#define AW 4                  // warps per attention block
-#define MAXD 8                // hd / 32 ≤ 8
 #define HD_MAX 256
 // The scheme's table (turbo; Cuda::kv_store_scheme uploads it): the sign vector's bits
 // (bit i of word i/32: element i negated), then the Lloyd-Max centroids and boundaries of
@@ -57,16 +55,6 @@ __device__ __forceinline__ f16_t f2h(float f) {
 }
 __device__ __forceinline__ u32 ld16(const u8* p) { return *reinterpret_cast<const unsigned short*>(p); }
 __device__ __forceinline__ void st16(u8* p, u32 v) { *reinterpret_cast<unsigned short*>(p) = (unsigned short)v; }
-
-// Value i of an LSB-first BITS-bit stream. Reads the byte after the value's first, which a
-// row always holds (group parameters follow each stream).
-template <int BITS>
-__device__ __forceinline__ u32 code_at(const u8* s, int i) {
-    if (BITS == 8) return s[i];
-    int at = i * BITS;
-    u32 w = (u32)s[at >> 3] | ((u32)s[(at >> 3) + 1] << 8);
-    return (w >> (at & 7)) & ((1u << BITS) - 1);
-}
 
 // The hd codes in s_code packed LSB first into out (hd·bits/8 bytes), a byte per thread.
 __device__ __forceinline__ void pack_codes(const u8* s_code, int bits, int hd, u8* out) {
@@ -276,18 +264,103 @@ extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_
 #endif
 }
 
+// A lane's 16 BITS-bit codes (16 consecutive dims) of an LSB-first stream: their 2·BITS
+// bytes at an even address, a multiple of 4 when BITS is even (a row's streams start at
+// multiples of 4 and a lane's codes at byte 2·j·BITS), loaded as words; code i (a constant
+// once unrolled) is then shifts of those words.
+#define DL 16  // dims per lane in attention_q
+template <int BITS>
+struct Codes16 {
+    static constexpr int NW = (2 * BITS + 3) / 4;
+    u32 w[NW];
+    __device__ __forceinline__ void load(const u8* s) {
+#pragma unroll
+        for (int i = 0; i < NW; i++) {
+            if (BITS % 2 == 0) {
+                w[i] = reinterpret_cast<const u32*>(s)[i];
+            } else {
+                const unsigned short* hw = reinterpret_cast<const unsigned short*>(s);
+                w[i] = (u32)hw[2 * i] | (2 * i + 1 < BITS ? (u32)hw[2 * i + 1] << 16 : 0u);
+            }
+        }
+    }
+    __device__ __forceinline__ u32 operator[](int i) const {
+        const int bit = i * BITS, wd = bit / 32, sh = bit % 32;
+        u32 v = sh + BITS <= 32 ? w[wd] >> sh : __funnelshift_r(w[wd], w[wd + 1 < NW ? wd + 1 : wd], sh);
+        return v & ((1u << BITS) - 1);
+    }
+};
+
+// What a lane reads of one cached row: its key and value codes and their groups' parameters
+// (turbo: key scale and zero f16, value scale f16; affine: scale and bias bf16, low half
+// the scale), all loads issued together.
+struct LaneRow {
+    Codes16<KBITS> k;
+    Codes16<VBITS> v;
+    u32 kp, vp;
+    __device__ __forceinline__ void load(const u8* row, int j, int g, const RowLayout& L, int hd) {
+        const u8* vrow = row + L.k_bytes;
+        k.load(row + 2 * j * KBITS);
+        v.load(vrow + 2 * j * VBITS);
+#if TURBO
+        kp = *reinterpret_cast<const u32*>(row + L.k_codes + 4 * g);
+        vp = ld16(vrow + L.v_codes + 2 * g);
+#else
+        kp = ld16(row + L.k_codes + 2 * g) | ld16(row + L.k_codes + 2 * (hd / 64 + g)) << 16;
+        vp = ld16(vrow + L.v_codes + 2 * g) | ld16(vrow + L.v_codes + 2 * (hd / 64 + g)) << 16;
+#endif
+    }
+    // This lane's part of the score: scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ over its dims.
+    __device__ __forceinline__ float key_partial(const float (&qv)[DL], float qsum) const {
+        float dot = 0.f;
+#pragma unroll
+        for (int i = 0; i < DL; i++) dot = fmaf(qv[i], KSIGNED ? (float)(int)(signed char)k[i] : (float)k[i], dot);
+#if TURBO
+        float ks = h2f(kp & 0xffff), kz = h2f(kp >> 16);
+        return ks * dot + kz * ks * qsum;
+#else
+        return bf2f(kp & 0xffff) * dot + bf2f(kp >> 16) * qsum;
+#endif
+    }
+    // The online softmax's step for this row with score s: its values into acc.
+    __device__ __forceinline__ void value_step(float s, float& m, float& l, float (&acc)[DL],
+                                               const float* s_cent) const {
+        float mn = fmaxf(m, s), corr = __expf(m - mn), e = __expf(s - mn);
+        l = l * corr + e;
+#if TURBO
+        float vs = h2f(vp & 0xffff);
+#else
+        float vs = bf2f(vp & 0xffff), vb = bf2f(vp >> 16);
+#endif
+#pragma unroll
+        for (int i = 0; i < DL; i++) {
+#if TURBO
+            float val = s_cent[v[i]] * vs;
+#else
+            float val = vs * (float)v[i] + vb;
+#endif
+            acc[i] = acc[i] * corr + e * val;
+        }
+        m = mn;
+    }
+};
+
 // attention.cu's attention_split over quantized rows: grid (heads, m, splits), block 128.
-// Lane l holds q's dims [l·per, l·per + per) (per = hd/32, within one group).
-extern "C" __global__ void attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store,
-                                       const u32* __restrict__ tab, float* __restrict__ part_ml,
-                                       float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                                       const int* __restrict__ pos, int min_chunk, int max_splits, float scale,
-                                       int window, const int* __restrict__ tables, const int* __restrict__ row_tab) {
-    __shared__ float s_m[AW], s_l[AW], s_acc[AW][MAXD * 32];
+// A lane group of hd/16 lanes takes one position (each lane 16 dims, within one quantization
+// group), so a block scores 128·16/hd positions at once, QR per group per round with all
+// their loads issued before any is used; each group keeps an online softmax, and the groups
+// merge in a fixed order through shared memory into the split's partial. Deterministic.
+#define QR 4  // rows per lane group per round
+extern "C" __global__ void __launch_bounds__(128)
+    attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store, const u32* __restrict__ tab,
+                float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                const int* __restrict__ pos, int min_chunk, int max_splits, float scale, int window,
+                const int* __restrict__ tables, const int* __restrict__ row_tab) {
+    __shared__ float s_m[32], s_l[32], s_acc[32 * 64];  // groups · hd = 128 · 16 floats
     __shared__ float s_cent[TURBO ? 256 : 1];
     int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    int kvh = h / (heads / n_kv), per = hd / 32, d0 = lane * per, g = d0 / QG;
+    int lp = hd / DL, grp = threadIdx.x / lp, j = threadIdx.x % lp, groups = blockDim.x / lp;
+    int kvh = h / (heads / n_kv), d0 = j * DL, g = d0 / QG;
 #if TURBO
     for (int i = threadIdx.x; i < (1 << VBITS); i += blockDim.x) s_cent[i] = __uint_as_float(tab[TAB_CENT + i]);
     __syncthreads();
@@ -301,77 +374,53 @@ extern "C" __global__ void attention_q(const bf16_t* __restrict__ q, const u8* _
     int p0 = start + sp * chunk, p1 = min(len, p0 + chunk);
     long slot = ((long)t * heads + h) * splits + sp;
     const bf16_t* qh = q + ((long)t * heads + h) * hd;
-    float qv[MAXD], acc[MAXD], qsum = 0.f;
+    float qv[DL], acc[DL], qsum = 0.f;
 #pragma unroll
-    for (int i = 0; i < MAXD; i++) {
-        qv[i] = i < per ? bf2f(qh[d0 + i]) * scale : 0.f;
+    for (int i = 0; i < DL; i++) {
+        qv[i] = bf2f(qh[d0 + i]) * scale;
         qsum += qv[i];
         acc[i] = 0.f;
     }
     float m = -INFINITY, l = 0.f;
-    for (int p = p0 + warp; p < p1; p += AW) {
-        const u8* row = store + (kv_row(p, table) * n_kv + kvh) * L.bytes;
-        float dot = 0.f;
+    // Warp-uniform rounds (the group sums shuffle across the whole warp); a position past
+    // the split reads the split's first row and is not counted.
+    for (int base = p0; base < p1; base += QR * groups) {
+        LaneRow r[QR];
+        float sc[QR];
 #pragma unroll
-        for (int i = 0; i < MAXD; i++) {
-            if (i >= per) break;
-            u32 c = code_at<KBITS>(row, d0 + i);
-            float cf = KSIGNED ? (float)(signed char)c : (float)c;
-            dot = fmaf(qv[i], cf, dot);
+        for (int k = 0; k < QR; k++) {
+            int p = base + grp + k * groups;
+            r[k].load(store + (kv_row(p < p1 ? p : p0, table) * n_kv + kvh) * L.bytes, j, g, L, hd);
         }
-#if TURBO
-        float ks = h2f(ld16(row + L.k_codes + 4 * g)), kz = h2f(ld16(row + L.k_codes + 4 * g + 2));
-        float s = ks * dot + kz * ks * qsum;
-#else
-        float ks = bf2f(ld16(row + L.k_codes + 2 * g)), kb = bf2f(ld16(row + L.k_codes + 2 * (hd / 64 + g)));
-        float s = ks * dot + kb * qsum;
-#endif
-        s = warp_sum(s);
-        float mn = fmaxf(m, s), corr = __expf(m - mn), e = __expf(s - mn);
-        l = l * corr + e;
-        const u8* vrow = row + L.k_bytes;
-#if TURBO
-        float vs = h2f(ld16(vrow + L.v_codes + 2 * g));
-#else
-        float vs = bf2f(ld16(vrow + L.v_codes + 2 * g)), vb = bf2f(ld16(vrow + L.v_codes + 2 * (hd / 64 + g)));
-#endif
 #pragma unroll
-        for (int i = 0; i < MAXD; i++) {
-            if (i >= per) break;
-            u32 c = code_at<VBITS>(vrow, d0 + i);
-#if TURBO
-            float val = s_cent[c] * vs;
-#else
-            float val = vs * (float)c + vb;
-#endif
-            acc[i] = acc[i] * corr + e * val;
-        }
-        m = mn;
+        for (int k = 0; k < QR; k++) sc[k] = r[k].key_partial(qv, qsum);
+        for (int o = lp / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int k = 0; k < QR; k++) sc[k] += __shfl_xor_sync(0xffffffffu, sc[k], o);
+#pragma unroll
+        for (int k = 0; k < QR; k++)
+            if (base + grp + k * groups < p1) r[k].value_step(sc[k], m, l, acc, s_cent);
     }
-    if (lane == 0) {
-        s_m[warp] = m;
-        s_l[warp] = l;
+    if (j == 0) {
+        s_m[grp] = m;
+        s_l[grp] = l;
     }
 #pragma unroll
-    for (int i = 0; i < MAXD; i++)
-        if (i < per) s_acc[warp][d0 + i] = acc[i];
+    for (int i = 0; i < DL; i++) s_acc[grp * hd + d0 + i] = acc[i];
     __syncthreads();
-    if (warp == 0) {
-        float M = -INFINITY;
-        for (int w = 0; w < AW; w++) M = fmaxf(M, s_m[w]);
+    float M = -INFINITY;
+    for (int w = 0; w < groups; w++) M = fmaxf(M, s_m[w]);
+    if (threadIdx.x == 0) {
         float Lsum = 0.f;
-        for (int w = 0; w < AW; w++) Lsum += s_m[w] == -INFINITY ? 0.f : s_l[w] * __expf(s_m[w] - M);
-        if (lane == 0) {
-            part_ml[2 * slot] = M;
-            part_ml[2 * slot + 1] = Lsum;
-        }
-        for (int i = 0; i < per; i++) {
-            int dd = lane + 32 * i;
-            float o = 0.f;
-            for (int w = 0; w < AW; w++)
-                if (s_m[w] != -INFINITY) o += s_acc[w][dd] * __expf(s_m[w] - M);
-            part_acc[slot * hd + dd] = o;
-        }
+        for (int w = 0; w < groups; w++) Lsum += s_m[w] == -INFINITY ? 0.f : s_l[w] * __expf(s_m[w] - M);
+        part_ml[2 * slot] = M;
+        part_ml[2 * slot + 1] = Lsum;
+    }
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float o = 0.f;
+        for (int w = 0; w < groups; w++)
+            if (s_m[w] != -INFINITY) o += s_acc[w * hd + dd] * __expf(s_m[w] - M);
+        part_acc[slot * hd + dd] = o;
     }
 }
 

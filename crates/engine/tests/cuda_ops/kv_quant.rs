@@ -60,11 +60,12 @@ fn quantized_rope_attention_matches_cpu() {
     rope_attention_cases(gpu());
 }
 
-/// `quantized_rope_attention_matches_cpu` with prefill through flash attention over
-/// dequantized tiles (`FERROLM_FLASH_KVQ`; TurboQuant's output rotation undone after).
+/// `quantized_rope_attention_matches_cpu` (whose prefill runs flash attention over
+/// dequantized tiles, the default) with prefill through the split-K kernel instead
+/// (`FERROLM_FLASH_KVQ=0`).
 #[test]
-fn quantized_flash_prefill_matches_cpu() {
-    let cfg = CudaConfig { flash_quant_prefill: true, ..CudaConfig::default() };
+fn quantized_split_prefill_matches_cpu() {
+    let cfg = CudaConfig { flash_quant_prefill: false, ..CudaConfig::default() };
     rope_attention_cases(&Cuda::with_config(0, cfg).unwrap());
 }
 

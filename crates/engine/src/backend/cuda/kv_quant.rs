@@ -4,9 +4,9 @@
 //! RowCodec::encode) and read by attention_q, the split-K attention of attention.cu
 //! dequantizing in its inner loop, whose merge undoes TurboQuant's value rotation once per
 //! output head. Every path (decode, prefill, batched and invariant calls) takes these two
-//! kernels (the fused decode attention reads bf16 only), but for prefill with
-//! `CudaConfig::flash_quant_prefill`: flash attention over dequantized tiles (flash.rs),
-//! then `unrotate_rows`.
+//! kernels (the fused decode attention reads bf16 only), but prefill with
+//! `CudaConfig::flash_quant_prefill` (the default): flash attention over dequantized tiles
+//! (flash.rs), then `unrotate_rows`.
 
 use super::decode::QkNorm;
 use super::device::Cuda;
