@@ -264,44 +264,39 @@ extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_
 #endif
 }
 
-// A lane's 16 BITS-bit codes (16 consecutive dims) of an LSB-first stream: their 2·BITS
-// bytes at an even address, a multiple of 4 when BITS is even (a row's streams start at
-// multiples of 4 and a lane's codes at byte 2·j·BITS), loaded as words; code i (a constant
-// once unrolled) is then shifts of those words.
-#define DL 16  // dims per lane in attention_q
+#define DL 8  // dims per lane in attention_q
+#define QH 4  // most query heads per attention_q block (one GQA group's, sharing each row's decoding)
+#define QR 4  // rows per lane group per round
+
+// A lane's 8 BITS-bit codes of an LSB-first stream s (4-aligned): bytes [off, off + BITS),
+// off = j·BITS, within the two aligned words from off rounded down (BITS ≤ 5, or 8 with off
+// a multiple of 8). The second word is read only where the bytes reach it; it lies inside
+// the row (the group parameters, at least 4 bytes, follow each stream).
 template <int BITS>
-struct Codes16 {
-    static constexpr int NW = (2 * BITS + 3) / 4;
-    u32 w[NW];
-    __device__ __forceinline__ void load(const u8* s) {
-#pragma unroll
-        for (int i = 0; i < NW; i++) {
-            if (BITS % 2 == 0) {
-                w[i] = reinterpret_cast<const u32*>(s)[i];
-            } else {
-                const unsigned short* hw = reinterpret_cast<const unsigned short*>(s);
-                w[i] = (u32)hw[2 * i] | (2 * i + 1 < BITS ? (u32)hw[2 * i + 1] << 16 : 0u);
-            }
-        }
+struct Codes8 {
+    unsigned long long x;
+    __device__ __forceinline__ void load(const u8* s, int off) {
+        const u32* w = reinterpret_cast<const u32*>(s) + (off >> 2);
+        unsigned long long v = w[0];
+        if (BITS == 3 || BITS == 5 || BITS == 8) v |= (unsigned long long)w[1] << 32;
+        x = v >> (8 * (off & 3));
     }
     __device__ __forceinline__ u32 operator[](int i) const {
-        const int bit = i * BITS, wd = bit / 32, sh = bit % 32;
-        u32 v = sh + BITS <= 32 ? w[wd] >> sh : __funnelshift_r(w[wd], w[wd + 1 < NW ? wd + 1 : wd], sh);
-        return v & ((1u << BITS) - 1);
+        return (u32)(x >> (i * BITS)) & ((1u << BITS) - 1);
     }
 };
 
-// What a lane reads of one cached row: its key and value codes and their groups' parameters
-// (turbo: key scale and zero f16, value scale f16; affine: scale and bias bf16, low half
-// the scale), all loads issued together.
+// What a lane reads of one cached row, all loads issued together: its key and value codes
+// and their groups' parameters (turbo: key scale and zero f16, value scale f16; affine:
+// scale and bias bf16, the scale in the low half).
 struct LaneRow {
-    Codes16<KBITS> k;
-    Codes16<VBITS> v;
+    Codes8<KBITS> k;
+    Codes8<VBITS> v;
     u32 kp, vp;
     __device__ __forceinline__ void load(const u8* row, int j, int g, const RowLayout& L, int hd) {
         const u8* vrow = row + L.k_bytes;
-        k.load(row + 2 * j * KBITS);
-        v.load(vrow + 2 * j * VBITS);
+        k.load(row, j * KBITS);
+        v.load(vrow, j * VBITS);
 #if TURBO
         kp = *reinterpret_cast<const u32*>(row + L.k_codes + 4 * g);
         vp = ld16(vrow + L.v_codes + 2 * g);
@@ -310,57 +305,28 @@ struct LaneRow {
         vp = ld16(vrow + L.v_codes + 2 * g) | ld16(vrow + L.v_codes + 2 * (hd / 64 + g)) << 16;
 #endif
     }
-    // This lane's part of the score: scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ over its dims.
-    __device__ __forceinline__ float key_partial(const float (&qv)[DL], float qsum) const {
-        float dot = 0.f;
-#pragma unroll
-        for (int i = 0; i < DL; i++) dot = fmaf(qv[i], KSIGNED ? (float)(int)(signed char)k[i] : (float)k[i], dot);
-#if TURBO
-        float ks = h2f(kp & 0xffff), kz = h2f(kp >> 16);
-        return ks * dot + kz * ks * qsum;
-#else
-        return bf2f(kp & 0xffff) * dot + bf2f(kp >> 16) * qsum;
-#endif
-    }
-    // The online softmax's step for this row with score s: its values into acc.
-    __device__ __forceinline__ void value_step(float s, float& m, float& l, float (&acc)[DL],
-                                               const float* s_cent) const {
-        float mn = fmaxf(m, s), corr = __expf(m - mn), e = __expf(s - mn);
-        l = l * corr + e;
-#if TURBO
-        float vs = h2f(vp & 0xffff);
-#else
-        float vs = bf2f(vp & 0xffff), vb = bf2f(vp >> 16);
-#endif
-#pragma unroll
-        for (int i = 0; i < DL; i++) {
-#if TURBO
-            float val = s_cent[v[i]] * vs;
-#else
-            float val = vs * (float)v[i] + vb;
-#endif
-            acc[i] = acc[i] * corr + e * val;
-        }
-        m = mn;
-    }
 };
 
-// attention.cu's attention_split over quantized rows: grid (heads, m, splits), block 128.
-// A lane group of hd/16 lanes takes one position (each lane 16 dims, within one quantization
-// group), so a block scores 128·16/hd positions at once, QR per group per round with all
-// their loads issued before any is used; each group keeps an online softmax, and the groups
-// merge in a fixed order through shared memory into the split's partial. Deterministic.
-#define QR 4  // rows per lane group per round
+// attention.cu's attention_split over quantized rows for qb ≤ QH query heads of one KV group
+// per block: grid (heads / qb, m, splits · qb), block 128. Split s of a row (attention.cu's
+// chunk rule) is cut into qb parts, z = s·qb + part, so a call launches the blocks the bf16
+// kernel would; each query head's partials are its splits · qb parts. A lane group of hd/8
+// lanes takes one position (each lane 8 dims, within one quantization group), QR positions per
+// group per round with all their loads issued before any is used; each row's codes are
+// decoded once for the block's qb heads. Keys: scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ; each head keeps
+// an online softmax per group, rescaled once a round; TurboQuant values accumulate in the
+// rotated domain, affine values as scale·code with their biases summed apart. The groups
+// merge in a fixed order through shared memory. Deterministic.
 extern "C" __global__ void __launch_bounds__(128)
     attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store, const u32* __restrict__ tab,
                 float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
                 const int* __restrict__ pos, int min_chunk, int max_splits, float scale, int window,
-                const int* __restrict__ tables, const int* __restrict__ row_tab) {
-    __shared__ float s_m[32], s_l[32], s_acc[32 * 64];  // groups · hd = 128 · 16 floats
+                const int* __restrict__ tables, const int* __restrict__ row_tab, int qb) {
+    __shared__ float s_m[16 * QH], s_l[16 * QH], s_acc[QH * 128 * DL];  // groups · qb · (1, 1, hd)
     __shared__ float s_cent[TURBO ? 256 : 1];
-    int h = blockIdx.x, t = blockIdx.y, sp = blockIdx.z, splits = gridDim.z;
+    int t = blockIdx.y, z = blockIdx.z, zs = gridDim.z, h0 = blockIdx.x * qb;
     int lp = hd / DL, grp = threadIdx.x / lp, j = threadIdx.x % lp, groups = blockDim.x / lp;
-    int kvh = h / (heads / n_kv), d0 = j * DL, g = d0 / QG;
+    int kvh = h0 / (heads / n_kv), d0 = j * DL, g = d0 / QG;
 #if TURBO
     for (int i = threadIdx.x; i < (1 << VBITS); i += blockDim.x) s_cent[i] = __uint_as_float(tab[TAB_CENT + i]);
     __syncthreads();
@@ -371,56 +337,125 @@ extern "C" __global__ void __launch_bounds__(128)
     int start = window > 0 ? max(0, len - window) : 0, span = len - start;
     int chunk = min_chunk;
     while ((long)chunk * max_splits < span) chunk *= 2;
-    int p0 = start + sp * chunk, p1 = min(len, p0 + chunk);
-    long slot = ((long)t * heads + h) * splits + sp;
-    const bf16_t* qh = q + ((long)t * heads + h) * hd;
-    float qv[DL], acc[DL], qsum = 0.f;
+    int part = (chunk + qb - 1) / qb, c0 = start + (z / qb) * chunk;
+    int p0 = c0 + (z % qb) * part, p1 = min(min(len, c0 + chunk), p0 + part);
+    float qv[QH][DL], acc[QH][DL], qsum[QH], bacc[QH], m[QH], l[QH];
 #pragma unroll
-    for (int i = 0; i < DL; i++) {
-        qv[i] = bf2f(qh[d0 + i]) * scale;
-        qsum += qv[i];
-        acc[i] = 0.f;
+    for (int hq = 0; hq < QH; hq++) {
+        const bf16_t* qh = q + ((long)t * heads + h0 + min(hq, qb - 1)) * hd + d0;
+        qsum[hq] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DL; i++) {
+            qv[hq][i] = bf2f(qh[i]) * scale;
+            qsum[hq] += qv[hq][i];
+            acc[hq][i] = 0.f;
+        }
+        bacc[hq] = 0.f;
+        m[hq] = -INFINITY;
+        l[hq] = 0.f;
     }
-    float m = -INFINITY, l = 0.f;
     // Warp-uniform rounds (the group sums shuffle across the whole warp); a position past
-    // the split reads the split's first row and is not counted.
+    // the part reads the part's first row and is not counted.
     for (int base = p0; base < p1; base += QR * groups) {
         LaneRow r[QR];
-        float sc[QR];
 #pragma unroll
         for (int k = 0; k < QR; k++) {
             int p = base + grp + k * groups;
             r[k].load(store + (kv_row(p < p1 ? p : p0, table) * n_kv + kvh) * L.bytes, j, g, L, hd);
         }
+        float sc[QR][QH];
 #pragma unroll
-        for (int k = 0; k < QR; k++) sc[k] = r[k].key_partial(qv, qsum);
+        for (int k = 0; k < QR; k++) {
+            float kf[DL];
+#pragma unroll
+            for (int i = 0; i < DL; i++) kf[i] = KSIGNED ? (float)(int)(signed char)r[k].k[i] : (float)r[k].k[i];
+#if TURBO
+            float ks = h2f(r[k].kp & 0xffff), ko = h2f(r[k].kp >> 16) * ks;
+#else
+            float ks = bf2f(r[k].kp & 0xffff), ko = bf2f(r[k].kp >> 16);
+#endif
+#pragma unroll
+            for (int hq = 0; hq < QH; hq++) {
+                if (hq >= qb) break;
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < DL; i++) dot = fmaf(qv[hq][i], kf[i], dot);
+                sc[k][hq] = ks * dot + ko * qsum[hq];
+            }
+        }
         for (int o = lp / 2; o > 0; o >>= 1)
 #pragma unroll
-            for (int k = 0; k < QR; k++) sc[k] += __shfl_xor_sync(0xffffffffu, sc[k], o);
+            for (int k = 0; k < QR; k++)
 #pragma unroll
-        for (int k = 0; k < QR; k++)
-            if (base + grp + k * groups < p1) r[k].value_step(sc[k], m, l, acc, s_cent);
-    }
-    if (j == 0) {
-        s_m[grp] = m;
-        s_l[grp] = l;
+                for (int hq = 0; hq < QH; hq++)
+                    if (hq < qb) sc[k][hq] += __shfl_xor_sync(0xffffffffu, sc[k][hq], o);
+        // Each head's new max over the round's rows, and its softmax state rescaled once.
+#pragma unroll
+        for (int hq = 0; hq < QH; hq++) {
+            if (hq >= qb) break;
+            float mn = m[hq];
+#pragma unroll
+            for (int k = 0; k < QR; k++)
+                if (base + grp + k * groups < p1) mn = fmaxf(mn, sc[k][hq]);
+            float corr = mn == -INFINITY ? 1.f : __expf(m[hq] - mn);
+            l[hq] *= corr;
+            bacc[hq] *= corr;
+#pragma unroll
+            for (int i = 0; i < DL; i++) acc[hq][i] *= corr;
+            m[hq] = mn;
+        }
+#pragma unroll
+        for (int k = 0; k < QR; k++) {
+            if (base + grp + k * groups >= p1) continue;
+            float vf[DL];
+#if TURBO
+            float vs = h2f(r[k].vp & 0xffff), vb = 0.f;
+#pragma unroll
+            for (int i = 0; i < DL; i++) vf[i] = s_cent[r[k].v[i]];
+#else
+            float vs = bf2f(r[k].vp & 0xffff), vb = bf2f(r[k].vp >> 16);
+#pragma unroll
+            for (int i = 0; i < DL; i++) vf[i] = (float)r[k].v[i];
+#endif
+#pragma unroll
+            for (int hq = 0; hq < QH; hq++) {
+                if (hq >= qb) break;
+                float e = __expf(sc[k][hq] - m[hq]), w = e * vs;
+                l[hq] += e;
+                bacc[hq] = fmaf(e, vb, bacc[hq]);
+#pragma unroll
+                for (int i = 0; i < DL; i++) acc[hq][i] = fmaf(w, vf[i], acc[hq][i]);
+            }
+        }
     }
 #pragma unroll
-    for (int i = 0; i < DL; i++) s_acc[grp * hd + d0 + i] = acc[i];
+    for (int hq = 0; hq < QH; hq++) {
+        if (hq >= qb) break;
+        if (j == 0) {
+            s_m[hq * groups + grp] = m[hq];
+            s_l[hq * groups + grp] = l[hq];
+        }
+#pragma unroll
+        for (int i = 0; i < DL; i++) s_acc[(hq * groups + grp) * hd + d0 + i] = acc[hq][i] + bacc[hq];
+    }
     __syncthreads();
-    float M = -INFINITY;
-    for (int w = 0; w < groups; w++) M = fmaxf(M, s_m[w]);
-    if (threadIdx.x == 0) {
-        float Lsum = 0.f;
-        for (int w = 0; w < groups; w++) Lsum += s_m[w] == -INFINITY ? 0.f : s_l[w] * __expf(s_m[w] - M);
-        part_ml[2 * slot] = M;
-        part_ml[2 * slot + 1] = Lsum;
-    }
-    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-        float o = 0.f;
-        for (int w = 0; w < groups; w++)
-            if (s_m[w] != -INFINITY) o += s_acc[w * hd + dd] * __expf(s_m[w] - M);
-        part_acc[slot * hd + dd] = o;
+    for (int hq = 0; hq < qb; hq++) {
+        const float *hm = s_m + hq * groups, *hl = s_l + hq * groups;
+        long slot = ((long)t * heads + h0 + hq) * zs + z;
+        float M = -INFINITY;
+        for (int w = 0; w < groups; w++) M = fmaxf(M, hm[w]);
+        if (threadIdx.x == 0) {
+            float Lsum = 0.f;
+            for (int w = 0; w < groups; w++) Lsum += hm[w] == -INFINITY ? 0.f : hl[w] * __expf(hm[w] - M);
+            part_ml[2 * slot] = M;
+            part_ml[2 * slot + 1] = Lsum;
+        }
+        for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+            float o = 0.f;
+            for (int w = 0; w < groups; w++)
+                if (hm[w] != -INFINITY) o += s_acc[(hq * groups + w) * hd + dd] * __expf(hm[w] - M);
+            part_acc[slot * hd + dd] = o;
+        }
     }
 }
 

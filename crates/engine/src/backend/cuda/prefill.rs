@@ -124,19 +124,26 @@ impl Cuda {
     ) -> Result<()> {
         let pos = self.steps.pos(self, "attention")?;
         let hd = kv.head_dim;
-        // A captured step replays at later positions: its splits cover the whole store.
-        // Otherwise the call's longest sequence (a shared store may be far larger).
-        // An engine call's graph fixes its split count (steps.rs `call`) and its scratch is
-        // kept (the graph points at it); splits past a sequence's length are empty.
-        let (splits, kept) = match self.steps.call_splits() {
-            0 => {
-                let span = match self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed) {
-                    true => kv.max_seq(),
-                    false => self.steps.end().clamp(1, kv.max_seq()),
-                };
-                (attention_splits(span, &self.cfg), None)
-            }
-            n => (n, Some(self.scratch.attention(self, rows * heads, n, hd)?)),
+        // A quantized store's blocks take qb heads of a KV group and cut each split into qb
+        // parts (kv_quant.cu's attention_q): a head's partials are its splits' parts.
+        let qb = match kv.quant {
+            Some(_) => quant_heads_per_block(heads, kv.width / hd),
+            None => 1,
+        };
+        // An engine call's graph fixes its split count (steps.rs `call`) and keeps its
+        // scratch. A single row (a sequence's decode step: its dry pass, capture or eager
+        // run alike) covers the whole store, since its graph replays at later positions, and
+        // keeps its scratch too (made in the dry pass, not during the capture); another
+        // capture covers the whole store with scratch of its own graph; other calls their
+        // longest sequence (a shared store may be far larger). Splits past a row's length
+        // are empty: its chunk is a function of its own length, not of the count.
+        let capturing = self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed);
+        let whole = attention_splits(kv.max_seq(), &self.cfg) * qb;
+        let (splits, kept) = match (self.steps.call_splits(), rows == 1, capturing) {
+            (0, true, _) => (whole, Some(self.scratch.attention(self, heads, whole, hd)?)),
+            (0, false, true) => (whole, None),
+            (0, false, false) => (attention_splits(self.steps.end().clamp(1, kv.max_seq()), &self.cfg) * qb, None),
+            (n, _, _) => (n * qb, Some(self.scratch.attention(self, rows * heads, n * qb, hd)?)),
         };
         let slots = rows * heads * splits;
         let (ml, acc);
@@ -160,7 +167,7 @@ impl Cuda {
             }
         };
         let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
-        let args = [
+        let mut args = vec![
             q,
             store[0],
             store[1],
@@ -177,8 +184,11 @@ impl Cuda {
             tables[0],
             tables[1],
         ];
+        if kv.quant.is_some() {
+            args.push(KArg::I32(qb as i32));
+        }
         let c = LaunchConfig {
-            grid_dim: (heads as u32, rows as u32, splits as u32),
+            grid_dim: ((heads / qb) as u32, rows as u32, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -240,6 +250,13 @@ impl Cuda {
 pub(crate) fn attention_splits(span: usize, cfg: &super::CudaConfig) -> usize {
     let (min_chunk, max_splits) = attention_chunking(cfg);
     span.div_ceil(min_chunk).clamp(1, max_splits)
+}
+
+/// Query heads per block of kv_quant.cu's attention_q (its QH, 4, at most): the largest
+/// divisor of the GQA group that fits, so a block decodes each row once for them all.
+pub(crate) fn quant_heads_per_block(heads: usize, n_kv: usize) -> usize {
+    let group = (heads / n_kv.max(1)).max(1);
+    (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1)
 }
 
 /// The configuration's (smallest chunk, most splits), at least 1 each: the kernel's
