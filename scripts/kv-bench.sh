@@ -4,8 +4,9 @@
 #      LLAMA_BENCH llama.cpp's llama-bench at the same depth with f16 and q8_0 caches (-fa 1);
 #   2. serving at a fixed KV budget (SERVE_BUDGET set): `ferrolm serve --kv S --kv-memory B`
 #      per scheme in SERVE_SCHEMES, driven by scripts/serve-bench.py with STREAMS clients of
-#      ~3.5k-token prompts (4k-context streams); the most requests running at once (polled
-#      from /metrics) and the aggregate output tokens/s.
+#      2,800-word prompts (~3k tokens) and 256 new tokens (4k-context streams); from
+#      /metrics the most requests running at once, the most KV blocks held and the
+#      preemptions, and the aggregate output tokens/s and engine steps.
 # Reports (JSON) in $OUT, a table on stdout.
 #   usage: scripts/kv-bench.sh BIN_DIR MODEL.gguf
 #   env:   DEPTHS         depths (default "1024 32768")
@@ -42,13 +43,16 @@ if [[ -n ${SERVE_BUDGET:-} ]]; then
       --max-batch "${STREAMS:-256}" --max-context 4096 >"$out/serve-$(name "$s").log" 2>&1 &
     pid=$!
     python3 - "$out/serve-$(name "$s").peak" <<'PY' &
-import re, sys, time, urllib.request
-peak, t0 = 0, time.time()
+import json, re, sys, time, urllib.request
+peak, t0 = {"running": 0, "kv_blocks_used": 0, "preemptions": 0}, time.time()
+names = {"running": "ferrolm_requests_running", "kv_blocks_used": "ferrolm_kv_blocks_used",
+         "preemptions": "ferrolm_preemptions_total"}
 while time.time() - t0 < 900:
     try:
         m = urllib.request.urlopen("http://127.0.0.1:18090/metrics", timeout=1).read().decode()
-        peak = max(peak, int(float(re.search(r"^ferrolm_requests_running (\S+)", m, re.M).group(1))))
-        open(sys.argv[1], "w").write(str(peak))
+        for k, n in names.items():
+            peak[k] = max(peak[k], int(float(re.search(rf"^{n} (\S+)", m, re.M).group(1))))
+        open(sys.argv[1], "w").write(json.dumps(peak))
     except Exception:
         pass
     time.sleep(0.25)
@@ -59,7 +63,7 @@ PY
       sleep 1
     done
     python3 "$here/scripts/serve-bench.py" --url http://127.0.0.1:18090 --concurrency "${STREAMS:-256}" \
-      --prompt-tokens 3500 --max-tokens 512 --requests-per-client 1 >"$out/serve-$(name "$s").json" ||
+      --prompt-tokens 2800 --max-tokens 256 --requests-per-client 1 >"$out/serve-$(name "$s").json" ||
       echo "serve-bench --kv $s failed" >&2
     kill $poll 2>/dev/null
     kill -TERM $pid
@@ -87,8 +91,10 @@ for p in sorted(glob.glob(os.path.join(out, "llama-*.json"))):
             print(f"| llama.cpp | {r.get('type_k')} | {r.get('n_depth')} | {r['avg_ts']:.1f} | | |")
 for p in sorted(glob.glob(os.path.join(out, "serve-*.json"))):
     s = os.path.basename(p)[len("serve-"):-len(".json")]
-    peak = open(p[:-5] + ".peak").read() if os.path.exists(p[:-5] + ".peak") else "?"
+    peak = json.load(open(p[:-5] + ".peak")) if os.path.exists(p[:-5] + ".peak") else {}
     for lv in json.load(open(p))["levels"]:
-        print(f"| ferrolm serve {s} | streams running at most {peak} of {lv['concurrency']} | 4k | "
-              f"{lv['output_tokens_per_s']:.1f} aggregate | | errors {lv['errors']} |")
+        steps = lv.get("engine", {}).get("steps", "?")
+        print(f"| ferrolm serve {s} | {lv['concurrency']} clients: at most {peak.get('running', '?')} running, "
+              f"{peak.get('kv_blocks_used', '?')} KV blocks held, {peak.get('preemptions', '?')} preemptions, "
+              f"{steps} steps | 4k | {lv['output_tokens_per_s']:.1f} aggregate | | errors {lv['errors']} |")
 PY

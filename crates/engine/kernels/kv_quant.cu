@@ -220,6 +220,8 @@ extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_
                                      const int* __restrict__ tables, const int* __restrict__ row_tab) {
     __shared__ float s_x[HD_MAX], s_red[32], s_gp[2 * HD_MAX / 32];
     __shared__ u8 s_code[HD_MAX];
+    pdl_trigger();
+    pdl_wait();
     int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x, p = pos[t];
     bool isq = slot < heads;
     if ((isq && !q_out) || (!isq && p < 0)) return;
@@ -317,6 +319,8 @@ struct LaneRow {
 // an online softmax per group, rescaled once a round; TurboQuant values accumulate in the
 // rotated domain, affine values as scale·code with their biases summed apart. The groups
 // merge in a fixed order through shared memory. Deterministic.
+// Not capped for four blocks per SM: at 128 registers (from ~150, three blocks) the 8B
+// shape's decode at depth 32768 fell from 146 to 135 tok/s (spills; H200).
 extern "C" __global__ void __launch_bounds__(128)
     attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store, const u32* __restrict__ tab,
                 float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
@@ -324,6 +328,7 @@ extern "C" __global__ void __launch_bounds__(128)
                 const int* __restrict__ tables, const int* __restrict__ row_tab, int qb) {
     __shared__ float s_m[16 * QH], s_l[16 * QH], s_acc[QH * 128 * DL];  // groups · qb · (1, 1, hd)
     __shared__ float s_cent[TURBO ? 256 : 1];
+    pdl_trigger();
     int t = blockIdx.y, z = blockIdx.z, zs = gridDim.z, h0 = blockIdx.x * qb;
     int lp = hd / DL, grp = threadIdx.x / lp, j = threadIdx.x % lp, groups = blockDim.x / lp;
     int kvh = h0 / (heads / n_kv), d0 = j * DL, g = d0 / QG;
@@ -331,6 +336,7 @@ extern "C" __global__ void __launch_bounds__(128)
     for (int i = threadIdx.x; i < (1 << VBITS); i += blockDim.x) s_cent[i] = __uint_as_float(tab[TAB_CENT + i]);
     __syncthreads();
 #endif
+    pdl_wait();  // the table is the store's own; q, the rows, positions and tables may be new
     RowLayout L = row_layout(hd);
     int len = pos[t] + 1;
     const int* table = tables + row_tab[t];
@@ -483,6 +489,8 @@ extern "C" __global__ void attention_merge_q(const float* __restrict__ part_ml, 
                                              bf16_t* __restrict__ out, int heads, int hd, int splits,
                                              const u32* __restrict__ tab, float had_scale) {
     __shared__ float s_o[HD_MAX];
+    pdl_trigger();
+    pdl_wait();
     int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
     long base = ((long)t * heads + h) * splits;
     float M = -INFINITY;

@@ -151,7 +151,7 @@ impl Cuda {
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(&f, c, &args, super::context::Order::Serial, "kv_encode launch")
+        self.launch(&f, c, &args, super::context::Order::Overlap, "kv_encode launch")
     }
 
     /// TurboQuant's value rotation undone on every head of `x` (flash prefill's output).

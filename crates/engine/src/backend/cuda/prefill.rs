@@ -192,8 +192,14 @@ impl Cuda {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        // Matches attention.cu's attention_split; scratch sized [m, heads, splits].
-        self.launch(&a, c, &args, Order::Serial, "attention launch")?;
+        // Matches attention.cu's attention_split; scratch sized [m, heads, splits]. The
+        // quantized kernels wait (pdl_wait) for what the kernel before them wrote, so they
+        // may launch while it ends; attention.cu's split and merge may not.
+        let order = match kv.quant {
+            Some(_) => Order::Overlap,
+            None => Order::Serial,
+        };
+        self.launch(&a, c, &args, order, "attention launch")?;
         let mut merge_args = vec![
             ml_arg,
             acc_arg,
@@ -204,7 +210,7 @@ impl Cuda {
         ];
         merge_args.extend(merge_extra.into_iter().flatten());
         let merge_grid = cfg((heads as u32, rows as u32), hd as u32);
-        self.launch(&mg, merge_grid, &merge_args, Order::Serial, "attention merge launch")?;
+        self.launch(&mg, merge_grid, &merge_args, order, "attention merge launch")?;
         // Scratch made here is freed when this returns: cudarc frees it stream-ordered, after
         // the merge has read it.
         Ok(())
