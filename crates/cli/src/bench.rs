@@ -132,6 +132,7 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
             "model_file_bytes": l.file_bytes,
             "kv_cache_bytes": kv_bytes,
             "kv_scheme": l.model.kv_scheme().to_string(),
+            "kv_start": l.model.kv_start(),
             "kv_bytes_per_token": kv_token_bytes,
             "synthetic": l.synthetic,
             "depth": a.depth,

@@ -89,15 +89,28 @@ pub fn prepared_source(arg: &crate::ModelArg) -> Result<(ModelSource, Tokenizer)
 
 /// The model with its caches in `--kv`'s scheme (refused here when the model or the
 /// device cannot take it).
+impl AnyModel {
+    /// `--kv-start`: the caches keep each sequence's first `positions` in bf16.
+    pub fn set_kv_start(&mut self, positions: usize) -> Result<()> {
+        match self {
+            AnyModel::Cpu(l) => l.model.set_kv_start(positions)?,
+            AnyModel::Cuda(l) => l.model.set_kv_start(positions).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?,
+        }
+        Ok(())
+    }
+}
+
 pub fn model_with_kv(arg: &crate::ModelArg, kv: &crate::KvArg) -> Result<AnyModel> {
-    let scheme = ferrolm::kv::scheme::KvScheme::parse(&kv.kv)?;
+    let scheme = kv.scheme()?;
     Ok(match model(arg)? {
         AnyModel::Cpu(mut l) => {
             l.model.set_kv_scheme(scheme)?;
+            l.model.set_kv_start(kv.kv_start)?;
             AnyModel::Cpu(l)
         }
         AnyModel::Cuda(mut l) => {
             l.model.set_kv_scheme(scheme).map_err(|e| anyhow::anyhow!("--kv {}: {e}", kv.kv))?;
+            l.model.set_kv_start(kv.kv_start).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?;
             AnyModel::Cuda(l)
         }
     })

@@ -76,6 +76,24 @@ pub struct KvArg {
     /// (head dims 64, 128 and 256 on CUDA).
     #[arg(long, default_value = "bf16")]
     pub kv: String,
+    /// Keep each sequence's first N positions unquantized (bf16) in a quantized cache,
+    /// in whole blocks of 32 (rounded up); docs/kv.md.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub kv_start: usize,
+}
+
+impl KvArg {
+    /// The scheme, and `--kv-start` refused where it means nothing (a bf16 cache).
+    pub fn scheme(&self) -> anyhow::Result<ferrolm::kv::scheme::KvScheme> {
+        let scheme = ferrolm::kv::scheme::KvScheme::parse(&self.kv)?;
+        if self.kv_start > 0 && scheme == ferrolm::kv::scheme::KvScheme::Bf16 {
+            anyhow::bail!(
+                "--kv-start {} keeps positions unquantized in a quantized cache: give --kv too",
+                self.kv_start
+            );
+        }
+        Ok(scheme)
+    }
 }
 
 fn main() {

@@ -100,7 +100,8 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         .with_max_level(tracing_subscriber::filter::LevelFilter::INFO)
         .init();
     let cuda = load::device_is_cuda(&a.model.device)?;
-    let scheme = ferrolm::kv::scheme::KvScheme::parse(&a.kv.kv)?;
+    let scheme = a.kv.scheme()?;
+    let kv_start = a.kv.kv_start;
     let (src, tokenizer) = load::prepared_source(&a.model)?;
     let fingerprint = ferrolm::kv::file::model_fingerprint(&src, &tokenizer);
     let cfg = EngineConfig {
@@ -118,6 +119,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 let mut src = src;
                 let mut m = Decoder::load(Cuda::new(0)?, &mut src)?;
                 m.set_kv_scheme(scheme)?;
+                m.set_kv_start(kv_start)?;
                 Ok(m)
             },
             cfg,
@@ -129,6 +131,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
                 let mut src = src;
                 let mut m = Decoder::load(Cpu, &mut src)?;
                 m.set_kv_scheme(scheme)?;
+                m.set_kv_start(kv_start)?;
                 Ok(m)
             },
             cfg,

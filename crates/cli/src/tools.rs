@@ -68,6 +68,10 @@ pub struct EvalText {
     /// comma-separated list: each scheme compared with the base, which runs once.
     #[arg(long, value_name = "SCHEME", default_value = "bf16")]
     kv: String,
+    /// Keep each chunk's first N positions unquantized (bf16) in a quantized cache, in
+    /// whole blocks of 32 (rounded up).
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    kv_start: usize,
 }
 
 /// The file's token ids as an evaluation reads them: BOS first where the model adds one.
@@ -90,7 +94,12 @@ pub struct PerplexityArgs {
 
 pub fn perplexity(a: PerplexityArgs) -> Result<()> {
     let text = read_text(None, Some(a.text.file.clone()))?;
-    crate::with_model!(load::model(&a.model)?, l => perplexity_on(l, a, text))
+    if a.text.kv_start > 0 && KvScheme::parse(&a.text.kv)? == KvScheme::Bf16 {
+        bail!("--kv-start {} keeps positions unquantized in a quantized cache: give --kv too", a.text.kv_start);
+    }
+    let mut model = load::model(&a.model)?;
+    model.set_kv_start(a.text.kv_start)?;
+    crate::with_model!(model, l => perplexity_on(l, a, text))
 }
 
 fn perplexity_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: PerplexityArgs, text: String) -> Result<()> {
@@ -139,7 +148,8 @@ pub fn kl(a: KlArgs) -> Result<()> {
     let text = read_text(None, Some(a.text.file.clone()))?;
     let kvs = a.text.kv.split(',').map(KvScheme::parse).collect::<ferrolm::Result<Vec<_>>>()?;
     let schemes = (KvScheme::parse(&a.base)?, kvs);
-    let model = load::model(&a.model)?;
+    let mut model = load::model(&a.model)?;
+    model.set_kv_start(a.text.kv_start)?;
     let Some(base_model) = &a.base_model else {
         if a.base_quantize.is_some() || schemes.1.contains(&schemes.0) {
             bail!("kl compares two things: give --base-model, or --kv (and --base) with different schemes");
@@ -148,7 +158,8 @@ pub fn kl(a: KlArgs) -> Result<()> {
     };
     let base_arg =
         ModelArg { model: Some(base_model.clone()), quantize: a.base_quantize.clone(), device: a.model.device.clone() };
-    let base = load::model(&base_arg).context("loading the base model")?;
+    let mut base = load::model(&base_arg).context("loading the base model")?;
+    base.set_kv_start(a.text.kv_start)?;
     crate::with_model!(base, b => crate::with_model!(model, m => kl_on(&b, &m, &a, &schemes, &text)))
 }
 

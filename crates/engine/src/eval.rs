@@ -105,9 +105,11 @@ pub fn kl_divergence<A: Backend, B: Backend>(
         )));
     }
     let ctx = models.iter().fold(ctx.min(base.cfg.max_ctx), |c, (m, _)| c.min(m.cfg.max_ctx));
-    let mut kb = SeqCache::with_scheme(&base.backend, &base.cfg, ctx, base_kv)?;
-    let mut caches =
-        models.iter().map(|(m, kv)| SeqCache::with_scheme(&m.backend, &m.cfg, ctx, kv)).collect::<Result<Vec<_>>>()?;
+    let mut kb = SeqCache::with_layout(&base.backend, &base.cfg, ctx, base_kv, base.kv_start)?;
+    let mut caches = models
+        .iter()
+        .map(|(m, kv)| SeqCache::with_layout(&m.backend, &m.cfg, ctx, kv, m.kv_start))
+        .collect::<Result<Vec<_>>>()?;
     let mut tallies: Vec<Tally> = models.iter().map(|_| Tally::default()).collect();
     let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");
     for chunk in tokens.chunks(ctx) {

@@ -514,7 +514,7 @@ pub fn perplexity<B: Backend>(
     let ctx = ctx.min(model.cfg.max_ctx);
     let vocab = model.logits_width();
     let mut out = Perplexity { tokens: tokens.len(), ..Default::default() };
-    let mut kv = crate::kv::seq::SeqCache::with_scheme(&model.backend, &model.cfg, ctx, kv_scheme)?;
+    let mut kv = crate::kv::seq::SeqCache::with_layout(&model.backend, &model.cfg, ctx, kv_scheme, model.kv_start)?;
     let bar = crate::progress::count_bar(progress, tokens.len() as u64, "tokens");
     for chunk in tokens.chunks(ctx) {
         bar.inc(chunk.len() as u64);

@@ -89,7 +89,7 @@ fn alone(model: &Decoder<Cpu>, prompts: &[Vec<u32>]) -> Vec<Vec<f32>> {
 fn logits_are_the_same_bits_alone_or_batched() {
     let (model, prompts) = model();
     let alone = alone(&model, &prompts);
-    let (checked, seqs) = run_batched(&model, &prompts, &alone, KvBlocks { full: 64, sliding: 0 }, 7);
+    let (checked, seqs) = run_batched(&model, &prompts, &alone, KvBlocks { full: 64, sliding: 0, head: 0 }, 7);
     assert!(checked > 20, "{checked} rows compared");
     // Some sequence's blocks were not consecutive in the store.
     let scattered = seqs.iter().any(|s| s.full.windows(2).any(|w| w[1] != w[0] + 1));
@@ -108,7 +108,7 @@ fn sliding_window_blocks_given_back_change_no_bit() {
     let alone = alone(&model, &prompts);
     // Sliding blocks for two windows and a step each: blocks must go back to fit.
     let per_seq = (model.cfg.sliding_window + 40).div_ceil(BLOCK) + 1;
-    let blocks = KvBlocks { full: 48, sliding: 2 * per_seq };
+    let blocks = KvBlocks { full: 48, sliding: 2 * per_seq, head: 0 };
     let (checked, seqs) = run_batched(&model, &prompts, &alone, blocks, 40);
     assert!(checked > 30, "{checked} rows compared");
     let released = seqs.iter().all(|s| s.sliding.contains(&ferrolm::kv::paged::NO_BLOCK));
@@ -118,7 +118,7 @@ fn sliding_window_blocks_given_back_change_no_bit() {
 #[test]
 fn tables_that_do_not_hold_a_call_are_refused() {
     let (model, prompts) = model();
-    let mut store = model.backend.kv_store(&model.cfg, KvBlocks { full: 2, sliding: 0 }).unwrap();
+    let mut store = model.backend.kv_store(&model.cfg, KvBlocks { full: 2, sliding: 0, head: 0 }).unwrap();
     let p = &prompts[0];
     let call = |spans: &[Span<'_>], store: &mut _| model.forward_spans(p, spans, store).unwrap_err().to_string();
     // A table too short, a block past the store, spans that do not cover the tokens.

@@ -257,7 +257,7 @@ fn matmuls_and_embeddings_match_cpu() {
         // Plain, and scaled as Gemma's are (√640).
         for scale in [1.0, 25.298_22] {
             let mut eg = g.act_poisoned(4, k, true).unwrap();
-            let t = InOrder::new(ferrolm::kv::KvBlocks { full: 1, sliding: 0 });
+            let t = InOrder::new(ferrolm::kv::KvBlocks { full: 1, sliding: 0, head: 0 });
             g.begin(&toks, &[t.span(0, toks.len())], false).unwrap();
             g.embed(&wg, &toks, scale, &mut eg).unwrap();
             let mut ec = c.act(4, k).unwrap();

@@ -109,3 +109,28 @@ fn foreign_files_are_refused_and_a_missing_one_is_none() {
     let e = Session::new(&model, 64).unwrap().restore_cache(&path, &fp).unwrap_err().to_string();
     assert!(e.contains("checksum"), "{e}");
 }
+
+/// `--kv-start`: a cache whose first 32 positions are bf16 beside quantized ones saves,
+/// restores and continues exactly (the file past the boundary), and a file saved with
+/// another `--kv-start` is refused by name.
+#[test]
+fn a_saved_cache_with_leading_bf16_positions_continues() {
+    let (mut model, tok, fp) = load(&smollm2());
+    let prompt = tok.encode("The history of the Roman Empire begins with", true).unwrap();
+    for scheme in ["turbo", "affine:4"] {
+        model.set_kv_scheme(KvScheme::parse(scheme).unwrap()).unwrap();
+        model.set_kv_start(20).unwrap();
+        assert_eq!(model.kv_start(), 32, "whole blocks");
+        save_restore_continue(&model, &fp, &prompt, 256, 30, 50);
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.kv");
+    let mut s = Session::new(&model, 128).unwrap();
+    greedy(&mut s, &prompt, 30);
+    s.save_cache(&path, &fp).unwrap();
+    drop(s);
+    assert_eq!(ferrolm::kv::file::read_header(&path).unwrap().kv_start, 32);
+    model.set_kv_start(0).unwrap();
+    let e = Session::new(&model, 128).unwrap().restore_cache(&path, &fp).unwrap_err().to_string();
+    assert!(e.contains("first 32 positions in bf16"), "{e}");
+}

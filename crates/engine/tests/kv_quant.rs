@@ -17,7 +17,17 @@ fn model() -> (Decoder<Cpu>, Tokenizer) {
 
 /// Logits of every position: the first `prefill` tokens in one call, the rest one a step.
 fn logits(m: &Decoder<Cpu>, scheme: &KvScheme, tokens: &[u32], prefill: usize) -> Vec<Vec<f32>> {
-    let mut kv = SeqCache::with_scheme(&m.backend, &m.cfg, tokens.len(), scheme).unwrap();
+    logits_from(m, (scheme, 0), tokens, prefill)
+}
+
+/// `logits` with the first `kv_start` positions kept in bf16 (`--kv-start`).
+fn logits_from(
+    m: &Decoder<Cpu>,
+    (scheme, kv_start): (&KvScheme, usize),
+    tokens: &[u32],
+    prefill: usize,
+) -> Vec<Vec<f32>> {
+    let mut kv = SeqCache::with_layout(&m.backend, &m.cfg, tokens.len(), scheme, kv_start).unwrap();
     let v = m.logits_width();
     let mut out: Vec<Vec<f32>> =
         m.forward(&tokens[..prefill], 0, &mut kv, Logits::All).unwrap().chunks(v).map(<[f32]>::to_vec).collect();
@@ -73,4 +83,25 @@ fn quantized_caches_stay_close_to_bf16() {
     }
     // Fewer bits cost more: affine 8 < 4; turbo values 8 < 3 < (4-bit keys, 2-bit values).
     assert!(kls[0] < kls[3] && kls[1] < kls[2] && kls[2] < kls[4], "{kls:?}");
+}
+
+/// `--kv-start`: the leading positions kept in bf16 beside quantized ones. Keeping all of
+/// them reproduces the bf16 cache (TurboQuant's values are kept rotated, so within bf16
+/// rounding); keeping the first 64 costs less than quantizing everything.
+#[test]
+fn leading_positions_kept_in_bf16_cost_less() {
+    let (m, tok) = model();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/corpus/kjv-genesis-1-24.txt"))
+        .unwrap();
+    let ids: Vec<u32> = tok.encode(&text, false).unwrap().into_iter().take(160).collect();
+    let base = logits(&m, &KvScheme::Bf16, &ids, 100);
+    for s in ["turbo:k4v2", "affine:4"] {
+        let scheme = KvScheme::parse(s).unwrap();
+        let (all_q, _) = compare(&base, &logits(&m, &scheme, &ids, 100));
+        let (some, _) = compare(&base, &logits_from(&m, (&scheme, 64), &ids, 100));
+        let (none, same) = compare(&base, &logits_from(&m, (&scheme, 160), &ids, 100));
+        eprintln!("{s}: mean KL quantized {all_q:.5}, first 64 in bf16 {some:.5}, all in bf16 {none:.6}");
+        assert!(some < all_q, "{s}: keeping 64 positions in bf16 ({some}) should cost less than none ({all_q})");
+        assert!(none < 1e-3 && same >= 0.99, "{s}: all in bf16: mean KL {none}, same top token {same}");
+    }
 }

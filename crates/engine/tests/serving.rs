@@ -301,16 +301,69 @@ fn sliding_window_prefix_hits_give_the_cold_tokens() {
 
 /// An engine whose model keeps its caches in `scheme`.
 fn engine_with(scheme: &str, cfg: EngineConfig) -> Engine {
+    engine_from(scheme, 0, cfg)
+}
+
+/// `engine_with`, the first `kv_start` positions of each request kept in bf16.
+fn engine_from(scheme: &str, kv_start: usize, cfg: EngineConfig) -> Engine {
     let scheme = ferrolm::kv::scheme::KvScheme::parse(scheme).unwrap();
     Engine::start(
         move || {
             let mut m = load()?;
             m.set_kv_scheme(scheme)?;
+            m.set_kv_start(kv_start)?;
             Ok(m)
         },
         cfg,
     )
     .unwrap()
+}
+
+/// `--kv-start 32` in the serving engine: each request's first block is bf16 (a pool of
+/// its own), the rest turbo:k8v3; requests batched, waiting for head blocks, and one
+/// starting from a cached prefix that spans both pools give what a session with the same
+/// cache gives.
+#[test]
+fn leading_bf16_blocks_batch_and_share_prefixes() {
+    let tok = tokenizer();
+    let mut model = load().unwrap();
+    model.set_kv_scheme(ferrolm::kv::scheme::KvScheme::parse("turbo").unwrap()).unwrap();
+    model.set_kv_start(32).unwrap();
+    let ps: Vec<Vec<u32>> = prompts(&tok).into_iter().take(4).collect();
+    let want: Vec<Vec<u32>> = ps.iter().map(|p| alone(&model, p, 40 - p.len())).collect();
+    // Two head blocks (at most half the budget) and seven of turbo rows.
+    let (qb, hb) = (
+        ferrolm::kv::block_bytes(&model.cfg, model.kv_scheme()).0,
+        ferrolm::kv::block_bytes(&model.cfg, &ferrolm::kv::scheme::KvScheme::Bf16).0,
+    );
+    let e =
+        engine_from("turbo", 32, EngineConfig { max_batch: 4, kv_memory: Some(4 * hb + 2 * qb), ..Default::default() });
+    let rxs: Vec<_> = ps
+        .iter()
+        .map(|p| {
+            let (s, rx) = sink();
+            e.submit(greedy(p.clone(), 40 - p.len()), s).unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        let (ids, end) = collect(rx);
+        assert!(matches!(end, Event::Finished { reason: Finish::Length, .. }), "{end:?}");
+        assert_eq!(ids, want[i], "request {i}");
+    }
+    assert_eq!(e.stats().kv_blocks_total, 2 + 7, "{:?}", e.stats());
+    drop(e);
+    let e = engine_from("turbo", 32, EngineConfig { kv_memory: Some(64 * hb), ..Default::default() });
+    let long: Vec<u32> = ps.iter().flatten().copied().cycle().take(100).collect();
+    let mut other = long[..70].to_vec();
+    other.extend(&ps[1]);
+    for p in [&long, &other] {
+        let (s, rx) = sink();
+        e.submit(greedy(p.clone(), 6), s).unwrap();
+        let (ids, _) = collect(&rx);
+        assert_eq!(ids, alone(&model, p, 6));
+    }
+    assert_eq!(e.stats().cached_tokens, 64, "{:?}", e.stats());
 }
 
 /// A quantized cache (turbo:k8v3) in the serving engine: requests batched together, one

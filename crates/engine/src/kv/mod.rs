@@ -24,12 +24,15 @@ pub const BLOCK: usize = 32;
 pub const CALL_ROWS: usize = 512;
 
 /// Blocks of a store, per kind of layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KvBlocks {
     /// For the full-attention layers.
     pub full: usize,
     /// For the sliding-window layers (0 when the model has none).
     pub sliding: usize,
+    /// bf16 blocks for the full-attention layers' leading positions (`--kv-start`) in a
+    /// quantized store; block ids `full..full + head` (0: none).
+    pub head: usize,
 }
 
 /// One sequence's rows in a forward call: `rows` tokens at positions pos0.., whose keys
@@ -103,17 +106,26 @@ pub fn block_bytes(cfg: &ModelConfig, scheme: &scheme::KvScheme) -> (usize, usiz
     (full, sliding)
 }
 
-/// Store bytes of `blocks` in `scheme`'s rows.
+/// Leading blocks of a sequence kept in bf16 for `kv_start` positions (`--kv-start`, whole
+/// blocks) under `scheme`: none in bf16, where every block is.
+pub fn head_blocks(scheme: &scheme::KvScheme, kv_start: usize) -> usize {
+    match scheme {
+        scheme::KvScheme::Bf16 => 0,
+        _ => kv_start.div_ceil(BLOCK),
+    }
+}
+
+/// Store bytes of `blocks` in `scheme`'s rows (its head blocks in bf16).
 pub fn store_bytes(cfg: &ModelConfig, scheme: &scheme::KvScheme, blocks: KvBlocks) -> usize {
     let (full, sliding) = block_bytes(cfg, scheme);
-    full * blocks.full + sliding * blocks.sliding
+    full * blocks.full + sliding * blocks.sliding + block_bytes(cfg, &scheme::KvScheme::Bf16).0 * blocks.head
 }
 
 /// Blocks for every position up to `max_seq` in every layer (nothing released): for
 /// backend-level tests and probes that drive one sequence through `InOrder` tables.
 pub fn blocks_for(cfg: &ModelConfig, max_seq: usize) -> KvBlocks {
     let full = max_seq.div_ceil(BLOCK);
-    KvBlocks { full, sliding: if has_sliding(cfg) { full } else { 0 } }
+    KvBlocks { full, sliding: if has_sliding(cfg) { full } else { 0 }, head: 0 }
 }
 
 /// One sequence's tables over a whole store, block i holding positions i·BLOCK.. (what

@@ -6,6 +6,11 @@
 //!
 //! Position p of a sequence lives in row `table[p / block] · block + p % block` of its
 //! layers' block storage.
+//!
+//! With `--kv-start` (`with_head`) a sequence's first `head` blocks of the full layers come
+//! from a second pool of bf16 blocks, whose ids follow the main pool's (store block
+//! `full.len() + i`), so one table and one row space address both; the store keeps those
+//! rows in bf16.
 
 use super::blocks::BlockPool;
 
@@ -45,6 +50,8 @@ pub struct PagedKv {
     pub full: BlockPool,
     /// The sliding layers' pool and window.
     pub sliding: Option<(BlockPool, usize)>,
+    /// The bf16 head blocks' pool and how many leading blocks of a sequence it holds.
+    pub head: Option<(BlockPool, usize)>,
 }
 
 impl PagedKv {
@@ -55,7 +62,49 @@ impl PagedKv {
             lag: 0,
             full: BlockPool::new(full_blocks),
             sliding: sliding.map(|(n, w)| (BlockPool::new(n), w)),
+            head: None,
         }
+    }
+
+    /// The same cache with every sequence's first `leading` blocks from a pool of `blocks`
+    /// bf16 blocks (`--kv-start`; none when `leading` is 0).
+    pub fn with_head(self, blocks: usize, leading: usize) -> PagedKv {
+        PagedKv { head: (leading > 0).then(|| (BlockPool::new(blocks), leading)), ..self }
+    }
+
+    /// Leading blocks of a sequence the head pool holds.
+    pub fn head_blocks(&self) -> usize {
+        self.head.as_ref().map_or(0, |(_, n)| *n)
+    }
+
+    /// The pool logical block `i` of a sequence comes from, and its ids' offset.
+    fn pool(&mut self, i: usize) -> (&mut BlockPool, u32) {
+        let offset = self.full.len() as u32;
+        match &mut self.head {
+            Some((pool, n)) if i < *n => (pool, offset),
+            _ => (&mut self.full, 0),
+        }
+    }
+
+    /// Whether `blocks` more blocks from logical block `from` on are free now (head and
+    /// main pools apart).
+    pub fn can_take(&self, from: usize, blocks: usize) -> bool {
+        let lead = self.head_blocks();
+        let head_need = lead.saturating_sub(from).min(blocks);
+        self.head.as_ref().is_none_or(|(pool, _)| pool.available() >= head_need)
+            && self.full.available() >= blocks - head_need
+    }
+
+    /// Whether a sequence of `blocks` blocks fits the pools at all.
+    pub fn holds(&self, blocks: usize) -> bool {
+        let head_need = self.head_blocks().min(blocks);
+        self.head.as_ref().is_none_or(|(pool, _)| pool.len() >= head_need) && self.full.len() >= blocks - head_need
+    }
+
+    /// Blocks held by sequences and in all, over both pools of the full layers.
+    pub fn usage(&self) -> (usize, usize) {
+        let (hu, hl) = self.head.as_ref().map_or((0, 0), |(p, _)| (p.used(), p.len()));
+        (self.full.used() + hu, self.full.len() + hl)
     }
 
     /// A sequence for `prompt`, holding the longest cached prefix of whole blocks that
@@ -64,9 +113,10 @@ impl PagedKv {
         let b = self.block;
         let mut s = SeqKv::default();
         let mut parent = 0;
-        for chunk in prompt[..prompt.len().saturating_sub(1)].chunks_exact(b) {
-            let Some((blk, h)) = self.full.lookup(parent, chunk) else { break };
-            s.full.push(blk);
+        for (i, chunk) in prompt[..prompt.len().saturating_sub(1)].chunks_exact(b).enumerate() {
+            let (pool, offset) = self.pool(i);
+            let Some((blk, h)) = pool.lookup(parent, chunk) else { break };
+            s.full.push(blk + offset);
             s.hashes.push(h);
             parent = h;
         }
@@ -88,8 +138,9 @@ impl PagedKv {
                 s.hashes.pop();
             }
         }
-        for &blk in &s.full {
-            self.full.retain(blk);
+        for (i, &blk) in s.full.iter().enumerate() {
+            let (pool, offset) = self.pool(i);
+            pool.retain(blk - offset);
         }
         if let Some((pool, _)) = &mut self.sliding {
             s.sliding.iter().filter(|&&x| x != NO_BLOCK).for_each(|&blk| pool.retain(blk));
@@ -118,11 +169,12 @@ impl PagedKv {
                 return Err(Exhausted);
             }
         }
-        if self.full.available() < new_full {
+        if !self.can_take(s.full.len(), new_full) {
             return Err(Exhausted);
         }
-        for _ in 0..new_full {
-            s.full.push(self.full.alloc().expect("counted above"));
+        while s.full.len() < need {
+            let (pool, offset) = self.pool(s.full.len());
+            s.full.push(pool.alloc().expect("counted above") + offset);
         }
         if let Some((pool, _)) = &mut self.sliding {
             while s.sliding.len() < need {
@@ -141,7 +193,8 @@ impl PagedKv {
             let i = s.hashes.len();
             let parent = if i == 0 { 0 } else { s.hashes[i - 1] };
             let chunk = &tokens[i * b..(i + 1) * b];
-            let h = self.full.publish(s.full[i], parent, chunk);
+            let (pool, offset) = self.pool(i);
+            let h = pool.publish(s.full[i] - offset, parent, chunk);
             if let Some((pool, _)) = &mut self.sliding {
                 if s.sliding[i] != NO_BLOCK {
                     pool.publish(s.sliding[i], parent, chunk);
@@ -165,7 +218,10 @@ impl PagedKv {
 
     /// The sequence is done (or preempted): its blocks go back, cached ones stay findable.
     pub fn free(&mut self, s: SeqKv) {
-        s.full.iter().for_each(|&blk| self.full.release(blk));
+        for (i, &blk) in s.full.iter().enumerate() {
+            let (pool, offset) = self.pool(i);
+            pool.release(blk - offset);
+        }
         if let Some((pool, _)) = &mut self.sliding {
             s.sliding.iter().filter(|&&x| x != NO_BLOCK).for_each(|&blk| pool.release(blk));
         }
@@ -252,5 +308,30 @@ mod tests {
         kv.free(s3);
         kv.reserve(&mut other, 8).unwrap();
         assert_eq!(kv.start(&p).cached, 0, "block 4 evicted too");
+    }
+
+    /// `--kv-start`: a sequence's first blocks come from the head pool (ids after the main
+    /// pool's), the rest from the main pool; prefixes are shared in both; a head pool
+    /// that runs out stops a reserve as the main one does.
+    #[test]
+    fn leading_blocks_come_from_the_head_pool() {
+        let mut kv = PagedKv::new(4, 8, None).with_head(3, 2);
+        let a: Vec<u32> = (0..14).collect();
+        let sa = fill(&mut kv, &a, 5);
+        assert_eq!(&sa.full[..2], &[8, 9], "head ids follow the main pool's 8");
+        assert!(sa.full[2..].iter().all(|&b| b < 8), "{:?}", sa.full);
+        assert_eq!((kv.full.used(), kv.usage()), (2, (4, 11)));
+        let sb = kv.start(&a[..9]);
+        assert_eq!((sb.cached, &sb.full[..]), (8, &sa.full[..2]));
+        assert!(kv.can_take(2, 6) && !kv.can_take(2, 7) && kv.can_take(0, 1) && !kv.can_take(0, 3));
+        assert!(kv.holds(10) && !kv.holds(11));
+        let mut sc = kv.start(&[7; 9]);
+        kv.reserve(&mut sc, 4).unwrap();
+        assert_eq!(kv.reserve(&mut sc, 8), Err(Exhausted), "one head block left for two");
+        kv.free(sa);
+        kv.free(sb);
+        kv.free(sc);
+        assert_eq!(kv.usage().0, 0);
+        assert_eq!(kv.start(&a).cached, 12, "both pools' blocks stay cached");
     }
 }

@@ -34,10 +34,25 @@ fn groups(scheme: &KvScheme) -> (usize, usize) {
 fn layout<B: Backend>(model: &Decoder<B>, store: &B::Kv) -> String {
     let c = &model.cfg;
     let rows: Vec<usize> = (0..c.n_layers).map(|l| model.backend.kv_row_bytes(store, l)).collect();
+    let start = match model.kv_start() {
+        0 => String::new(),
+        n => format!(", the full layers' first {n} positions in bf16"),
+    };
     format!(
-        "{} layers of {} KV heads x {}, row bytes {rows:?}, sliding window {}, block {BLOCK}",
+        "{} layers of {} KV heads x {}, row bytes {rows:?}, sliding window {}, block {BLOCK}{start}",
         c.n_layers, c.n_kv_heads, c.head_dim, c.sliding_window
     )
+}
+
+/// Payload bytes of `layer`'s positions `from..to`: the rows in the store's form, those
+/// before `--kv-start`'s positions in a full layer of a quantized cache in bf16 (key then
+/// value).
+fn span_bytes<B: Backend>(model: &Decoder<B>, store: &B::Kv, layer: usize, (from, to): (usize, usize)) -> usize {
+    let head = match is_sliding(&model.cfg, layer) {
+        true => 0,
+        false => model.kv_start().clamp(from, to.max(from)) - from,
+    };
+    head * 4 * model.cfg.n_kv_heads * model.cfg.head_dim + (to - from - head) * model.backend.kv_row_bytes(store, layer)
 }
 
 /// The store rows of `positions` through `table` (a released block is an error).
@@ -74,8 +89,7 @@ pub fn payload_starts<B: Backend>(model: &Decoder<B>, store: &B::Kv, len: usize,
     let mut starts = Vec::with_capacity(c.n_layers + 1);
     starts.push(0);
     for l in 0..c.n_layers {
-        let rows = len - first_position(c, l, len);
-        starts.push(starts[l] + rows * model.backend.kv_row_bytes(store, l));
+        starts.push(starts[l] + span_bytes(model, store, l, (first_position(c, l, len), len)));
     }
     match starts[c.n_layers] == payload {
         true => Ok(starts),
@@ -100,9 +114,9 @@ pub fn import_range<B: Backend>(
         }
         let table = if is_sliding(c, l) { sliding } else { full };
         let rows = table_rows(table, from..range.end)?;
-        let rb = b.kv_row_bytes(store, l);
-        let at = start + (from - first) * rb;
-        b.kv_import(store, l, &rows, &payload[at..at + rows.len() * rb])?;
+        let at = start + span_bytes(model, store, l, (first, from));
+        let n = span_bytes(model, store, l, (from, range.end));
+        b.kv_import(store, l, &rows, &payload[at..at + n])?;
     }
     Ok(())
 }
@@ -115,7 +129,8 @@ pub fn first_sliding_block(cfg: &ModelConfig, len: usize) -> usize {
 /// The header of a file of `tokens` from `model`'s caches (`store`'s layout).
 pub fn header<B: Backend>(model: &Decoder<B>, store: &B::Kv, fingerprint: &str, tokens: &[u32]) -> KvFileHeader {
     let scheme = model.kv_scheme();
-    KvFileHeader::new(fingerprint, &scheme.to_string(), groups(scheme), 0, tokens.to_vec(), &layout(model, store))
+    let (kv_start, layout) = (model.kv_start(), layout(model, store));
+    KvFileHeader::new(fingerprint, &scheme.to_string(), groups(scheme), kv_start, tokens.to_vec(), &layout)
 }
 
 /// What a file read for `model`'s caches (`store`'s layout) must be.

@@ -227,6 +227,16 @@ impl RowCodec {
         }
     }
 
+    /// A value vector into the domain attention accumulates rows' values in (turbo: the
+    /// rotation `encode` applies before quantizing; affine: as it is), for rows kept in
+    /// bf16 beside quantized ones (`--kv-start`).
+    pub fn to_accumulation(&self, v: &mut [f32]) -> crate::Result<()> {
+        match self.format {
+            Format::Affine { .. } => Ok(()),
+            Format::Turbo { .. } => tq::rotate(v, Precision::F32),
+        }
+    }
+
     /// The accumulated values out of the rotated domain (turbo); nothing for affine.
     pub fn finish_v(&self, acc: &mut [f32]) -> crate::Result<()> {
         match self.format {
@@ -236,16 +246,32 @@ impl RowCodec {
     }
 }
 
-/// Attention of one query head over quantized rows (causal span already chosen): softmax
-/// of scale·q·kₚ over the rows, then Σ pₚ·vₚ, in row order. out has head_dim values.
-pub fn attend_head(codec: &RowCodec, q: &[f32], rows: &[&[u8]], scale: f32, out: &mut [f32]) -> crate::Result<()> {
+/// One cached position of one KV head as attention reads it.
+#[derive(Clone, Copy, Debug)]
+pub enum KvRow<'a> {
+    /// Quantized, in the codec's layout.
+    Quant(&'a [u8]),
+    /// Kept in bf16 (`--kv-start`): the key as it is, the value in the accumulation domain
+    /// (`RowCodec::to_accumulation`).
+    Head(&'a [bf16], &'a [bf16]),
+}
+
+/// Attention of one query head over cached rows (causal span already chosen): softmax of
+/// scale·q·kₚ over the rows, then Σ pₚ·vₚ, in row order. out has head_dim values.
+pub fn attend_head(codec: &RowCodec, q: &[f32], rows: &[KvRow<'_>], scale: f32, out: &mut [f32]) -> crate::Result<()> {
     attend_group(codec, q, rows, scale, out)
 }
 
 /// `attend_head` for the query heads sharing one KV head (`qs` and `out`: heads × head_dim,
 /// consecutive): each row's codes are unpacked once for all of them. Compiled for AVX2 too,
 /// taken where the CPU has it: the same operations in the same order, in wider registers.
-pub fn attend_group(codec: &RowCodec, qs: &[f32], rows: &[&[u8]], scale: f32, out: &mut [f32]) -> crate::Result<()> {
+pub fn attend_group(
+    codec: &RowCodec,
+    qs: &[f32],
+    rows: &[KvRow<'_>],
+    scale: f32,
+    out: &mut [f32],
+) -> crate::Result<()> {
     #[cfg(target_arch = "x86_64")]
     if crate::backend::cpu::simd::has_avx2() {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
@@ -259,7 +285,7 @@ pub fn attend_group(codec: &RowCodec, qs: &[f32], rows: &[&[u8]], scale: f32, ou
 unsafe fn attend_group_avx2(
     codec: &RowCodec,
     qs: &[f32],
-    rows: &[&[u8]],
+    rows: &[KvRow<'_>],
     scale: f32,
     out: &mut [f32],
 ) -> crate::Result<()> {
@@ -267,16 +293,31 @@ unsafe fn attend_group_avx2(
 }
 
 #[inline(always)]
-fn attend_group_any(codec: &RowCodec, qs: &[f32], rows: &[&[u8]], scale: f32, out: &mut [f32]) -> crate::Result<()> {
+fn attend_group_any(
+    codec: &RowCodec,
+    qs: &[f32],
+    rows: &[KvRow<'_>],
+    scale: f32,
+    out: &mut [f32],
+) -> crate::Result<()> {
     let (hd, n) = (codec.head_dim, rows.len());
     let q_sums: Vec<Vec<f32>> = qs.chunks(hd).map(|q| codec.group_sums(q)).collect();
     let mut sc = codec.scratch();
     // Scores, head-major: [head][row].
     let mut e = vec![0f32; q_sums.len() * n];
     for (p, r) in rows.iter().enumerate() {
-        codec.key_codes(r, &mut sc.codes, &mut sc.groups);
-        for (j, (q, qs)) in qs.chunks(hd).zip(&q_sums).enumerate() {
-            e[j * n + p] = scale * codec.codes_dot(q, qs, &sc);
+        match r {
+            KvRow::Quant(r) => {
+                codec.key_codes(r, &mut sc.codes, &mut sc.groups);
+                for (j, (q, qs)) in qs.chunks(hd).zip(&q_sums).enumerate() {
+                    e[j * n + p] = scale * codec.codes_dot(q, qs, &sc);
+                }
+            }
+            KvRow::Head(k, _) => {
+                for (j, q) in qs.chunks(hd).enumerate() {
+                    e[j * n + p] = scale * q.iter().zip(k.iter()).map(|(a, b)| a * b.to_f32()).sum::<f32>();
+                }
+            }
         }
     }
     let mut sums = Vec::with_capacity(q_sums.len());
@@ -288,7 +329,10 @@ fn attend_group_any(codec: &RowCodec, qs: &[f32], rows: &[&[u8]], scale: f32, ou
     out.fill(0.0);
     let mut vals = vec![0f32; hd];
     for (p, r) in rows.iter().enumerate() {
-        codec.values(r, &mut vals, &mut sc);
+        match r {
+            KvRow::Quant(r) => codec.values(r, &mut vals, &mut sc),
+            KvRow::Head(_, v) => vals.iter_mut().zip(v.iter()).for_each(|(o, x)| *o = x.to_f32()),
+        }
         for (j, o) in out.chunks_mut(hd).enumerate() {
             let w = e[j * n + p] / sums[j];
             o.iter_mut().zip(&vals).for_each(|(a, v)| *a += w * v);
@@ -383,14 +427,23 @@ mod tests {
     }
 
     /// Attention over the dequantized copy, in f64: the reference.
-    fn reference(codec: &RowCodec, q: &[f32], rows: &[&[u8]], scale: f32) -> Vec<f64> {
+    fn reference(codec: &RowCodec, q: &[f32], rows: &[KvRow], scale: f32) -> Vec<f64> {
         let hd = q.len();
         let (mut k, mut v) = (vec![0f32; hd], vec![0f32; hd]);
         let mut scores = vec![];
         let mut vals = vec![];
         for r in rows {
-            codec.decode_k(r, &mut k);
-            codec.decode_v(r, &mut v).unwrap();
+            match r {
+                KvRow::Quant(r) => {
+                    codec.decode_k(r, &mut k);
+                    codec.decode_v(r, &mut v).unwrap();
+                }
+                KvRow::Head(hk, hv) => {
+                    k.iter_mut().zip(hk.iter()).for_each(|(o, x)| *o = x.to_f32());
+                    v.iter_mut().zip(hv.iter()).for_each(|(o, x)| *o = x.to_f32());
+                    codec.finish_v(&mut v).unwrap();
+                }
+            }
             scores.push(scale as f64 * q.iter().zip(&k).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>());
             vals.push(v.clone());
         }
@@ -414,16 +467,50 @@ mod tests {
                         codec.encode(&k, &v, Precision::F32, row).unwrap();
                     }
                     let rows: Vec<&[u8]> = store.chunks(codec.bytes()).collect();
+                    let kv_rows: Vec<KvRow> = rows.iter().map(|r| KvRow::Quant(r)).collect();
                     let q = randoms(hd, 99 + n as u64);
                     let scale = 1.0 / (hd as f32).sqrt();
                     let mut out = vec![0f32; hd];
-                    attend_head(&codec, &q, &rows, scale, &mut out).unwrap();
-                    let want = reference(&codec, &q, &rows, scale);
+                    attend_head(&codec, &q, &kv_rows, scale, &mut out).unwrap();
+                    let want = reference(&codec, &q, &kv_rows, scale);
                     let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-3);
                     let err = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt() / norm;
                     assert!(err < 2e-5, "{scheme} head_dim {hd}, {n} positions: relative error {err:.2e}");
                 }
             }
+        }
+    }
+
+    /// `--kv-start`'s rows: bf16 keys and accumulation-domain values before quantized ones
+    /// attend as the reference over the plain values.
+    #[test]
+    fn bf16_head_rows_attend_beside_quantized_ones() {
+        for scheme in ["affine:4", "turbo", "turbo:k4v2"] {
+            let codec = RowCodec::new(&KvScheme::parse(scheme).unwrap(), 0, 64).unwrap().unwrap();
+            let (hd, heads, n) = (64, 9, 40);
+            let mut store = vec![0u8; n * codec.bytes()];
+            for (p, row) in store.chunks_mut(codec.bytes()).enumerate() {
+                codec.encode(&randoms(hd, 7 + p as u64), &randoms(hd, 1000 + p as u64), Precision::F32, row).unwrap();
+            }
+            let (mut hk, mut hv) = (vec![bf16::ZERO; heads * hd], vec![bf16::ZERO; heads * hd]);
+            for p in 0..heads {
+                let mut v = randoms(hd, 2000 + p as u64);
+                codec.to_accumulation(&mut v).unwrap();
+                for (i, (k, v)) in randoms(hd, 3000 + p as u64).iter().zip(&v).enumerate() {
+                    (hk[p * hd + i], hv[p * hd + i]) = (bf16::from_f32(*k), bf16::from_f32(*v));
+                }
+            }
+            let rows: Vec<KvRow> = (0..heads)
+                .map(|p| KvRow::Head(&hk[p * hd..][..hd], &hv[p * hd..][..hd]))
+                .chain(store.chunks(codec.bytes()).map(KvRow::Quant))
+                .collect();
+            let q = randoms(hd, 5);
+            let mut out = vec![0f32; hd];
+            attend_head(&codec, &q, &rows, 0.125, &mut out).unwrap();
+            let want = reference(&codec, &q, &rows, 0.125);
+            let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt();
+            let err = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt() / norm;
+            assert!(err < 2e-5, "{scheme}: relative error {err:.2e}");
         }
     }
 
@@ -452,7 +539,7 @@ mod tests {
             for (p, row) in store.chunks_mut(codec.bytes()).enumerate() {
                 codec.encode(&randoms(hd, 3 + p as u64), &randoms(hd, 500 + p as u64), Precision::F32, row).unwrap();
             }
-            let rows: Vec<&[u8]> = store.chunks(codec.bytes()).collect();
+            let rows: Vec<KvRow> = store.chunks(codec.bytes()).map(KvRow::Quant).collect();
             let qs = randoms(3 * hd, 42);
             let mut together = vec![0f32; 3 * hd];
             attend_group(&codec, &qs, &rows, 0.125, &mut together).unwrap();

@@ -30,7 +30,7 @@ pub fn seq_blocks(cfg: &ModelConfig, max_seq: usize) -> KvBlocks {
         true => full.min((cfg.sliding_window + CALL_ROWS - 1 + RELEASE_LAG).div_ceil(BLOCK) + 1),
         false => 0,
     };
-    KvBlocks { full, sliding }
+    KvBlocks { full, sliding, head: 0 }
 }
 
 impl<B: Backend> SeqCache<B> {
@@ -40,11 +40,35 @@ impl<B: Backend> SeqCache<B> {
 
     /// A cache whose store holds `scheme`'s rows.
     pub fn with_scheme(b: &B, cfg: &ModelConfig, max_seq: usize, scheme: &super::scheme::KvScheme) -> Result<Self> {
-        let blocks = seq_blocks(cfg, max_seq);
-        let sliding = has_sliding(cfg).then_some((blocks.sliding, cfg.sliding_window));
-        let mut paged = PagedKv::new(BLOCK, blocks.full, sliding);
-        paged.lag = RELEASE_LAG;
-        Ok(SeqCache { store: b.kv_store_scheme(cfg, blocks, scheme)?, paged, seq: SeqKv::default(), max_seq })
+        Self::with_layout(b, cfg, max_seq, scheme, 0)
+    }
+
+    /// A cache whose store holds `scheme`'s rows but for the first `kv_start` positions
+    /// of the full-attention layers (whole blocks), kept in bf16 (`--kv-start`).
+    pub fn with_layout(
+        b: &B,
+        cfg: &ModelConfig,
+        max_seq: usize,
+        scheme: &super::scheme::KvScheme,
+        kv_start: usize,
+    ) -> Result<Self> {
+        let mut blocks = seq_blocks(cfg, max_seq);
+        let lead = super::head_blocks(scheme, kv_start).min(blocks.full);
+        (blocks.full, blocks.head) = (blocks.full - lead, lead);
+        Ok(SeqCache {
+            store: b.kv_store_scheme(cfg, blocks, scheme)?,
+            paged: Self::paged(blocks, has_sliding(cfg).then_some(cfg.sliding_window)),
+            seq: SeqKv::default(),
+            max_seq,
+        })
+    }
+
+    /// The tables' bookkeeping over a store of `blocks` (its head blocks a sequence's
+    /// first), sliding layers of `window` where the model has them.
+    fn paged(blocks: KvBlocks, window: Option<usize>) -> PagedKv {
+        let sliding = window.map(|w| (blocks.sliding, w));
+        let paged = PagedKv::new(BLOCK, blocks.full, sliding).with_head(blocks.head, blocks.head);
+        PagedKv { lag: RELEASE_LAG, ..paged }
     }
 
     /// Positions the cache can hold.
@@ -64,7 +88,7 @@ impl<B: Backend> SeqCache<B> {
     /// Whether the sliding layers keep only their window (then a call writes at most
     /// CALL_ROWS positions).
     pub fn windowed(&self) -> bool {
-        self.paged.sliding.as_ref().is_some_and(|(pool, _)| pool.len() < self.paged.full.len())
+        self.paged.sliding.as_ref().is_some_and(|(pool, _)| pool.len() < self.paged.usage().1)
     }
 
     /// Blocks for `m` positions from pos0 (pos0 at most the length: earlier positions are
@@ -131,7 +155,9 @@ impl<B: Backend> SeqCache<B> {
     /// Start over, empty, as a new cache: the blocks handed out in order again (0, 1, …).
     pub fn clear(&mut self) {
         let sliding = self.paged.sliding.as_ref().map(|(pool, w)| (pool.len(), *w));
-        self.paged = PagedKv { lag: RELEASE_LAG, ..PagedKv::new(BLOCK, self.paged.full.len(), sliding) };
+        let head = self.paged.head_blocks();
+        let blocks = KvBlocks { full: self.paged.full.len(), sliding: sliding.map_or(0, |s| s.0), head };
+        self.paged = Self::paged(blocks, sliding.map(|s| s.1));
         self.seq = SeqKv::default();
     }
 }

@@ -76,6 +76,8 @@ pub struct Decoder<B: Backend> {
     pub(crate) session_pool: std::sync::Mutex<Vec<crate::generate::SessionParts<B>>>,
     /// How sessions' and the serving engine's caches store keys and values (kv_cache.rs).
     pub(crate) kv_scheme: crate::kv::scheme::KvScheme,
+    /// Leading positions kept in bf16 in a quantized cache (`--kv-start`, whole blocks).
+    pub(crate) kv_start: usize,
 }
 
 /// The first `rows` rows of the head (the embedding when tied) of shape `shape`: a padded
@@ -254,6 +256,7 @@ impl<B: Backend> Decoder<B> {
             call_work: std::sync::Mutex::new(Vec::new()),
             session_pool: std::sync::Mutex::new(Vec::new()),
             kv_scheme: crate::kv::scheme::KvScheme::Bf16,
+            kv_start: 0,
         })
     }
 
@@ -373,7 +376,10 @@ impl<B: Backend> Decoder<B> {
                 t.len() >= last && t[from..last].iter().all(|&b| b != NO_BLOCK && (b as usize) < n)
             };
             let window_from = (s.pos0 + 1).saturating_sub(c.sliding_window) / BLOCK;
-            if (full && !held(s.full, 0, blocks.full)) || (sliding && !held(s.sliding, window_from, blocks.sliding)) {
+            // The full layers' ids: the main blocks, then the bf16 head blocks (`--kv-start`).
+            if (full && !held(s.full, 0, blocks.full + blocks.head))
+                || (sliding && !held(s.sliding, window_from, blocks.sliding))
+            {
                 return Err(Error::Invalid(format!(
                     "forward: the block tables do not hold positions {}..{end}",
                     s.pos0

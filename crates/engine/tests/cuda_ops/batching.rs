@@ -28,7 +28,7 @@ fn run_counted<B: Backend>(
     plan: impl Fn(usize, usize, usize) -> usize,
 ) -> (Vec<Vec<f32>>, usize) {
     let v = model.logits_width();
-    let blocks = KvBlocks { full: 64, sliding: 0 };
+    let blocks = KvBlocks { full: 64, sliding: 0, head: 0 };
     let mut store = model.backend.kv_store(&model.cfg, blocks).unwrap();
     let mut paged = PagedKv::new(BLOCK, blocks.full, None);
     let mut seqs: Vec<SeqKv> = prompts.iter().map(|_| SeqKv::default()).collect();
@@ -149,7 +149,7 @@ fn device_argmax_of_a_call_is_the_hosts() {
     let (_, mg, tok) = smollm2();
     let texts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4, 5,"];
     let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
-    let blocks = KvBlocks { full: 16, sliding: 0 };
+    let blocks = KvBlocks { full: 16, sliding: 0, head: 0 };
     let mut store = mg.backend.kv_store(&mg.cfg, blocks).unwrap();
     let mut paged = PagedKv::new(BLOCK, blocks.full, None);
     let mut seqs: Vec<SeqKv> = prompts.iter().map(|_| SeqKv::default()).collect();

@@ -37,8 +37,8 @@ pub fn attention<'a>(
             let (seq, pos) = rows[t];
             let span = &spans[seq];
             let qs = &q[t * n_heads * hd + kvh * group * hd..][..group * hd];
-            let kv_rows: Vec<&[u8]> =
-                (attend.first(pos)..=pos).map(|p| kv.quant_row(layer, kv.row(layer, span, p), kvh)).collect();
+            let kv_rows: Vec<crate::kv::rows::KvRow> =
+                (attend.first(pos)..=pos).map(|p| kv.kv_row(layer, kv.row(layer, span, p), kvh)).collect();
             crate::kv::rows::attend_group(codec, qs, &kv_rows, scale, o)
         });
     }

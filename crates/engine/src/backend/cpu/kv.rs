@@ -1,9 +1,12 @@
 //! The CPU's KV store: per layer `[blocks·BLOCK, n_kv·hd]` bf16 for K and for V, the full
 //! layers' over the full blocks and the sliding layers' over theirs (`kv` module); or, in
-//! a quantized scheme, per layer `[blocks·BLOCK, n_kv]` rows of kv::rows's layout.
+//! a quantized scheme, per layer `[blocks·BLOCK, n_kv]` rows of kv::rows's layout, and
+//! with `--kv-start` the full layers' head blocks (store rows from `head_row0` on) in bf16,
+//! their values already in the scheme's accumulation domain (TurboQuant: rotated), so
+//! attention sums them with the quantized rows' and undoes the rotation once.
 
 use crate::config::ModelConfig;
-use crate::kv::rows::RowCodec;
+use crate::kv::rows::{KvRow, RowCodec};
 use crate::kv::scheme::KvScheme;
 use crate::kv::turboquant::Precision;
 use crate::kv::{is_sliding, row_of, KvBlocks, Span, BLOCK};
@@ -14,6 +17,12 @@ use half::bf16;
 pub struct QuantLayers {
     pub codecs: Vec<RowCodec>,
     pub rows: Vec<Vec<u8>>,
+    /// The first store row of the head blocks (blocks.full · BLOCK).
+    pub head_row0: usize,
+    /// Per layer `[head·BLOCK, width]` keys and values of the head blocks (empty for a
+    /// sliding layer).
+    pub head_k: Vec<Vec<bf16>>,
+    pub head_v: Vec<Vec<bf16>>,
 }
 
 pub struct CpuKv {
@@ -65,15 +74,40 @@ impl CpuKv {
                 )
             })
             .collect();
+        let width = cfg.n_kv_heads * cfg.head_dim;
+        let head = |s: &bool| bytemuck::zeroed_vec::<bf16>(if *s { 0 } else { blocks.head * BLOCK * width });
         Ok(CpuKv {
             blocks,
-            width: cfg.n_kv_heads * cfg.head_dim,
+            width,
             head_dim: cfg.head_dim,
-            sliding,
             k: vec![],
             v: vec![],
-            quant: Some(QuantLayers { codecs, rows }),
+            quant: Some(QuantLayers {
+                codecs,
+                rows,
+                head_row0: blocks.full * BLOCK,
+                head_k: sliding.iter().map(head).collect(),
+                head_v: sliding.iter().map(head).collect(),
+            }),
+            sliding,
         })
+    }
+
+    /// Whether store `row` of `layer` is a head block's (bf16 in a quantized store).
+    fn is_head(&self, layer: usize, row: usize) -> bool {
+        self.quant.as_ref().is_some_and(|q| !self.sliding[layer] && row >= q.head_row0)
+    }
+
+    /// KV head `kvh` at store row `row` of a quantized `layer`, as attention reads it.
+    pub fn kv_row(&self, layer: usize, row: usize, kvh: usize) -> KvRow<'_> {
+        match self.is_head(layer, row) {
+            true => {
+                let q = self.quant.as_ref().expect("a quantized store");
+                let at = (row - q.head_row0) * self.width + kvh * self.head_dim;
+                KvRow::Head(&q.head_k[layer][at..][..self.head_dim], &q.head_v[layer][at..][..self.head_dim])
+            }
+            false => KvRow::Quant(self.quant_row(layer, row, kvh)),
+        }
     }
 
     /// The bytes of KV head `kvh` at store row `row` of a quantized `layer`.
@@ -91,22 +125,46 @@ impl CpuKv {
         }
     }
 
+    /// Bytes of store row `row` of `layer` in `export`'s form: a head block's row is bf16.
+    fn row_bytes_at(&self, layer: usize, row: usize) -> usize {
+        match self.is_head(layer, row) {
+            true => 4 * self.width,
+            false => self.row_bytes(layer),
+        }
+    }
+
     /// Check a request for `rows` of `layer` (and `data`'s length, when importing).
     fn check_rows(&self, layer: usize, rows: &[usize], data: Option<usize>) -> crate::Result<()> {
-        let stored = match &self.quant {
-            Some(q) => q.rows.get(layer).map_or(0, |r| r.len() / self.row_bytes(layer)),
-            None => self.k.get(layer).map_or(0, Vec::len) / self.width.max(1),
-        };
-        if layer >= self.sliding.len() || rows.iter().any(|&r| r >= stored) {
-            return Err(crate::Error::Invalid(format!("KV rows past layer {layer}'s {stored} rows")));
+        if layer >= self.sliding.len() {
+            return Err(crate::Error::Invalid(format!("no KV layer {layer}")));
         }
+        let w = self.width.max(1);
+        let (stored, head) = match &self.quant {
+            Some(q) => (q.rows[layer].len() / self.row_bytes(layer), (q.head_row0, q.head_k[layer].len() / w)),
+            None => (self.k[layer].len() / w, (0, 0)),
+        };
+        if let Some(r) = rows.iter().find(|&&r| r >= stored && !(head.0..head.0 + head.1).contains(&r)) {
+            return Err(crate::Error::Invalid(format!("KV row {r} past layer {layer}'s {stored} rows")));
+        }
+        let want: usize = rows.iter().map(|&r| self.row_bytes_at(layer, r)).sum();
         match data {
-            Some(n) if n != rows.len() * self.row_bytes(layer) => Err(crate::Error::Invalid(format!(
-                "{n} bytes for {} KV rows of {} bytes",
-                rows.len(),
-                self.row_bytes(layer)
-            ))),
+            Some(n) if n != want => {
+                Err(crate::Error::Invalid(format!("{n} bytes for {} KV rows of {want} bytes", rows.len())))
+            }
             _ => Ok(()),
+        }
+    }
+
+    /// The bf16 key and value vectors of store row `r` of `layer` (a bf16 store's, or a
+    /// quantized store's head block's).
+    fn bf16_rows(&self, layer: usize, r: usize) -> (&[bf16], &[bf16]) {
+        let w = self.width;
+        match &self.quant {
+            Some(q) => {
+                let at = (r - q.head_row0) * w;
+                (&q.head_k[layer][at..at + w], &q.head_v[layer][at..at + w])
+            }
+            None => (&self.k[layer][r * w..(r + 1) * w], &self.v[layer][r * w..(r + 1) * w]),
         }
     }
 
@@ -114,17 +172,15 @@ impl CpuKv {
     /// then its value, little-endian).
     pub fn export(&self, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> crate::Result<()> {
         self.check_rows(layer, rows, None)?;
-        let w = self.width;
         for &r in rows {
             match &self.quant {
-                Some(q) => {
+                Some(q) if !self.is_head(layer, r) => {
                     let b = self.row_bytes(layer);
                     out.extend_from_slice(&q.rows[layer][r * b..(r + 1) * b]);
                 }
-                None => {
-                    for x in self.k[layer][r * w..(r + 1) * w].iter().chain(&self.v[layer][r * w..(r + 1) * w]) {
-                        out.extend_from_slice(&x.to_le_bytes());
-                    }
+                _ => {
+                    let (k, v) = self.bf16_rows(layer, r);
+                    k.iter().chain(v).for_each(|x| out.extend_from_slice(&x.to_le_bytes()));
                 }
             }
         }
@@ -134,17 +190,23 @@ impl CpuKv {
     /// Write `data` (as `export` gave it) into `rows` of `layer`.
     pub fn import(&mut self, layer: usize, rows: &[usize], data: &[u8]) -> crate::Result<()> {
         self.check_rows(layer, rows, Some(data.len()))?;
-        let (w, b) = (self.width, self.row_bytes(layer));
-        for (&r, src) in rows.iter().zip(data.chunks_exact(b)) {
-            match &mut self.quant {
-                Some(q) => q.rows[layer][r * b..(r + 1) * b].copy_from_slice(src),
-                None => {
-                    let (k, v) = src.split_at(2 * w);
-                    for (dst, x) in [(&mut self.k[layer], k), (&mut self.v[layer], v)] {
-                        for (d, x) in dst[r * w..(r + 1) * w].iter_mut().zip(x.chunks_exact(2)) {
-                            *d = bf16::from_le_bytes([x[0], x[1]]);
-                        }
-                    }
+        let (w, mut at) = (self.width, 0);
+        for &r in rows {
+            let (n, head) = (self.row_bytes_at(layer, r), self.is_head(layer, r));
+            let src = &data[at..at + n];
+            at += n;
+            let (kd, vd, r0) = match &mut self.quant {
+                Some(q) if !head => {
+                    q.rows[layer][r * n..(r + 1) * n].copy_from_slice(src);
+                    continue;
+                }
+                Some(q) => (&mut q.head_k[layer], &mut q.head_v[layer], r - q.head_row0),
+                None => (&mut self.k[layer], &mut self.v[layer], r),
+            };
+            let (k, v) = src.split_at(2 * w);
+            for (dst, x) in [(kd, k), (vd, v)] {
+                for (d, x) in dst[r0 * w..(r0 + 1) * w].iter_mut().zip(x.chunks_exact(2)) {
+                    *d = bf16::from_le_bytes([x[0], x[1]]);
                 }
             }
         }
@@ -190,14 +252,29 @@ impl CpuKv {
             .flat_map(|s| (s.pos0..s.pos0 + s.rows).map(move |p| (s, p)))
             .map(|(s, p)| self.row(layer, s, p))
             .collect();
+        let head: Vec<bool> = places.iter().map(|&at| self.is_head(layer, at)).collect();
         let q = self.quant.as_mut().expect("a quantized store");
         let (codec, rows) = (q.codecs[layer], &mut q.rows[layer]);
         let b = codec.bytes();
+        let mut vals = vec![0f32; hd];
         for (r, &at) in places.iter().enumerate() {
             for h in 0..n {
                 let src = r * w + h * hd..r * w + (h + 1) * hd;
-                let dst = &mut rows[(at * n + h) * b..][..b];
-                codec.encode(&k[src.clone()], &v[src], Precision::F32, dst)?;
+                if !head[r] {
+                    let dst = &mut rows[(at * n + h) * b..][..b];
+                    codec.encode(&k[src.clone()], &v[src], Precision::F32, dst)?;
+                    continue;
+                }
+                // A head block's row: bf16, the value in the accumulation domain.
+                let o = (at - q.head_row0) * w + h * hd;
+                for (d, x) in q.head_k[layer][o..o + hd].iter_mut().zip(&k[src.clone()]) {
+                    *d = bf16::from_f32(*x);
+                }
+                vals.copy_from_slice(&v[src]);
+                codec.to_accumulation(&mut vals)?;
+                for (d, x) in q.head_v[layer][o..o + hd].iter_mut().zip(&vals) {
+                    *d = bf16::from_f32(*x);
+                }
             }
         }
         Ok(())
