@@ -84,7 +84,9 @@
 #define K_BYTES (K_CODES + HD / QG * 4)
 #define V_CODES (HD * VBITS / 8)
 #define ROW_BYTES (K_BYTES + V_CODES + HD / QG * (TURBO ? 2 : 4))
-#define KV_ARGS const unsigned char* __restrict__ kc, const u32* __restrict__ vc
+#define KV_ARGS                                                                                \
+    const unsigned char* __restrict__ kc, const u32* __restrict__ vc, const bf16_t* __restrict__ hk, \
+        const bf16_t* __restrict__ hv, int head_row0
 typedef unsigned char u8;
 
 template <int BITS>
@@ -100,10 +102,12 @@ __device__ __forceinline__ float ld_half(const u8* p, bool bf) {
 }
 
 // Rows kv0..kv0+BKV-1 of kv head kvh dequantized into s (keys, or values); rows past kend or
-// of given-back blocks zeroed. Plain loads and stores: the barriers that follow a
-// load_tile's cp.async wait order them the same way.
+// of given-back blocks zeroed; a head block's row (store rows from head_row0 on, --kv-start;
+// hk null: none) copied from hk / hv as it is. Plain loads and stores: the barriers that
+// follow a load_tile's cp.async wait order them the same way.
 __device__ __forceinline__ void load_tile_q(bf16_t* s, const u8* __restrict__ store, const u32* __restrict__ tab,
-                                            bool values, int kv0, int kend, int n_kv, int kvh,
+                                            const bf16_t* __restrict__ hk, const bf16_t* __restrict__ hv,
+                                            int head_row0, bool values, int kv0, int kend, int n_kv, int kvh,
                                             const int* __restrict__ table) {
 #pragma unroll 1
     for (int i = threadIdx.x; i < BKV * (HD / 8); i += NT) {
@@ -111,8 +115,11 @@ __device__ __forceinline__ void load_tile_q(bf16_t* s, const u8* __restrict__ st
         int p = kv0 + r;
         int blk = p < kend ? table[p / KV_BLOCK] : -1;
         uint4 w = {0u, 0u, 0u, 0u};
-        if (blk >= 0) {
-            const u8* row = store + ((long)(blk * KV_BLOCK + p % KV_BLOCK) * n_kv + kvh) * ROW_BYTES;
+        long rid = (long)blk * KV_BLOCK + p % KV_BLOCK;
+        if (blk >= 0 && hk && rid >= head_row0) {
+            w = *reinterpret_cast<const uint4*>((values ? hv : hk) + ((rid - head_row0) * n_kv + kvh) * HD + c);
+        } else if (blk >= 0) {
+            const u8* row = store + (rid * n_kv + kvh) * ROW_BYTES;
             int g = c / QG;
             float x[8];
             if (!values) {
@@ -151,8 +158,8 @@ __device__ __forceinline__ void load_tile_q(bf16_t* s, const u8* __restrict__ st
         *reinterpret_cast<uint4*>(s + r * STR + c) = w;
     }
 }
-#define LOAD_K(s, kv0) load_tile_q(s, kc, vc, false, kv0, kend, n_kv, kvh, table)
-#define LOAD_V(s, kv0) load_tile_q(s, kc, vc, true, kv0, kend, n_kv, kvh, table)
+#define LOAD_K(s, kv0) load_tile_q(s, kc, vc, hk, hv, head_row0, false, kv0, kend, n_kv, kvh, table)
+#define LOAD_V(s, kv0) load_tile_q(s, kc, vc, hk, hv, head_row0, true, kv0, kend, n_kv, kvh, table)
 #else
 #define KV_ARGS const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc
 #define LOAD_K(s, kv0) load_tile(s, kc, kv0, kend, width, kvh, table)

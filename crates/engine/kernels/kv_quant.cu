@@ -163,12 +163,13 @@ __device__ void encode_turbo_keys(const float* s_x, float* s_gp, u8* s_code, int
     __syncthreads();
 }
 
-// TurboQuant values (turboquant.rs encode_values): signs, the orthonormal Walsh-Hadamard
-// transform (butterflies stage by stage; the last stage's results times 1/√hd), then per
-// 32-group the RMS scale (f16) and each value's Lloyd-Max index over it.
-__device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd, float had_scale,
-                                    const u32* __restrict__ tab, u8* out) {
-    int d = threadIdx.x, g = d / 32, codes = hd * VBITS / 8;
+// TurboQuant values (turboquant.rs encode_values): rotated, then per 32-group the RMS scale
+// (f16) and each value's Lloyd-Max index over it.
+// TurboQuant's value rotation of the head in s_x, in place (turboquant.rs rotate): signs,
+// then the orthonormal Walsh-Hadamard transform (butterflies stage by stage; the last
+// stage's results times 1/√hd), every operation rounded as the CPU's.
+__device__ void rotate_values(float* s_x, int hd, float had_scale, const u32* __restrict__ tab) {
+    int d = threadIdx.x;
     if (tab[d / 32] >> (d % 32) & 1) s_x[d] = -s_x[d];
     __syncthreads();
     for (int h = 1; h < hd; h <<= 1) {
@@ -185,6 +186,12 @@ __device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd,
         }
         __syncthreads();
     }
+}
+
+__device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd, float had_scale,
+                                    const u32* __restrict__ tab, u8* out) {
+    int d = threadIdx.x, g = d / 32, codes = hd * VBITS / 8;
+    rotate_values(s_x, hd, had_scale, tab);
     if (d % 32 == 0) {
         float sum = 0.f;
         for (int i = 0; i < 32; i++) sum = __fadd_rn(sum, __fmul_rn(s_x[d + i], s_x[d + i]));
@@ -211,13 +218,15 @@ __device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd,
 // (if q_out) into q_out (which may be q): per head the norm (gains qn/kn, or none), then
 // RoPE (inv_freq, or none) with attention.cu's math and bf16 roundings. grid (rows, heads +
 // n_kv): blocks [0, heads) take q's heads, the rest the KV heads; block hd threads. Padding
-// rows (position -1) write nothing.
+// rows (position -1) write nothing. Store rows from head_row0 on are head blocks (head_k /
+// head_v: [rows, n_kv·hd] bf16; null: none), written as bf16.
 extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_t* __restrict__ k,
                                      const bf16_t* __restrict__ v, u8* __restrict__ store, const u32* __restrict__ tab,
                                      const float* __restrict__ inv_freq, float linear, int interleaved,
                                      const float* __restrict__ qn, const float* __restrict__ kn, float eps, int heads,
                                      int n_kv, int hd, float had_scale, const int* __restrict__ pos,
-                                     const int* __restrict__ tables, const int* __restrict__ row_tab) {
+                                     const int* __restrict__ tables, const int* __restrict__ row_tab,
+                                     bf16_t* __restrict__ head_k, bf16_t* __restrict__ head_v, int head_row0) {
     __shared__ float s_x[HD_MAX], s_red[32], s_gp[2 * HD_MAX / 32];
     __shared__ u8 s_code[HD_MAX];
     pdl_trigger();
@@ -250,8 +259,22 @@ extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_
         q_out[((long)t * heads + h) * hd + d] = f2bf(s_x[d]);
         return;
     }
+    long r = kv_row(p, tables + row_tab[t]);
+    if (head_k && r >= head_row0) {
+        // A head block's row (--kv-start): bf16, the value in the accumulation domain.
+        long at = ((r - head_row0) * n_kv + h) * hd + d;
+        head_k[at] = f2bf(s_x[d]);
+        __syncthreads();
+        s_x[d] = bf2f(v[((long)t * n_kv + h) * hd + d]);
+        __syncthreads();
+#if TURBO
+        rotate_values(s_x, hd, had_scale, tab);
+#endif
+        head_v[at] = f2bf(s_x[d]);
+        return;
+    }
     RowLayout L = row_layout(hd);
-    u8* row = store + (kv_row(p, tables + row_tab[t]) * n_kv + h) * L.bytes;
+    u8* row = store + (r * n_kv + h) * L.bytes;
 #if TURBO
     encode_turbo_keys(s_x, s_gp, s_code, hd, row);
 #else
@@ -288,14 +311,28 @@ struct Codes8 {
     }
 };
 
-// What a lane reads of one cached row, all loads issued together: its key and value codes
-// and their groups' parameters (turbo: key scale and zero f16, value scale f16; affine:
-// scale and bias bf16, the scale in the low half).
-struct LaneRow {
+// Where a lane's rows live: the store and the head blocks, this KV head, this lane's dims.
+struct QPlace {
+    const u8* store;
+    const bf16_t *hk, *hv;
+    long head_row0;
+    const int* table;
+    RowLayout L;
+    int n_kv, kvh, hd, j, g, d0, grp, groups, lp, qb;
+};
+
+// What a lane reads of one cached quantized row, all loads issued together: its key and
+// value codes and their groups' parameters (turbo: key scale and zero f16, value scale
+// f16; affine: scale and bias bf16, the scale in the low half).
+struct QuantRow {
     Codes8<KBITS> k;
     Codes8<VBITS> v;
     u32 kp, vp;
-    __device__ __forceinline__ void load(const u8* row, int j, int g, const RowLayout& L, int hd) {
+    // Store row `r`'s bytes of this lane's KV head and dims.
+    __device__ __forceinline__ void load(const QPlace& P, long r) {
+        const RowLayout& L = P.L;
+        const int j = P.j, g = P.g, hd = P.hd;
+        const u8* row = P.store + (r * P.n_kv + P.kvh) * L.bytes;
         const u8* vrow = row + L.k_bytes;
         k.load(row, j * KBITS);
         v.load(vrow, j * VBITS);
@@ -307,7 +344,125 @@ struct LaneRow {
         vp = ld16(vrow + L.v_codes + 2 * g) | ld16(vrow + L.v_codes + 2 * (hd / 64 + g)) << 16;
 #endif
     }
+    // The key as kf with score = ks·Σ qᵢ·kfᵢ + ko·Σ qᵢ.
+    __device__ __forceinline__ void key(float (&kf)[DL], float& ks, float& ko) const {
+#pragma unroll
+        for (int i = 0; i < DL; i++) kf[i] = KSIGNED ? (float)(int)(signed char)k[i] : (float)k[i];
+#if TURBO
+        ks = h2f(kp & 0xffff);
+        ko = h2f(kp >> 16) * ks;
+#else
+        ks = bf2f(kp & 0xffff);
+        ko = bf2f(kp >> 16);
+#endif
+    }
+    // The value as vs·vfᵢ + vb (TurboQuant: rotated).
+    __device__ __forceinline__ void value(float (&vf)[DL], float& vs, float& vb, const float* s_cent) const {
+#if TURBO
+        vs = h2f(vp & 0xffff);
+        vb = 0.f;
+#pragma unroll
+        for (int i = 0; i < DL; i++) vf[i] = s_cent[v[i]];
+#else
+        vs = bf2f(vp & 0xffff);
+        vb = bf2f(vp >> 16);
+#pragma unroll
+        for (int i = 0; i < DL; i++) vf[i] = (float)v[i];
+#endif
+    }
 };
+
+// A lane's 8 dims of a head block's row (--kv-start): bf16 key and value, the value already
+// in the accumulation domain.
+struct HeadRow {
+    uint4 k, v;
+    // Store row `r` (a head block's) of this lane's KV head and dims.
+    __device__ __forceinline__ void load(const QPlace& P, long r) {
+        long at = ((r - P.head_row0) * P.n_kv + P.kvh) * P.hd + P.d0;
+        k = *reinterpret_cast<const uint4*>(P.hk + at);
+        v = *reinterpret_cast<const uint4*>(P.hv + at);
+    }
+    __device__ __forceinline__ void key(float (&kf)[DL], float& ks, float& ko) const {
+        unpack_bf16x8(k, kf);
+        ks = 1.f;
+        ko = 0.f;
+    }
+    __device__ __forceinline__ void value(float (&vf)[DL], float& vs, float& vb, const float*) const {
+        unpack_bf16x8(v, vf);
+        vs = 1.f;
+        vb = 0.f;
+    }
+};
+
+// One block's queries (qb heads, this lane's dims) and their online softmax per head.
+struct QState {
+    float qv[QH][DL], acc[QH][DL], qsum[QH], bacc[QH], m[QH], l[QH];
+};
+
+// Rounds over positions [from, to) (warp-uniform bounds; the group sums shuffle across the
+// whole warp): QR positions per lane group per round, all their loads issued first; a
+// position past `to` reads `from`'s row and is not counted. R: QuantRow or HeadRow.
+template <typename R>
+__device__ __forceinline__ void attend_rounds(QState& S, const QPlace& P, int from, int to, const float* s_cent) {
+    for (int base = from; base < to; base += QR * P.groups) {
+        R r[QR];
+#pragma unroll
+        for (int k = 0; k < QR; k++) {
+            int p = base + P.grp + k * P.groups;
+            r[k].load(P, kv_row(p < to ? p : from, P.table));
+        }
+        float sc[QR][QH];
+#pragma unroll
+        for (int k = 0; k < QR; k++) {
+            float kf[DL], ks, ko;
+            r[k].key(kf, ks, ko);
+#pragma unroll
+            for (int hq = 0; hq < QH; hq++) {
+                if (hq >= P.qb) break;
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < DL; i++) dot = fmaf(S.qv[hq][i], kf[i], dot);
+                sc[k][hq] = ks * dot + ko * S.qsum[hq];
+            }
+        }
+        for (int o = P.lp / 2; o > 0; o >>= 1)
+#pragma unroll
+            for (int k = 0; k < QR; k++)
+#pragma unroll
+                for (int hq = 0; hq < QH; hq++)
+                    if (hq < P.qb) sc[k][hq] += __shfl_xor_sync(0xffffffffu, sc[k][hq], o);
+        // Each head's new max over the round's rows, and its softmax state rescaled once.
+#pragma unroll
+        for (int hq = 0; hq < QH; hq++) {
+            if (hq >= P.qb) break;
+            float mn = S.m[hq];
+#pragma unroll
+            for (int k = 0; k < QR; k++)
+                if (base + P.grp + k * P.groups < to) mn = fmaxf(mn, sc[k][hq]);
+            float corr = mn == -INFINITY ? 1.f : __expf(S.m[hq] - mn);
+            S.l[hq] *= corr;
+            S.bacc[hq] *= corr;
+#pragma unroll
+            for (int i = 0; i < DL; i++) S.acc[hq][i] *= corr;
+            S.m[hq] = mn;
+        }
+#pragma unroll
+        for (int k = 0; k < QR; k++) {
+            if (base + P.grp + k * P.groups >= to) continue;
+            float vf[DL], vs, vb;
+            r[k].value(vf, vs, vb, s_cent);
+#pragma unroll
+            for (int hq = 0; hq < QH; hq++) {
+                if (hq >= P.qb) break;
+                float e = __expf(sc[k][hq] - S.m[hq]), w = e * vs;
+                S.l[hq] += e;
+                S.bacc[hq] = fmaf(e, vb, S.bacc[hq]);
+#pragma unroll
+                for (int i = 0; i < DL; i++) S.acc[hq][i] = fmaf(w, vf[i], S.acc[hq][i]);
+            }
+        }
+    }
+}
 
 // attention.cu's attention_split over quantized rows for qb ≤ QH query heads of one KV group
 // per block: grid (heads / qb, m, splits · qb), block 128. Split s of a row (attention.cu's
@@ -317,132 +472,82 @@ struct LaneRow {
 // group per round with all their loads issued before any is used; each row's codes are
 // decoded once for the block's qb heads. Keys: scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ; each head keeps
 // an online softmax per group, rescaled once a round; TurboQuant values accumulate in the
-// rotated domain, affine values as scale·code with their biases summed apart. The groups
-// merge in a fixed order through shared memory. Deterministic.
+// rotated domain, affine values as scale·code with their biases summed apart. A sequence's
+// leading positions whose rows are head blocks (store rows from head_row0 on, in head_k /
+// head_v: --kv-start; head_k null for none) are read as bf16 first. The groups merge in a
+// fixed order through shared memory. Deterministic.
 // Not capped for four blocks per SM: at 128 registers (from ~150, three blocks) the 8B
 // shape's decode at depth 32768 fell from 146 to 135 tok/s (spills; H200).
 extern "C" __global__ void __launch_bounds__(128)
     attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store, const u32* __restrict__ tab,
                 float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
                 const int* __restrict__ pos, int min_chunk, int max_splits, float scale, int window,
-                const int* __restrict__ tables, const int* __restrict__ row_tab, int qb) {
+                const int* __restrict__ tables, const int* __restrict__ row_tab, int qb,
+                const bf16_t* __restrict__ head_k, const bf16_t* __restrict__ head_v, int head_row0) {
     __shared__ float s_m[16 * QH], s_l[16 * QH], s_acc[QH * 128 * DL];  // groups · qb · (1, 1, hd)
     __shared__ float s_cent[TURBO ? 256 : 1];
     pdl_trigger();
     int t = blockIdx.y, z = blockIdx.z, zs = gridDim.z, h0 = blockIdx.x * qb;
-    int lp = hd / DL, grp = threadIdx.x / lp, j = threadIdx.x % lp, groups = blockDim.x / lp;
-    int kvh = h0 / (heads / n_kv), d0 = j * DL, g = d0 / QG;
+    QPlace P;
+    P.lp = hd / DL;
+    P.grp = threadIdx.x / P.lp;
+    P.j = threadIdx.x % P.lp;
+    P.groups = blockDim.x / P.lp;
+    P.kvh = h0 / (heads / n_kv);
+    P.d0 = P.j * DL;
+    P.g = P.d0 / QG;
+    P.qb = qb;
+    P.n_kv = n_kv;
+    P.hd = hd;
+    P.store = store;
+    P.hk = head_k;
+    P.hv = head_v;
+    P.head_row0 = head_row0;
+    P.L = row_layout(hd);
 #if TURBO
     for (int i = threadIdx.x; i < (1 << VBITS); i += blockDim.x) s_cent[i] = __uint_as_float(tab[TAB_CENT + i]);
     __syncthreads();
 #endif
     pdl_wait();  // the table is the store's own; q, the rows, positions and tables may be new
-    RowLayout L = row_layout(hd);
     int len = pos[t] + 1;
-    const int* table = tables + row_tab[t];
+    P.table = tables + row_tab[t];
     int start = window > 0 ? max(0, len - window) : 0, span = len - start;
     int chunk = min_chunk;
     while ((long)chunk * max_splits < span) chunk *= 2;
     int part = (chunk + qb - 1) / qb, c0 = start + (z / qb) * chunk;
     int p0 = c0 + (z % qb) * part, p1 = min(min(len, c0 + chunk), p0 + part);
-    float qv[QH][DL], acc[QH][DL], qsum[QH], bacc[QH], m[QH], l[QH];
+    // The leading positions in head blocks (a sequence's first blocks, when it has any).
+    int hs = 0;
+    if (head_k)
+        while (hs < len && P.table[hs / KV_BLOCK] >= head_row0 / KV_BLOCK) hs += KV_BLOCK;
+    hs = min(hs, len);
+    QState S;
 #pragma unroll
     for (int hq = 0; hq < QH; hq++) {
-        const bf16_t* qh = q + ((long)t * heads + h0 + min(hq, qb - 1)) * hd + d0;
-        qsum[hq] = 0.f;
+        const bf16_t* qh = q + ((long)t * heads + h0 + min(hq, qb - 1)) * hd + P.d0;
+        S.qsum[hq] = 0.f;
 #pragma unroll
         for (int i = 0; i < DL; i++) {
-            qv[hq][i] = bf2f(qh[i]) * scale;
-            qsum[hq] += qv[hq][i];
-            acc[hq][i] = 0.f;
+            S.qv[hq][i] = bf2f(qh[i]) * scale;
+            S.qsum[hq] += S.qv[hq][i];
+            S.acc[hq][i] = 0.f;
         }
-        bacc[hq] = 0.f;
-        m[hq] = -INFINITY;
-        l[hq] = 0.f;
+        S.bacc[hq] = 0.f;
+        S.m[hq] = -INFINITY;
+        S.l[hq] = 0.f;
     }
-    // Warp-uniform rounds (the group sums shuffle across the whole warp); a position past
-    // the part reads the part's first row and is not counted.
-    for (int base = p0; base < p1; base += QR * groups) {
-        LaneRow r[QR];
-#pragma unroll
-        for (int k = 0; k < QR; k++) {
-            int p = base + grp + k * groups;
-            r[k].load(store + (kv_row(p < p1 ? p : p0, table) * n_kv + kvh) * L.bytes, j, g, L, hd);
-        }
-        float sc[QR][QH];
-#pragma unroll
-        for (int k = 0; k < QR; k++) {
-            float kf[DL];
-#pragma unroll
-            for (int i = 0; i < DL; i++) kf[i] = KSIGNED ? (float)(int)(signed char)r[k].k[i] : (float)r[k].k[i];
-#if TURBO
-            float ks = h2f(r[k].kp & 0xffff), ko = h2f(r[k].kp >> 16) * ks;
-#else
-            float ks = bf2f(r[k].kp & 0xffff), ko = bf2f(r[k].kp >> 16);
-#endif
-#pragma unroll
-            for (int hq = 0; hq < QH; hq++) {
-                if (hq >= qb) break;
-                float dot = 0.f;
-#pragma unroll
-                for (int i = 0; i < DL; i++) dot = fmaf(qv[hq][i], kf[i], dot);
-                sc[k][hq] = ks * dot + ko * qsum[hq];
-            }
-        }
-        for (int o = lp / 2; o > 0; o >>= 1)
-#pragma unroll
-            for (int k = 0; k < QR; k++)
-#pragma unroll
-                for (int hq = 0; hq < QH; hq++)
-                    if (hq < qb) sc[k][hq] += __shfl_xor_sync(0xffffffffu, sc[k][hq], o);
-        // Each head's new max over the round's rows, and its softmax state rescaled once.
-#pragma unroll
-        for (int hq = 0; hq < QH; hq++) {
-            if (hq >= qb) break;
-            float mn = m[hq];
-#pragma unroll
-            for (int k = 0; k < QR; k++)
-                if (base + grp + k * groups < p1) mn = fmaxf(mn, sc[k][hq]);
-            float corr = mn == -INFINITY ? 1.f : __expf(m[hq] - mn);
-            l[hq] *= corr;
-            bacc[hq] *= corr;
-#pragma unroll
-            for (int i = 0; i < DL; i++) acc[hq][i] *= corr;
-            m[hq] = mn;
-        }
-#pragma unroll
-        for (int k = 0; k < QR; k++) {
-            if (base + grp + k * groups >= p1) continue;
-            float vf[DL];
-#if TURBO
-            float vs = h2f(r[k].vp & 0xffff), vb = 0.f;
-#pragma unroll
-            for (int i = 0; i < DL; i++) vf[i] = s_cent[r[k].v[i]];
-#else
-            float vs = bf2f(r[k].vp & 0xffff), vb = bf2f(r[k].vp >> 16);
-#pragma unroll
-            for (int i = 0; i < DL; i++) vf[i] = (float)r[k].v[i];
-#endif
-#pragma unroll
-            for (int hq = 0; hq < QH; hq++) {
-                if (hq >= qb) break;
-                float e = __expf(sc[k][hq] - m[hq]), w = e * vs;
-                l[hq] += e;
-                bacc[hq] = fmaf(e, vb, bacc[hq]);
-#pragma unroll
-                for (int i = 0; i < DL; i++) acc[hq][i] = fmaf(w, vf[i], acc[hq][i]);
-            }
-        }
-    }
+    attend_rounds<HeadRow>(S, P, p0, min(p1, hs), s_cent);
+    attend_rounds<QuantRow>(S, P, max(p0, hs), p1, s_cent);
+    int groups = P.groups, grp = P.grp;
 #pragma unroll
     for (int hq = 0; hq < QH; hq++) {
         if (hq >= qb) break;
-        if (j == 0) {
-            s_m[hq * groups + grp] = m[hq];
-            s_l[hq * groups + grp] = l[hq];
+        if (P.j == 0) {
+            s_m[hq * groups + grp] = S.m[hq];
+            s_l[hq * groups + grp] = S.l[hq];
         }
 #pragma unroll
-        for (int i = 0; i < DL; i++) s_acc[(hq * groups + grp) * hd + d0 + i] = acc[hq][i] + bacc[hq];
+        for (int i = 0; i < DL; i++) s_acc[(hq * groups + grp) * hd + P.d0 + i] = S.acc[hq][i] + S.bacc[hq];
     }
     __syncthreads();
     for (int hq = 0; hq < qb; hq++) {

@@ -304,6 +304,37 @@ fn engine_with(scheme: &str, cfg: EngineConfig) -> Engine {
     engine_from(scheme, 0, cfg)
 }
 
+/// Submit every prompt of `ps` at once (greedy to 40 positions): each gives `want`'s.
+fn each_gives_alone(e: &Engine, ps: &[Vec<u32>], want: &[Vec<u32>]) {
+    let rxs: Vec<_> = ps
+        .iter()
+        .map(|p| {
+            let (s, rx) = sink();
+            e.submit(greedy(p.clone(), 40 - p.len()), s).unwrap();
+            rx
+        })
+        .collect();
+    for (i, rx) in rxs.iter().enumerate() {
+        let (ids, end) = collect(rx);
+        assert!(matches!(end, Event::Finished { reason: Finish::Length, .. }), "{end:?}");
+        assert_eq!(ids, want[i], "request {i}");
+    }
+}
+
+/// A 100-token prompt, then one sharing its first 70 tokens (the second starts from the
+/// first's two whole blocks): each gives what a session of its own gives.
+fn a_prefix_hit_gives_the_cold_tokens(e: &Engine, model: &Decoder<Cpu>, ps: &[Vec<u32>]) {
+    let long: Vec<u32> = ps.iter().flatten().copied().cycle().take(100).collect();
+    let mut other = long[..70].to_vec();
+    other.extend(&ps[1]);
+    for p in [&long, &other] {
+        let (s, rx) = sink();
+        e.submit(greedy(p.clone(), 6), s).unwrap();
+        let (ids, _) = collect(&rx);
+        assert_eq!(ids, alone(model, p, 6));
+    }
+}
+
 /// `engine_with`, the first `kv_start` positions of each request kept in bf16.
 fn engine_from(scheme: &str, kv_start: usize, cfg: EngineConfig) -> Engine {
     let scheme = ferrolm::kv::scheme::KvScheme::parse(scheme).unwrap();
@@ -338,31 +369,11 @@ fn leading_bf16_blocks_batch_and_share_prefixes() {
     );
     let e =
         engine_from("turbo", 32, EngineConfig { max_batch: 4, kv_memory: Some(4 * hb + 2 * qb), ..Default::default() });
-    let rxs: Vec<_> = ps
-        .iter()
-        .map(|p| {
-            let (s, rx) = sink();
-            e.submit(greedy(p.clone(), 40 - p.len()), s).unwrap();
-            rx
-        })
-        .collect();
-    for (i, rx) in rxs.iter().enumerate() {
-        let (ids, end) = collect(rx);
-        assert!(matches!(end, Event::Finished { reason: Finish::Length, .. }), "{end:?}");
-        assert_eq!(ids, want[i], "request {i}");
-    }
+    each_gives_alone(&e, &ps, &want);
     assert_eq!(e.stats().kv_blocks_total, 2 + 7, "{:?}", e.stats());
     drop(e);
     let e = engine_from("turbo", 32, EngineConfig { kv_memory: Some(64 * hb), ..Default::default() });
-    let long: Vec<u32> = ps.iter().flatten().copied().cycle().take(100).collect();
-    let mut other = long[..70].to_vec();
-    other.extend(&ps[1]);
-    for p in [&long, &other] {
-        let (s, rx) = sink();
-        e.submit(greedy(p.clone(), 6), s).unwrap();
-        let (ids, _) = collect(&rx);
-        assert_eq!(ids, alone(&model, p, 6));
-    }
+    a_prefix_hit_gives_the_cold_tokens(&e, &model, &ps);
     assert_eq!(e.stats().cached_tokens, 64, "{:?}", e.stats());
 }
 
@@ -380,19 +391,7 @@ fn quantized_caches_batch_share_prefixes_and_preempt() {
     // Five blocks for four requests that grow to two blocks each: some are preempted.
     let block = ferrolm::kv::block_bytes(&model.cfg, model.kv_scheme()).0;
     let e = engine_with("turbo", EngineConfig { max_batch: 4, kv_memory: Some(5 * block), ..Default::default() });
-    let rxs: Vec<_> = ps
-        .iter()
-        .map(|p| {
-            let (s, rx) = sink();
-            e.submit(greedy(p.clone(), 40 - p.len()), s).unwrap();
-            rx
-        })
-        .collect();
-    for (i, rx) in rxs.iter().enumerate() {
-        let (ids, end) = collect(rx);
-        assert!(matches!(end, Event::Finished { reason: Finish::Length, .. }), "{end:?}");
-        assert_eq!(ids, want[i], "request {i}");
-    }
+    each_gives_alone(&e, &ps, &want);
     let st = e.stats();
     // SmolLM2: 30 layers, 3 KV heads of 64: 100 bytes a head (bf16: 256).
     assert_eq!((st.kv_scheme.as_str(), st.kv_bytes_per_token), ("turbo:k8v3", 30 * 3 * 100), "{st:?}");
@@ -402,15 +401,7 @@ fn quantized_caches_batch_share_prefixes_and_preempt() {
     let budget = 64 * ferrolm::kv::block_bytes(&model.cfg, &ferrolm::kv::scheme::KvScheme::Bf16).0;
     let e = engine_with("turbo", EngineConfig { kv_memory: Some(budget), ..Default::default() });
     // A prompt, then one sharing its first blocks: the second starts from them.
-    let long: Vec<u32> = ps.iter().flatten().copied().cycle().take(100).collect();
-    let mut other = long[..70].to_vec();
-    other.extend(&ps[1]);
-    for p in [&long, &other] {
-        let (s, rx) = sink();
-        e.submit(greedy(p.clone(), 6), s).unwrap();
-        let (ids, _) = collect(&rx);
-        assert_eq!(ids, alone(&model, p, 6));
-    }
+    a_prefix_hit_gives_the_cold_tokens(&e, &model, &ps);
     let st = e.stats();
     assert_eq!(st.cached_tokens, 64, "{st:?}");
     assert_eq!(st.kv_blocks_total, 64 * 256 / 100, "{st:?}");

@@ -129,7 +129,8 @@ pub fn blocks_for(cfg: &ModelConfig, max_seq: usize) -> KvBlocks {
 }
 
 /// One sequence's tables over a whole store, block i holding positions i·BLOCK.. (what
-/// `seq::SeqCache` builds while nothing is released).
+/// `seq::SeqCache` builds while nothing is released): with head blocks (`--kv-start`) the
+/// full layers' first ones (ids `full..`), then the main blocks.
 pub struct InOrder {
     full: Vec<u32>,
     sliding: Vec<u32>,
@@ -138,7 +139,8 @@ pub struct InOrder {
 impl InOrder {
     pub fn new(blocks: KvBlocks) -> InOrder {
         let table = |n: usize| (0..n as u32).collect();
-        InOrder { full: table(blocks.full), sliding: table(blocks.sliding) }
+        let full = (blocks.full..blocks.full + blocks.head).chain(0..blocks.full).map(|b| b as u32).collect();
+        InOrder { full, sliding: table(blocks.sliding) }
     }
 
     /// `rows` rows at positions pos0...

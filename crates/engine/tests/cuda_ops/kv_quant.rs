@@ -10,7 +10,7 @@ use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::{Attend, Backend, Rope};
 use ferrolm::config::RopeStyle;
 use ferrolm::kv::scheme::KvScheme;
-use ferrolm::kv::{blocks_for, BLOCK};
+use ferrolm::kv::{blocks_for, InOrder, BLOCK};
 use ferrolm::model::{Decoder, Logits};
 
 /// Every row format's kernels: affine 8/4, TurboQuant int8 and packed keys, 2-8-bit values.
@@ -46,6 +46,64 @@ fn quantized_rows_and_attention_match_the_cpu() {
             assert_eq!(a.len(), b.len());
             let first = a.iter().zip(&b).position(|(x, y)| x != y);
             assert!(first.is_none(), "{s} {heads}/{n_kv}x{hd}: CUDA's rows differ from the CPU's at byte {first:?}");
+        }
+    }
+}
+
+/// `--kv-start`: a store whose first two blocks of each sequence are bf16 head blocks. The
+/// rows CUDA writes (the head blocks' keys and rotated values, and the quantized rest) are
+/// the CPU's bytes, attention over both matches the CPU's, and RoPE'd prefill (flash over
+/// dequantized tiles and head rows) and decode steps across the boundary do too.
+#[test]
+fn leading_bf16_blocks_match_the_cpu() {
+    let (g, c) = (gpu(), Cpu);
+    let mut r = Rng::seeded();
+    for (heads, n_kv, hd) in [(4, 2, 64), (16, 2, 128), (4, 1, 256)] {
+        for s in ["affine:4", "turbo:k8v3", "turbo:k4v2"] {
+            let scheme = KvScheme::parse(s).unwrap();
+            let cfg = attn_cfg(heads, n_kv, hd, 2, RopeStyle::Half);
+            let mut blocks = blocks_for(&cfg, 300);
+            (blocks.full, blocks.head) = (blocks.full - 2, 2);
+            let mut kvg = g.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
+            let mut kvc = c.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
+            let mut pos = 0;
+            for m in [45, 1, 1, 19, 1, 64, 1] {
+                let attend = Attend::causal(hd);
+                let (og, want, _) = attention_both(&mut r, &mut kvg, &mut kvc, (heads, n_kv, hd), m, pos, attend);
+                check(
+                    &format!("{s} head {heads}/{n_kv}x{hd} m{m} pos{pos}"),
+                    &g.read_rows(&og, 0).unwrap(),
+                    &want,
+                    1e-2,
+                );
+                pos += m;
+            }
+            let rows: Vec<usize> =
+                (0..pos).map(|p| ferrolm::kv::row_of(InOrder::new(blocks).span(0, 1).full, p)).collect();
+            let (mut a, mut b) = (vec![], vec![]);
+            g.kv_export(&kvg, 0, &rows, &mut a).unwrap();
+            c.kv_export(&kvc, 0, &rows, &mut b).unwrap();
+            assert_eq!(a.len(), b.len());
+            let first = a.iter().zip(&b).position(|(x, y)| x != y);
+            assert!(first.is_none(), "{s} {heads}/{n_kv}x{hd}: CUDA's rows differ from the CPU's at byte {first:?}");
+            let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Half, linear: 1.0 };
+            let mut kvg = g.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
+            let mut kvc = c.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
+            let mut pos = 0;
+            for m in [40, 1, 100, 1, 1] {
+                let (got, want) = rope_attention_both(
+                    g,
+                    &mut r,
+                    (&mut kvg, &mut kvc),
+                    (heads, n_kv, hd),
+                    &rope,
+                    (m, pos),
+                    Attend::causal(hd),
+                );
+                let tol = if s.ends_with("v2") { 4e-2 } else { 2e-2 };
+                check(&format!("{s} head rope_attention {heads}/{n_kv}x{hd} m{m} pos{pos}"), &got, &want, tol);
+                pos += m;
+            }
         }
     }
 }

@@ -79,12 +79,15 @@ impl Cuda {
             return Err(Error::Unsupported(format!("CUDA flash attention: {heads} heads, {} rows", q.rows)));
         }
         // A quantized store: its rows and table in place of K and V, the tiles dequantized.
+        // A quantized store: its rows and table in place of K and V, then its head blocks'.
         let (defines, store, rotated) = match &kv.quant {
             Some(qk) => {
                 let defines = kernels::flash_kv_quant_defines(hd, &super::kv_quant::quant_defines(&qk.codecs[layer]));
-                (defines, [self.arg(&qk.rows[layer]), self.arg(&qk.table)], qk.codecs[layer].kernel_format().0)
+                let store =
+                    [self.arg(&qk.rows[layer]), self.arg(&qk.table)].into_iter().chain(qk.head_args(self, layer));
+                (defines, store.collect::<Vec<_>>(), qk.codecs[layer].kernel_format().0)
             }
-            None => (vec![format!("HD={hd}")], [self.arg(&kv.k[layer]), self.arg(&kv.v[layer])], false),
+            None => (vec![format!("HD={hd}")], vec![self.arg(&kv.k[layer]), self.arg(&kv.v[layer])], false),
         };
         let func = self.function(kernels::file("flash_attention.cu"), &defines, "flash_prefill")?;
         let pos = self.steps.pos(self, "flash attention")?;
@@ -94,10 +97,9 @@ impl Cuda {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: 0,
         };
-        let args = [
-            self.arg(qb),
-            store[0],
-            store[1],
+        let mut args = vec![self.arg(qb)];
+        args.extend(store);
+        args.extend([
             self.arg(ob),
             KArg::I32(m_i),
             KArg::I32(heads_i),
@@ -106,7 +108,7 @@ impl Cuda {
             KArg::F32(attend.scale),
             KArg::I32(super::prefill::window_arg(attend)?),
             self.steps.tables(self, kv.sliding(layer)?, "attention")?[0], // one sequence: offset 0
-        ];
+        ]);
         // Matches flash_attention.cu's flash_prefill; the cache holds pos0 + m positions.
         self.launch(&func, cfg, &args, Order::Serial, "flash_prefill launch")?;
         match rotated {

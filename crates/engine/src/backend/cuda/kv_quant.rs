@@ -31,6 +31,11 @@ pub(crate) struct QuantKv {
     pub(crate) rows: Vec<CudaSlice<u8>>,
     /// The sign words, centroids and boundaries kv_quant.cu reads (zeros for affine).
     pub(crate) table: CudaSlice<u32>,
+    /// The first store row of the head blocks (`--kv-start`: blocks.full · BLOCK).
+    pub(crate) head_row0: usize,
+    /// Per full layer (None for a sliding one, or with no head blocks): the head blocks'
+    /// keys and values, `[head·BLOCK, width]` bf16, the values in the accumulation domain.
+    pub(crate) head: Vec<Option<(CudaSlice<u16>, CudaSlice<u16>)>>,
 }
 
 impl QuantKv {
@@ -38,6 +43,31 @@ impl QuantKv {
     pub(crate) fn row_bytes(&self, layer: usize, n_kv: usize) -> usize {
         n_kv * self.codecs[layer].bytes()
     }
+
+    /// Whether store row `row` of `layer` is a head block's (bf16).
+    pub(crate) fn is_head(&self, layer: usize, row: usize) -> bool {
+        row >= self.head_row0 && self.head.get(layer).is_some_and(Option::is_some)
+    }
+
+    /// The kernels' head-block arguments of `layer`: keys, values (null for none), first row.
+    pub(crate) fn head_args(&self, ctx: &Cuda, layer: usize) -> [KArg; 3] {
+        let (k, v) = match &self.head[layer] {
+            Some((k, v)) => (ctx.arg(k), ctx.arg(v)),
+            None => (KArg::Ptr(0), KArg::Ptr(0)),
+        };
+        [k, v, KArg::I32(i32::try_from(self.head_row0).unwrap_or(i32::MAX))]
+    }
+}
+
+/// attention_q and attention_merge_q for one layer, with their arguments: the store's (in
+/// place of attention_split's k and v caches), the merge's appended ones, and the head
+/// blocks' (attention_q's last).
+pub(crate) struct QuantAttention {
+    pub(crate) split: CudaFunction,
+    pub(crate) merge: CudaFunction,
+    pub(crate) store: [KArg; 2],
+    pub(crate) merge_extra: [KArg; 2],
+    pub(crate) head: [KArg; 3],
 }
 
 /// 1/√hd as the Walsh-Hadamard transform scales by it (turboquant::hadamard).
@@ -85,7 +115,23 @@ impl Cuda {
             })?;
         }
         let table = self.upload(&scheme_table(scheme, hd)?, "uploading the KV scheme's tables")?;
-        kv.quant = Some(QuantKv { codecs, rows, table });
+        let width = cfg.n_kv_heads * hd;
+        if i32::try_from((blocks.full + blocks.head) * BLOCK).is_err() {
+            return Err(Error::Unsupported(format!("a CUDA KV store of {} blocks", blocks.full + blocks.head)));
+        }
+        let head = (0..cfg.n_layers)
+            .map(|l| match blocks.head > 0 && !kv.sliding[l] {
+                true => {
+                    let n = blocks.head * BLOCK * width;
+                    Ok(Some((
+                        self.zeros::<u16>(n, "allocating the KV cache")?,
+                        self.zeros::<u16>(n, "allocating the KV cache")?,
+                    )))
+                }
+                false => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        kv.quant = Some(QuantKv { codecs, rows, table, head_row0: blocks.full * BLOCK, head });
         Ok(kv)
     }
 
@@ -146,6 +192,7 @@ impl Cuda {
             tables[0],
             tables[1],
         ];
+        let args: Vec<KArg> = args.into_iter().chain(qk.head_args(self, layer)).collect();
         let c = LaunchConfig {
             grid_dim: (k.rows as u32, (heads + n_kv) as u32, 1),
             block_dim: (hd as u32, 1, 1),
@@ -167,18 +214,19 @@ impl Cuda {
         self.launch(&f, c, &args, super::context::Order::Serial, "unrotate_rows launch")
     }
 
-    /// attention_q's and attention_merge_q's functions and their store arguments (in place
-    /// of attention_split's k and v caches, and appended to the merge's).
-    pub(crate) fn quant_attention_kernels(
-        &self,
-        kv: &CudaKv,
-        layer: usize,
-    ) -> Result<(CudaFunction, CudaFunction, [KArg; 2], [KArg; 2])> {
+    /// attention_q's and attention_merge_q's functions and their arguments for `layer`.
+    pub(crate) fn quant_attention_kernels(&self, kv: &CudaKv, layer: usize) -> Result<QuantAttention> {
         let (split, qk) = self.quant_function(kv, layer, "attention_q")?;
         let (merge, _) = self.quant_function(kv, layer, "attention_merge_q")?;
         let table = self.arg(&qk.table);
         let had = KArg::F32(hadamard_scale(kv.head_dim));
-        Ok((split, merge, [self.arg(&qk.rows[layer]), table], [table, had]))
+        Ok(QuantAttention {
+            split,
+            merge,
+            store: [self.arg(&qk.rows[layer]), table],
+            merge_extra: [table, had],
+            head: qk.head_args(self, layer),
+        })
     }
 }
 

@@ -50,13 +50,6 @@ impl Backend for Cuda {
         self.kv_store_bf16(cfg, blocks, true)
     }
     fn kv_store_scheme(&self, cfg: &ModelConfig, blocks: KvBlocks, scheme: &KvScheme) -> Result<CudaKv> {
-        if blocks.head > 0 {
-            // The kernels do not read bf16 head blocks beside quantized rows yet.
-            return Err(crate::Error::Unsupported(
-                "--kv-start on CUDA (bf16 leading positions in a quantized cache): not built yet; run it on the CPU"
-                    .into(),
-            ));
-        }
         match scheme {
             KvScheme::Bf16 => self.kv_store(cfg, blocks),
             s => self.kv_store_quant(cfg, blocks, s),

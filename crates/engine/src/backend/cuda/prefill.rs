@@ -155,15 +155,15 @@ impl Cuda {
                 [self.arg(&ml), self.arg(&acc)]
             }
         };
-        let (a, mg, store, merge_extra) = match kv.quant {
+        let (a, mg, store, merge_extra, head) = match kv.quant {
             Some(_) => {
-                let (a, mg, store, extra) = self.quant_attention_kernels(kv, layer)?;
-                (a, mg, store, Some(extra))
+                let qa = self.quant_attention_kernels(kv, layer)?;
+                (qa.split, qa.merge, qa.store, Some(qa.merge_extra), Some(qa.head))
             }
             None => {
                 let store = [self.arg(&kv.k[layer]), self.arg(&kv.v[layer])];
                 let a = self.plain_kernel("attention.cu", "attention_split")?;
-                (a, self.plain_kernel("attention.cu", "attention_merge")?, store, None)
+                (a, self.plain_kernel("attention.cu", "attention_merge")?, store, None, None)
             }
         };
         let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
@@ -184,8 +184,9 @@ impl Cuda {
             tables[0],
             tables[1],
         ];
-        if kv.quant.is_some() {
+        if let Some(head) = head {
             args.push(KArg::I32(qb as i32));
+            args.extend(head);
         }
         let c = LaunchConfig {
             grid_dim: ((heads / qb) as u32, rows as u32, splits as u32),

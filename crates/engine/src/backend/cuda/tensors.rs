@@ -105,19 +105,7 @@ impl CudaKv {
     /// Most positions one sequence can hold (every full block): what fixes the attention
     /// kernels' split counts, so a captured step stays valid as its sequence grows.
     pub(crate) fn max_seq(&self) -> usize {
-        self.blocks.full * crate::kv::BLOCK
-    }
-
-    /// Maximal runs of consecutive store rows in `rows`: (first, count).
-    fn runs(rows: &[usize]) -> Vec<(usize, usize)> {
-        let mut out: Vec<(usize, usize)> = Vec::new();
-        for &r in rows {
-            match out.last_mut() {
-                Some((a, n)) if *a + *n == r => *n += 1,
-                _ => out.push((r, 1)),
-            }
-        }
-        out
+        (self.blocks.full + self.blocks.head) * crate::kv::BLOCK
     }
 
     /// `Backend::kv_row_bytes`.
@@ -129,37 +117,96 @@ impl CudaKv {
     }
 
     fn check_rows(&self, layer: usize, rows: &[usize]) -> Result<()> {
-        let stored = match &self.quant {
-            Some(q) => q.rows.get(layer).map_or(0, |r| r.len() / self.row_bytes(layer)),
-            None => self.k.get(layer).map_or(0, |k| k.len() / self.width),
+        let (stored, head) = match &self.quant {
+            Some(q) => (
+                q.rows.get(layer).map_or(0, |r| r.len() / self.row_bytes(layer)),
+                q.head
+                    .get(layer)
+                    .and_then(Option::as_ref)
+                    .map_or(0..0, |(k, _)| q.head_row0..q.head_row0 + k.len() / self.width),
+            ),
+            None => (self.k.get(layer).map_or(0, |k| k.len() / self.width), 0..0),
         };
-        match rows.iter().all(|&r| r < stored) {
+        match rows.iter().all(|&r| r < stored || head.contains(&r)) {
             true => Ok(()),
             false => Err(Error::Invalid(format!("KV rows past layer {layer}'s {stored} rows"))),
         }
     }
 
+    /// Bytes of store row `r` of `layer` in `export`'s form (a head block's: bf16).
+    fn row_bytes_at(&self, layer: usize, r: usize) -> usize {
+        match &self.quant {
+            Some(q) if q.is_head(layer, r) => 4 * self.width,
+            _ => self.row_bytes(layer),
+        }
+    }
+
+    /// Maximal runs of consecutive store rows of one kind (quantized or head blocks) in
+    /// `rows`: (first, count, head).
+    fn runs_by_kind(&self, layer: usize, rows: &[usize]) -> Vec<(usize, usize, bool)> {
+        let mut out: Vec<(usize, usize, bool)> = Vec::new();
+        for &r in rows {
+            let head = self.quant.as_ref().is_some_and(|q| q.is_head(layer, r));
+            match out.last_mut() {
+                Some((a, n, h)) if *a + *n == r && *h == head => *n += 1,
+                _ => out.push((r, 1, head)),
+            }
+        }
+        out
+    }
+
+    /// bf16 rows `a..a + n` of `k` and `v` read back as export's bytes (key then value each).
+    fn read_bf16(
+        ctx: &Context,
+        (k, v): (&CudaSlice<u16>, &CudaSlice<u16>),
+        (a, n, w): (usize, usize, usize),
+        out: &mut Vec<u8>,
+    ) -> Result<()> {
+        let read = |buf: &CudaSlice<u16>| ctx.stream.clone_dtoh(&buf.slice(a * w..(a + n) * w));
+        let (k, v) = (read(k).map_err(drv("reading the KV cache"))?, read(v).map_err(drv("reading the KV cache"))?);
+        for i in 0..n {
+            for x in k[i * w..(i + 1) * w].iter().chain(&v[i * w..(i + 1) * w]) {
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+        }
+        Ok(())
+    }
+
+    /// export's bytes of `n` rows into bf16 rows `a..a + n` of `k` and `v`.
+    fn write_bf16(
+        ctx: &Context,
+        (k, v): (&mut CudaSlice<u16>, &mut CudaSlice<u16>),
+        (a, n, w): (usize, usize, usize),
+        data: &[u8],
+    ) -> Result<()> {
+        let (mut hk, mut hv) = (Vec::with_capacity(n * w), Vec::with_capacity(n * w));
+        for row in data.chunks_exact(4 * w) {
+            let (rk, rv) = row.split_at(2 * w);
+            hk.extend(rk.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])));
+            hv.extend(rv.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])));
+        }
+        let span = a * w..(a + n) * w;
+        ctx.stream.memcpy_htod(&hk, &mut k.slice_mut(span.clone())).map_err(drv("writing the KV cache"))?;
+        ctx.stream.memcpy_htod(&hv, &mut v.slice_mut(span)).map_err(drv("writing the KV cache"))
+    }
+
     /// `Backend::kv_export`: each row's key then value, bf16 little-endian (or the quantized
-    /// rows as stored); a run of consecutive rows is one copy.
+    /// rows as stored, a head block's row as bf16); a run of consecutive rows is one copy.
     pub(crate) fn export(&self, ctx: &Context, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()> {
         self.check_rows(layer, rows)?;
-        if let Some(q) = &self.quant {
-            let b = self.row_bytes(layer);
-            for (a, n) in Self::runs(rows) {
-                let bytes = ctx.stream.clone_dtoh(&q.rows[layer].slice(a * b..(a + n) * b));
-                out.extend(bytes.map_err(drv("reading the KV cache"))?);
-            }
-            return Ok(());
-        }
         let w = self.width;
-        for (a, n) in Self::runs(rows) {
-            let read = |buf: &CudaSlice<u16>| ctx.stream.clone_dtoh(&buf.slice(a * w..(a + n) * w));
-            let (k, v) = (read(&self.k[layer]), read(&self.v[layer]));
-            let (k, v) = (k.map_err(drv("reading the KV cache"))?, v.map_err(drv("reading the KV cache"))?);
-            for i in 0..n {
-                for x in k[i * w..(i + 1) * w].iter().chain(&v[i * w..(i + 1) * w]) {
-                    out.extend_from_slice(&x.to_le_bytes());
+        for (a, n, head) in self.runs_by_kind(layer, rows) {
+            match &self.quant {
+                Some(q) if head => {
+                    let (k, v) = q.head[layer].as_ref().expect("a head row has head blocks");
+                    Self::read_bf16(ctx, (k, v), (a - q.head_row0, n, w), out)?;
                 }
+                Some(q) => {
+                    let b = self.row_bytes(layer);
+                    let bytes = ctx.stream.clone_dtoh(&q.rows[layer].slice(a * b..(a + n) * b));
+                    out.extend(bytes.map_err(drv("reading the KV cache"))?);
+                }
+                None => Self::read_bf16(ctx, (&self.k[layer], &self.v[layer]), (a, n, w), out)?,
             }
         }
         Ok(())
@@ -168,32 +215,35 @@ impl CudaKv {
     /// `Backend::kv_import`: `data` as `export` gives it into `rows` of `layer`.
     pub(crate) fn import(&mut self, ctx: &Context, layer: usize, rows: &[usize], data: &[u8]) -> Result<()> {
         self.check_rows(layer, rows)?;
+        let want: usize = rows.iter().map(|&r| self.row_bytes_at(layer, r)).sum();
+        if data.len() != want {
+            return Err(Error::Invalid(format!("{} bytes for {} KV rows of {want} bytes", data.len(), rows.len())));
+        }
         let (w, b) = (self.width, self.row_bytes(layer));
-        if data.len() != rows.len() * b {
-            return Err(Error::Invalid(format!("{} bytes for {} KV rows of {b} bytes", data.len(), rows.len())));
-        }
         let mut at = 0;
-        if let Some(q) = &mut self.quant {
-            for (a, n) in Self::runs(rows) {
-                let dst = &mut q.rows[layer].slice_mut(a * b..(a + n) * b);
-                ctx.stream.memcpy_htod(&data[at * b..(at + n) * b], dst).map_err(drv("writing the KV cache"))?;
-                at += n;
+        for (a, n, head) in self.runs_by_kind(layer, rows) {
+            match &mut self.quant {
+                Some(q) if head => {
+                    let r0 = a - q.head_row0;
+                    let (k, v) = q.head[layer].as_mut().expect("a head row has head blocks");
+                    Self::write_bf16(ctx, (k, v), (r0, n, w), &data[at..at + n * 4 * w])?;
+                    at += n * 4 * w;
+                }
+                Some(q) => {
+                    let dst = &mut q.rows[layer].slice_mut(a * b..(a + n) * b);
+                    ctx.stream.memcpy_htod(&data[at..at + n * b], dst).map_err(drv("writing the KV cache"))?;
+                    at += n * b;
+                }
+                None => {
+                    Self::write_bf16(
+                        ctx,
+                        (&mut self.k[layer], &mut self.v[layer]),
+                        (a, n, w),
+                        &data[at..at + n * 4 * w],
+                    )?;
+                    at += n * 4 * w;
+                }
             }
-            return ctx.stream.synchronize().map_err(drv("writing the KV cache"));
-        }
-        for (a, n) in Self::runs(rows) {
-            let (mut k, mut v) = (Vec::with_capacity(n * w), Vec::with_capacity(n * w));
-            for row in data[at * 4 * w..(at + n) * 4 * w].chunks_exact(4 * w) {
-                let (rk, rv) = row.split_at(2 * w);
-                k.extend(rk.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])));
-                v.extend(rv.chunks_exact(2).map(|x| u16::from_le_bytes([x[0], x[1]])));
-            }
-            let span = a * w..(a + n) * w;
-            ctx.stream
-                .memcpy_htod(&k, &mut self.k[layer].slice_mut(span.clone()))
-                .map_err(drv("writing the KV cache"))?;
-            ctx.stream.memcpy_htod(&v, &mut self.v[layer].slice_mut(span)).map_err(drv("writing the KV cache"))?;
-            at += n;
         }
         ctx.stream.synchronize().map_err(drv("writing the KV cache"))
     }
