@@ -10,42 +10,50 @@ use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::{Attend, Backend, Rope};
 use ferrolm::config::RopeStyle;
 use ferrolm::kv::scheme::KvScheme;
-use ferrolm::kv::{blocks_for, InOrder, BLOCK};
+use ferrolm::kv::{blocks_for, InOrder};
 use ferrolm::model::{Decoder, Logits};
 
 /// Every row format's kernels: affine 8/4, TurboQuant int8 and packed keys, 2-8-bit values.
 const SCHEMES: [&str; 7] =
     ["affine:8", "affine:4", "turbo:k8v3", "turbo:k8v8", "turbo:k5v5", "turbo:k4v2", "turbo:k2v4"];
 
-fn export_all<B: Backend>(b: &B, kv: &B::Kv, rows: usize) -> Vec<u8> {
-    let mut out = vec![];
-    b.kv_export(kv, 0, &(0..rows).collect::<Vec<_>>(), &mut out).unwrap();
-    out
+/// Attention steps of 45, 1, 1, 19, 1, 64 and 1 rows (no RoPE) over new stores of `blocks`
+/// in `scheme` on both backends, each within 1e-2 of the CPU's; then the rows CUDA wrote
+/// must be the CPU's bytes.
+fn steps_match_the_cpu(
+    r: &mut Rng,
+    (cfg, shape): (&ferrolm::config::ModelConfig, (usize, usize, usize)),
+    scheme: &str,
+    blocks: ferrolm::kv::KvBlocks,
+) {
+    let (g, c) = (gpu(), Cpu);
+    let (heads, n_kv, hd) = shape;
+    let kv = KvScheme::parse(scheme).unwrap();
+    let mut kvg = g.kv_store_scheme(cfg, blocks, &kv).unwrap();
+    let mut kvc = c.kv_store_scheme(cfg, blocks, &kv).unwrap();
+    let mut pos = 0;
+    for m in [45, 1, 1, 19, 1, 64, 1] {
+        let (og, want, _) = attention_both(r, &mut kvg, &mut kvc, shape, m, pos, Attend::causal(hd));
+        let what = format!("{scheme} {blocks:?} {heads}/{n_kv}x{hd} m{m} pos{pos}");
+        check(&what, &g.read_rows(&og, 0).unwrap(), &want, 1e-2);
+        pos += m;
+    }
+    let rows: Vec<usize> = (0..pos).map(|p| ferrolm::kv::row_of(InOrder::new(blocks).span(0, 1).full, p)).collect();
+    let (mut a, mut b) = (vec![], vec![]);
+    g.kv_export(&kvg, 0, &rows, &mut a).unwrap();
+    c.kv_export(&kvc, 0, &rows, &mut b).unwrap();
+    assert_eq!(a.len(), b.len());
+    let first = a.iter().zip(&b).position(|(x, y)| x != y);
+    assert!(first.is_none(), "{scheme} {heads}/{n_kv}x{hd}: CUDA's rows differ from the CPU's at byte {first:?}");
 }
 
 #[test]
 fn quantized_rows_and_attention_match_the_cpu() {
-    let (g, c) = (gpu(), Cpu);
     let mut r = Rng::seeded();
     for (heads, n_kv, hd) in [(4, 2, 64), (16, 2, 128), (4, 1, 256)] {
         for s in SCHEMES {
-            let scheme = KvScheme::parse(s).unwrap();
             let cfg = attn_cfg(heads, n_kv, hd, 1, RopeStyle::Half);
-            let blocks = blocks_for(&cfg, 200);
-            let mut kvg = g.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
-            let mut kvc = c.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
-            let mut pos = 0;
-            for m in [45, 1, 1, 19, 1, 64, 1] {
-                let attend = Attend::causal(hd);
-                let (og, want, _) = attention_both(&mut r, &mut kvg, &mut kvc, (heads, n_kv, hd), m, pos, attend);
-                let what = format!("{s} {heads}/{n_kv}x{hd} m{m} pos{pos}");
-                check(&what, &g.read_rows(&og, 0).unwrap(), &want, 1e-2);
-                pos += m;
-            }
-            let (a, b) = (export_all(g, &kvg, blocks.full * BLOCK), export_all(&c, &kvc, blocks.full * BLOCK));
-            assert_eq!(a.len(), b.len());
-            let first = a.iter().zip(&b).position(|(x, y)| x != y);
-            assert!(first.is_none(), "{s} {heads}/{n_kv}x{hd}: CUDA's rows differ from the CPU's at byte {first:?}");
+            steps_match_the_cpu(&mut r, (&cfg, (heads, n_kv, hd)), s, blocks_for(&cfg, 200));
         }
     }
 }
@@ -64,28 +72,7 @@ fn leading_bf16_blocks_match_the_cpu() {
             let cfg = attn_cfg(heads, n_kv, hd, 2, RopeStyle::Half);
             let mut blocks = blocks_for(&cfg, 300);
             (blocks.full, blocks.head) = (blocks.full - 2, 2);
-            let mut kvg = g.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
-            let mut kvc = c.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
-            let mut pos = 0;
-            for m in [45, 1, 1, 19, 1, 64, 1] {
-                let attend = Attend::causal(hd);
-                let (og, want, _) = attention_both(&mut r, &mut kvg, &mut kvc, (heads, n_kv, hd), m, pos, attend);
-                check(
-                    &format!("{s} head {heads}/{n_kv}x{hd} m{m} pos{pos}"),
-                    &g.read_rows(&og, 0).unwrap(),
-                    &want,
-                    1e-2,
-                );
-                pos += m;
-            }
-            let rows: Vec<usize> =
-                (0..pos).map(|p| ferrolm::kv::row_of(InOrder::new(blocks).span(0, 1).full, p)).collect();
-            let (mut a, mut b) = (vec![], vec![]);
-            g.kv_export(&kvg, 0, &rows, &mut a).unwrap();
-            c.kv_export(&kvc, 0, &rows, &mut b).unwrap();
-            assert_eq!(a.len(), b.len());
-            let first = a.iter().zip(&b).position(|(x, y)| x != y);
-            assert!(first.is_none(), "{s} {heads}/{n_kv}x{hd}: CUDA's rows differ from the CPU's at byte {first:?}");
+            steps_match_the_cpu(&mut r, (&cfg, (heads, n_kv, hd)), s, blocks);
             let rope = Rope { inv_freq: cfg.rope_inv_freq(), style: RopeStyle::Half, linear: 1.0 };
             let mut kvg = g.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
             let mut kvc = c.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
