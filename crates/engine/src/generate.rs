@@ -340,7 +340,8 @@ impl<'m, B: Backend> Session<'m, B> {
     /// The decode step's logits and argmax buffers, made on first use.
     fn ensure_step_buffers(&mut self) -> Result<()> {
         if self.logits.is_none() {
-            self.logits = Some(self.model.backend.act_f32(1, self.model.logits_width())?);
+            self.logits =
+                Some(self.model.backend.act_f32_as(1, self.model.logits_width(), crate::backend::Width::Vocab)?);
             self.argmax = Some(self.model.backend.act_f32(1, 1)?);
         }
         Ok(())

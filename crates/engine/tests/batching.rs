@@ -33,8 +33,8 @@ fn model() -> (Decoder<Cpu>, Vec<Vec<u32>>) {
 /// all in one call, and check each call's logits against `alone` (every position's logits
 /// of each prompt run by itself); every other row asks only for its argmax, which must be
 /// `alone`'s. Returns the rows compared and the sequences' tables.
-fn run_batched(
-    model: &Decoder<Cpu>,
+fn run_batched<B: Backend>(
+    model: &Decoder<B>,
     prompts: &[Vec<u32>],
     alone: &[Vec<f32>],
     blocks: KvBlocks,
@@ -94,6 +94,21 @@ fn logits_are_the_same_bits_alone_or_batched() {
     // Some sequence's blocks were not consecutive in the store.
     let scattered = seqs.iter().any(|s| s.full.windows(2).any(|w| w[1] != w[0] + 1));
     assert!(scattered, "{:?}", seqs.iter().map(|s| &s.full).collect::<Vec<_>>());
+}
+
+/// The same over two simulated tensor-parallel ranks (backend::sharded): batched calls of
+/// the sharded model give the bits the whole model gives each sequence alone.
+#[test]
+fn a_tensor_parallel_model_batches_as_the_whole_one_runs_alone() {
+    use ferrolm::backend::sharded::{InOrder, Sharded};
+    let (whole, prompts) = model();
+    let alone = alone(&whole, &prompts);
+    let path = ferrolm::env::test_models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let mut src = ferrolm::formats::load(&path, false).unwrap();
+    let backend = Sharded::new(vec![Cpu, Cpu], &src.config, InOrder).unwrap();
+    let tp = Decoder::load(backend, &mut src).unwrap();
+    let (checked, _) = run_batched(&tp, &prompts, &alone, KvBlocks { full: 64, sliding: 0, head: 0 }, 7);
+    assert!(checked > 20, "{checked} rows compared");
 }
 
 /// Gemma 3 270M (sliding layers of window 512): sequences past the window, their sliding

@@ -246,7 +246,7 @@ fn matmuls_and_embeddings_match_cpu() {
             let x = bf(&r.v(m * k, 1.0));
             let xg = g.act_from(m, k, &x).unwrap();
             let mut want = c.act(m, n).unwrap();
-            c.matmul(&cpu(m, k, x.clone()), &w, &mut want).unwrap();
+            c.matmul(&cpu(m, k, x.clone()), &c.matrix(w.clone()).unwrap(), &mut want).unwrap();
             for f32_out in [false, true] {
                 let mut og = g.act_poisoned(m, n, f32_out).unwrap();
                 g.matmul(&xg, &wg, &mut og).unwrap();
@@ -261,7 +261,7 @@ fn matmuls_and_embeddings_match_cpu() {
             g.begin(&toks, &[t.span(0, toks.len())], false).unwrap();
             g.embed(&wg, &toks, scale, &mut eg).unwrap();
             let mut ec = c.act(4, k).unwrap();
-            c.embed(&w, &toks, scale, &mut ec).unwrap();
+            c.embed(&c.matrix(w.clone()).unwrap(), &toks, scale, &mut ec).unwrap();
             check(&format!("embed {name} ×{scale}"), &g.read_rows(&eg, 0).unwrap(), &ec.data, 1e-6);
         }
     }

@@ -3,6 +3,7 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod sharded;
 
 use crate::config::{Activation, ModelConfig};
 use crate::kv::Span;
@@ -115,6 +116,28 @@ pub struct LayerShape {
     pub attend: Attend,
 }
 
+/// What an activation's columns hold: the model's width, or a width tensor parallelism
+/// splits between ranks (`sharded`): query heads, KV heads, FFN columns, the vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Width {
+    Model,
+    Heads,
+    KvHeads,
+    Ffn,
+    Vocab,
+}
+
+/// What a weight matrix is to tensor parallelism: the same on every rank, split by its
+/// output rows (q/k/v, gate/up, the embedding and head), or by its input columns (the
+/// output projections, whose ranks' sums an all-reduce adds; each sums `unit` columns at
+/// a time, and a cut between ranks falls on a unit).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatKind {
+    Whole,
+    Rows(Width),
+    Cols(Width, usize),
+}
+
 /// Largest k `Backend::top_k` takes (the CUDA kernel's limit is only the output size; this
 /// keeps the read-back small).
 pub const TOP_K_MAX: usize = 1024;
@@ -152,11 +175,33 @@ pub trait Backend: Sync {
         Ok(None)
     }
     fn matrix(&self, w: Weight) -> Result<Self::Mat>;
+    /// `matrix` for a matrix of `kind`: tensor parallelism splits it by kind, and the CPU
+    /// sums a `Cols` matrix's products in its units, one after another (so that the parts
+    /// of a matrix cut between ranks at unit boundaries sum exactly as the whole does).
+    fn matrix_as(&self, w: Weight, kind: MatKind) -> Result<Self::Mat> {
+        let _ = kind;
+        self.matrix(w)
+    }
+    /// `vector` for a vector of `width` values (the q/k/v biases split by heads).
+    fn vector_as(&self, v: Vec<f32>, width: Width) -> Result<Self::Vector> {
+        let _ = width;
+        self.vector(v)
+    }
     fn vector(&self, v: Vec<f32>) -> Result<Self::Vector>;
     /// Activations in the working precision (f32 on the CPU, bf16 on CUDA).
     fn act(&self, rows: usize, cols: usize) -> Result<Self::Act>;
     /// f32 activations: the residual stream and logits.
     fn act_f32(&self, rows: usize, cols: usize) -> Result<Self::Act>;
+    /// `act` whose columns are `width` (tensor parallelism gives each rank its part).
+    fn act_as(&self, rows: usize, cols: usize, width: Width) -> Result<Self::Act> {
+        let _ = width;
+        self.act(rows, cols)
+    }
+    /// `act_f32` whose columns are `width`.
+    fn act_f32_as(&self, rows: usize, cols: usize, width: Width) -> Result<Self::Act> {
+        let _ = width;
+        self.act_f32(rows, cols)
+    }
     /// A store of `blocks` for the model's layers.
     fn kv_store(&self, cfg: &ModelConfig, blocks: crate::kv::KvBlocks) -> Result<Self::Kv>;
     /// A store whose blocks hold `scheme`'s rows (kv::scheme); bf16 is `kv_store`. A

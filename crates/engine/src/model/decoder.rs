@@ -4,16 +4,15 @@
 //! Shapes: m = tokens in this call, d = hidden, h/kvh = query/kv heads, hd = head dim,
 //! f = ffn width, V = vocab.
 
-use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope};
+use crate::backend::{Attend, Backend, DecodeLayer, LayerScratch, LayerShape, LayerWeights, Rope, Width};
 use crate::config::{AttnKind, ModelConfig};
-use crate::formats::{names, ModelSource};
 use crate::kv::paged::NO_BLOCK;
 use crate::kv::seq::SeqCache;
 use crate::kv::{KvBlocks, Span, BLOCK, CALL_ROWS};
-use crate::quant::Weight;
 use crate::{Error, Result};
 
 mod calls;
+mod load;
 pub use calls::RowOut;
 
 pub struct Layer<B: Backend> {
@@ -80,20 +79,6 @@ pub struct Decoder<B: Backend> {
     pub(crate) kv_start: usize,
 }
 
-/// The first `rows` rows of the head (the embedding when tied) of shape `shape`: a padded
-/// vocabulary's scored part.
-fn padded_head(src: &ModelSource, tied: bool, rows: usize, (vocab, d): (usize, usize)) -> Result<Weight> {
-    let name = if tied { names::EMBED } else { names::LM_HEAD };
-    let w = src.tensors.get(name).ok_or_else(|| Error::format(&src.path, format!("tensor {name} is missing")))?;
-    if (w.rows(), w.cols()) != (vocab, d) {
-        return Err(Error::format(
-            &src.path,
-            format!("tensor {name}: shape [{}, {}], expected [{vocab}, {d}]", w.rows(), w.cols()),
-        ));
-    }
-    w.first_rows(rows)
-}
-
 /// Where a forward call's head writes: its logits buffer, and (greedy steps) the argmax's
 /// buffer and whether it feeds the next step.
 type HeadOut<'a, B> = (Option<&'a mut <B as Backend>::Act>, Option<(&'a mut <B as Backend>::Act, bool)>);
@@ -110,156 +95,7 @@ pub enum Logits {
     Hidden(usize),
 }
 
-fn vector(w: Weight, name: &str, len: usize, src: &ModelSource) -> Result<Vec<f32>> {
-    let v = w.to_f32_vec();
-    if v.len() != len {
-        return Err(Error::format(&src.path, format!("tensor {name}: {} values, expected {len}", v.len())));
-    }
-    Ok(v)
-}
-
-/// Takes a model's weights out of its source and hands them to the backend, counting the
-/// bytes a decode step reads: every matrix once (the embedding table only when it is also
-/// the head), norm gains aside.
-struct Loader<'a, B: Backend> {
-    backend: &'a B,
-    cfg: &'a ModelConfig,
-    read: usize,
-    /// Whether the embedding table is read whole per step (it is the head).
-    embed_is_head: bool,
-}
-
-impl<B: Backend> Loader<'_, B> {
-    fn mat(&mut self, src: &mut ModelSource, name: &str, rows: usize, cols: usize) -> Result<B::Mat> {
-        let w = src.take(name)?;
-        if name != names::EMBED || self.embed_is_head {
-            self.read += w.byte_size();
-        }
-        if w.rows() != rows || w.cols() != cols {
-            return Err(Error::format(
-                &src.path,
-                format!("tensor {name}: shape [{}, {}], expected [{rows}, {cols}]", w.rows(), w.cols()),
-            ));
-        }
-        self.backend.matrix(w)
-    }
-
-    /// A 1-D weight; norm gains as applied (Gemma's tensors hold w for a gain of 1 + w).
-    fn vec(&self, src: &mut ModelSource, name: &str, len: usize) -> Result<B::Vector> {
-        let w = src.take(name)?;
-        let mut v = vector(w, name, len, src)?;
-        if self.cfg.norm_plus_one && name.ends_with("norm.weight") {
-            v.iter_mut().for_each(|g| *g += 1.0);
-        }
-        self.backend.vector(v)
-    }
-
-    fn layer(&mut self, src: &mut ModelSource, i: usize) -> Result<Layer<B>> {
-        let c = self.cfg;
-        let (d, hd, f) = (c.hidden, c.head_dim, c.ffn);
-        let (qd, kvd) = (c.n_heads * hd, c.n_kv_heads * hd);
-        let n = |s: &str| names::layer(i, s);
-        let bias = match c.qkv_bias {
-            true => Some([
-                self.vec(src, &n("self_attn.q_proj.bias"), qd)?,
-                self.vec(src, &n("self_attn.k_proj.bias"), kvd)?,
-                self.vec(src, &n("self_attn.v_proj.bias"), kvd)?,
-            ]),
-            false => None,
-        };
-        let qk_norm = match c.qk_norm {
-            true => Some([
-                self.vec(src, &n("self_attn.q_norm.weight"), hd)?,
-                self.vec(src, &n("self_attn.k_norm.weight"), hd)?,
-            ]),
-            false => None,
-        };
-        // Gemma: post_attention_layernorm is the attention output's norm and the MLP has
-        // its own pre-norm; in Llama the same name is the MLP's pre-norm.
-        let (post_attn_norm, mlp_norm, post_mlp_norm) = match c.post_norms {
-            true => (
-                Some(self.vec(src, &n("post_attention_layernorm.weight"), d)?),
-                self.vec(src, &n("pre_feedforward_layernorm.weight"), d)?,
-                Some(self.vec(src, &n("post_feedforward_layernorm.weight"), d)?),
-            ),
-            false => (None, self.vec(src, &n("post_attention_layernorm.weight"), d)?, None),
-        };
-        Ok(Layer {
-            attn_norm: self.vec(src, &n("input_layernorm.weight"), d)?,
-            wq: self.mat(src, &n("self_attn.q_proj.weight"), qd, d)?,
-            wk: self.mat(src, &n("self_attn.k_proj.weight"), kvd, d)?,
-            wv: self.mat(src, &n("self_attn.v_proj.weight"), kvd, d)?,
-            bias,
-            qk_norm,
-            wo: self.mat(src, &n("self_attn.o_proj.weight"), d, qd)?,
-            post_attn_norm,
-            mlp_norm,
-            w_gate: self.mat(src, &n("mlp.gate_proj.weight"), f, d)?,
-            w_up: self.mat(src, &n("mlp.up_proj.weight"), f, d)?,
-            w_down: self.mat(src, &n("mlp.down_proj.weight"), d, f)?,
-            post_mlp_norm,
-            kind: c.layer_kind(i),
-        })
-    }
-}
-
 impl<B: Backend> Decoder<B> {
-    /// Take the weights out of `src` (canonical names) and hand them to the backend.
-    pub fn load(backend: B, src: &mut ModelSource) -> Result<Self> {
-        let cfg = src.config.clone();
-        let d = cfg.hidden;
-        let tied = cfg.tie_embeddings || !src.tensors.contains_key(names::LM_HEAD);
-        // A padded vocabulary (more embedding rows than the tokenizer has ids, as Qwen's):
-        // the head scores only the tokenizer's ids, so no id without a token is sampled.
-        let logits_width = src.tokenizer_vocab.map_or(cfg.vocab, |n| n.clamp(1, cfg.vocab));
-        let padded_head = match logits_width < cfg.vocab {
-            true => Some(padded_head(src, tied, logits_width, (cfg.vocab, d))?),
-            false => None,
-        };
-        let mut l = Loader { backend: &backend, cfg: &cfg, read: 0, embed_is_head: tied && padded_head.is_none() };
-        let embed = l.mat(src, names::EMBED, cfg.vocab, d)?;
-        let layers = (0..cfg.n_layers).map(|i| l.layer(src, i)).collect::<Result<Vec<_>>>()?;
-        let norm = l.vec(src, names::NORM, d)?;
-        let lm_head = match padded_head {
-            Some(w) => {
-                if !tied {
-                    src.take(names::LM_HEAD)?; // the full head, replaced by its first rows
-                }
-                l.read += w.byte_size();
-                Some(backend.matrix(w)?)
-            }
-            None if !tied => Some(l.mat(src, names::LM_HEAD, cfg.vocab, d)?),
-            None => None,
-        };
-        let decode_weight_bytes = l.read;
-        let mut inv_freq = cfg.rope_inv_freq();
-        // Llama 3 GGUFs store their frequency scaling as per-pair divisors.
-        if let Some(w) = src.tensors.remove("rope_freqs") {
-            let factors = vector(w, "rope_freqs.weight", inv_freq.len(), src)?;
-            inv_freq.iter_mut().zip(factors).for_each(|(f, s)| *f /= s);
-        }
-        let rope = Rope { inv_freq, style: cfg.rope_style, linear: cfg.rope_linear };
-        let rope_local =
-            cfg.rope_local_inv_freq().map(|inv_freq| Rope { inv_freq, style: cfg.rope_style, linear: 1.0 });
-        Ok(Decoder {
-            cfg,
-            backend,
-            embed,
-            layers,
-            norm,
-            lm_head,
-            rope,
-            rope_local,
-            logits_width,
-            decode_weight_bytes,
-            decode_work: std::sync::Mutex::new(Vec::new()),
-            call_work: std::sync::Mutex::new(Vec::new()),
-            session_pool: std::sync::Mutex::new(Vec::new()),
-            kv_scheme: crate::kv::scheme::KvScheme::Bf16,
-            kv_start: 0,
-        })
-    }
-
     /// Logits per position (`cfg.vocab`, or the tokenizer's ids of a padded vocabulary).
     pub fn logits_width(&self) -> usize {
         self.logits_width
@@ -278,7 +114,7 @@ impl<B: Backend> Decoder<B> {
                 return self.forward_into(tokens, pos0, kv, which, None).map(|v| v.unwrap_or_default())
             }
         };
-        let mut logits = self.backend.act_f32(rows, self.logits_width)?; // [rows, V]
+        let mut logits = self.backend.act_f32_as(rows, self.logits_width, Width::Vocab)?; // [rows, V]
         self.forward_into(tokens, pos0, kv, which, Some(&mut logits))?;
         self.backend.read_rows(&logits, 0)
     }
@@ -358,6 +194,13 @@ impl<B: Backend> Decoder<B> {
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
             return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
         }
+        self.check_spans(m, spans, blocks)
+    }
+
+    /// Refuse spans that do not cover a call's m rows, or whose tables do not hold every
+    /// block the call writes or attends.
+    fn check_spans(&self, m: usize, spans: &[Span<'_>], blocks: KvBlocks) -> Result<()> {
+        let c = &self.cfg;
         if spans.iter().map(|s| s.rows).sum::<usize>() != m || spans.iter().any(|s| s.rows == 0) {
             return Err(Error::Invalid(format!("forward: {} spans do not cover {m} tokens", spans.len())));
         }
@@ -480,35 +323,10 @@ impl<B: Backend> Decoder<B> {
         w: &mut Work<B>,
     ) -> Result<()> {
         let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
-        let Work { x, spare, xn, q, k, v, att, o, gate, up, act, last: _ } = w;
-        b.embed(&self.embed, tokens, c.embed_scale, x)?;
-        let full = Attend { scale: c.attn_scale(), window: None };
-        let shape =
-            LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps, act: c.activation, attend: full };
-        let sliding = LayerShape { attend: Attend { window: Some(c.sliding_window), ..full }, ..shape };
-        let layers: Vec<DecodeLayer<'_, B>> = self.layers[..stop]
-            .iter()
-            .enumerate()
-            .map(|(li, l)| {
-                let (shape, rope) = match l.kind {
-                    AttnKind::Full => (shape, &self.rope),
-                    AttnKind::Sliding => (sliding, self.rope_local.as_ref().unwrap_or(&self.rope)),
-                };
-                DecodeLayer { weights: l.weights(), index: li, rope, shape }
-            })
-            .collect();
-        let mut s = LayerScratch {
-            xn: &mut *xn,
-            q: &mut *q,
-            k: &mut *k,
-            v: &mut *v,
-            att: &mut *att,
-            o: &mut *o,
-            gate: &mut *gate,
-            up: &mut *up,
-            act: &mut *act,
-        };
-        match (m, spare.as_mut()) {
+        b.embed(&self.embed, tokens, c.embed_scale, &mut w.x)?;
+        let layers = self.layer_list(stop);
+        let (x, spare, mut s) = w.scratch();
+        match (m, spare) {
             // One token: the backend's decode step, the same math as layer_ops (CUDA:
             // backend/cuda/decode.rs).
             (1, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, spans, s.reborrow()),
@@ -519,6 +337,26 @@ impl<B: Backend> Decoder<B> {
                 Ok(())
             }
         }
+    }
+
+    /// The first `stop` layers with their weights, shapes and rotations.
+    fn layer_list(&self, stop: usize) -> Vec<DecodeLayer<'_, B>> {
+        let c = &self.cfg;
+        let full = Attend { scale: c.attn_scale(), window: None };
+        let shape =
+            LayerShape { heads: c.n_heads, kv_heads: c.n_kv_heads, eps: c.rms_eps, act: c.activation, attend: full };
+        let sliding = LayerShape { attend: Attend { window: Some(c.sliding_window), ..full }, ..shape };
+        self.layers[..stop]
+            .iter()
+            .enumerate()
+            .map(|(li, l)| {
+                let (shape, rope) = match l.kind {
+                    AttnKind::Full => (shape, &self.rope),
+                    AttnKind::Sliding => (sliding, self.rope_local.as_ref().unwrap_or(&self.rope)),
+                };
+                DecodeLayer { weights: l.weights(), index: li, rope, shape }
+            })
+            .collect()
     }
 }
 
@@ -537,9 +375,31 @@ pub fn layer_ops<B: Backend>(
     spans: &[Span<'_>],
     rope: &Rope,
     shape: LayerShape,
+    mut s: LayerScratch<'_, B>,
+) -> Result<()> {
+    let eps = shape.eps;
+    attend(b, w, x, kv, layer, spans, rope, shape, s.reborrow())?;
+    let LayerScratch { xn, att, o, gate, up, act, .. } = s;
+    project_add(b, (att, w.wo), w.post_attn_norm.map(|n| (n, eps)), x, (o, xn))?;
+    b.norm_glu(x, (w.mlp_norm, eps), xn, (w.w_gate, w.w_up), shape.act, gate, up, act)?;
+    project_add(b, (act, w.w_down), w.post_mlp_norm.map(|n| (n, eps)), x, (o, xn))
+}
+
+/// A layer's attention up to its output projection: s.att = attention(rope([norm] q),
+/// rope([norm] k), v) with q/k/v = proj(norm(x)) (+ biases).
+#[allow(clippy::too_many_arguments)]
+pub fn attend<B: Backend>(
+    b: &B,
+    w: &LayerWeights<'_, B>,
+    x: &B::Act,
+    kv: &mut B::Kv,
+    layer: usize,
+    spans: &[Span<'_>],
+    rope: &Rope,
+    shape: LayerShape,
     s: LayerScratch<'_, B>,
 ) -> Result<()> {
-    let LayerScratch { xn, q, k, v, att, o, gate, up, act } = s;
+    let LayerScratch { xn, q, k, v, att, .. } = s;
     let eps = shape.eps;
     b.norm_matmul_many(x, w.attn_norm, eps, xn, &[w.wq, w.wk, w.wv], &mut [&mut *q, &mut *k, &mut *v])?;
     if let Some([bq, bk, bv]) = w.qkv_bias {
@@ -551,10 +411,7 @@ pub fn layer_ops<B: Backend>(
         b.rms_norm_heads(q, qn, eps)?;
         b.rms_norm_heads(k, kn, eps)?;
     }
-    b.rope_attention(q, k, v, kv, layer, spans, rope, (shape.heads, shape.kv_heads), shape.attend, att)?;
-    project_add(b, (att, w.wo), w.post_attn_norm.map(|n| (n, eps)), x, (o, xn))?;
-    b.norm_glu(x, (w.mlp_norm, eps), xn, (w.w_gate, w.w_up), shape.act, gate, up, act)?;
-    project_add(b, (act, w.w_down), w.post_mlp_norm.map(|n| (n, eps)), x, (o, xn))
+    b.rope_attention(q, k, v, kv, layer, spans, rope, (shape.heads, shape.kv_heads), shape.attend, att)
 }
 
 /// A block's output projection into the residual: x += y·wᵀ, RMS-normed first where the
@@ -589,6 +446,13 @@ pub struct Work<B: Backend> {
 }
 
 impl<B: Backend> Work<B> {
+    /// The residual stream, the spare residual (decode) and the layers' scratch.
+    fn scratch(&mut self) -> (&mut B::Act, Option<&mut B::Act>, LayerScratch<'_, B>) {
+        let Work { x, spare, xn, q, k, v, att, o, gate, up, act, last: _ } = self;
+        let s = LayerScratch { xn, q, k, v, att, o, gate, up, act };
+        (x, spare.as_mut(), s)
+    }
+
     /// `decode`: the one-row decode path's buffers (with the spare residual).
     fn new(b: &B, c: &ModelConfig, m: usize, decode: bool) -> Result<Self> {
         let (d, qd, kvd) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
@@ -596,14 +460,14 @@ impl<B: Backend> Work<B> {
             x: b.act_f32(m, d)?,
             spare: if decode { Some(b.act_f32(1, d)?) } else { None },
             xn: b.act(m, d)?,
-            q: b.act(m, qd)?,
-            k: b.act(m, kvd)?,
-            v: b.act(m, kvd)?,
-            att: b.act(m, qd)?,
+            q: b.act_as(m, qd, Width::Heads)?,
+            k: b.act_as(m, kvd, Width::KvHeads)?,
+            v: b.act_as(m, kvd, Width::KvHeads)?,
+            att: b.act_as(m, qd, Width::Heads)?,
             o: b.act(m, d)?,
-            gate: b.act(m, c.ffn)?,
-            up: b.act(m, c.ffn)?,
-            act: b.act(m, c.ffn)?,
+            gate: b.act_as(m, c.ffn, Width::Ffn)?,
+            up: b.act_as(m, c.ffn, Width::Ffn)?,
+            act: b.act_as(m, c.ffn, Width::Ffn)?,
             last: None,
         })
     }

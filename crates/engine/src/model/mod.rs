@@ -2,5 +2,6 @@
 
 pub mod decoder;
 mod kv_cache;
+pub mod shard;
 
 pub use decoder::{Decoder, Logits, RowOut};

@@ -4,6 +4,7 @@ pub mod affine;
 pub mod ggml;
 pub mod kquants;
 pub mod scheme;
+mod slice;
 
 pub use affine::{AffineTensor, ScaleDtype, Scales};
 

@@ -4,16 +4,16 @@
 //! sums. Their timings are crates/lab's (`timings`).
 
 use super::{bf, check, cpu, gpu, Rng};
-use ferrolm::backend::cpu::Cpu;
+use ferrolm::backend::cpu::{Cpu, CpuMat};
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::Backend;
 use ferrolm::config::Activation;
 use ferrolm::quant::{AffineTensor, ScaleDtype, Weight};
 
-fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> (ferrolm::backend::cuda::CudaMat, Weight) {
+fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> (ferrolm::backend::cuda::CudaMat, CpuMat) {
     let w =
         Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, 4, 64, ScaleDtype::BF16).unwrap());
-    (g.matrix(w.clone()).unwrap(), w)
+    (g.matrix(w.clone()).unwrap(), CpuMat::new(w))
 }
 
 /// Each decode GEMV of a 1B layer and the head against the CPU.
@@ -124,7 +124,7 @@ fn fused_decode_ops_case(r: &mut Rng, dims: (usize, usize, usize, usize), bits: 
     let name = format!("q{bits} g{group} {dt:?} {d}x{f}");
     let mut mat = |rows: usize, cols: usize| {
         let w = Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, bits, group, dt).unwrap());
-        (g.matrix(w.clone()).unwrap(), w)
+        (g.matrix(w.clone()).unwrap(), CpuMat::new(w))
     };
     let (wq, wk, wv, wg, wu, wd, wo) =
         (mat(qd, d), mat(kvd, d), mat(kvd, d), mat(f, d), mat(f, d), mat(d, f), mat(d, qd));
@@ -226,6 +226,7 @@ fn mlp_staged_x_is_bit_identical() {
             c.act(1, d).unwrap(),
             c.act(1, f).unwrap(),
         );
+        let (wg, wu, wd) = (CpuMat::new(wg.clone()), CpuMat::new(wu.clone()), CpuMat::new(wd.clone()));
         c.norm_glu(&xc, (&norm, 1e-5), &mut xn, (&wg, &wu), act, &mut gc, &mut uc, &mut ac).unwrap();
         c.matmul_add(&ac, &wd, &mut xc, &mut tmp).unwrap();
         let delta = |v: &[f32]| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();

@@ -18,7 +18,7 @@ fn compare(name: &str, w: &Weight, ms: &[usize], r: &mut Rng) {
         let x = bf(&r.v(m * k, 1.0));
         let xg = g.act_from(m, k, &x).unwrap();
         let mut want = c.act(m, n).unwrap();
-        c.matmul(&cpu(m, k, x), w, &mut want).unwrap();
+        c.matmul(&cpu(m, k, x), &c.matrix(w.clone()).unwrap(), &mut want).unwrap();
         for f32_out in [false, true] {
             let mut og = g.act_poisoned(m, n, f32_out).unwrap();
             g.qgemm(&xg, &wg, &mut og).unwrap();
@@ -108,8 +108,8 @@ fn qgemm_glu_matches_cpu() {
             let xg = g.act_from(m, k, &x).unwrap();
             for act in [Activation::Silu, Activation::GeluTanh] {
                 let (mut gc, mut uc, mut want) = (c.act(m, n).unwrap(), c.act(m, n).unwrap(), c.act(m, n).unwrap());
-                c.matmul(&cpu(m, k, x.clone()), &gate, &mut gc).unwrap();
-                c.matmul(&cpu(m, k, x.clone()), &up, &mut uc).unwrap();
+                c.matmul(&cpu(m, k, x.clone()), &c.matrix(gate.clone()).unwrap(), &mut gc).unwrap();
+                c.matmul(&cpu(m, k, x.clone()), &c.matrix(up.clone()).unwrap(), &mut uc).unwrap();
                 c.glu(&gc, &uc, act, &mut want).unwrap();
                 let mut og = g.act_poisoned(m, n, false).unwrap();
                 assert!(g.qgemm_glu(&xg, (&gg, &ug), act, &mut og).unwrap(), "qgemm_glu refused q{bits} n{n}");

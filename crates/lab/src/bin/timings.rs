@@ -22,7 +22,7 @@
 //! else. Timings go to stdout for the record (docs/perf-log.md), never judged; exits 1 when
 //! a check fails or an op errs, 2 on bad arguments.
 
-use ferrolm::backend::cpu::Cpu;
+use ferrolm::backend::cpu::{Cpu, CpuMat};
 use ferrolm::backend::cuda::{Cuda, CudaMat};
 use ferrolm::backend::{Attend, Backend, Rope};
 use ferrolm::config::{Activation, RopeStyle};
@@ -103,9 +103,9 @@ fn main() {
 }
 
 /// A random rows × cols matrix in the 1B's format, on the device and as the CPU's weight.
-fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> Result<(CudaMat, Weight)> {
+fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> Result<(CudaMat, CpuMat)> {
     let w = Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, 4, 64, ScaleDtype::BF16)?);
-    Ok((g.matrix(w.clone())?, w))
+    Ok((g.matrix(w.clone())?, CpuMat::new(w)))
 }
 
 /// `n` device copies of `w` (layers of a decode step).
@@ -366,7 +366,7 @@ fn qgemm(lab: &mut Session) -> Result<()> {
         let x = bf(&r.v(m * k, 1.0));
         let xg = g.act_from(m, k, &x)?;
         let mut want = c.act(m, n)?;
-        c.matmul(&cpu(m, k, x), &w, &mut want)?;
+        c.matmul(&cpu(m, k, x), &CpuMat::new(w.clone()), &mut want)?;
         for f32_out in [false, true] {
             let mut og = g.act_poisoned(m, n, f32_out)?;
             g.qgemm(&xg, &wg, &mut og)?;

@@ -27,16 +27,92 @@ struct OutPtr(*mut f32);
 unsafe impl Send for OutPtr {}
 unsafe impl Sync for OutPtr {}
 
+/// Where a task's products go and how they are summed (`CpuMat`'s unit; `accumulate`:
+/// continuing the sums the output holds).
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: OutPtr,
+    unit: usize,
+    accumulate: bool,
+}
+
+impl Out {
+    /// The sum of unit sums `part(c0..c1)` over a row of `k` columns, continuing the value
+    /// at `cell` when accumulating, stored there.
+    ///
+    /// # Safety
+    /// `cell` is inside the output, and only this task writes it.
+    #[inline]
+    unsafe fn store(self, cell: usize, k: usize, mut part: impl FnMut(std::ops::Range<usize>) -> f32) {
+        let o = self.ptr.0.add(cell);
+        let mut total = if self.accumulate { *o } else { 0.0 };
+        for c0 in (0..k).step_by(self.unit) {
+            let p = part(c0..c0 + self.unit);
+            total = if c0 == 0 && !self.accumulate { p } else { total + p };
+        }
+        *o = total;
+    }
+}
+
+/// A matrix as the CPU's products take it: the weight, and the columns each product sums
+/// as one unit before adding the unit's sum to the row's, unit after unit. A matrix cut
+/// at unit boundaries (tensor parallelism's output projections) then gives the same sums
+/// part after part (`matmul_continue`).
+#[derive(Clone, Debug)]
+pub struct CpuMat {
+    pub w: Weight,
+    pub unit: usize,
+}
+
+impl CpuMat {
+    /// Each product one sum over the whole row.
+    pub fn new(w: Weight) -> CpuMat {
+        let unit = w.cols();
+        CpuMat { w, unit }
+    }
+
+    /// Products summed in units of `unit` columns where the weight can be cut there (see
+    /// `Weight::cuts_at`), else over whole rows.
+    pub fn in_units(w: Weight, unit: usize) -> CpuMat {
+        let cols = w.cols();
+        let unit = match unit > 0 && cols.is_multiple_of(unit) && w.cuts_at(unit) {
+            true => unit,
+            false => cols,
+        };
+        CpuMat { w, unit }
+    }
+}
+
+impl std::ops::Deref for CpuMat {
+    type Target = Weight;
+    fn deref(&self) -> &Weight {
+        &self.w
+    }
+}
+
 pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    matmul_many(x, m, &[w], &mut [out]);
+    products(x, m, &[(w, w.cols())], &mut [out], false);
 }
 
 /// out_i = x · w_iᵀ for every i, in one parallel region.
-pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]]) {
+pub fn matmul_many(x: &[f32], m: usize, ws: &[&CpuMat], outs: &mut [&mut [f32]]) {
+    let ws: Vec<(&Weight, usize)> = ws.iter().map(|w| (&w.w, w.unit)).collect();
+    products(x, m, &ws, outs, false);
+}
+
+/// out += x · wᵀ where each product continues out's value unit by unit: ((out + u₀) + u₁)…,
+/// so a matrix cut between ranks at unit boundaries, each rank continuing the one before,
+/// sums exactly as the whole matrix does.
+pub fn matmul_continue(x: &[f32], m: usize, w: &CpuMat, out: &mut [f32]) {
+    products(x, m, &[(&w.w, w.unit)], &mut [out], true);
+}
+
+/// out_i = x · w_iᵀ (or, `accumulate`, out_i + x · w_iᵀ) for matrices (weight, unit).
+fn products(x: &[f32], m: usize, ws: &[(&Weight, usize)], outs: &mut [&mut [f32]], accumulate: bool) {
     assert_eq!(ws.len(), outs.len());
     let mut tasks = Vec::new();
     let mut ptrs = Vec::with_capacity(ws.len());
-    for (wi, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+    for (wi, ((w, _), out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
         let (n, k) = (w.rows(), w.cols());
         assert_eq!(x.len(), m * k, "matmul: x is not [{m}, {k}]");
         assert_eq!(out.len(), m * n, "matmul: out is not [{m}, {n}]");
@@ -48,7 +124,7 @@ pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]])
     }
     // x quantized once for every matrix the integer dot takes.
     let int = |a: &AffineTensor| simd::has_avx2() && qdot_ok(a);
-    let affine = || ws.iter().filter_map(|w| if let Weight::Affine(a) = w { Some(a) } else { None });
+    let affine = || ws.iter().filter_map(|(w, _)| if let Weight::Affine(a) = w { Some(a) } else { None });
     let qx = affine().any(int).then(|| {
         let lay =
             affine().filter(|a| int(a)).fold(qdot::Layouts::default(), |l, a| l.or(qdot::Layouts::of(a.bits, a.group)));
@@ -57,7 +133,7 @@ pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]])
     // Σx per group (of the quantized x for the integer dot).
     let sums: Vec<Option<Vec<f32>>> = ws
         .iter()
-        .map(|w| match (w, &qx) {
+        .map(|(w, _)| match (w, &qx) {
             (Weight::Affine(a), Some(q)) if int(a) => Some(q.group_sums(a.group)),
             (Weight::Affine(a), _) => Some(x.chunks_exact(a.group).map(|c| c.iter().sum()).collect()),
             (Weight::Dense(_), _) => None,
@@ -65,9 +141,9 @@ pub fn matmul_many(x: &[f32], m: usize, ws: &[&Weight], outs: &mut [&mut [f32]])
         .collect();
     // Scratch per rayon job, not per task (the head's 8192 tasks would allocate per task).
     tasks.par_iter().for_each_init(qdot::Scratch::default, |sc, &(wi, r0, r1)| {
-        let out = ptrs[wi];
+        let out = Out { ptr: ptrs[wi], unit: ws[wi].1, accumulate };
         let s = sums[wi].as_deref().unwrap_or(&[]);
-        match (ws[wi], &qx) {
+        match (ws[wi].0, &qx) {
             (Weight::Affine(a), Some(q)) if int(a) => int_rows(a, q, s, r0, r1, sc, out),
             (Weight::Affine(a), _) => affine_rows(a, x, s, m, r0, r1, out),
             (Weight::Dense(d), _) => dense_rows(d, x, m, r0, r1, out),
@@ -82,21 +158,49 @@ fn qdot_ok(a: &AffineTensor) -> bool {
 }
 
 /// Columns r0..r1 of the product through the integer dot (qdot.rs).
-fn int_rows(a: &AffineTensor, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, sc: &mut qdot::Scratch, out: OutPtr) {
+fn int_rows(a: &AffineTensor, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, sc: &mut qdot::Scratch, out: Out) {
     let bytes: &[u8] = bytemuck::cast_slice(&a.packed);
-    let (cols, group) = (a.cols, a.group);
+    let (cols, group, unit, accumulate) = (a.cols, a.group, out.unit, out.accumulate);
+    let out = out.ptr;
     match (&a.scales, &a.biases) {
         (Scales::F16(s), Scales::F16(b)) => {
             let (scales, biases) = (qdot::F16Src(bytemuck::cast_slice(s)), qdot::F16Src(bytemuck::cast_slice(b)));
-            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, (r0, r1), sc, out, a.rows)
+            int_bits(
+                a.bits,
+                &qdot::Mat { bytes, cols, group, scales, biases, unit, accumulate },
+                qx,
+                sums,
+                (r0, r1),
+                sc,
+                out,
+                a.rows,
+            )
         }
         (Scales::BF16(s), Scales::BF16(b)) => {
             let (scales, biases) = (qdot::Bf16Src(bytemuck::cast_slice(s)), qdot::Bf16Src(bytemuck::cast_slice(b)));
-            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, (r0, r1), sc, out, a.rows)
+            int_bits(
+                a.bits,
+                &qdot::Mat { bytes, cols, group, scales, biases, unit, accumulate },
+                qx,
+                sums,
+                (r0, r1),
+                sc,
+                out,
+                a.rows,
+            )
         }
         (Scales::F32(scales), Scales::F32(biases)) => {
             let (scales, biases) = (qdot::F32Src(scales), qdot::F32Src(biases));
-            int_bits(a.bits, &qdot::Mat { bytes, cols, group, scales, biases }, qx, sums, (r0, r1), sc, out, a.rows)
+            int_bits(
+                a.bits,
+                &qdot::Mat { bytes, cols, group, scales, biases, unit, accumulate },
+                qx,
+                sums,
+                (r0, r1),
+                sc,
+                out,
+                a.rows,
+            )
         }
         _ => unreachable!("qdot_ok admits one scale dtype"),
     }
@@ -139,22 +243,17 @@ fn row_scales(s: &Scales, start: usize, out: &mut [f32], simd: bool) {
     }
 }
 
-fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1: usize, out: OutPtr) {
+fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1: usize, out: Out) {
     let (k, g, n) = (a.cols, a.group, a.rows);
     let gpr = k / g;
     let simd = simd::has_avx2();
     let mut scales = vec![0f32; gpr];
     let mut biases = vec![0f32; gpr];
     let mut q = vec![0f32; k];
-    let set = |i: usize, r: usize, v: f32| {
-        // SAFETY: (i, r) is inside out's [m, n] and only this task writes rows r0..r1.
-        unsafe { *out.0.add(i * n + r) = v }
-    };
     for r in r0..r1 {
         let words = a.row_words(r);
         row_scales(&a.scales, r * gpr, &mut scales, simd);
         row_scales(&a.biases, r * gpr, &mut biases, simd);
-        let bias_term = |i: usize| -> f32 { dot(&biases, &xs[i * gpr..(i + 1) * gpr]) };
         // Unpack once, reuse for all m rows of x.
         match a.bits {
             // SAFETY: as above.
@@ -166,44 +265,37 @@ fn affine_rows(a: &AffineTensor, x: &[f32], xs: &[f32], m: usize, r0: usize, r1:
             8 if simd => unsafe { simd::unpack::<8>(words, &mut q) },
             bits => q.iter_mut().enumerate().for_each(|(i, v)| *v = get_q(words, bits, i) as f32),
         }
-        let xrow = |i: usize| &x[i * k..(i + 1) * k];
-        let mut i = 0;
-        if simd {
-            while i + 4 <= m {
-                // SAFETY: AVX2+FMA present; q and the x rows are k long, k a multiple of g ≥ 16.
-                let d =
-                    unsafe { simd::dot_groups_x4(&q, [xrow(i), xrow(i + 1), xrow(i + 2), xrow(i + 3)], &scales, g) };
-                for (t, v) in d.into_iter().enumerate() {
-                    set(i + t, r, v + bias_term(i + t));
-                }
-                i += 4;
-            }
-        }
-        while i < m {
+        // One x row's unit over columns c: its groups' dot, then their bias term.
+        let unit = |i: usize, c: std::ops::Range<usize>| -> f32 {
+            let (xr, gs) = (&x[i * k + c.start..i * k + c.end], c.start / g..c.end / g);
             let d = if simd {
-                // SAFETY: as above.
-                unsafe { simd::dot_groups(&q, xrow(i), &scales, g) }
+                // SAFETY: AVX2+FMA present; q and x's unit are as long, a multiple of g ≥ 16.
+                unsafe { simd::dot_groups(&q[c.clone()], xr, &scales[gs.clone()], g) }
             } else {
-                q.chunks_exact(g)
-                    .zip(xrow(i).chunks_exact(g))
-                    .zip(&scales)
+                q[c].chunks_exact(g)
+                    .zip(xr.chunks_exact(g))
+                    .zip(&scales[gs.clone()])
                     .map(|((a, b), s)| s * dot_scalar(a, b))
                     .sum()
             };
-            set(i, r, d + bias_term(i));
-            i += 1;
+            d + dot(&biases[gs.clone()], &xs[i * gpr + gs.start..i * gpr + gs.end])
+        };
+        for i in 0..m {
+            // SAFETY: (i, r) is inside out's [m, n] and only this task writes rows r0..r1.
+            unsafe { out.store(i * n + r, k, |c| unit(i, c)) }
         }
     }
 }
 
-fn dense_rows(d: &DenseTensor, x: &[f32], m: usize, r0: usize, r1: usize, out: OutPtr) {
+fn dense_rows(d: &DenseTensor, x: &[f32], m: usize, r0: usize, r1: usize, out: Out) {
     let (k, n) = (d.cols, d.rows);
     let mut row = vec![0f32; k];
     for r in r0..r1 {
         d.row_f32(r, &mut row);
         for i in 0..m {
+            let xr = &x[i * k..(i + 1) * k];
             // SAFETY: (i, r) is inside out's [m, n] and only this task writes rows r0..r1.
-            unsafe { *out.0.add(i * n + r) = dot(&row, &x[i * k..(i + 1) * k]) }
+            unsafe { out.store(i * n + r, k, |c| dot(&row[c.clone()], &xr[c])) }
         }
     }
 }
@@ -296,10 +388,51 @@ mod tests {
         let b = Weight::Dense(crate::quant::DenseTensor { rows: 70, cols: k, data: crate::quant::DenseData::F32(w2) });
         let x: Vec<f32> = (0..2 * k).map(|i| (i as f32).sin()).collect();
         let (mut o1, mut o2) = (vec![f32::NAN; 80], vec![f32::NAN; 140]);
-        matmul_many(&x, 2, &[&a, &b], &mut [&mut o1, &mut o2]);
+        matmul_many(&x, 2, &[&CpuMat::new(a.clone()), &CpuMat::new(b.clone())], &mut [&mut o1, &mut o2]);
         let (mut s1, mut s2) = (vec![0f32; 80], vec![0f32; 140]);
         matmul(&x, 2, &a, &mut s1);
         matmul(&x, 2, &b, &mut s2);
         assert_eq!((o1, o2), (s1, s2));
+    }
+
+    /// A matrix summed in units gives, cut at a unit boundary, the same bits part after
+    /// part (the first part's sums continued by the second's) as whole, for every x row
+    /// count (the tiles of 1-4 rows), quantized (each kernel layout) and dense.
+    #[test]
+    fn parts_continued_in_order_sum_as_the_whole() {
+        let (n, k, unit) = (20, 512, 128);
+        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+        let mut weights: Vec<Weight> = [(4, 32), (8, 32), (4, 64), (3, 32), (5, 16), (6, 128)]
+            .into_iter()
+            .map(|(bits, group)| {
+                Weight::Affine(AffineTensor::quantize(&w, n, k, bits, group, ScaleDtype::F16).unwrap())
+            })
+            .collect();
+        weights.push(Weight::Dense(crate::quant::DenseTensor {
+            rows: n,
+            cols: k,
+            data: crate::quant::DenseData::F32(w),
+        }));
+        for wt in weights {
+            let whole = CpuMat::in_units(wt.clone(), unit);
+            assert_eq!(whole.unit, unit, "{}", wt.describe());
+            let cut = 3 * unit;
+            let (a, b) = (
+                CpuMat::in_units(wt.cols_part(0..cut).unwrap(), unit),
+                CpuMat::in_units(wt.cols_part(cut..k).unwrap(), unit),
+            );
+            for m in 1..7 {
+                let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+                let xa: Vec<f32> = x.chunks(k).flat_map(|r| r[..cut].to_vec()).collect();
+                let xb: Vec<f32> = x.chunks(k).flat_map(|r| r[cut..].to_vec()).collect();
+                let mut want = vec![0f32; m * n];
+                matmul_many(&x, m, &[&whole], &mut [&mut want]);
+                let mut got = vec![0f32; m * n];
+                matmul_many(&xa, m, &[&a], &mut [&mut got]);
+                matmul_continue(&xb, m, &b, &mut got);
+                let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits_of(&got), bits_of(&want), "{}, {m} rows", wt.describe());
+            }
+        }
     }
 }

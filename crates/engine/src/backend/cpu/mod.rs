@@ -14,6 +14,7 @@ use crate::kv::{KvBlocks, Span};
 use crate::quant::Weight;
 use crate::Result;
 use kv::CpuKv;
+pub use matmul::CpuMat;
 
 /// Row-major f32 activations `[rows, cols]`.
 #[derive(Clone, Debug)]
@@ -27,15 +28,21 @@ pub struct Cpu;
 
 impl Backend for Cpu {
     type Act = CpuAct;
-    type Mat = Weight;
+    type Mat = CpuMat;
     type Vector = Vec<f32>;
     type Kv = CpuKv;
 
     fn name(&self) -> &'static str {
         "cpu"
     }
-    fn matrix(&self, w: Weight) -> Result<Weight> {
-        Ok(w)
+    fn matrix(&self, w: Weight) -> Result<CpuMat> {
+        Ok(CpuMat::new(w))
+    }
+    fn matrix_as(&self, w: Weight, kind: super::MatKind) -> Result<CpuMat> {
+        Ok(match kind {
+            super::MatKind::Cols(_, unit) => CpuMat::in_units(w, unit),
+            _ => CpuMat::new(w),
+        })
     }
     fn vector(&self, v: Vec<f32>) -> Result<Vec<f32>> {
         Ok(v)
@@ -69,7 +76,7 @@ impl Backend for Cpu {
     fn kv_import(&self, kv: &mut CpuKv, layer: usize, rows: &[usize], data: &[u8]) -> Result<()> {
         kv.import(layer, rows, data)
     }
-    fn embed(&self, table: &Weight, tokens: &[u32], scale: f32, out: &mut CpuAct) -> Result<()> {
+    fn embed(&self, table: &CpuMat, tokens: &[u32], scale: f32, out: &mut CpuAct) -> Result<()> {
         ops::embed(table, tokens, scale, &mut out.data);
         Ok(())
     }
@@ -86,11 +93,11 @@ impl Backend for Cpu {
         }
         Ok(())
     }
-    fn matmul(&self, x: &CpuAct, w: &Weight, out: &mut CpuAct) -> Result<()> {
-        matmul::matmul(&x.data, x.rows, w, &mut out.data);
+    fn matmul(&self, x: &CpuAct, w: &CpuMat, out: &mut CpuAct) -> Result<()> {
+        matmul::matmul_many(&x.data, x.rows, &[w], &mut [&mut out.data]);
         Ok(())
     }
-    fn matmul_many(&self, x: &CpuAct, ws: &[&Weight], outs: &mut [&mut CpuAct]) -> Result<()> {
+    fn matmul_many(&self, x: &CpuAct, ws: &[&CpuMat], outs: &mut [&mut CpuAct]) -> Result<()> {
         let mut o: Vec<&mut [f32]> = outs.iter_mut().map(|a| a.data.as_mut_slice()).collect();
         matmul::matmul_many(&x.data, x.rows, ws, &mut o);
         Ok(())

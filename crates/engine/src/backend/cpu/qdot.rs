@@ -174,6 +174,13 @@ pub struct Mat<'a, S> {
     pub group: usize,
     pub scales: S,
     pub biases: S,
+    /// Columns each product sums as one unit (a multiple of the group and of 32 dividing
+    /// cols): the units' sums are added one after another, so a matrix cut at unit
+    /// boundaries gives the same sums part after part (tensor parallelism's ranks).
+    pub unit: usize,
+    /// Whether each product continues the sum the output already holds instead of
+    /// replacing it (the next rank's part of a split matrix).
+    pub accumulate: bool,
 }
 
 /// Scratch reused across tasks: a task's scales and biases as f32, one row's unit factors,
@@ -229,7 +236,7 @@ pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
             sc.pad.resize(rb + 16, 0);
             p = sc.pad.as_ptr();
         }
-        let row = RowJob { p, shuf, mul, s, b, sums, gpr, out: out.add(r), n };
+        let row = RowJob { p, shuf, mul, s, b, sums, gpr, out: out.add(r), n, unit: w.unit, accumulate: w.accumulate };
         let mut t = 0;
         while t + 4 <= x.rows {
             tile::<BITS, 4>(&row, x, t, &mut sc.f);
@@ -257,9 +264,12 @@ struct RowJob<'a> {
     gpr: usize,
     out: *mut f32,
     n: usize,
+    unit: usize,
+    accumulate: bool,
 }
 
-/// The weight row against x rows t0..t0+R.
+/// The weight row against x rows t0..t0+R: per unit of `row.unit` columns, the unit's
+/// bias term and blocks in one vector sum, its total added to the row's.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: usize, f: &mut [f32]) {
@@ -272,49 +282,84 @@ unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: us
     } else {
         x.q.as_ptr()
     };
+    let units = x.cols / g.min(XB);
+    let stride = units.next_multiple_of(8);
+    for j in 0..R {
+        match g {
+            16 => factors(row.s, &x.d16[(t0 + j) * 2 * kb..], &mut f[j * stride..]),
+            XB => factors(row.s, &x.d[(t0 + j) * kb..], &mut f[j * stride..]),
+            _ => {}
+        }
+    }
+    // Continuing: each x row's sum starts from what its output holds.
+    let mut total = [0f32; R];
+    if row.accumulate {
+        for j in 0..R {
+            total[j] = *row.out.add((t0 + j) * row.n);
+        }
+    }
+    for c0 in (0..x.cols).step_by(row.unit) {
+        let part = unit_dot::<BITS, R>(row, x, (t0, xq), c0, &f[c0 / g.min(XB)..], stride);
+        for j in 0..R {
+            total[j] = if c0 == 0 && !row.accumulate { part[j] } else { total[j] + part[j] };
+        }
+    }
+    for (j, t) in total.into_iter().enumerate() {
+        *row.out.add((t0 + j) * row.n) = t;
+    }
+}
+
+/// Columns c0..c0 + row.unit of the weight row against x rows t0..t0+R (xq: x in the
+/// layout the row reads; f: the rows' unit factors from the unit's first one on).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn unit_dot<const BITS: u32, const R: usize>(
+    row: &RowJob,
+    x: &QuantX,
+    (t0, xq): (usize, *const i16),
+    c0: usize,
+    f: &[f32],
+    stride: usize,
+) -> [f32; R] {
+    let g = x.cols / row.s.len();
+    let lay = Layouts::of(BITS, g);
+    let (g0, g1) = (c0 / g, (c0 + row.unit) / g);
     // (No closures here: they would not inherit the target features, and their intrinsics
     // would be calls.)
-    let mut src = Src::<R> { p: row.p, xq: [xq; R], shuf: row.shuf, mul: row.mul };
+    let mut src = Src::<R> { p: row.p.add(c0 * BITS as usize / 8), xq: [xq; R], shuf: row.shuf, mul: row.mul };
     // The bias term Σ_g b_g·Σx'_g starts each x row's accumulator.
     let mut acc = [_mm256_setzero_ps(); R];
     for j in 0..R {
-        src.xq[j] = xq.add((t0 + j) * x.cols);
-        acc[j] = bias(row.b, &row.sums[(t0 + j) * row.gpr..]);
+        src.xq[j] = xq.add((t0 + j) * x.cols + c0);
+        acc[j] = bias(&row.b[g0..g1], &row.sums[(t0 + j) * row.gpr + g0..]);
     }
-    let units = x.cols / g.min(XB);
-    let stride = units.next_multiple_of(8);
+    let units = row.unit / g.min(XB);
     let acc = match g {
-        16 => {
-            for j in 0..R {
-                factors(row.s, &x.d16[(t0 + j) * 2 * kb..], &mut f[j * stride..]);
-            }
-            dot_units16::<BITS, R>(src, f, stride, units, acc)
-        }
-        XB => {
-            for j in 0..R {
-                factors(row.s, &x.d[(t0 + j) * kb..], &mut f[j * stride..]);
-            }
-            match (lay.nibble, lay.byte) {
-                (true, _) => dot_blocks::<BITS, NIBBLE, R>(src, f, stride, units, acc),
-                (_, true) => dot_blocks::<BITS, BYTE, R>(src, f, stride, units, acc),
-                _ => dot_blocks::<BITS, SEG, R>(src, f, stride, units, acc),
-            }
-        }
+        16 => dot_units16::<BITS, R>(src, f, stride, units, acc),
+        XB => match (lay.nibble, lay.byte) {
+            (true, _) => dot_blocks::<BITS, NIBBLE, R>(src, f, stride, units, acc),
+            (_, true) => dot_blocks::<BITS, BYTE, R>(src, f, stride, units, acc),
+            _ => dot_blocks::<BITS, SEG, R>(src, f, stride, units, acc),
+        },
         _ => {
+            let (kb, b0) = (x.cols / XB, c0 / XB);
             let mut d: [&[f32]; R] = [&[]; R];
             for (j, d) in d.iter_mut().enumerate() {
-                *d = &x.d[(t0 + j) * kb..(t0 + j + 1) * kb];
+                *d = &x.d[(t0 + j) * kb + b0..(t0 + j + 1) * kb];
             }
+            let s = &row.s[g0..g1];
             match (lay.nibble, lay.byte) {
-                (true, _) => dot_groups::<BITS, NIBBLE, R>(src, row.s, d, g / XB, acc),
-                (_, true) => dot_groups::<BITS, BYTE, R>(src, row.s, d, g / XB, acc),
-                _ => dot_groups::<BITS, SEG, R>(src, row.s, d, g / XB, acc),
+                (true, _) => dot_groups::<BITS, NIBBLE, R>(src, s, d, g / XB, acc),
+                (_, true) => dot_groups::<BITS, BYTE, R>(src, s, d, g / XB, acc),
+                _ => dot_groups::<BITS, SEG, R>(src, s, d, g / XB, acc),
             }
         }
     };
-    for (j, a) in acc.into_iter().enumerate() {
-        *row.out.add((t0 + j) * row.n) = super::simd::hsum(a);
+    let mut sums = [0f32; R];
+    for j in 0..R {
+        sums[j] = super::simd::hsum(acc[j]);
     }
+    sums
 }
 
 /// A weight row and R rows of x for the block kernels: the row's packed bytes, each x

@@ -85,9 +85,8 @@ pub unsafe fn unpack<const BITS: u32>(words: &[u32], out: &mut [f32]) {
     }
 }
 
-/// Σ_g scale_g · (q_g · x_g) over an unpacked row: one row of `dot_groups_x4`, with its
-/// arithmetic (one accumulator per group, 8 values at a time), so that a row's product
-/// does not depend on how many rows its call has (prefill chunks give the same values).
+/// Σ_g scale_g · (q_g · x_g) over an unpacked row (one accumulator per group, 8 values at
+/// a time).
 ///
 /// # Safety
 /// CPU must support AVX2+FMA; q and x have the same length, a multiple of group (≥ 16).
@@ -126,35 +125,6 @@ pub unsafe fn f16_to_f32(src: &[u16], dst: &mut [f32]) {
         dst[i] = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(src[i] as i32)));
         i += 1;
     }
-}
-
-/// Σ_g scale_g · (q_g · x_t,g) for four activation rows at once: each q vector is loaded
-/// once and used four times, so prefill is bound by FMAs rather than loads.
-///
-/// # Safety
-/// CPU must support AVX2+FMA; q and every x have the same length, a multiple of group (≥ 16).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-pub unsafe fn dot_groups_x4(q: &[f32], x: [&[f32]; 4], scales: &[f32], group: usize) -> [f32; 4] {
-    let qp = q.as_ptr();
-    let xp = [x[0].as_ptr(), x[1].as_ptr(), x[2].as_ptr(), x[3].as_ptr()];
-    let mut racc = [_mm256_setzero_ps(); 4];
-    for (g, &s) in scales.iter().enumerate() {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut j = g * group;
-        while j < (g + 1) * group {
-            let qv = _mm256_loadu_ps(qp.add(j));
-            for t in 0..4 {
-                acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(xp[t].add(j)), acc[t]);
-            }
-            j += 8;
-        }
-        let sv = _mm256_set1_ps(s);
-        for t in 0..4 {
-            racc[t] = _mm256_fmadd_ps(acc[t], sv, racc[t]);
-        }
-    }
-    [hsum(racc[0]), hsum(racc[1]), hsum(racc[2]), hsum(racc[3])]
 }
 
 /// q · k with k stored as bf16 bits (converted by a 16-bit shift, 8 lanes at a time).

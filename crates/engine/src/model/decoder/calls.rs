@@ -44,7 +44,7 @@ impl<B: Backend> CallWork<B> {
             work: Work::new(b, &model.cfg, rows, false)?,
             tail: b.act_f32(heads, d)?,
             normed: b.act(heads, d)?,
-            logits: b.act_f32(heads, model.logits_width)?,
+            logits: b.act_f32_as(heads, model.logits_width, crate::backend::Width::Vocab)?,
             argmax: b.act_f32(heads, 1)?,
         })
     }
