@@ -121,6 +121,7 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
         let j = serde_json::json!({
             "backend": l.model.backend.name(),
             "threads": threads,
+            "tensor_parallel": a.model.tensor_parallel,
             "prompt_tokens": a.prompt_tokens,
             "gen_tokens": a.gen_tokens,
             "repeats": a.repeats,
@@ -154,8 +155,12 @@ fn bench_on<B: ferrolm::backend::Backend>(l: load::Loaded<B>, a: BenchArgs, t0: 
             println!("model SYNTHETIC weights ({name}): report these numbers as measured on synthetic weights");
         }
         println!(
-            "backend {}  threads {threads}  depth {}  prompt {}  gen {}  repeats {}",
+            "backend {}{}  threads {threads}  depth {}  prompt {}  gen {}  repeats {}",
             backend.name(),
+            match a.model.tensor_parallel {
+                1 => String::new(),
+                n => format!(" over {n} tensor-parallel ranks"),
+            },
             a.depth,
             a.prompt_tokens,
             a.gen_tokens,

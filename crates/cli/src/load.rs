@@ -4,6 +4,7 @@ use crate::hub;
 use anyhow::Result;
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::Cuda;
+use ferrolm::backend::sharded::{InOrder, Sharded};
 use ferrolm::backend::Backend;
 use ferrolm::formats::{self, ModelSource};
 use ferrolm::model::Decoder;
@@ -42,7 +43,12 @@ pub fn source(model: Option<&str>) -> Result<(ModelSource, Tokenizer)> {
 pub enum AnyModel {
     Cpu(Box<Loaded<Cpu>>),
     Cuda(Box<Loaded<Cuda>>),
+    /// `--tensor-parallel N` on the CPU: N simulated ranks.
+    CpuRanks(Box<Loaded<CpuRanks>>),
 }
+
+/// The CPU's simulated tensor-parallel ranks.
+pub type CpuRanks = Sharded<Cpu, InOrder>;
 
 /// Run `$body` with `$l` bound to the `Loaded<B>` inside an [`AnyModel`], whatever B is.
 #[macro_export]
@@ -54,6 +60,10 @@ macro_rules! with_model {
                 $body
             }
             $crate::load::AnyModel::Cuda($l) => {
+                let $l = *$l;
+                $body
+            }
+            $crate::load::AnyModel::CpuRanks($l) => {
                 let $l = *$l;
                 $body
             }
@@ -95,6 +105,7 @@ impl AnyModel {
         match self {
             AnyModel::Cpu(l) => l.model.set_kv_start(positions)?,
             AnyModel::Cuda(l) => l.model.set_kv_start(positions).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?,
+            AnyModel::CpuRanks(l) => l.model.set_kv_start(positions)?,
         }
         Ok(())
     }
@@ -113,7 +124,31 @@ pub fn model_with_kv(arg: &crate::ModelArg, kv: &crate::KvArg) -> Result<AnyMode
             l.model.set_kv_start(kv.kv_start).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?;
             AnyModel::Cuda(l)
         }
+        AnyModel::CpuRanks(mut l) => {
+            l.model.set_kv_scheme(scheme)?;
+            l.model.set_kv_start(kv.kv_start)?;
+            AnyModel::CpuRanks(l)
+        }
     })
+}
+
+/// `--tensor-parallel N` on `--device`'s backend: the ranks, or why they cannot be.
+pub fn ranks_backend(
+    arg: &crate::ModelArg,
+    cfg: &ferrolm::config::ModelConfig,
+    cuda: bool,
+) -> Result<Option<CpuRanks>> {
+    match (arg.tensor_parallel, cuda) {
+        (0, _) => anyhow::bail!("--tensor-parallel 0: a model needs at least one rank"),
+        (1, _) => Ok(None),
+        (_, true) => anyhow::bail!(
+            "--tensor-parallel {} on CUDA: the NCCL transport between GPUs is not built yet (use --device cpu for simulated ranks)",
+            arg.tensor_parallel
+        ),
+        (n, false) => Ok(Some(
+            Sharded::new((0..n).map(|_| Cpu).collect(), cfg, InOrder).map_err(|e| anyhow::anyhow!("--tensor-parallel {n}: {e}"))?,
+        )),
+    }
 }
 
 pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
@@ -121,6 +156,10 @@ pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
     let (mut src, tokenizer) = prepared_source(arg)?;
     let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
     let fingerprint = ferrolm::kv::file::model_fingerprint(&src, &tokenizer);
+    if let Some(ranks) = ranks_backend(arg, &src.config, dev.is_some())? {
+        let model = Decoder::load(ranks, &mut src)?;
+        return Ok(AnyModel::CpuRanks(Box::new(Loaded { model, tokenizer, file_bytes, synthetic, fingerprint })));
+    }
     Ok(match dev {
         None => {
             let model = Decoder::load(Cpu, &mut src)?;

@@ -112,8 +112,22 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         request_timeout: (a.request_timeout > 0).then(|| Duration::from_secs(a.request_timeout)),
         prefix_cache_dir: a.prefix_cache_dir.clone().map(|dir| PrefixCacheDir { dir, fingerprint }),
     };
+    if a.model.tensor_parallel > 1 && a.prefix_cache_dir.is_some() {
+        anyhow::bail!("--prefix-cache-dir with --tensor-parallel: KV files of split caches are not supported");
+    }
     // The model is built on the engine's thread, which keeps it (and a device context).
-    let engine = if cuda {
+    let engine = if let Some(ranks) = load::ranks_backend(&a.model, &src.config, cuda)? {
+        Engine::start(
+            move || {
+                let mut src = src;
+                let mut m = Decoder::load(ranks, &mut src)?;
+                m.set_kv_scheme(scheme)?;
+                m.set_kv_start(kv_start)?;
+                Ok(m)
+            },
+            cfg,
+        )?
+    } else if cuda {
         Engine::start(
             move || {
                 let mut src = src;

@@ -156,8 +156,12 @@ pub fn kl(a: KlArgs) -> Result<()> {
         }
         return crate::with_model!(model, m => kl_on(&m, &m, &a, &schemes, &text));
     };
-    let base_arg =
-        ModelArg { model: Some(base_model.clone()), quantize: a.base_quantize.clone(), device: a.model.device.clone() };
+    let base_arg = ModelArg {
+        model: Some(base_model.clone()),
+        quantize: a.base_quantize.clone(),
+        device: a.model.device.clone(),
+        tensor_parallel: a.model.tensor_parallel,
+    };
     let mut base = load::model(&base_arg).context("loading the base model")?;
     base.set_kv_start(a.text.kv_start)?;
     crate::with_model!(base, b => crate::with_model!(model, m => kl_on(&b, &m, &a, &schemes, &text)))

@@ -287,6 +287,8 @@ fn bad_arguments_are_errors_not_panics() {
         (vec!["perplexity", "--model", m, "--file", "/nonexistent/file.txt"], "file.txt"),
         (vec!["convert", "--input", m, "--output", "/tmp/x", "--quantize", "7"], "7"),
         (vec!["kernels", "--arch", "90"], "sm_90"),
+        (vec!["generate", "--model", m, "--device", "cpu", "--tensor-parallel", "4", "-p", "x"], "3 KV heads"),
+        (vec!["generate", "--model", m, "--device", "cpu", "--tensor-parallel", "0", "-p", "x"], "at least one rank"),
     ] {
         let o = run(&args);
         let err = stderr(&o);

@@ -67,6 +67,25 @@ fn serve_answers_and_exits_0_on_sigterm() {
     assert_eq!(status.code(), Some(0));
 }
 
+/// `--tensor-parallel 3` (simulated CPU ranks): the server answers with the unsplit
+/// model's greedy completion.
+#[test]
+fn a_server_over_tensor_parallel_ranks_answers_as_the_whole_model() {
+    let req = r#"{"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}"#;
+    let mut texts = vec![];
+    for tp in ["1", "3"] {
+        let (mut child, addr) = serve(&["--kv-memory", "64MiB", "--max-batch", "2", "--tensor-parallel", tp], "");
+        let (status, body) = http(addr, "POST", "/v1/completions", None, req);
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        texts.push(v["choices"][0]["text"].as_str().unwrap().to_string());
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    assert!(!texts[0].is_empty());
+    assert_eq!(texts[0], texts[1]);
+}
+
 /// `--prefix-cache-dir`: a prompt served once is found again after a restart (its
 /// blocks cached, the same completion).
 #[test]
@@ -111,6 +130,9 @@ fn bad_serve_flags_are_errors() {
     let o = run(&["--model", &smollm2(), "--device", "cpu", "--kv", "turbo:k8v6"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("v6"), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = run(&["--model", &smollm2(), "--device", "cpu", "--tensor-parallel", "2", "--prefix-cache-dir", "/tmp/x"]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--prefix-cache-dir with --tensor-parallel"));
     let o = run(&["--model", &smollm2(), "--device", "tpu"]);
     assert_eq!(o.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&o.stderr).contains("--device tpu"));
