@@ -4,7 +4,7 @@ use crate::hub;
 use anyhow::Result;
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::Cuda;
-use ferrolm::backend::sharded::{InOrder, Sharded};
+use ferrolm::backend::sharded::{InOrder, Nccl, Sharded};
 use ferrolm::backend::Backend;
 use ferrolm::formats::{self, ModelSource};
 use ferrolm::model::Decoder;
@@ -45,10 +45,20 @@ pub enum AnyModel {
     Cuda(Box<Loaded<Cuda>>),
     /// `--tensor-parallel N` on the CPU: N simulated ranks.
     CpuRanks(Box<Loaded<CpuRanks>>),
+    /// `--tensor-parallel N` on CUDA: N GPUs.
+    CudaRanks(Box<Loaded<CudaRanks>>),
 }
 
 /// The CPU's simulated tensor-parallel ranks.
 pub type CpuRanks = Sharded<Cpu, InOrder>;
+/// GPUs 0..N as tensor-parallel ranks, NCCL between them.
+pub type CudaRanks = Sharded<Cuda, Nccl>;
+
+/// `--tensor-parallel N`'s backend.
+pub enum Ranks {
+    Cpu(CpuRanks),
+    Cuda(CudaRanks),
+}
 
 /// Run `$body` with `$l` bound to the `Loaded<B>` inside an [`AnyModel`], whatever B is.
 #[macro_export]
@@ -64,6 +74,10 @@ macro_rules! with_model {
                 $body
             }
             $crate::load::AnyModel::CpuRanks($l) => {
+                let $l = *$l;
+                $body
+            }
+            $crate::load::AnyModel::CudaRanks($l) => {
                 let $l = *$l;
                 $body
             }
@@ -106,6 +120,9 @@ impl AnyModel {
             AnyModel::Cpu(l) => l.model.set_kv_start(positions)?,
             AnyModel::Cuda(l) => l.model.set_kv_start(positions).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?,
             AnyModel::CpuRanks(l) => l.model.set_kv_start(positions)?,
+            AnyModel::CudaRanks(l) => {
+                l.model.set_kv_start(positions).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?
+            }
         }
         Ok(())
     }
@@ -129,36 +146,59 @@ pub fn model_with_kv(arg: &crate::ModelArg, kv: &crate::KvArg) -> Result<AnyMode
             l.model.set_kv_start(kv.kv_start)?;
             AnyModel::CpuRanks(l)
         }
+        AnyModel::CudaRanks(mut l) => {
+            l.model.set_kv_scheme(scheme).map_err(|e| anyhow::anyhow!("--kv {}: {e}", kv.kv))?;
+            l.model.set_kv_start(kv.kv_start).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?;
+            AnyModel::CudaRanks(l)
+        }
     })
 }
 
-/// `--tensor-parallel N` on `--device`'s backend: the ranks, or why they cannot be.
-pub fn ranks_backend(
-    arg: &crate::ModelArg,
-    cfg: &ferrolm::config::ModelConfig,
-    cuda: bool,
-) -> Result<Option<CpuRanks>> {
-    match (arg.tensor_parallel, cuda) {
+/// `--tensor-parallel N` on `--device`'s backend: the ranks (GPUs 0..N on CUDA), or why
+/// they cannot be.
+pub fn ranks_backend(arg: &crate::ModelArg, cfg: &ferrolm::config::ModelConfig, cuda: bool) -> Result<Option<Ranks>> {
+    let n = arg.tensor_parallel;
+    let named = |e: ferrolm::Error| anyhow::anyhow!("--tensor-parallel {n}: {e}");
+    match (n, cuda) {
         (0, _) => anyhow::bail!("--tensor-parallel 0: a model needs at least one rank"),
         (1, _) => Ok(None),
-        (_, true) => anyhow::bail!(
-            "--tensor-parallel {} on CUDA: the NCCL transport between GPUs is not built yet (use --device cpu for simulated ranks)",
-            arg.tensor_parallel
-        ),
-        (n, false) => Ok(Some(
-            Sharded::new((0..n).map(|_| Cpu).collect(), cfg, InOrder).map_err(|e| anyhow::anyhow!("--tensor-parallel {n}: {e}"))?,
-        )),
+        (n, true) => Ok(Some(Ranks::Cuda(cuda_ranks(n, cfg).map_err(named)?))),
+        (n, false) => Ok(Some(Ranks::Cpu(cpu_ranks(n, cfg).map_err(named)?))),
     }
 }
 
+/// GPUs 0..n as the ranks of a model of shape `cfg`.
+pub fn cuda_ranks(n: usize, cfg: &ferrolm::config::ModelConfig) -> ferrolm::Result<CudaRanks> {
+    let ranks = (0..n).map(Cuda::new).collect::<ferrolm::Result<Vec<_>>>()?;
+    let comm = Nccl::new(&ranks)?;
+    Sharded::new(ranks, cfg, comm)
+}
+
+/// n simulated CPU ranks of a model of shape `cfg`.
+pub fn cpu_ranks(n: usize, cfg: &ferrolm::config::ModelConfig) -> ferrolm::Result<CpuRanks> {
+    Sharded::new((0..n).map(|_| Cpu).collect(), cfg, InOrder)
+}
+
 pub fn model(arg: &crate::ModelArg) -> Result<AnyModel> {
-    let dev = device(&arg.device)?;
+    let mut dev = device(&arg.device)?;
     let (mut src, tokenizer) = prepared_source(arg)?;
     let (file_bytes, synthetic) = (src.file_bytes, src.synthetic.take());
     let fingerprint = ferrolm::kv::file::model_fingerprint(&src, &tokenizer);
-    if let Some(ranks) = ranks_backend(arg, &src.config, dev.is_some())? {
-        let model = Decoder::load(ranks, &mut src)?;
-        return Ok(AnyModel::CpuRanks(Box::new(Loaded { model, tokenizer, file_bytes, synthetic, fingerprint })));
+    // GPU 0's context (`dev`) is dropped first when ranks are asked for: rank 0 opens its own.
+    let ranks = match arg.tensor_parallel {
+        1 => None,
+        _ => ranks_backend(arg, &src.config, dev.take().is_some())?,
+    };
+    match ranks {
+        Some(Ranks::Cpu(b)) => {
+            let model = Decoder::load(b, &mut src)?;
+            return Ok(AnyModel::CpuRanks(Box::new(Loaded { model, tokenizer, file_bytes, synthetic, fingerprint })));
+        }
+        Some(Ranks::Cuda(b)) => {
+            let model = Decoder::load(b, &mut src)?;
+            return Ok(AnyModel::CudaRanks(Box::new(Loaded { model, tokenizer, file_bytes, synthetic, fingerprint })));
+        }
+        None => {}
     }
     Ok(match dev {
         None => {

@@ -116,7 +116,25 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         anyhow::bail!("--prefix-cache-dir with --tensor-parallel: KV files of split caches are not supported");
     }
     // The model is built on the engine's thread, which keeps it (and a device context).
-    let engine = if let Some(ranks) = load::ranks_backend(&a.model, &src.config, cuda)? {
+    let n = a.model.tensor_parallel;
+    if n == 0 {
+        anyhow::bail!("--tensor-parallel 0: a model needs at least one rank");
+    }
+    let engine = if n > 1 && cuda {
+        // The GPUs' contexts are made on the engine's thread, as a single GPU's is.
+        Engine::start(
+            move || {
+                let mut src = src;
+                let mut m = Decoder::load(load::cuda_ranks(n, &src.config)?, &mut src)?;
+                m.set_kv_scheme(scheme)?;
+                m.set_kv_start(kv_start)?;
+                Ok(m)
+            },
+            cfg,
+        )
+        .with_context(|| format!("--tensor-parallel {n} on CUDA"))?
+    } else if n > 1 {
+        let ranks = load::cpu_ranks(n, &src.config).with_context(|| format!("--tensor-parallel {n}"))?;
         Engine::start(
             move || {
                 let mut src = src;

@@ -92,8 +92,10 @@ extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_
     qmv_body<true, 8>(w, s, b, x, y, rows, cols, m);
 }
 
-// out[t, :] = dequantized row tokens[t] of the table · scale (f32: the residual stream;
-// scale is Gemma's √hidden, 1 elsewhere).
+// out[t, :] = dequantized row tokens[t] − first of the table · scale (f32: the residual
+// stream; scale is Gemma's √hidden, 1 elsewhere), zeros where that row is not among the
+// table's `count` (a tensor-parallel rank's part of the vocabulary: the ranks' rows are
+// then summed).
 // grid m, block 256. Each thread takes whole u32 words of the row (32/BITS values, within
 // one group: GROUP is a multiple), so a row of up to 256 words (2048 values at 4 bits)
 // is one round of loads: decode's first launch is on the step's critical path, and the
@@ -101,7 +103,7 @@ extern "C" __global__ void qmv8_f32(const u32* w, const scale_t* s, const scale_
 // a 1B step; trace, docs/perf-log.md).
 extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __restrict__ scales,
                                  const scale_t* __restrict__ biases, const int* __restrict__ tokens,
-                                 float* __restrict__ out, int cols, float scale) {
+                                 float* __restrict__ out, int cols, float scale, int first, int count) {
     TRACE_KERNEL();
     // A decode step's first kernel. Launched with PDL: in a run of fed steps captured as
     // one graph (generate.rs) the previous kernel is the last step's head, whose argmax
@@ -112,7 +114,11 @@ extern "C" __global__ void embed(const u32* __restrict__ w, const scale_t* __res
     pdl_wait();
     pdl_trigger();
     constexpr int VPW = 32 / BITS;  // values per word
-    int r = tokens[blockIdx.x];
+    int r = tokens[blockIdx.x] - first;
+    if (r < 0 || r >= count) {
+        for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)blockIdx.x * cols + i] = 0.0f;
+        return;
+    }
     int words = cols / VPW, groups = cols / GROUP;
     const u32* wr = w + (size_t)r * words;
     float4* o = reinterpret_cast<float4*>(out + (size_t)blockIdx.x * cols);

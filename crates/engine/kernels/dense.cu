@@ -35,9 +35,13 @@ extern "C" __global__ void dmv_f32(const bf16_t* w, const bf16_t* x, float* y, i
     dmv_body<true>(w, x, y, rows, cols);
 }
 
-// out[t, :] = w[tokens[t], :] · scale as f32 (the residual stream).
+// out[t, :] = w[tokens[t] − first, :] · scale as f32 (the residual stream), zeros where
+// that row is not among the table's `count` (embed's tensor-parallel part).
 extern "C" __global__ void dembed(const bf16_t* __restrict__ w, const int* __restrict__ tokens,
-                                  float* __restrict__ out, int cols, float scale) {
-    const bf16_t* r = w + (size_t)tokens[blockIdx.x] * cols;
-    for (int i = threadIdx.x; i < cols; i += blockDim.x) out[(size_t)blockIdx.x * cols + i] = bf2f(r[i]) * scale;
+                                  float* __restrict__ out, int cols, float scale, int first, int count) {
+    int t = tokens[blockIdx.x] - first;
+    bool held = t >= 0 && t < count;
+    const bf16_t* r = w + (size_t)(held ? t : 0) * cols;
+    for (int i = threadIdx.x; i < cols; i += blockDim.x)
+        out[(size_t)blockIdx.x * cols + i] = held ? bf2f(r[i]) * scale : 0.0f;
 }

@@ -34,6 +34,8 @@ mod kv_quant;
 mod models;
 #[path = "cuda_ops/serving.rs"]
 mod serving;
+#[path = "cuda_ops/tensor_parallel.rs"]
+mod tensor_parallel;
 
 use models::smollm2;
 

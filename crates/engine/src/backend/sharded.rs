@@ -12,9 +12,11 @@
 //! the whole output, and the all-reduce adds them).
 
 mod cpu;
+mod nccl;
 mod ops;
 
 pub use cpu::InOrder;
+pub use nccl::Nccl;
 
 use super::{Backend, MatKind, Width};
 use crate::config::ModelConfig;

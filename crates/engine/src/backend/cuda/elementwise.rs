@@ -31,21 +31,40 @@ impl Cuda {
     /// `Backend::embed`: out[i] = table[staged token i] into the f32 residual stream. The
     /// affine embed waits (PDL) before it reads the token: a run of fed steps in one graph
     /// overlaps each step's start with the last one's head.
-    pub(crate) fn embed_rows(&self, table: &CudaMat, tokens: usize, scale: f32, out: &mut CudaAct) -> Result<()> {
+    /// The embedding of the staged tokens, table row = id − `first` (zeros for ids the
+    /// table's rows do not hold: a tensor-parallel rank's part of the vocabulary).
+    pub fn embed_rows(
+        &self,
+        table: &CudaMat,
+        tokens: usize,
+        scale: f32,
+        out: &mut CudaAct,
+        first: usize,
+    ) -> Result<()> {
         let (ids, _) = self.steps.inputs(self, tokens, "embed")?;
         if !out.is_f32() {
             return Err(Error::Invalid("CUDA embed writes the f32 residual stream".into()));
         }
         let cols = KArg::I32(table.cols() as i32);
+        let (first, count) = (KArg::I32(first as i32), KArg::I32(table.rows() as i32));
         let c = cfg((tokens as u32, 1), 256);
         match table {
             CudaMat::Affine { words, scales, biases, f, .. } => {
-                let args =
-                    [self.arg(words), scales.arg(self), biases.arg(self), ids, out.arg(self), cols, KArg::F32(scale)];
+                let args = [
+                    self.arg(words),
+                    scales.arg(self),
+                    biases.arg(self),
+                    ids,
+                    out.arg(self),
+                    cols,
+                    KArg::F32(scale),
+                    first,
+                    count,
+                ];
                 self.launch(&f[2], c, &args, Order::Overlap, "embed launch")
             }
             CudaMat::Dense { w, f, .. } => {
-                let args = [self.arg(w), ids, out.arg(self), cols, KArg::F32(scale)];
+                let args = [self.arg(w), ids, out.arg(self), cols, KArg::F32(scale), first, count];
                 self.launch(&f[2], c, &args, Order::Serial, "embed launch")
             }
         }

@@ -115,7 +115,7 @@ impl Backend for Cuda {
         self.steps.take_read(slot)
     }
     fn embed(&self, table: &CudaMat, tokens: &[u32], scale: f32, out: &mut CudaAct) -> Result<()> {
-        self.embed_rows(table, tokens.len(), scale, out)
+        self.embed_rows(table, tokens.len(), scale, out, 0)
     }
     fn rms_norm(&self, x: &CudaAct, w: &Self::Vector, eps: f32, out: &mut CudaAct) -> Result<()> {
         self.rms_norm_rows(x, w, eps, out)
