@@ -67,8 +67,9 @@ pub struct ModelArg {
     #[arg(long, default_value = "auto")]
     pub device: String,
     /// Split the model over N ranks (tensor parallelism: heads, FFN columns and the
-    /// vocabulary; docs/tensor-parallel.md). On the CPU the ranks are simulated in one
-    /// process and give exactly the unsplit model's logits (a check, not a speed-up).
+    /// vocabulary; docs/tensor-parallel.md): GPUs 0..N with --device cuda (NCCL). On the
+    /// CPU the ranks are simulated in one process and give exactly the unsplit model's
+    /// logits (a check, not a speed-up).
     #[arg(long, value_name = "N", default_value_t = 1)]
     pub tensor_parallel: usize,
 }

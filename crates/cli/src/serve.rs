@@ -120,54 +120,21 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     if n == 0 {
         anyhow::bail!("--tensor-parallel 0: a model needs at least one rank");
     }
-    let engine = if n > 1 && cuda {
-        // The GPUs' contexts are made on the engine's thread, as a single GPU's is.
-        Engine::start(
-            move || {
-                let mut src = src;
-                let mut m = Decoder::load(load::cuda_ranks(n, &src.config)?, &mut src)?;
-                m.set_kv_scheme(scheme)?;
-                m.set_kv_start(kv_start)?;
-                Ok(m)
-            },
-            cfg,
-        )
-        .with_context(|| format!("--tensor-parallel {n} on CUDA"))?
-    } else if n > 1 {
-        let ranks = load::cpu_ranks(n, &src.config).with_context(|| format!("--tensor-parallel {n}"))?;
-        Engine::start(
-            move || {
-                let mut src = src;
-                let mut m = Decoder::load(ranks, &mut src)?;
-                m.set_kv_scheme(scheme)?;
-                m.set_kv_start(kv_start)?;
-                Ok(m)
-            },
-            cfg,
-        )?
-    } else if cuda {
-        Engine::start(
-            move || {
-                let mut src = src;
-                let mut m = Decoder::load(Cuda::new(0)?, &mut src)?;
-                m.set_kv_scheme(scheme)?;
-                m.set_kv_start(kv_start)?;
-                Ok(m)
-            },
-            cfg,
-        )
-        .context("loading the model on CUDA (use --device cpu to run on the CPU)")?
-    } else {
-        Engine::start(
-            move || {
-                let mut src = src;
-                let mut m = Decoder::load(Cpu, &mut src)?;
-                m.set_kv_scheme(scheme)?;
-                m.set_kv_start(kv_start)?;
-                Ok(m)
-            },
-            cfg,
-        )?
+    // Devices' contexts are made on the engine's thread, which keeps them.
+    let shape = src.config.clone();
+    let job = EngineJob { src, scheme, kv_start, cfg };
+    let engine = match (n, cuda) {
+        (1, true) => {
+            job.start(|| Cuda::new(0)).context("loading the model on CUDA (use --device cpu to run on the CPU)")?
+        }
+        (1, false) => job.start(|| Ok(Cpu))?,
+        (n, true) => {
+            job.start(move || load::cuda_ranks(n, &shape)).with_context(|| format!("--tensor-parallel {n} on CUDA"))?
+        }
+        (n, false) => {
+            let ranks = load::cpu_ranks(n, &shape).with_context(|| format!("--tensor-parallel {n}"))?;
+            job.start(move || Ok(ranks))?
+        }
     };
     let info = engine.info().clone();
     let server_cfg = ferrolm_server::Config {
@@ -216,6 +183,34 @@ async fn stop_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term => {}
+    }
+}
+
+/// What the serving engine's thread builds the model from.
+struct EngineJob {
+    src: ferrolm::formats::ModelSource,
+    scheme: ferrolm::kv::scheme::KvScheme,
+    kv_start: usize,
+    cfg: EngineConfig,
+}
+
+impl EngineJob {
+    /// Start the engine on a backend `backend()` makes on its thread.
+    fn start<B, F>(self, backend: F) -> ferrolm::Result<Engine>
+    where
+        B: ferrolm::backend::Backend + 'static,
+        F: FnOnce() -> ferrolm::Result<B> + Send + 'static,
+    {
+        let EngineJob { mut src, scheme, kv_start, cfg } = self;
+        Engine::start(
+            move || {
+                let mut m = Decoder::load(backend()?, &mut src)?;
+                m.set_kv_scheme(scheme)?;
+                m.set_kv_start(kv_start)?;
+                Ok(m)
+            },
+            cfg,
+        )
     }
 }
 
