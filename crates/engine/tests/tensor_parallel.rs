@@ -18,8 +18,21 @@ fn bits(v: &[f32]) -> Vec<u32> {
 /// The model of `source()` whole and over `n` ranks give the same bits for a prompt's
 /// logits, three decode steps after it, and a chunk of five more tokens.
 fn sharded_equals_whole(source: impl Fn() -> ModelSource, n: usize, what: &str) {
-    let whole = Decoder::load(Cpu, &mut source()).unwrap();
-    let tp = sharded(&mut source(), n).unwrap();
+    sharded_equals_whole_with(source, n, what, None);
+}
+
+/// `sharded_equals_whole` with both models' caches in a quantized `scheme` and their first
+/// `kv_start` positions in bf16.
+fn sharded_equals_whole_with(source: impl Fn() -> ModelSource, n: usize, what: &str, kv: Option<(&str, usize)>) {
+    let mut whole = Decoder::load(Cpu, &mut source()).unwrap();
+    let mut tp = sharded(&mut source(), n).unwrap();
+    if let Some((scheme, kv_start)) = kv {
+        let s = ferrolm::kv::scheme::KvScheme::parse(scheme).unwrap();
+        whole.set_kv_scheme(s.clone()).unwrap();
+        tp.set_kv_scheme(s).unwrap();
+        whole.set_kv_start(kv_start).unwrap();
+        tp.set_kv_start(kv_start).unwrap();
+    }
     assert_eq!(tp.backend.ranks.len(), n);
     let vocab = whole.logits_width() as u32;
     let prompt: Vec<u32> = (0..37u32).map(|i| (i * 7919 + 13) % vocab).collect();
@@ -60,6 +73,15 @@ fn smollm2_over_two_and_three_ranks_is_the_whole_model() {
     // 3 KV heads: 2 and 1 on two ranks, one each on three.
     for n in [2, 3] {
         sharded_equals_whole(gguf("SmolLM2-135M-Instruct.Q4_1.gguf"), n, "SmolLM2");
+    }
+}
+
+/// Quantized caches (each rank quantizes its own heads' rows as the whole model does),
+/// with leading positions in bf16.
+#[test]
+fn quantized_caches_split_exactly() {
+    for kv in [("turbo:k8v3", 32), ("affine:4", 0)] {
+        sharded_equals_whole_with(gguf("SmolLM2-135M-Instruct.Q4_1.gguf"), 3, &format!("SmolLM2 {kv:?}"), Some(kv));
     }
 }
 
