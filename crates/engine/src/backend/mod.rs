@@ -169,6 +169,12 @@ pub trait Backend: Sync {
     fn device_memory(&self) -> Result<Option<(String, usize, usize)>> {
         Ok(None)
     }
+    /// Device bytes free for a KV cache, counted as the unsplit cache's bytes (a
+    /// tensor-parallel backend: what every rank can hold of its share). None: no device
+    /// memory of its own.
+    fn kv_memory_free(&self) -> Result<Option<usize>> {
+        Ok(self.device_memory()?.map(|(_, used, total)| total.saturating_sub(used)))
+    }
     /// Measured device-to-device copy bandwidth (bytes read + written per second): the
     /// ceiling a decode step's weight streaming is judged against.
     fn copy_bandwidth(&self) -> Result<Option<f64>> {

@@ -159,8 +159,8 @@ impl std::fmt::Display for SubmitError {
 /// quarter of the memory available on the CPU (`MemAvailable`; 4 GiB where it cannot be
 /// read).
 pub fn auto_kv_memory<B: Backend>(backend: &B) -> Result<usize> {
-    if let Some((_, used, total)) = backend.device_memory()? {
-        return Ok(total.saturating_sub(used) / 2);
+    if let Some(free) = backend.kv_memory_free()? {
+        return Ok(free / 2);
     }
     let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;

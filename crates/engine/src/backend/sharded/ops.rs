@@ -55,6 +55,16 @@ impl<B: Backend, C: Collective<B>> Backend for Sharded<B, C> {
         }
         Ok(sum)
     }
+    fn kv_memory_free(&self) -> Result<Option<usize>> {
+        let n_kv = self.plan.ranks.iter().map(|s| s.kv_heads.end).max().unwrap_or(1);
+        let mut held = vec![];
+        for (b, s) in self.ranks.iter().zip(&self.plan.ranks) {
+            if let Some(free) = b.kv_memory_free()? {
+                held.push((free, s.kv_heads.len()));
+            }
+        }
+        Ok(unsplit_free(&held, n_kv))
+    }
     fn copy_bandwidth(&self) -> Result<Option<f64>> {
         let mut sum = None;
         for b in &self.ranks {
@@ -305,5 +315,26 @@ impl<B: Backend, C: Collective<B>> Backend for Sharded<B, C> {
                 self.comm.gather(&self.ranks, &parts, first, x.rows - first)
             }
         }
+    }
+}
+
+/// The unsplit KV cache the ranks can hold together: rank r, with `free` bytes and `kv`
+/// of the `n_kv` KV heads (more than its 1/N with a head replicated), takes free · n_kv /
+/// kv of it; the least over the ranks. None when no rank has device memory.
+fn unsplit_free(ranks: &[(usize, usize)], n_kv: usize) -> Option<usize> {
+    ranks.iter().map(|&(free, kv)| (free as u128 * n_kv as u128 / kv.max(1) as u128) as usize).min()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_replicated_kv_head_halves_what_two_ranks_hold() {
+        // 8 KV heads over 2 GPUs of 10 GB free: 20 GB of unsplit cache.
+        assert_eq!(super::unsplit_free(&[(10, 4), (10, 4)], 8), Some(20));
+        // One KV head held by both: each can take only 10.
+        assert_eq!(super::unsplit_free(&[(10, 1), (10, 1)], 1), Some(10));
+        // Uneven (3 heads as 2 + 1): the fuller rank bounds it.
+        assert_eq!(super::unsplit_free(&[(12, 2), (12, 1)], 3), Some(18));
+        assert_eq!(super::unsplit_free(&[], 3), None);
     }
 }
