@@ -21,6 +21,7 @@ SHAPES = {
     # hidden, layers, heads, kv heads, ffn, vocab, rope theta
     "llama-3.2-1b": (2048, 16, 32, 8, 8192, 128256, 500000.0),
     "llama-3.1-8b": (4096, 32, 32, 8, 14336, 128256, 500000.0),
+    "llama-3.1-70b": (8192, 80, 64, 8, 28672, 128256, 500000.0),
 }
 QK = 32  # values per Q4_0 block: f16 scale + 16 bytes of 4-bit codes
 

@@ -401,9 +401,9 @@ pub struct ConvertArgs {
     #[arg(long, short, required_unless_present = "synthetic", conflicts_with = "synthetic")]
     input: Option<String>,
     /// Instead of --input: seeded random weights in the shape of a real model (smollm2-135m,
-    /// llama-3.2-1b, llama-3.1-8b, minicpm5-1b, gemma-3-270m, gemma-3-1b, qwen3-0.6b) with
-    /// SmolLM2's tokenizer padded to its vocabulary, to measure speed at sizes we cannot
-    /// download. The text is gibberish.
+    /// llama-3.2-1b, llama-3.1-8b, llama-3.1-70b, minicpm5-1b, gemma-3-270m, gemma-3-1b,
+    /// qwen3-0.6b) with SmolLM2's tokenizer padded to its vocabulary, to measure speed at
+    /// sizes we cannot download. The text is gibberish.
     #[arg(long, value_name = "NAME")]
     synthetic: Option<String>,
     /// Seed of the --synthetic weights (default 0): the same seed gives the same bytes.

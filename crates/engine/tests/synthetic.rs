@@ -61,8 +61,16 @@ fn same_tensors(a: &ModelSource, b: &ModelSource) -> Result<(), String> {
 
 #[test]
 fn configs_are_the_published_shapes() {
-    let names =
-        ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "minicpm5-1b", "gemma-3-270m", "gemma-3-1b", "qwen3-0.6b"];
+    let names = [
+        "smollm2-135m",
+        "llama-3.2-1b",
+        "llama-3.1-8b",
+        "llama-3.1-70b",
+        "minicpm5-1b",
+        "gemma-3-270m",
+        "gemma-3-1b",
+        "qwen3-0.6b",
+    ];
     assert_eq!(synthetic::names(), names);
     // name, arch, hidden, layers, heads, kv heads, head_dim, ffn, vocab, ctx, tied, theta, eps, llama3 factor
     #[rustfmt::skip]
@@ -70,6 +78,7 @@ fn configs_are_the_published_shapes() {
         ("smollm2-135m", Arch::Llama, 576, 30, 9, 3, 64, 1536, 49152, 8192, true, 100000.0, 1e-5, None),
         ("llama-3.2-1b", Arch::Llama, 2048, 16, 32, 8, 64, 8192, 128256, 131072, true, 500000.0, 1e-5, Some(32.0)),
         ("llama-3.1-8b", Arch::Llama, 4096, 32, 32, 8, 128, 14336, 128256, 131072, false, 500000.0, 1e-5, Some(8.0)),
+        ("llama-3.1-70b", Arch::Llama, 8192, 80, 64, 8, 128, 28672, 128256, 131072, false, 500000.0, 1e-5, Some(8.0)),
         ("minicpm5-1b", Arch::Llama, 1536, 24, 16, 2, 128, 4608, 130560, 32768, false, 5000000.0, 1e-6, None),
         ("gemma-3-270m", Arch::Gemma3, 640, 18, 4, 1, 256, 2048, 262144, 32768, true, 1e6, 1e-6, None),
         ("gemma-3-1b", Arch::Gemma3, 1152, 26, 4, 1, 256, 6912, 262144, 32768, true, 1e6, 1e-6, None),

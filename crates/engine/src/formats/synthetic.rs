@@ -47,8 +47,16 @@ use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 use std::path::PathBuf;
 
-const NAMES: [&str; 7] =
-    ["smollm2-135m", "llama-3.2-1b", "llama-3.1-8b", "minicpm5-1b", "gemma-3-270m", "gemma-3-1b", "qwen3-0.6b"];
+const NAMES: [&str; 8] = [
+    "smollm2-135m",
+    "llama-3.2-1b",
+    "llama-3.1-8b",
+    "llama-3.1-70b",
+    "minicpm5-1b",
+    "gemma-3-270m",
+    "gemma-3-1b",
+    "qwen3-0.6b",
+];
 
 /// Std of the logits the output head is scaled for (see the module doc).
 const LOGIT_STD: f32 = 2.5;
@@ -111,6 +119,20 @@ pub fn config(name: &str) -> Result<ModelConfig> {
             n_kv_heads: 8,
             head_dim: 128,
             ffn: 14336,
+            vocab: 128256,
+            max_ctx: 131072,
+            rope_theta: 500000.0,
+            llama3_scaling: llama3(8.0),
+            ..base
+        },
+        // meta-llama/Llama-3.1-70B(-Instruct): tensor parallelism's large shape
+        "llama-3.1-70b" => ModelConfig {
+            hidden: 8192,
+            n_layers: 80,
+            n_heads: 64,
+            n_kv_heads: 8,
+            head_dim: 128,
+            ffn: 28672,
             vocab: 128256,
             max_ctx: 131072,
             rope_theta: 500000.0,

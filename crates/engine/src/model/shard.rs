@@ -157,6 +157,21 @@ mod tests {
         assert_eq!((c.n_heads, c.n_kv_heads, c.ffn, c.vocab), (2, 1, 1024, 500));
     }
 
+    /// The shapes issue 31 measures split over 2, 4 and 8 GPUs into equal parts.
+    #[test]
+    fn the_8b_and_70b_shapes_split_evenly() {
+        for name in ["llama-3.1-8b", "llama-3.1-70b"] {
+            let c = crate::formats::synthetic::config(name).unwrap();
+            for n in [2, 4, 8] {
+                let p = ShardPlan::new(&c, n).unwrap();
+                for s in &p.ranks {
+                    assert_eq!((s.q_heads.len(), s.kv_heads.len()), (c.n_heads / n, c.n_kv_heads / n), "{name} / {n}");
+                    assert_eq!(s.ffn.len(), c.ffn / n, "{name} / {n}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn shapes_that_cannot_split_are_refused_by_name() {
         let e = ShardPlan::new(&shape(9, 3, 1536), 4).unwrap_err().to_string();
