@@ -23,6 +23,13 @@ model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gg
 gemma=$(dirname "$model")/gemma-3-270m-q4_k_m.gguf
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$log"
 status=0
+# NCCL for the tensor-parallel tests, loaded at run time as libnccl.so: PyTorch's wheel
+# ships libnccl.so.2, which cudarc does not look for by that name, so a link to it.
+nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+if [[ -n $nccl && -e $nccl/libnccl.so.2 ]]; then
+    mkdir -p "$out/nccl-lib" && ln -sf "$nccl/libnccl.so.2" "$out/nccl-lib/libnccl.so"
+    export LD_LIBRARY_PATH="$out/nccl-lib:$nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 # Every kernel variant compiled up front on all cores (cached in $FERROLM_HOME/kernels).
 "$bin/ferrolm" kernels 2>&1 | tee -a "$log" || status=1
 echo "== parity tests" | tee -a "$log"
