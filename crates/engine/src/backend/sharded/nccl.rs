@@ -31,6 +31,12 @@ fn nccl(what: &str) -> impl Fn(nr::NcclError) -> Error + '_ {
 impl Nccl {
     /// Communicators between `ranks` (each on its own GPU).
     pub fn new(ranks: &[Cuda]) -> Result<Nccl> {
+        // SAFETY: only tries to open the library (cudarc panics on a missing one later).
+        if !unsafe { cudarc::nccl::sys::is_culib_present() } {
+            return Err(Error::Unsupported(
+                "tensor parallelism on GPUs needs NCCL: no libnccl.so on the library path (PyTorch's nvidia/nccl/lib has libnccl.so.2; link it as libnccl.so)".into(),
+            ));
+        }
         let streams = ranks.iter().map(|c| c.stream.clone()).collect();
         let comms = Comm::from_devices(streams).map_err(nccl("creating the communicators"))?;
         Ok(Nccl { comms: Mutex::new(comms.into_iter().map(Comms).collect()) })
