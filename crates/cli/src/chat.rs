@@ -77,16 +77,6 @@ pub struct PromptCacheArg {
     prompt_cache: Option<std::path::PathBuf>,
 }
 
-impl PromptCacheArg {
-    /// Refused before any work where it cannot be kept: a split (tensor-parallel) cache.
-    fn check(&self, model: &crate::ModelArg) -> Result<()> {
-        if self.prompt_cache.is_some() && model.tensor_parallel > 1 {
-            anyhow::bail!("--prompt-cache with --tensor-parallel: KV files of split caches are not supported");
-        }
-        Ok(())
-    }
-}
-
 #[derive(Args, Debug)]
 pub struct GenerateArgs {
     #[command(flatten)]
@@ -184,7 +174,6 @@ fn streamer<'a, 't: 'a>(
 }
 
 pub fn generate(a: GenerateArgs) -> Result<()> {
-    a.cache.check(&a.model)?;
     crate::with_model!(load::model_with_kv(&a.model, &a.kv)?, l => generate_on(l, a))
 }
 
@@ -260,7 +249,6 @@ fn generate_on<B: Backend>(l: load::Loaded<B>, a: GenerateArgs) -> Result<()> {
 }
 
 pub fn chat(a: ChatArgs) -> Result<()> {
-    a.cache.check(&a.model)?;
     crate::with_model!(load::model_with_kv(&a.model, &a.kv)?, l => chat_on(l, a))
 }
 

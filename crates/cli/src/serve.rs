@@ -112,9 +112,6 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         request_timeout: (a.request_timeout > 0).then(|| Duration::from_secs(a.request_timeout)),
         prefix_cache_dir: a.prefix_cache_dir.clone().map(|dir| PrefixCacheDir { dir, fingerprint }),
     };
-    if a.model.tensor_parallel > 1 && a.prefix_cache_dir.is_some() {
-        anyhow::bail!("--prefix-cache-dir with --tensor-parallel: KV files of split caches are not supported");
-    }
     // The model is built on the engine's thread, which keeps it (and a device context).
     let n = a.model.tensor_parallel;
     if n == 0 {

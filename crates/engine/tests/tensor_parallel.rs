@@ -173,3 +173,64 @@ fn sessions_generate_the_whole_models_tokens() {
         assert_eq!(runs[0], runs[1], "top-k {}", cfg.top_k);
     }
 }
+
+/// Greedy tokens after `prompt` from session `s`.
+fn greedy<B: ferrolm::backend::Backend>(
+    s: &mut ferrolm::generate::Session<'_, B>,
+    prompt: &[u32],
+    n: usize,
+) -> Vec<u32> {
+    let mut out = vec![];
+    let mut sampler = ferrolm::sample::Sampler::new(Default::default());
+    s.generate(prompt, n, &mut sampler, &[], |t| {
+        out.push(t);
+        Ok(true)
+    })
+    .unwrap();
+    out
+}
+
+/// A cache saved by `saver` after 5 tokens and restored by `loader` continues to the
+/// tokens `saver` generates uninterrupted.
+fn save_here_continue_there<A, B>(saver: &Decoder<A>, loader: &Decoder<B>, what: &str)
+where
+    A: ferrolm::backend::Backend,
+    B: ferrolm::backend::Backend,
+{
+    use ferrolm::generate::Session;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("c.kv");
+    let prompt: Vec<u32> = (0..41u32).map(|i| (i * 7919 + 13) % 49152).collect();
+    let whole = greedy(&mut Session::new(saver, 96).unwrap(), &prompt, 12);
+    let mut s = Session::new(saver, 96).unwrap();
+    let head = greedy(&mut s, &prompt, 5);
+    s.save_cache(&path, "fp").unwrap();
+    drop(s);
+    let mut s = Session::new(loader, 96).unwrap();
+    assert!(s.restore_cache(&path, "fp").unwrap().is_some(), "{what}: nothing restored");
+    let more: Vec<u32> = prompt.iter().chain(&head).copied().collect();
+    let tail = greedy(&mut s, &more, 7);
+    assert_eq!([head, tail].concat(), whole, "{what}");
+}
+
+/// KV files hold the unsplit cache's rows: a file saved over 3 ranks continues in the
+/// whole model and one saved by the whole model over 3 ranks (bf16, and TurboQuant with
+/// bf16 leading positions); Gemma 3's replicated KV head is written once.
+#[test]
+fn kv_files_move_between_split_and_whole_models() {
+    let source = gguf("SmolLM2-135M-Instruct.Q4_1.gguf");
+    for (scheme, kv_start) in [("bf16", 0), ("turbo:k8v3", 32)] {
+        let mut whole = Decoder::load(Cpu, &mut source()).unwrap();
+        let mut tp = sharded(&mut source(), 3).unwrap();
+        let s = ferrolm::kv::scheme::KvScheme::parse(scheme).unwrap();
+        whole.set_kv_scheme(s.clone()).unwrap();
+        tp.set_kv_scheme(s).unwrap();
+        whole.set_kv_start(kv_start).unwrap();
+        tp.set_kv_start(kv_start).unwrap();
+        save_here_continue_there(&tp, &whole, &format!("{scheme}: 3 ranks to whole"));
+        save_here_continue_there(&whole, &tp, &format!("{scheme}: whole to 3 ranks"));
+    }
+    let source = gguf("gemma-3-270m-q4_k_m.gguf");
+    let (whole, tp) = (Decoder::load(Cpu, &mut source()).unwrap(), sharded(&mut source(), 2).unwrap());
+    save_here_continue_there(&tp, &whole, "Gemma 3: 2 ranks to whole");
+}

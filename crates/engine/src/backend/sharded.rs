@@ -12,6 +12,7 @@
 //! the whole output, and the all-reduce adds them).
 
 mod cpu;
+mod kv_files;
 mod nccl;
 mod ops;
 
@@ -93,9 +94,12 @@ pub struct ShardedMat<M> {
     kind: MatKind,
 }
 
-/// A KV store: each rank's store of its KV heads (the same blocks on every rank).
+/// A KV store: each rank's store of its KV heads (the same blocks on every rank), whether
+/// its rows are quantized, and which layers are sliding (they have no bf16 head rows).
 pub struct ShardedKv<K> {
     parts: Vec<K>,
+    quantized: bool,
+    sliding: Vec<bool>,
 }
 
 impl<B: Backend, C: Collective<B>> Sharded<B, C> {

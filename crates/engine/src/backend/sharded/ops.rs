@@ -112,7 +112,8 @@ impl<B: Backend, C: Collective<B>> Backend for Sharded<B, C> {
         let parts = (0..self.ranks.len())
             .map(|r| self.ranks[r].kv_store(&self.plan.rank_config(cfg, r), blocks))
             .collect::<Result<_>>()?;
-        Ok(ShardedKv { parts })
+        let sliding = (0..cfg.n_layers).map(|i| crate::kv::is_sliding(cfg, i)).collect();
+        Ok(ShardedKv { parts, quantized: false, sliding })
     }
     fn kv_store_scheme(
         &self,
@@ -123,19 +124,21 @@ impl<B: Backend, C: Collective<B>> Backend for Sharded<B, C> {
         let parts = (0..self.ranks.len())
             .map(|r| self.ranks[r].kv_store_scheme(&self.plan.rank_config(cfg, r), blocks, scheme))
             .collect::<Result<_>>()?;
-        Ok(ShardedKv { parts })
+        let sliding = (0..cfg.n_layers).map(|i| crate::kv::is_sliding(cfg, i)).collect();
+        let quantized = !matches!(scheme, crate::kv::scheme::KvScheme::Bf16);
+        Ok(ShardedKv { parts, quantized, sliding })
     }
     fn kv_blocks(&self, kv: &Self::Kv) -> KvBlocks {
         self.ranks[0].kv_blocks(&kv.parts[0])
     }
     fn kv_row_bytes(&self, kv: &Self::Kv, layer: usize) -> usize {
-        self.ranks.iter().zip(&kv.parts).map(|(b, k)| b.kv_row_bytes(k, layer)).sum()
+        self.row_bytes(kv, layer)
     }
-    fn kv_export(&self, _: &Self::Kv, _: usize, _: &[usize], _: &mut Vec<u8>) -> Result<()> {
-        Err(Error::Unsupported("KV files with tensor parallelism".into()))
+    fn kv_export(&self, kv: &Self::Kv, layer: usize, rows: &[usize], out: &mut Vec<u8>) -> Result<()> {
+        self.export_rows(kv, layer, rows, out)
     }
-    fn kv_import(&self, _: &mut Self::Kv, _: usize, _: &[usize], _: &[u8]) -> Result<()> {
-        Err(Error::Unsupported("KV files with tensor parallelism".into()))
+    fn kv_import(&self, kv: &mut Self::Kv, layer: usize, rows: &[usize], data: &[u8]) -> Result<()> {
+        self.import_rows(kv, layer, rows, data)
     }
     fn begin(&self, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
         self.each(|_, b| b.begin(tokens, spans, invariant))
