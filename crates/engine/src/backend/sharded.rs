@@ -196,9 +196,3 @@ impl<B: Backend, C: Collective<B>> Sharded<B, C> {
         }
     }
 }
-
-impl<A> ShardedAct<A> {
-    pub fn parts(&self) -> &[A] {
-        &self.parts
-    }
-}
