@@ -111,59 +111,52 @@ pub fn prepared_source(arg: &crate::ModelArg) -> Result<(ModelSource, Tokenizer)
     Ok((src, tokenizer))
 }
 
-/// The model with its caches in `--kv`'s scheme (refused here when the model or the
-/// device cannot take it).
+/// Run `$body` with `$l` bound to the `&mut Loaded<B>` inside an [`AnyModel`], whatever B is.
+macro_rules! with_model_mut {
+    ($m:expr, $l:ident => $body:expr) => {
+        match $m {
+            AnyModel::Cpu($l) => $body,
+            AnyModel::Cuda($l) => $body,
+            AnyModel::CpuRanks($l) => $body,
+            AnyModel::CudaRanks($l) => $body,
+        }
+    };
+}
+
 impl AnyModel {
     /// `--kv-start`: the caches keep each sequence's first `positions` in bf16.
     pub fn set_kv_start(&mut self, positions: usize) -> Result<()> {
-        match self {
-            AnyModel::Cpu(l) => l.model.set_kv_start(positions)?,
-            AnyModel::Cuda(l) => l.model.set_kv_start(positions).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?,
-            AnyModel::CpuRanks(l) => l.model.set_kv_start(positions)?,
-            AnyModel::CudaRanks(l) => {
-                l.model.set_kv_start(positions).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?
-            }
-        }
-        Ok(())
+        with_model_mut!(self, l => l.model.set_kv_start(positions)).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))
     }
 }
 
+/// The model with its caches in `--kv`'s scheme (refused here when the model or the
+/// device cannot take it).
 pub fn model_with_kv(arg: &crate::ModelArg, kv: &crate::KvArg) -> Result<AnyModel> {
     let scheme = kv.scheme()?;
-    Ok(match model(arg)? {
-        AnyModel::Cpu(mut l) => {
-            l.model.set_kv_scheme(scheme)?;
-            l.model.set_kv_start(kv.kv_start)?;
-            AnyModel::Cpu(l)
-        }
-        AnyModel::Cuda(mut l) => {
-            l.model.set_kv_scheme(scheme).map_err(|e| anyhow::anyhow!("--kv {}: {e}", kv.kv))?;
-            l.model.set_kv_start(kv.kv_start).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?;
-            AnyModel::Cuda(l)
-        }
-        AnyModel::CpuRanks(mut l) => {
-            l.model.set_kv_scheme(scheme)?;
-            l.model.set_kv_start(kv.kv_start)?;
-            AnyModel::CpuRanks(l)
-        }
-        AnyModel::CudaRanks(mut l) => {
-            l.model.set_kv_scheme(scheme).map_err(|e| anyhow::anyhow!("--kv {}: {e}", kv.kv))?;
-            l.model.set_kv_start(kv.kv_start).map_err(|e| anyhow::anyhow!("--kv-start: {e}"))?;
-            AnyModel::CudaRanks(l)
-        }
-    })
+    let mut m = model(arg)?;
+    with_model_mut!(&mut m, l => l.model.set_kv_scheme(scheme)).map_err(|e| anyhow::anyhow!("--kv {}: {e}", kv.kv))?;
+    m.set_kv_start(kv.kv_start)?;
+    Ok(m)
 }
 
 /// `--tensor-parallel N` on `--device`'s backend: the ranks (GPUs 0..N on CUDA), or why
 /// they cannot be.
 pub fn ranks_backend(arg: &crate::ModelArg, cfg: &ferrolm::config::ModelConfig, cuda: bool) -> Result<Option<Ranks>> {
-    let n = arg.tensor_parallel;
+    let n = rank_count(arg)?;
     let named = |e: ferrolm::Error| anyhow::anyhow!("--tensor-parallel {n}: {e}");
     match (n, cuda) {
-        (0, _) => anyhow::bail!("--tensor-parallel 0: a model needs at least one rank"),
         (1, _) => Ok(None),
         (n, true) => Ok(Some(Ranks::Cuda(cuda_ranks(n, cfg).map_err(named)?))),
         (n, false) => Ok(Some(Ranks::Cpu(cpu_ranks(n, cfg).map_err(named)?))),
+    }
+}
+
+/// `--tensor-parallel N`'s N, refused when no rank would hold the model.
+pub fn rank_count(arg: &crate::ModelArg) -> Result<usize> {
+    match arg.tensor_parallel {
+        0 => anyhow::bail!("--tensor-parallel 0: a model needs at least one rank"),
+        n => Ok(n),
     }
 }
 

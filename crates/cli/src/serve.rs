@@ -113,10 +113,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         prefix_cache_dir: a.prefix_cache_dir.clone().map(|dir| PrefixCacheDir { dir, fingerprint }),
     };
     // The model is built on the engine's thread, which keeps it (and a device context).
-    let n = a.model.tensor_parallel;
-    if n == 0 {
-        anyhow::bail!("--tensor-parallel 0: a model needs at least one rank");
-    }
+    let n = load::rank_count(&a.model)?;
     // Devices' contexts are made on the engine's thread, which keeps them.
     let shape = src.config.clone();
     let job = EngineJob { src, scheme, kv_start, cfg };

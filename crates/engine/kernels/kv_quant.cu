@@ -399,6 +399,40 @@ struct QState {
     float qv[QH][DL], acc[QH][DL], qsum[QH], bacc[QH], m[QH], l[QH];
 };
 
+// The QR · QH = 16 scores summed over a lane group of LP lanes, every lane getting all 16:
+// a reduce-scatter (each xor level keeps half the sums, so a lane ends with 16/LP of them, or
+// with LP > 16 shares one with LP/16 lanes) then a broadcast: 31 shuffles at LP 16 where a
+// butterfly over all 16 takes 64. The additions pair the lanes as the butterfly does.
+static_assert(QR * QH == 16, "group_sums sums 16 scores");
+#define V(i) sc[(i) / QH][(i) % QH]
+// One reduce-scatter level over lanes o apart: of the first N scores, the lower lane keeps
+// (and adds its partner's) the first N/2, the upper lane the last N/2, into the first N/2.
+template <int N>
+__device__ __forceinline__ void scatter_level(float (&sc)[QR][QH], int o) {
+    const bool upper = threadIdx.x & o;
+#pragma unroll
+    for (int i = 0; i < N / 2; i++) {
+        float send = upper ? V(i) : V(i + N / 2), keep = upper ? V(i + N / 2) : V(i);
+        V(i) = keep + __shfl_xor_sync(0xffffffffu, send, o);
+    }
+}
+template <int LP>
+__device__ __forceinline__ void group_sums(float (&sc)[QR][QH]) {
+    scatter_level<16>(sc, LP / 2);
+    scatter_level<8>(sc, LP / 4);
+    scatter_level<4>(sc, LP / 8);
+    if (LP >= 16) scatter_level<2>(sc, LP / 16);
+    if (LP == 32) V(0) += __shfl_xor_sync(0xffffffffu, V(0), 1);
+    constexpr int held = LP >= 16 ? 1 : 16 / LP;  // sums per lane: index (lane · held + i)
+    float sum[16];
+#pragma unroll
+    for (int idx = 0; idx < 16; idx++)
+        sum[idx] = __shfl_sync(0xffffffffu, V(idx % held), LP >= 16 ? idx * (LP / 16) : idx / held, LP);
+#pragma unroll
+    for (int idx = 0; idx < 16; idx++) V(idx) = sum[idx];
+}
+#undef V
+
 // Rounds over positions [from, to) (warp-uniform bounds; the group sums shuffle across the
 // whole warp): QR positions per lane group per round, all their loads issued first; a
 // position past `to` reads `from`'s row and is not counted. R: QuantRow or HeadRow.
@@ -425,12 +459,9 @@ __device__ __forceinline__ void attend_rounds(QState& S, const QPlace& P, int fr
                 sc[k][hq] = ks * dot + ko * S.qsum[hq];
             }
         }
-        for (int o = P.lp / 2; o > 0; o >>= 1)
-#pragma unroll
-            for (int k = 0; k < QR; k++)
-#pragma unroll
-                for (int hq = 0; hq < QH; hq++)
-                    if (hq < P.qb) sc[k][hq] += __shfl_xor_sync(0xffffffffu, sc[k][hq], o);
+        if (P.lp == 8) group_sums<8>(sc);
+        else if (P.lp == 16) group_sums<16>(sc);
+        else group_sums<32>(sc);
         // Each head's new max over the round's rows, and its softmax state rescaled once.
 #pragma unroll
         for (int hq = 0; hq < QH; hq++) {
@@ -465,9 +496,11 @@ __device__ __forceinline__ void attend_rounds(QState& S, const QPlace& P, int fr
 }
 
 // attention.cu's attention_split over quantized rows for qb ≤ QH query heads of one KV group
-// per block: grid (heads / qb, m, splits · qb), block 128. Split s of a row (attention.cu's
-// chunk rule) is cut into qb parts, z = s·qb + part, so a call launches the blocks the bf16
-// kernel would; each query head's partials are its splits · qb parts. A lane group of hd/8
+// per block: grid (heads / qb, m, splits · qb), block 128. A row's span is cut into at most
+// max_splits splits of max(min_chunk, ⌈span / max_splits⌉) positions (a function of the
+// row's own span: batch-invariant; the host sets max_splits so that a sequence's blocks make
+// one wave, kv_quant.rs), each cut into qb parts, z = s·qb + part; each query head's
+// partials are its splits · qb parts. A lane group of hd/8
 // lanes takes one position (each lane 8 dims, within one quantization group), QR positions per
 // group per round with all their loads issued before any is used; each row's codes are
 // decoded once for the block's qb heads. Keys: scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ; each head keeps
@@ -476,8 +509,10 @@ __device__ __forceinline__ void attend_rounds(QState& S, const QPlace& P, int fr
 // leading positions whose rows are head blocks (store rows from head_row0 on, in head_k /
 // head_v: --kv-start; head_k null for none) are read as bf16 first. The groups merge in a
 // fixed order through shared memory. Deterministic.
-// Not capped for four blocks per SM: at 128 registers (from ~150, three blocks) the 8B
-// shape's decode at depth 32768 fell from 146 to 135 tok/s (spills; H200).
+// Not capped for four blocks per SM: at 128 registers (from ~160, three blocks) the 8B
+// shape's decode at depth 32768 fell from 146 to 135 tok/s (spills; H200). Rows staged
+// through shared memory by cp.async (no register cost for loads in flight) measured slower
+// than these direct loads (docs/kv.md, "Speed").
 extern "C" __global__ void __launch_bounds__(128)
     attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store, const u32* __restrict__ tab,
                 float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
@@ -512,8 +547,7 @@ extern "C" __global__ void __launch_bounds__(128)
     int len = pos[t] + 1;
     P.table = tables + row_tab[t];
     int start = window > 0 ? max(0, len - window) : 0, span = len - start;
-    int chunk = min_chunk;
-    while ((long)chunk * max_splits < span) chunk *= 2;
+    int chunk = max(min_chunk, (span + max_splits - 1) / max_splits);
     int part = (chunk + qb - 1) / qb, c0 = start + (z / qb) * chunk;
     int p0 = c0 + (z % qb) * part, p1 = min(min(len, c0 + chunk), p0 + part);
     // The leading positions in head blocks (a sequence's first blocks, when it has any).

@@ -522,6 +522,9 @@ pub fn perplexity<B: Backend>(
         if chunk.len() < 2 {
             break;
         }
+        // Each chunk from an empty cache: a sliding layer has given back its blocks before
+        // the window, which a forward from position 0 would otherwise find gone.
+        kv.clear();
         let logits = model.forward(chunk, 0, &mut kv, Logits::All)?;
         for (i, row) in logits.chunks_exact(vocab).take(chunk.len() - 1).enumerate() {
             let target = chunk[i + 1];

@@ -105,3 +105,33 @@ fn leading_positions_kept_in_bf16_cost_less() {
         assert!(none < 1e-3 && same >= 0.99, "{s}: all in bf16: mean KL {none}, same top token {same}");
     }
 }
+
+/// `perplexity` and `kl` run each chunk of the text from an empty cache, also where the
+/// chunk passes what a windowed cache keeps (the sliding window, one call and a lag), so
+/// that a cache reused from the last chunk would have given its early sliding blocks back:
+/// the second chunk's NLLs are its own alone, and kl's base perplexity is perplexity's.
+/// Gemma 3 270M with its window cut to 64 (the window is read at run time), so that
+/// chunks of 700 pass it.
+#[test]
+fn kl_and_perplexity_run_chunks_past_a_sliding_window() {
+    let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let mut src = ferrolm::formats::load(&path, false).unwrap();
+    let tok = Tokenizer::load(&src.tokenizer).unwrap();
+    let mut m = Decoder::load(Cpu, &mut src).unwrap();
+    m.cfg.sliding_window = 64;
+    let text = include_str!("../../../tools/corpus/kjv-genesis-1-24.txt");
+    let (tokens, ctx) = (&tok.encode(text, true).unwrap()[..1400], 700);
+    let bf16 = KvScheme::Bf16;
+    let blocks = ferrolm::kv::seq::seq_blocks(&m.cfg, ctx);
+    assert!(blocks.sliding < blocks.full, "a chunk must pass what the sliding layers keep: {blocks:?}");
+    let whole = ferrolm::generate::perplexity(&m, tokens, ctx, &bf16, false).unwrap();
+    let second = ferrolm::generate::perplexity(&m, &tokens[ctx..], ctx, &bf16, false).unwrap();
+    assert_eq!(whole.nll[ctx - 1..], second.nll[..]);
+    let r =
+        ferrolm::eval::kl_divergence((&m, &bf16), &[(&m, KvScheme::parse("affine:8").unwrap())], tokens, ctx, false)
+            .unwrap();
+    assert_eq!(r[0].positions, tokens.len() - 2);
+    // perplexity keeps each NLL as f32, kl sums in f64.
+    assert!((r[0].ppl_base / whole.ppl - 1.0).abs() < 1e-6, "{} vs {}", r[0].ppl_base, whole.ppl);
+    assert!(r[0].kl_mean > 0.0 && r[0].top1_agreement > 0.9, "{:?}", r[0]);
+}

@@ -214,6 +214,16 @@ impl Cuda {
         self.launch(&f, c, &args, super::context::Order::Serial, "unrotate_rows launch")
     }
 
+    /// attention_q's most splits of a row: as many as make one wave of a sequence's blocks
+    /// (heads · splits of them, as many per SM as fit), at most the configured most, so that
+    /// a call's grid (prefill.rs attention_splits) covers every row. One wave measured
+    /// fastest: 8B shape, turbo:k8v3 at depth 32768, 12 splits 226 tok/s against 9 (the
+    /// power-of-two chunks' count there) 192 and 24 200 (docs/kv.md).
+    pub(crate) fn quant_max_splits(&self, split: &CudaFunction, heads: usize) -> usize {
+        let resident = split.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).unwrap_or(3).max(1) as usize;
+        (resident * self.sms / heads.max(1)).clamp(1, self.cfg.attention_max_splits.max(1))
+    }
+
     /// attention_q's and attention_merge_q's functions and their arguments for `layer`.
     pub(crate) fn quant_attention_kernels(&self, kv: &CudaKv, layer: usize) -> Result<QuantAttention> {
         let (split, qk) = self.quant_function(kv, layer, "attention_q")?;

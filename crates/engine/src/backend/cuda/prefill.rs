@@ -155,15 +155,17 @@ impl Cuda {
                 [self.arg(&ml), self.arg(&acc)]
             }
         };
-        let (a, mg, store, merge_extra, head) = match kv.quant {
+        let (min_chunk, max_splits) = attention_chunking(&self.cfg);
+        let (a, mg, store, merge_extra, head, max_splits) = match kv.quant {
             Some(_) => {
                 let qa = self.quant_attention_kernels(kv, layer)?;
-                (qa.split, qa.merge, qa.store, Some(qa.merge_extra), Some(qa.head))
+                let most = self.quant_max_splits(&qa.split, heads);
+                (qa.split, qa.merge, qa.store, Some(qa.merge_extra), Some(qa.head), most)
             }
             None => {
                 let store = [self.arg(&kv.k[layer]), self.arg(&kv.v[layer])];
                 let a = self.plain_kernel("attention.cu", "attention_split")?;
-                (a, self.plain_kernel("attention.cu", "attention_merge")?, store, None, None)
+                (a, self.plain_kernel("attention.cu", "attention_merge")?, store, None, None, max_splits)
             }
         };
         let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
@@ -177,8 +179,8 @@ impl Cuda {
             KArg::I32((kv.width / hd) as i32),
             KArg::I32(hd as i32),
             pos,
-            KArg::I32(attention_chunking(&self.cfg).0 as i32),
-            KArg::I32(attention_chunking(&self.cfg).1 as i32),
+            KArg::I32(min_chunk as i32),
+            KArg::I32(max_splits as i32),
             KArg::F32(attend.scale),
             KArg::I32(window_arg(attend)?),
             tables[0],
@@ -311,6 +313,15 @@ mod tests {
                 for span in (1..=end).step_by(7).chain([end]) {
                     let need = span.div_ceil(kernel_chunk(span, &cfg));
                     assert!(need <= splits, "span {span} needs {need} splits, a call to {end} launches {splits}");
+                    // kv_quant.cu's attention_q, at any most splits up to the configured.
+                    for most in 1..=max_splits {
+                        let chunk = min_chunk.max(span.div_ceil(most));
+                        let need = span.div_ceil(chunk);
+                        assert!(
+                            need <= splits,
+                            "quantized: span {span} at most {most} needs {need}, a call launches {splits}"
+                        );
+                    }
                 }
             }
         }
