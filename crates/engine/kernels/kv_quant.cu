@@ -497,10 +497,11 @@ __device__ __forceinline__ void attend_rounds(QState& S, const QPlace& P, int fr
 
 // attention.cu's attention_split over quantized rows for qb ≤ QH query heads of one KV group
 // per block: grid (heads / qb, m, splits · qb), block 128. A row's span is cut into at most
-// max_splits splits of max(min_chunk, ⌈span / max_splits⌉) positions (a function of the
+// max_splits splits of max(min_chunk · qb, ⌈span / max_splits⌉) positions (a function of the
 // row's own span: batch-invariant; the host sets max_splits so that a sequence's blocks make
-// one wave, kv_quant.rs), each cut into qb parts, z = s·qb + part; each query head's
-// partials are its splits · qb parts. A lane group of hd/8
+// one wave, kv_quant.rs), each cut into qb parts of at least min_chunk, z = s·qb + part;
+// each query head's partials are its splits · qb parts. (8B shape, turbo:k8v3 at depth
+// 1024: parts of at least 64 positions 443.8 tok/s, at least 16 408.5.) A lane group of hd/8
 // lanes takes one position (each lane 8 dims, within one quantization group), QR positions per
 // group per round with all their loads issued before any is used; each row's codes are
 // decoded once for the block's qb heads. Keys: scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ; each head keeps
@@ -547,7 +548,7 @@ extern "C" __global__ void __launch_bounds__(128)
     int len = pos[t] + 1;
     P.table = tables + row_tab[t];
     int start = window > 0 ? max(0, len - window) : 0, span = len - start;
-    int chunk = max(min_chunk, (span + max_splits - 1) / max_splits);
+    int chunk = max(min_chunk * qb, (span + max_splits - 1) / max_splits);
     int part = (chunk + qb - 1) / qb, c0 = start + (z / qb) * chunk;
     int p0 = c0 + (z % qb) * part, p1 = min(min(len, c0 + chunk), p0 + part);
     // The leading positions in head blocks (a sequence's first blocks, when it has any).

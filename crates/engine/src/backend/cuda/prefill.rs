@@ -313,9 +313,10 @@ mod tests {
                 for span in (1..=end).step_by(7).chain([end]) {
                     let need = span.div_ceil(kernel_chunk(span, &cfg));
                     assert!(need <= splits, "span {span} needs {need} splits, a call to {end} launches {splits}");
-                    // kv_quant.cu's attention_q, at any most splits up to the configured.
-                    for most in 1..=max_splits {
-                        let chunk = min_chunk.max(span.div_ceil(most));
+                    // kv_quant.cu's attention_q, at any most splits up to the configured
+                    // and 1 to 4 query heads a block.
+                    for (most, qb) in (1..=max_splits).flat_map(|m| (1..=4).map(move |q| (m, q))) {
+                        let chunk = (min_chunk * qb).max(span.div_ceil(most));
                         let need = span.div_ceil(chunk);
                         assert!(
                             need <= splits,
