@@ -317,10 +317,10 @@ mod tests {
                     // and 1 to 4 query heads a block.
                     for (most, qb) in (1..=max_splits).flat_map(|m| (1..=4).map(move |q| (m, q))) {
                         let chunk = (min_chunk * qb).max(span.div_ceil(most));
-                        let need = span.div_ceil(chunk);
+                        let need_q = span.div_ceil(chunk);
                         assert!(
-                            need <= splits,
-                            "quantized: span {span} at most {most} needs {need}, a call launches {splits}"
+                            need_q <= splits,
+                            "quantized: span {span} at most {most} needs {need_q}, a call launches {splits}"
                         );
                     }
                 }
