@@ -50,9 +50,12 @@ pub struct CudaConfig {
     pub attention_query_heads: usize,
     /// Smallest split, in cached positions, of the serving calls' attention (attention.cu's
     /// attention_split): a row's span is cut into at most `attention_max_splits` splits of
-    /// this size doubled until they cover it. `FERROLM_ATTN_CHUNK`.
+    /// this size doubled until they cover it; over a quantized cache (kv_quant.cu), chunks
+    /// of ⌈span / most⌉, at least this size per query head a block serves.
+    /// `FERROLM_ATTN_CHUNK`.
     pub attention_min_chunk: usize,
-    /// Most splits a row's attention in a serving call takes. `FERROLM_ATTN_SPLITS`.
+    /// Most splits a row's attention in a serving call takes (over a quantized cache, at
+    /// most one wave's: kv_quant.rs `quant_max_splits`). `FERROLM_ATTN_SPLITS`.
     pub attention_max_splits: usize,
     /// Greedy decode steps feed their token to the next step on the device, so the host
     /// never holds the GPU back. `FERROLM_CUDA_FEED`.
