@@ -281,11 +281,14 @@ fn chat_keeps_the_conversation_across_turns() {
 fn bad_arguments_are_errors_not_panics() {
     let m = smollm2();
     let m = m.to_str().unwrap();
+    let out = tempfile::tempdir().unwrap();
+    let out = out.path().join("x");
+    let out = out.to_str().unwrap();
     for (args, want) in [
         (vec!["generate", "--model", m, "--prompt", "x", "--top-p", "0"], "top-p"),
         (vec!["generate", "--model", m, "--prompt", "x", "--temperature=-1"], "temperature"),
         (vec!["perplexity", "--model", m, "--file", "/nonexistent/file.txt"], "file.txt"),
-        (vec!["convert", "--input", m, "--output", "/tmp/x", "--quantize", "7"], "7"),
+        (vec!["convert", "--input", m, "--output", out, "--quantize", "7"], "7"),
         (vec!["kernels", "--arch", "90"], "sm_90"),
         (vec!["generate", "--model", m, "--device", "cpu", "--tensor-parallel", "4", "-p", "x"], "3 KV heads"),
         (vec!["generate", "--model", m, "--device", "cpu", "--tensor-parallel", "0", "-p", "x"], "at least one rank"),
