@@ -162,46 +162,22 @@ fn int_rows(a: &AffineTensor, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, s
     let bytes: &[u8] = bytemuck::cast_slice(&a.packed);
     let (cols, group, unit, accumulate) = (a.cols, a.group, out.unit, out.accumulate);
     let out = out.ptr;
+    // The same call for each scale dtype's source type.
+    macro_rules! run {
+        ($scales:expr, $biases:expr) => {{
+            let (scales, biases) = ($scales, $biases);
+            let w = qdot::Mat { bytes, cols, group, scales, biases, unit, accumulate };
+            int_bits(a.bits, &w, qx, sums, (r0, r1), sc, out, a.rows)
+        }};
+    }
     match (&a.scales, &a.biases) {
         (Scales::F16(s), Scales::F16(b)) => {
-            let (scales, biases) = (qdot::F16Src(bytemuck::cast_slice(s)), qdot::F16Src(bytemuck::cast_slice(b)));
-            int_bits(
-                a.bits,
-                &qdot::Mat { bytes, cols, group, scales, biases, unit, accumulate },
-                qx,
-                sums,
-                (r0, r1),
-                sc,
-                out,
-                a.rows,
-            )
+            run!(qdot::F16Src(bytemuck::cast_slice(s)), qdot::F16Src(bytemuck::cast_slice(b)))
         }
         (Scales::BF16(s), Scales::BF16(b)) => {
-            let (scales, biases) = (qdot::Bf16Src(bytemuck::cast_slice(s)), qdot::Bf16Src(bytemuck::cast_slice(b)));
-            int_bits(
-                a.bits,
-                &qdot::Mat { bytes, cols, group, scales, biases, unit, accumulate },
-                qx,
-                sums,
-                (r0, r1),
-                sc,
-                out,
-                a.rows,
-            )
+            run!(qdot::Bf16Src(bytemuck::cast_slice(s)), qdot::Bf16Src(bytemuck::cast_slice(b)))
         }
-        (Scales::F32(scales), Scales::F32(biases)) => {
-            let (scales, biases) = (qdot::F32Src(scales), qdot::F32Src(biases));
-            int_bits(
-                a.bits,
-                &qdot::Mat { bytes, cols, group, scales, biases, unit, accumulate },
-                qx,
-                sums,
-                (r0, r1),
-                sc,
-                out,
-                a.rows,
-            )
-        }
+        (Scales::F32(s), Scales::F32(b)) => run!(qdot::F32Src(s), qdot::F32Src(b)),
         _ => unreachable!("qdot_ok admits one scale dtype"),
     }
 }
