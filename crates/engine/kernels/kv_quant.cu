@@ -98,7 +98,7 @@ __device__ void affine_group(const float* x, int bits, float& scale, float& bias
 // One head's hd values in s_x encoded as affine: codes, then bf16 scales, then bf16 biases.
 __device__ void encode_affine(const float* s_x, float* s_gp, u8* s_code, int bits, int hd, u8* out) {
     int d = threadIdx.x, g = d / 64, groups = hd / 64, codes = hd * bits / 8;
-    if (d % 64 == 0) {
+    if (d < hd && d % 64 == 0) {
         float s, b;
         affine_group(s_x + d, bits, s, b);
         s_gp[2 * g] = s;
@@ -121,7 +121,7 @@ __device__ void encode_affine(const float* s_x, float* s_gp, u8* s_code, int bit
 __device__ void encode_turbo_keys(const float* s_x, float* s_gp, u8* s_code, int hd, u8* out) {
     int d = threadIdx.x, g = d / 32, codes = hd * KBITS / 8;
     const float mv = KSIGNED ? (float)((1 << (KBITS - 1)) - 1) : (float)((1 << KBITS) - 1);
-    if (d % 32 == 0) {
+    if (d < hd && d % 32 == 0) {
         float lo = INFINITY, hi = -INFINITY;
         for (int i = 0; i < 32; i++) {
             lo = fminf(lo, s_x[d + i]);
@@ -192,7 +192,7 @@ __device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd,
                                     const u32* __restrict__ tab, u8* out) {
     int d = threadIdx.x, g = d / 32, codes = hd * VBITS / 8;
     rotate_values(s_x, hd, had_scale, tab);
-    if (d % 32 == 0) {
+    if (d < hd && d % 32 == 0) {
         float sum = 0.f;
         for (int i = 0; i < 32; i++) sum = __fadd_rn(sum, __fmul_rn(s_x[d + i], s_x[d + i]));
         float scale = __fsqrt_rn(__fmul_rn(sum, 1.f / 32.f));
@@ -214,31 +214,17 @@ __device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd,
     pack_codes(s_code, VBITS, hd, out);
 }
 
-// This call's k and v rows into the store at their positions (kv_write's addressing), and q
-// (if q_out) into q_out (which may be q): per head the norm (gains qn/kn, or none), then
-// RoPE (inv_freq, or none) with attention.cu's math and bf16 roundings. grid (rows, heads +
-// n_kv): blocks [0, heads) take q's heads, the rest the KV heads; block hd threads. Padding
-// rows (position -1) write nothing. Store rows from head_row0 on are head blocks (head_k /
-// head_v: [rows, n_kv·hd] bf16; null: none), written as bf16.
-extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_t* __restrict__ k,
-                                     const bf16_t* __restrict__ v, u8* __restrict__ store, const u32* __restrict__ tab,
-                                     const float* __restrict__ inv_freq, float linear, int interleaved,
-                                     const float* __restrict__ qn, const float* __restrict__ kn, float eps, int heads,
-                                     int n_kv, int hd, float had_scale, const int* __restrict__ pos,
-                                     const int* __restrict__ tables, const int* __restrict__ row_tab,
-                                     bf16_t* __restrict__ head_k, bf16_t* __restrict__ head_v, int head_row0) {
-    __shared__ float s_x[HD_MAX], s_red[32], s_gp[2 * HD_MAX / 32];
-    __shared__ u8 s_code[HD_MAX];
-    pdl_trigger();
-    pdl_wait();
-    int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x, p = pos[t];
-    bool isq = slot < heads;
-    if ((isq && !q_out) || (!isq && p < 0)) return;
-    int h = isq ? slot : slot - heads;
-    const bf16_t* src = isq ? q + ((long)t * heads + h) * hd : k + ((long)t * n_kv + h) * hd;
-    float x = bf2f(src[d]);
-    const float* nw = isq ? qn : kn;
-    if (nw) x = nw[d] * (x * rsqrtf(block_sum(x * x, s_red) / hd + eps));
+// The head at src (hd bf16 values) after its norm (gains nw, or none) and RoPE (inv_freq,
+// or none) at position p, with attention.cu's math and bf16 roundings, into s_x as f32. A
+// block of hd threads or more, all taking part (those past hd hold 0).
+__device__ void norm_rope_head(const bf16_t* src, float* s_x, float* s_red, const float* __restrict__ nw, float eps,
+                               int hd, const float* __restrict__ inv_freq, float linear, int interleaved, int p) {
+    int d = threadIdx.x;
+    float x = d < hd ? bf2f(src[d]) : 0.f;
+    if (nw) {
+        float ss = block_sum(x * x, s_red);
+        if (d < hd) x = nw[d] * (x * rsqrtf(ss / hd + eps));
+    }
     s_x[d] = x;
     __syncthreads();
     if (inv_freq) {
@@ -255,38 +241,81 @@ extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_
         }
         __syncthreads();
     }
-    if (isq) {
-        q_out[((long)t * heads + h) * hd + d] = f2bf(s_x[d]);
-        return;
-    }
-    long r = kv_row(p, tables + row_tab[t]);
-    if (head_k && r >= head_row0) {
-        // A head block's row (--kv-start): bf16, the value in the accumulation domain.
-        long at = ((r - head_row0) * n_kv + h) * hd + d;
-        head_k[at] = f2bf(s_x[d]);
+}
+
+// Where kv_encode_row writes: the store and the head blocks of one layer.
+struct EncodeDst {
+    u8* store;
+    bf16_t *head_k, *head_v;
+    long head_row0;
+};
+
+// KV head h's key (normed and rotated, in s_x) and value (vsrc, hd bf16) encoded into store
+// row r (a head block's row from head_row0 on: bf16, the value in the accumulation domain).
+// A block of hd threads or more, all taking part; the row is written when it returns.
+__device__ void kv_encode_row(float* s_x, float* s_gp, u8* s_code, const bf16_t* vsrc, const EncodeDst& D,
+                              const u32* __restrict__ tab, long r, int h, int n_kv, int hd, float had_scale) {
+    int d = threadIdx.x;
+    if (D.head_k && r >= D.head_row0) {
+        long at = ((r - D.head_row0) * n_kv + h) * hd + d;
+        if (d < hd) D.head_k[at] = f2bf(s_x[d]);
         __syncthreads();
-        s_x[d] = bf2f(v[((long)t * n_kv + h) * hd + d]);
+        s_x[d] = d < hd ? bf2f(vsrc[d]) : 0.f;
         __syncthreads();
 #if TURBO
         rotate_values(s_x, hd, had_scale, tab);
 #endif
-        head_v[at] = f2bf(s_x[d]);
+        if (d < hd) D.head_v[at] = f2bf(s_x[d]);
+        __syncthreads();
         return;
     }
     RowLayout L = row_layout(hd);
-    u8* row = store + (r * n_kv + h) * L.bytes;
+    u8* row = D.store + (r * n_kv + h) * L.bytes;
 #if TURBO
     encode_turbo_keys(s_x, s_gp, s_code, hd, row);
 #else
     encode_affine(s_x, s_gp, s_code, KBITS, hd, row);
 #endif
-    s_x[d] = bf2f(v[((long)t * n_kv + h) * hd + d]);
+    s_x[d] = d < hd ? bf2f(vsrc[d]) : 0.f;
     __syncthreads();
 #if TURBO
     encode_turbo_values(s_x, s_gp, s_code, hd, had_scale, tab, row + L.k_bytes);
 #else
     encode_affine(s_x, s_gp, s_code, VBITS, hd, row + L.k_bytes);
 #endif
+    __syncthreads();
+}
+
+// This call's k and v rows into the store at their positions (kv_write's addressing), and q
+// (if q_out) into q_out (which may be q): per head the norm (gains qn/kn, or none), then
+// RoPE (inv_freq, or none). grid (rows, heads + n_kv): blocks [0, heads) take q's heads,
+// the rest the KV heads; block hd threads. Padding rows (position -1) write nothing. Store
+// rows from head_row0 on are head blocks (head_k / head_v: [rows, n_kv·hd] bf16; null:
+// none), written as bf16.
+extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_t* __restrict__ k,
+                                     const bf16_t* __restrict__ v, u8* __restrict__ store, const u32* __restrict__ tab,
+                                     const float* __restrict__ inv_freq, float linear, int interleaved,
+                                     const float* __restrict__ qn, const float* __restrict__ kn, float eps, int heads,
+                                     int n_kv, int hd, float had_scale, const int* __restrict__ pos,
+                                     const int* __restrict__ tables, const int* __restrict__ row_tab,
+                                     bf16_t* __restrict__ head_k, bf16_t* __restrict__ head_v, int head_row0) {
+    __shared__ float s_x[HD_MAX], s_red[32], s_gp[2 * HD_MAX / 32];
+    __shared__ u8 s_code[HD_MAX];
+    pdl_trigger();
+    pdl_wait();
+    int t = blockIdx.x, slot = blockIdx.y, d = threadIdx.x, p = pos[t];
+    bool isq = slot < heads;
+    if ((isq && !q_out) || (!isq && p < 0)) return;
+    int h = isq ? slot : slot - heads;
+    const bf16_t* src = isq ? q + ((long)t * heads + h) * hd : k + ((long)t * n_kv + h) * hd;
+    norm_rope_head(src, s_x, s_red, isq ? qn : kn, eps, hd, inv_freq, linear, interleaved, p);
+    if (isq) {
+        q_out[((long)t * heads + h) * hd + d] = f2bf(s_x[d]);
+        return;
+    }
+    EncodeDst D = {store, head_k, head_v, head_row0};
+    kv_encode_row(s_x, s_gp, s_code, v + ((long)t * n_kv + h) * hd, D, tab, kv_row(p, tables + row_tab[t]), h, n_kv,
+                  hd, had_scale);
 }
 
 #define DL 8  // dims per lane in attention_q
@@ -495,6 +524,106 @@ __device__ __forceinline__ void attend_rounds(QState& S, const QPlace& P, int fr
     }
 }
 
+// What every block of attention_q and attention_q_decode shares: the layer's rows, the
+// call's shape and chunking.
+struct QCall {
+    const u8* store;
+    const bf16_t *hk, *hv;
+    long head_row0;
+    int heads, n_kv, hd, qb, min_chunk, max_splits, window;
+    float scale;
+};
+
+// Part z's positions [p0, p1) of a row of len positions (attention_q's chunk rule).
+__device__ __forceinline__ void part_range(const QCall& C, int len, int z, int& p0, int& p1) {
+    int start = C.window > 0 ? max(0, len - C.window) : 0, span = len - start;
+    int chunk = max(C.min_chunk * C.qb, (span + C.max_splits - 1) / C.max_splits);
+    int part = (chunk + C.qb - 1) / C.qb, c0 = start + (z / C.qb) * chunk;
+    p0 = c0 + (z % C.qb) * part;
+    p1 = min(min(len, c0 + chunk), p0 + part);
+}
+
+// One block's part: query heads [h0, h0 + qb) of a row of len positions whose q heads are
+// at qrow (bf16, normed and rotated) and whose block table is `table`; part z of zs. Its
+// partial per head goes to slot (row0 + hq)·zs + z, row0 = t·heads + h0.
+__device__ void attend_part(const QCall& C, const bf16_t* qrow, const int* table, int len, int h0, int z, int zs,
+                            long row0, float* __restrict__ part_ml, float* __restrict__ part_acc,
+                            const float* s_cent) {
+    __shared__ float s_m[16 * QH], s_l[16 * QH], s_acc[QH * 128 * DL];  // groups · qb · (1, 1, hd)
+    const int hd = C.hd, qb = C.qb;
+    QPlace P;
+    P.lp = hd / DL;
+    P.grp = threadIdx.x / P.lp;
+    P.j = threadIdx.x % P.lp;
+    P.groups = blockDim.x / P.lp;
+    P.kvh = h0 / (C.heads / C.n_kv);
+    P.d0 = P.j * DL;
+    P.g = P.d0 / QG;
+    P.qb = qb;
+    P.n_kv = C.n_kv;
+    P.hd = hd;
+    P.store = C.store;
+    P.hk = C.hk;
+    P.hv = C.hv;
+    P.head_row0 = C.head_row0;
+    P.L = row_layout(hd);
+    P.table = table;
+    int p0, p1;
+    part_range(C, len, z, p0, p1);
+    // The leading positions in head blocks (a sequence's first blocks, when it has any).
+    int hs = 0;
+    if (C.hk)
+        while (hs < len && P.table[hs / KV_BLOCK] >= C.head_row0 / KV_BLOCK) hs += KV_BLOCK;
+    hs = min(hs, len);
+    QState S;
+#pragma unroll
+    for (int hq = 0; hq < QH; hq++) {
+        const bf16_t* qh = qrow + (long)min(hq, qb - 1) * hd + P.d0;
+        S.qsum[hq] = 0.f;
+#pragma unroll
+        for (int i = 0; i < DL; i++) {
+            S.qv[hq][i] = bf2f(qh[i]) * C.scale;
+            S.qsum[hq] += S.qv[hq][i];
+            S.acc[hq][i] = 0.f;
+        }
+        S.bacc[hq] = 0.f;
+        S.m[hq] = -INFINITY;
+        S.l[hq] = 0.f;
+    }
+    attend_rounds<HeadRow>(S, P, p0, min(p1, hs), s_cent);
+    attend_rounds<QuantRow>(S, P, max(p0, hs), p1, s_cent);
+    int groups = P.groups, grp = P.grp;
+#pragma unroll
+    for (int hq = 0; hq < QH; hq++) {
+        if (hq >= qb) break;
+        if (P.j == 0) {
+            s_m[hq * groups + grp] = S.m[hq];
+            s_l[hq * groups + grp] = S.l[hq];
+        }
+#pragma unroll
+        for (int i = 0; i < DL; i++) s_acc[(hq * groups + grp) * hd + P.d0 + i] = S.acc[hq][i] + S.bacc[hq];
+    }
+    __syncthreads();
+    for (int hq = 0; hq < qb; hq++) {
+        const float *hm = s_m + hq * groups, *hl = s_l + hq * groups;
+        long slot = (row0 + hq) * zs + z;
+        float M = -INFINITY;
+        for (int w = 0; w < groups; w++) M = fmaxf(M, hm[w]);
+        if (threadIdx.x == 0) {
+            float Lsum = 0.f;
+            for (int w = 0; w < groups; w++) Lsum += hm[w] == -INFINITY ? 0.f : hl[w] * __expf(hm[w] - M);
+            part_ml[2 * slot] = M;
+            part_ml[2 * slot + 1] = Lsum;
+        }
+        for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+            float o = 0.f;
+            for (int w = 0; w < groups; w++)
+                if (hm[w] != -INFINITY) o += s_acc[(hq * groups + w) * hd + dd] * __expf(hm[w] - M);
+            part_acc[slot * hd + dd] = o;
+        }
+    }
+}
+
 // attention.cu's attention_split over quantized rows for qb ≤ QH query heads of one KV group
 // per block: grid (heads / qb, m, splits · qb), block 128. A row's span is cut into at most
 // max_splits splits of max(min_chunk · qb, ⌈span / max_splits⌉) positions (a function of the
@@ -520,95 +649,25 @@ extern "C" __global__ void __launch_bounds__(128)
                 const int* __restrict__ pos, int min_chunk, int max_splits, float scale, int window,
                 const int* __restrict__ tables, const int* __restrict__ row_tab, int qb,
                 const bf16_t* __restrict__ head_k, const bf16_t* __restrict__ head_v, int head_row0) {
-    __shared__ float s_m[16 * QH], s_l[16 * QH], s_acc[QH * 128 * DL];  // groups · qb · (1, 1, hd)
     __shared__ float s_cent[TURBO ? 256 : 1];
     pdl_trigger();
-    int t = blockIdx.y, z = blockIdx.z, zs = gridDim.z, h0 = blockIdx.x * qb;
-    QPlace P;
-    P.lp = hd / DL;
-    P.grp = threadIdx.x / P.lp;
-    P.j = threadIdx.x % P.lp;
-    P.groups = blockDim.x / P.lp;
-    P.kvh = h0 / (heads / n_kv);
-    P.d0 = P.j * DL;
-    P.g = P.d0 / QG;
-    P.qb = qb;
-    P.n_kv = n_kv;
-    P.hd = hd;
-    P.store = store;
-    P.hk = head_k;
-    P.hv = head_v;
-    P.head_row0 = head_row0;
-    P.L = row_layout(hd);
+    int t = blockIdx.y, h0 = blockIdx.x * qb;
 #if TURBO
     for (int i = threadIdx.x; i < (1 << VBITS); i += blockDim.x) s_cent[i] = __uint_as_float(tab[TAB_CENT + i]);
     __syncthreads();
 #endif
     pdl_wait();  // the table is the store's own; q, the rows, positions and tables may be new
-    int len = pos[t] + 1;
-    P.table = tables + row_tab[t];
-    int start = window > 0 ? max(0, len - window) : 0, span = len - start;
-    int chunk = max(min_chunk * qb, (span + max_splits - 1) / max_splits);
-    int part = (chunk + qb - 1) / qb, c0 = start + (z / qb) * chunk;
-    int p0 = c0 + (z % qb) * part, p1 = min(min(len, c0 + chunk), p0 + part);
-    // The leading positions in head blocks (a sequence's first blocks, when it has any).
-    int hs = 0;
-    if (head_k)
-        while (hs < len && P.table[hs / KV_BLOCK] >= head_row0 / KV_BLOCK) hs += KV_BLOCK;
-    hs = min(hs, len);
-    QState S;
-#pragma unroll
-    for (int hq = 0; hq < QH; hq++) {
-        const bf16_t* qh = q + ((long)t * heads + h0 + min(hq, qb - 1)) * hd + P.d0;
-        S.qsum[hq] = 0.f;
-#pragma unroll
-        for (int i = 0; i < DL; i++) {
-            S.qv[hq][i] = bf2f(qh[i]) * scale;
-            S.qsum[hq] += S.qv[hq][i];
-            S.acc[hq][i] = 0.f;
-        }
-        S.bacc[hq] = 0.f;
-        S.m[hq] = -INFINITY;
-        S.l[hq] = 0.f;
-    }
-    attend_rounds<HeadRow>(S, P, p0, min(p1, hs), s_cent);
-    attend_rounds<QuantRow>(S, P, max(p0, hs), p1, s_cent);
-    int groups = P.groups, grp = P.grp;
-#pragma unroll
-    for (int hq = 0; hq < QH; hq++) {
-        if (hq >= qb) break;
-        if (P.j == 0) {
-            s_m[hq * groups + grp] = S.m[hq];
-            s_l[hq * groups + grp] = S.l[hq];
-        }
-#pragma unroll
-        for (int i = 0; i < DL; i++) s_acc[(hq * groups + grp) * hd + P.d0 + i] = S.acc[hq][i] + S.bacc[hq];
-    }
-    __syncthreads();
-    for (int hq = 0; hq < qb; hq++) {
-        const float *hm = s_m + hq * groups, *hl = s_l + hq * groups;
-        long slot = ((long)t * heads + h0 + hq) * zs + z;
-        float M = -INFINITY;
-        for (int w = 0; w < groups; w++) M = fmaxf(M, hm[w]);
-        if (threadIdx.x == 0) {
-            float Lsum = 0.f;
-            for (int w = 0; w < groups; w++) Lsum += hm[w] == -INFINITY ? 0.f : hl[w] * __expf(hm[w] - M);
-            part_ml[2 * slot] = M;
-            part_ml[2 * slot + 1] = Lsum;
-        }
-        for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-            float o = 0.f;
-            for (int w = 0; w < groups; w++)
-                if (hm[w] != -INFINITY) o += s_acc[(hq * groups + w) * hd + dd] * __expf(hm[w] - M);
-            part_acc[slot * hd + dd] = o;
-        }
-    }
+    QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, window, scale};
+    long row0 = (long)t * heads + h0;
+    attend_part(C, q + row0 * hd, tables + row_tab[t], pos[t] + 1, h0, blockIdx.z, gridDim.z, row0, part_ml, part_acc,
+                s_cent);
 }
 
-// Thread d's value of the head whose thread i holds x (one thread per dim, the whole block)
-// after the values' inverse rotation, H(x)·signs in f32 (s_o: hd floats of shared memory).
-__device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32* __restrict__ tab, float had_scale) {
-    int d = threadIdx.x;
+// Thread d's value of the head whose thread i holds x (one thread per dim, hd of them: the
+// block's d-th of a head at s_o) after the values' inverse rotation, H(x)·signs in f32 (s_o:
+// hd floats of shared memory). Every thread of the block calls it.
+__device__ __forceinline__ float unrotate_at(float* s_o, float x, int d, int hd, const u32* __restrict__ tab,
+                                             float had_scale) {
     s_o[d] = x;
     __syncthreads();
     for (int hh = 1; hh < hd; hh <<= 1) {
@@ -621,6 +680,88 @@ __device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32
         __syncthreads();
     }
     return tab[d / 32] >> (d % 32) & 1 ? -s_o[d] : s_o[d];
+}
+
+// unrotate_at for a block of hd threads, one head.
+__device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32* __restrict__ tab, float had_scale) {
+    return unrotate_at(s_o, x, threadIdx.x, hd, tab, had_scale);
+}
+
+// One decode row's attention with kv_encode before it and attention_merge_q after it in the
+// same launch (as attention_decode.cu fuses the bf16 path's): the same output bits as the
+// three kernels. grid (heads / qb, 1, splits · qb), block 128, hd ≤ 128. Every block norms
+// and rotates its qb query heads (kv_encode's arithmetic, rounded to bf16 as attention_q
+// reads q); the block whose part holds the new position pos[0] encodes its KV head's row
+// (kv_encode's bytes) and reads it back after a barrier (no other block reads it); after
+// its part (attend_part), the last block of a KV group's column to finish (counted in
+// done[blockIdx.x], reset for the next step) merges the column's partials as
+// attention_merge_q does, slot by slot in order, and undoes TurboQuant's value rotation.
+// k and v are the new position's raw rows; store, head_k and head_v are written here, so
+// they are not restrict (no non-coherent loads of them).
+extern "C" __global__ void __launch_bounds__(128)
+    attention_q_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+                       u8* store, const u32* __restrict__ tab, const float* __restrict__ inv_freq, float linear,
+                       int interleaved, const float* __restrict__ qn, const float* __restrict__ kn, float eps,
+                       float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ out,
+                       int* __restrict__ done, int heads, int n_kv, int hd, const int* __restrict__ pos, int min_chunk,
+                       int max_splits, float scale, int window, const int* __restrict__ table, int qb,
+                       float had_scale, bf16_t* head_k, bf16_t* head_v, int head_row0) {
+    __shared__ float s_x[HD_MAX], s_red[32], s_gp[2 * HD_MAX / 32];
+    __shared__ u8 s_code[HD_MAX];
+    __shared__ bf16_t s_q[QH * 128];
+    __shared__ float s_cent[TURBO ? 256 : 1];
+    __shared__ int s_last;
+    pdl_trigger();
+    const int d = threadIdx.x, z = blockIdx.z, zs = gridDim.z, h0 = blockIdx.x * qb;
+#if TURBO
+    for (int i = d; i < (1 << VBITS); i += blockDim.x) s_cent[i] = __uint_as_float(tab[TAB_CENT + i]);
+#endif
+    pdl_wait();
+    const int p = pos[0], kvh = h0 / (heads / n_kv);
+    for (int hq = 0; hq < qb; hq++) {
+        norm_rope_head(q + (long)(h0 + hq) * hd, s_x, s_red, qn, eps, hd, inv_freq, linear, interleaved, p);
+        if (d < hd) s_q[hq * hd + d] = f2bf(s_x[d]);
+        __syncthreads();
+    }
+    QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, window, scale};
+    int p0, p1;
+    part_range(C, p + 1, z, p0, p1);
+    if (p0 <= p && p < p1) {
+        norm_rope_head(k + (long)kvh * hd, s_x, s_red, kn, eps, hd, inv_freq, linear, interleaved, p);
+        EncodeDst D = {store, head_k, head_v, head_row0};
+        kv_encode_row(s_x, s_gp, s_code, v + (long)kvh * hd, D, tab, kv_row(p, table), kvh, n_kv, hd, had_scale);
+    }
+    attend_part(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
+    __threadfence();
+    __syncthreads();
+    if (d == 0) s_last = atomicAdd(done + blockIdx.x, 1) == zs - 1;
+    __syncthreads();
+    if (!s_last) return;
+    __threadfence();
+    // attention_merge_q's sums for the column's heads, blockDim.x / hd heads a pass.
+    for (int i0 = 0; i0 < qb * hd; i0 += blockDim.x) {
+        int hq = (i0 + d) / hd, dd = (i0 + d) % hd;
+        float o = 0.f;
+        if (hq < qb) {
+            long base = (long)(h0 + hq) * zs;
+            float M = -INFINITY, Lsum = 0.f;
+            for (int s = 0; s < zs; s++) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
+#pragma unroll 8
+            for (int s = 0; s < zs; s++) {
+                float m = __ldcg(part_ml + 2 * (base + s));
+                if (m == -INFINITY) continue;
+                float w = __expf(m - M);
+                Lsum += __ldcg(part_ml + 2 * (base + s) + 1) * w;
+                o += __ldcg(part_acc + (base + s) * hd + dd) * w;
+            }
+            o = Lsum > 0.f ? o / Lsum : 0.f;
+        }
+#if TURBO
+        o = unrotate_at(s_x + (d / hd) * hd, o, dd, hd, tab, had_scale);
+#endif
+        if (hq < qb) out[(long)(h0 + hq) * hd + dd] = f2bf(o);
+    }
+    if (d == 0) done[blockIdx.x] = 0;
 }
 
 // attention.cu's attention_merge, then (turbo) the values' inverse rotation in f32 before

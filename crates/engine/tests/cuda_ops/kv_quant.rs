@@ -4,7 +4,7 @@
 //! blocks), and real models whose quantized caches cost on CUDA what they cost on the CPU.
 
 use super::models::kl_and_agreement;
-use super::{attention_both, attn_cfg, check, gpu, rope_attention_both, Rng};
+use super::{attention_both, attn_cfg, bf, check, gpu, rope_attention_both, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::{Attend, Backend, Rope};
@@ -192,4 +192,115 @@ fn models_with_quantized_kv_cost_what_they_cost_on_the_cpu() {
     let mg = Decoder::load(Cuda::with_config(0, CudaConfig::from_env()).unwrap(), &mut b).unwrap();
     let golden = include_str!("../goldens/gemma3_hf.json");
     quantized_cost_matches("Gemma 3 270M", mc, mg, golden, &["affine:8", "turbo:k8v3"]);
+}
+
+/// `g`'s rope_attention of one step (`m` rows from `pos`, layer 1) on the given inputs.
+fn rope_attention_gpu(
+    g: &Cuda,
+    kv: &mut ferrolm::backend::cuda::CudaKv,
+    (heads, n_kv, hd): (usize, usize, usize),
+    (rope, attend): (&Rope, Attend),
+    (m, pos): (usize, usize),
+    (q, k, v): (&[f32], &[f32], &[f32]),
+) -> Vec<f32> {
+    let mut og = g.act_poisoned(m, heads * hd, false).unwrap();
+    let t = InOrder::new(g.kv_blocks(kv));
+    let at = [t.span(pos, m)];
+    g.begin(&[], &at, false).unwrap();
+    let (mut qg, mut kg) = (g.act_from(m, heads * hd, q).unwrap(), g.act_from(m, n_kv * hd, k).unwrap());
+    let vg = g.act_from(m, n_kv * hd, v).unwrap();
+    g.rope_attention(&mut qg, &mut kg, &vg, kv, 1, &at, rope, (heads, n_kv), attend, &mut og).unwrap();
+    g.read_rows(&og, 0).unwrap()
+}
+
+/// A decode row over a quantized cache in one launch (attention_q_decode, the default) is
+/// the three kernels it fuses (kv_encode, attention_q, attention_merge_q;
+/// `FERROLM_KVQ_FUSED=0`) bit for bit: every output and every byte of the rows written,
+/// over prefill and decode steps across block boundaries, at head dims 64 and 128 (1 to 4
+/// query heads a block), causal and sliding, with bf16 head blocks (--kv-start) and without.
+#[test]
+fn fused_quantized_decode_is_the_three_kernels_bit_for_bit() {
+    let fused = gpu();
+    let split = Cuda::with_config(0, CudaConfig { fused_quant_decode: false, ..CudaConfig::default() }).unwrap();
+    let mut r = Rng::seeded();
+    let window = |w: usize, scale: f32| Attend { scale, window: Some(w) };
+    let cases = [
+        (9, 3, 64, RopeStyle::Half, Attend::causal(64), 0),
+        (16, 2, 128, RopeStyle::Interleaved, Attend::causal(128), 2),
+        (8, 8, 128, RopeStyle::Half, window(37, 0.1), 0),
+        (12, 2, 64, RopeStyle::Half, Attend::causal(64), 0),
+    ];
+    for (heads, n_kv, hd, style, attend, head_blocks) in cases {
+        for s in SCHEMES {
+            let scheme = KvScheme::parse(s).unwrap();
+            let cfg = attn_cfg(heads, n_kv, hd, 2, style);
+            let rope = Rope { inv_freq: cfg.rope_inv_freq(), style, linear: 1.0 };
+            let mut blocks = blocks_for(&cfg, 400);
+            (blocks.full, blocks.head) = (blocks.full - head_blocks, head_blocks);
+            let mut kf = fused.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
+            let mut ks = split.kv_store_scheme(&cfg, blocks, &scheme).unwrap();
+            let mut pos = 0;
+            for m in [45, 1, 1, 1, 19, 1, 64, 1, 1, 200, 1] {
+                let (q, k, v) =
+                    (bf(&r.v(m * heads * hd, 1.0)), bf(&r.v(m * n_kv * hd, 1.0)), bf(&r.v(m * n_kv * hd, 1.0)));
+                let shape = (heads, n_kv, hd);
+                let a = rope_attention_gpu(fused, &mut kf, shape, (&rope, attend), (m, pos), (&q, &k, &v));
+                let b = rope_attention_gpu(&split, &mut ks, shape, (&rope, attend), (m, pos), (&q, &k, &v));
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                let what = format!("{s} {heads}/{n_kv}x{hd} head blocks {head_blocks} {attend:?} m{m} pos{pos}");
+                assert!(bits(&a) == bits(&b), "{what}: the fused decode's output differs from the three kernels'");
+                pos += m;
+            }
+            let rows: Vec<usize> =
+                (0..pos).map(|p| ferrolm::kv::row_of(InOrder::new(blocks).span(0, 1).full, p)).collect();
+            let (mut a, mut b) = (vec![], vec![]);
+            fused.kv_export(&kf, 1, &rows, &mut a).unwrap();
+            split.kv_export(&ks, 1, &rows, &mut b).unwrap();
+            assert!(a == b, "{s} {heads}/{n_kv}x{hd}: the fused decode's rows differ from kv_encode's");
+        }
+    }
+}
+
+/// The same at model level with the q/k norms the fused kernel applies (a small synthetic
+/// Qwen3: head dim 128, 8 query heads over 2 KV heads): greedy decode steps' logits over
+/// quantized caches, with and without bf16 head blocks, are the unfused path's bits.
+#[test]
+fn fused_quantized_decode_with_qk_norms_is_the_unfused_path() {
+    use ferrolm::formats::synthetic;
+    use ferrolm::quant::scheme::QuantScheme;
+    let base = synthetic::config("qwen3-0.6b").unwrap();
+    let cfg = ferrolm::config::ModelConfig {
+        hidden: 512,
+        n_layers: 2,
+        n_heads: 8,
+        n_kv_heads: 2,
+        ffn: 1024,
+        vocab: 1000,
+        ..base
+    };
+    let q = QuantScheme::parse("4").unwrap();
+    let model = |fused: bool| {
+        let mut src = synthetic::build_config("qwen3-small", &cfg, &q, 3, false).unwrap();
+        let c = CudaConfig { fused_quant_decode: fused, ..CudaConfig::default() };
+        Decoder::load(Cuda::with_config(0, c).unwrap(), &mut src).unwrap()
+    };
+    let (mut mf, mut ms) = (model(true), model(false));
+    let prompt: Vec<u32> = (0..150).map(|i| (i * 37 + 11) % 1000).collect();
+    for (s, start) in [("turbo:k8v3", 0), ("affine:4", 0), ("turbo:k4v2", 64), ("affine:8", 64)] {
+        let mut steps = vec![];
+        for m in [&mut mf, &mut ms] {
+            m.set_kv_scheme(KvScheme::parse(s).unwrap()).unwrap();
+            m.set_kv_start(start).unwrap();
+            let mut kv = m.new_cache(200).unwrap();
+            let mut l = m.forward(&prompt, 0, &mut kv, Logits::Last).unwrap();
+            let mut out = vec![];
+            for p in prompt.len()..prompt.len() + 40 {
+                let t = ferrolm::sample::argmax(&l);
+                l = m.forward(&[t], p, &mut kv, Logits::Last).unwrap();
+                out.extend(l.iter().map(|v| v.to_bits()));
+            }
+            steps.push(out);
+        }
+        assert!(steps[0] == steps[1], "{s} --kv-start {start}: fused decode logits differ from the unfused path's");
+    }
 }

@@ -39,6 +39,11 @@ pub struct CudaConfig {
     /// after 8192 cached positions on the 8B shape 4.24 s against 13.09 s, bf16's 4.48 s
     /// (docs/kv.md). `FERROLM_FLASH_KVQ`.
     pub flash_quant_prefill: bool,
+    /// A decode step over a quantized KV store (head dims up to 128) runs its encoding,
+    /// attention and merge as one kernel (kv_quant.cu's attention_q_decode), the same sums
+    /// as the three kernels it replaces (kv_encode, attention_q, attention_merge_q).
+    /// `FERROLM_KVQ_FUSED`.
+    pub fused_quant_decode: bool,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
     pub head_argmax: bool,
@@ -86,6 +91,7 @@ impl Default for CudaConfig {
             prefill_fused_glu: true,
             gemm_wide_tiles: true,
             flash_quant_prefill: true,
+            fused_quant_decode: true,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

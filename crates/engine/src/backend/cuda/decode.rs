@@ -311,6 +311,9 @@ impl Cuda {
         }
         let heads = q.cols / kv.head_dim;
         if kv.quant.is_some() {
+            if self.cfg.fused_quant_decode && kv.head_dim <= super::kv_quant::FUSED_HEAD_DIM_MAX {
+                return self.attention_decode_quant(q, (k, v), kv, layer, (rope, attend, qk_norm), out);
+            }
             // q rotated into `out`, which the merge overwrites once the splits have read it.
             let q_rot = out.arg(self);
             self.kv_encode(Some((q.arg(self), q_rot)), (k, v), kv, layer, Some(rope), qk_norm, heads)?;

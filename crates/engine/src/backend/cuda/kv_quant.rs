@@ -12,8 +12,9 @@ use super::decode::QkNorm;
 use super::device::Cuda;
 use super::driver::KArg;
 use super::kernels;
+use super::prefill::{attention_chunking, attention_splits, quant_heads_per_block, window_arg};
 use super::tensors::{CudaAct, CudaKv};
-use crate::backend::Rope;
+use crate::backend::{Attend, Rope};
 use crate::config::{ModelConfig, RopeStyle};
 use crate::kv::rows::RowCodec;
 use crate::kv::scheme::KvScheme;
@@ -23,6 +24,10 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
 /// Head dims kv_quant.cu takes (a lane's dims stay within one group).
 pub const QUANT_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+
+/// The largest head dim attention_q_decode takes: its 128 threads encode a head, one
+/// thread per dim. Larger heads (Gemma 3's 256) decode through the three kernels.
+pub(crate) const FUSED_HEAD_DIM_MAX: usize = 128;
 
 /// The quantized half of a `CudaKv`.
 pub(crate) struct QuantKv {
@@ -222,6 +227,76 @@ impl Cuda {
     pub(crate) fn quant_max_splits(&self, split: &CudaFunction, heads: usize) -> usize {
         let resident = split.occupancy_max_active_blocks_per_multiprocessor(128, 0, None).unwrap_or(3).max(1) as usize;
         (resident * self.sms / heads.max(1)).clamp(1, self.cfg.attention_max_splits.max(1))
+    }
+
+    /// A decode row over a quantized store in one launch (kv_quant.cu's attention_q_decode):
+    /// the q/k norms and RoPE, the new row's encoding, attention and the merge, the same
+    /// sums and splits as kv_encode, attention_q and attention_merge_q. q, k, v unrotated.
+    pub(crate) fn attention_decode_quant(
+        &self,
+        q: &CudaAct,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &mut CudaKv,
+        layer: usize,
+        (rope, attend, qk_norm): (&Rope, Attend, Option<QkNorm>),
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let (hd, n_kv, heads) = (kv.head_dim, kv.width / kv.head_dim, q.cols / kv.head_dim);
+        if hd > FUSED_HEAD_DIM_MAX {
+            return Err(Error::Invalid(format!("attention_q_decode takes head dims up to 128, not {hd}")));
+        }
+        let (f, qk) = self.quant_function(kv, layer, "attention_q_decode")?;
+        let qb = quant_heads_per_block(heads, n_kv);
+        // attention_cached_from's splits and scratch for one row.
+        let splits = match self.steps.call_splits() {
+            0 => attention_splits(kv.max_seq(), &self.cfg),
+            n => n,
+        } * qb;
+        let [ml, acc, done] = self.scratch.attention(self, heads, splits, hd)?;
+        let (min_chunk, _) = attention_chunking(&self.cfg);
+        let most = self.quant_max_splits(&f, heads);
+        let (qn, kn, eps) = match qk_norm {
+            Some(([qn, kn], eps)) => (self.arg(qn), self.arg(kn), eps),
+            None => (KArg::Ptr(0), KArg::Ptr(0), 0.0),
+        };
+        let mut args = vec![
+            q.arg(self),
+            k.arg(self),
+            v.arg(self),
+            self.arg(&qk.rows[layer]),
+            self.arg(&qk.table),
+            self.scratch.rope_freqs(self, rope)?,
+            KArg::F32(rope.linear),
+            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            qn,
+            kn,
+            KArg::F32(eps),
+            ml,
+            acc,
+            out.arg(self),
+            done,
+            KArg::I32(heads as i32),
+            KArg::I32(n_kv as i32),
+            KArg::I32(hd as i32),
+            self.steps.pos(self, "attention")?,
+            KArg::I32(min_chunk as i32),
+            KArg::I32(most as i32),
+            KArg::F32(attend.scale),
+            KArg::I32(window_arg(attend)?),
+            // One sequence: its table at offset 0.
+            self.steps.tables(self, kv.sliding(layer)?, "attention")?[0],
+            KArg::I32(qb as i32),
+            KArg::F32(hadamard_scale(hd)),
+        ];
+        args.extend(qk.head_args(self, layer));
+        let c = LaunchConfig {
+            grid_dim: ((heads / qb) as u32, 1, splits as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // Scratch sized [heads, splits]; `done` (a counter per block column) zeroed at
+        // allocation and reset by the kernel.
+        self.launch(&f, c, &args, super::context::Order::Overlap, "attention_q_decode launch")
     }
 
     /// attention_q's and attention_merge_q's functions and their arguments for `layer`.

@@ -270,7 +270,7 @@ pub(crate) fn quant_heads_per_block(heads: usize, n_kv: usize) -> usize {
 
 /// The configuration's (smallest chunk, most splits), at least 1 each: the kernel's
 /// doubling loop needs both positive.
-fn attention_chunking(cfg: &super::CudaConfig) -> (usize, usize) {
+pub(crate) fn attention_chunking(cfg: &super::CudaConfig) -> (usize, usize) {
     (cfg.attention_min_chunk.max(1), cfg.attention_max_splits.max(1))
 }
 
