@@ -6,12 +6,13 @@
 //            values VBITS Lloyd-Max indices of the sign-flipped Walsh-Hadamard rotation.
 // The head dim is a run-time argument (64, 128 or 256).
 //
-// kv_encode writes rows bit for bit as RowCodec::encode does from the same values (f32
-// arithmetic, every operation rounded as the CPU's: __f*_rn keeps NVRTC from contracting
-// a multiply and an add into one fma). attention_q is attention.cu's split-K over the rows,
-// dequantizing in the inner loop: a key's dot with q is scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ over
-// a lane's dims (one group); turbo values accumulate in the rotated domain and
-// attention_merge_q undoes the rotation once per output head. Deterministic: fixed orders.
+// kv_encode writes rows bit for bit as RowCodec::encode does from the same values
+// (kv_encode.cuh). attention_q is attention.cu's split-K over the rows, dequantizing in the
+// inner loop: a key's dot with q is scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ over a lane's dims (one
+// group); turbo values accumulate in the rotated domain and attention_merge_q undoes the
+// rotation once per output head. A decode row (head dims up to 128) runs kv_encode's and
+// attention_q's work as one kernel, attention_q_decode, then the merge. Deterministic:
+// fixed orders.
 #include "common.cuh"
 
 #ifndef TURBO
@@ -34,257 +35,8 @@
 #define TAB_CENT 8
 #define TAB_BOUND (8 + 256)
 
-typedef unsigned char u8;
-
-struct RowLayout {
-    int k_codes, k_bytes, v_codes, bytes;
-};
-__device__ __forceinline__ RowLayout row_layout(int hd) {
-    RowLayout r;
-    r.k_codes = hd * KBITS / 8;
-    r.k_bytes = r.k_codes + hd / QG * 4;  // affine: scales then biases (bf16); turbo: (scale, zero) f16 pairs
-    r.v_codes = hd * VBITS / 8;
-    r.bytes = r.k_bytes + r.v_codes + hd / QG * (TURBO ? 2 : 4);
-    return r;
-}
-
-__device__ __forceinline__ f16_t f2h(float f) {
-    f16_t h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-    return h;
-}
-__device__ __forceinline__ u32 ld16(const u8* p) { return *reinterpret_cast<const unsigned short*>(p); }
-__device__ __forceinline__ void st16(u8* p, u32 v) { *reinterpret_cast<unsigned short*>(p) = (unsigned short)v; }
-
-// The hd codes in s_code packed LSB first into out (hd·bits/8 bytes), a byte per thread.
-__device__ __forceinline__ void pack_codes(const u8* s_code, int bits, int hd, u8* out) {
-    int d = threadIdx.x;
-    if (d >= hd * bits / 8) return;
-    if (bits == 8) {
-        out[d] = s_code[d];
-        return;
-    }
-    u32 byte = 0, mask = (1u << bits) - 1;
-    for (int i = 8 * d / bits; i <= (8 * d + 7) / bits; i++) {
-        int shift = i * bits - 8 * d;
-        u32 c = s_code[i] & mask;
-        byte |= shift >= 0 ? c << shift : c >> -shift;
-    }
-    out[d] = (u8)byte;
-}
-
-// MLX's affine_quantize of a group of 64 (quant::affine::quantize_group): its f32 scale and
-// bias (the codes use them unrounded; the row stores them as bf16).
-__device__ void affine_group(const float* x, int bits, float& scale, float& bias) {
-    float n_bins = (float)((1 << bits) - 1), eps = 1e-7f;
-    float wmin = INFINITY, wmax = -INFINITY;
-    for (int i = 0; i < 64; i++) {
-        if (wmax < x[i]) wmax = x[i];
-        if (x[i] < wmin) wmin = x[i];
-    }
-    bool mask = fabsf(wmin) > fabsf(wmax);
-    float range = __fdiv_rn(__fsub_rn(wmax, wmin), n_bins);
-    scale = range < eps ? eps : range;
-    scale = mask ? scale : -scale;
-    float edge = mask ? wmin : wmax;
-    float q0 = rintf(__fdiv_rn(edge, scale));
-    bias = 0.f;
-    if (q0 != 0.f) {
-        scale = __fdiv_rn(edge, q0);
-        bias = edge;
-    }
-}
-
-// One head's hd values in s_x encoded as affine: codes, then bf16 scales, then bf16 biases.
-__device__ void encode_affine(const float* s_x, float* s_gp, u8* s_code, int bits, int hd, u8* out) {
-    int d = threadIdx.x, g = d / 64, groups = hd / 64, codes = hd * bits / 8;
-    if (d < hd && d % 64 == 0) {
-        float s, b;
-        affine_group(s_x + d, bits, s, b);
-        s_gp[2 * g] = s;
-        s_gp[2 * g + 1] = b;
-        st16(out + codes + 2 * g, f2bf(s));
-        st16(out + codes + 2 * (groups + g), f2bf(b));
-    }
-    __syncthreads();
-    float n_bins = (float)((1 << bits) - 1);
-    float c = rintf(__fdiv_rn(__fsub_rn(s_x[d], s_gp[2 * g + 1]), s_gp[2 * g]));
-    s_code[d] = (u8)fminf(fmaxf(c, 0.f), n_bins);
-    __syncthreads();
-    pack_codes(s_code, bits, hd, out);
-    __syncthreads();
-}
-
-// TurboQuant keys (turboquant.rs encode_key_group): per 32-group an asymmetric affine index
-// with f16 scale and zero point; a group the rule cannot hold (no range, a zero point past
-// f16) stores index 0, zero point 1 and its midpoint as the scale.
-__device__ void encode_turbo_keys(const float* s_x, float* s_gp, u8* s_code, int hd, u8* out) {
-    int d = threadIdx.x, g = d / 32, codes = hd * KBITS / 8;
-    const float mv = KSIGNED ? (float)((1 << (KBITS - 1)) - 1) : (float)((1 << KBITS) - 1);
-    if (d < hd && d % 32 == 0) {
-        float lo = INFINITY, hi = -INFINITY;
-        for (int i = 0; i < 32; i++) {
-            lo = fminf(lo, s_x[d + i]);
-            hi = fmaxf(hi, s_x[d + i]);
-        }
-        float range = __fsub_rn(hi, lo), scale, zero, se;
-        if (KSIGNED) {
-            scale = __fdiv_rn(range, 2.f * mv);
-            se = __fadd_rn(scale, 1e-8f);
-            zero = rintf(__fdiv_rn(__fadd_rn(hi, lo), 2.f * se));
-        } else {
-            scale = __fdiv_rn(range, mv);
-            se = __fadd_rn(scale, 1e-8f);
-            zero = rintf(__fdiv_rn(lo, se));
-        }
-        bool constant = range == 0.f || !(fabsf(zero) < 65520.f);  // f16(zero) not finite
-        if (constant) {
-            float mid = (float)(0.5 * ((double)lo + (double)hi));
-            mid = fminf(fmaxf(mid, -65504.f), 65504.f);
-            st16(out + codes + 4 * g, f2h(mid));
-            st16(out + codes + 4 * g + 2, 0x3c00);  // 1.0
-        } else {
-            st16(out + codes + 4 * g, f2h(scale));
-            st16(out + codes + 4 * g + 2, f2h(zero));
-        }
-        s_gp[2 * g] = constant ? 0.f : se;
-        s_gp[2 * g + 1] = zero;
-    }
-    __syncthreads();
-    float se = s_gp[2 * g];
-    int idx = 0;
-    if (se != 0.f) {
-        float c = rintf(__fsub_rn(__fdiv_rn(s_x[d], se), s_gp[2 * g + 1]));
-        idx = (int)fminf(fmaxf(c, KSIGNED ? -mv : 0.f), mv);
-    }
-    s_code[d] = (u8)idx;  // int8 as its byte
-    __syncthreads();
-    pack_codes(s_code, KBITS, hd, out);
-    __syncthreads();
-}
-
-// TurboQuant values (turboquant.rs encode_values): rotated, then per 32-group the RMS scale
-// (f16) and each value's Lloyd-Max index over it.
-// TurboQuant's value rotation of the head in s_x, in place (turboquant.rs rotate): signs,
-// then the orthonormal Walsh-Hadamard transform (butterflies stage by stage; the last
-// stage's results times 1/√hd), every operation rounded as the CPU's.
-__device__ void rotate_values(float* s_x, int hd, float had_scale, const u32* __restrict__ tab) {
-    int d = threadIdx.x;
-    if (tab[d / 32] >> (d % 32) & 1) s_x[d] = -s_x[d];
-    __syncthreads();
-    for (int h = 1; h < hd; h <<= 1) {
-        if (d < hd / 2) {
-            int k = d & (h - 1), j = ((d - k) << 1) + k;
-            float a = s_x[j], b = s_x[j + h];
-            float x0 = __fadd_rn(a, b), x1 = __fsub_rn(a, b);
-            if (2 * h == hd) {
-                x0 = __fmul_rn(x0, had_scale);
-                x1 = __fmul_rn(x1, had_scale);
-            }
-            s_x[j] = x0;
-            s_x[j + h] = x1;
-        }
-        __syncthreads();
-    }
-}
-
-__device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd, float had_scale,
-                                    const u32* __restrict__ tab, u8* out) {
-    int d = threadIdx.x, g = d / 32, codes = hd * VBITS / 8;
-    rotate_values(s_x, hd, had_scale, tab);
-    if (d < hd && d % 32 == 0) {
-        float sum = 0.f;
-        for (int i = 0; i < 32; i++) sum = __fadd_rn(sum, __fmul_rn(s_x[d + i], s_x[d + i]));
-        float scale = __fsqrt_rn(__fmul_rn(sum, 1.f / 32.f));
-        s_gp[g] = __fadd_rn(scale, 1e-8f);
-        st16(out + codes + 2 * g, f2h(scale));
-    }
-    __syncthreads();
-    float xn = __fdiv_rn(s_x[d], s_gp[g]);
-    // The count of boundaries below xn (sorted ascending): a binary search.
-    const float* bounds = reinterpret_cast<const float*>(tab + TAB_BOUND);
-    int lo = 0, hi = (1 << VBITS) - 1;
-    while (lo < hi) {
-        int mid = (lo + hi) / 2;
-        if (xn > bounds[mid]) lo = mid + 1;
-        else hi = mid;
-    }
-    s_code[d] = (u8)lo;
-    __syncthreads();
-    pack_codes(s_code, VBITS, hd, out);
-}
-
-// The head at src (hd bf16 values) after its norm (gains nw, or none) and RoPE (inv_freq,
-// or none) at position p, with attention.cu's math and bf16 roundings, into s_x as f32. A
-// block of hd threads or more, all taking part (those past hd hold 0).
-__device__ void norm_rope_head(const bf16_t* src, float* s_x, float* s_red, const float* __restrict__ nw, float eps,
-                               int hd, const float* __restrict__ inv_freq, float linear, int interleaved, int p) {
-    int d = threadIdx.x;
-    float x = d < hd ? bf2f(src[d]) : 0.f;
-    if (nw) {
-        float ss = block_sum(x * x, s_red);
-        if (d < hd) x = nw[d] * (x * rsqrtf(ss / hd + eps));
-    }
-    s_x[d] = x;
-    __syncthreads();
-    if (inv_freq) {
-        int half = hd / 2, i0 = 0, i1 = 0;
-        bf16_t y0 = 0, y1 = 0;
-        if (d < half) {
-            rope_pair_index(d, half, interleaved, i0, i1);
-            rope_rotate(s_x[i0], s_x[i1], p, linear, inv_freq[d], y0, y1);
-        }
-        __syncthreads();
-        if (d < half) {
-            s_x[i0] = bf2f(y0);
-            s_x[i1] = bf2f(y1);
-        }
-        __syncthreads();
-    }
-}
-
-// Where kv_encode_row writes: the store and the head blocks of one layer.
-struct EncodeDst {
-    u8* store;
-    bf16_t *head_k, *head_v;
-    long head_row0;
-};
-
-// KV head h's key (normed and rotated, in s_x) and value (vsrc, hd bf16) encoded into store
-// row r (a head block's row from head_row0 on: bf16, the value in the accumulation domain).
-// A block of hd threads or more, all taking part; the row is written when it returns.
-__device__ void kv_encode_row(float* s_x, float* s_gp, u8* s_code, const bf16_t* vsrc, const EncodeDst& D,
-                              const u32* __restrict__ tab, long r, int h, int n_kv, int hd, float had_scale) {
-    int d = threadIdx.x;
-    if (D.head_k && r >= D.head_row0) {
-        long at = ((r - D.head_row0) * n_kv + h) * hd + d;
-        if (d < hd) D.head_k[at] = f2bf(s_x[d]);
-        __syncthreads();
-        s_x[d] = d < hd ? bf2f(vsrc[d]) : 0.f;
-        __syncthreads();
-#if TURBO
-        rotate_values(s_x, hd, had_scale, tab);
-#endif
-        if (d < hd) D.head_v[at] = f2bf(s_x[d]);
-        __syncthreads();
-        return;
-    }
-    RowLayout L = row_layout(hd);
-    u8* row = D.store + (r * n_kv + h) * L.bytes;
-#if TURBO
-    encode_turbo_keys(s_x, s_gp, s_code, hd, row);
-#else
-    encode_affine(s_x, s_gp, s_code, KBITS, hd, row);
-#endif
-    s_x[d] = d < hd ? bf2f(vsrc[d]) : 0.f;
-    __syncthreads();
-#if TURBO
-    encode_turbo_values(s_x, s_gp, s_code, hd, had_scale, tab, row + L.k_bytes);
-#else
-    encode_affine(s_x, s_gp, s_code, VBITS, hd, row + L.k_bytes);
-#endif
-    __syncthreads();
-}
+#define QH 4  // most query heads per attention_q block (one GQA group's, sharing each row's decoding)
+#include "kv_encode.cuh"
 
 // This call's k and v rows into the store at their positions (kv_write's addressing), and q
 // (if q_out) into q_out (which may be q): per head the norm (gains qn/kn, or none), then
@@ -319,7 +71,6 @@ extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_
 }
 
 #define DL 8  // dims per lane in attention_q
-#define QH 4  // most query heads per attention_q block (one GQA group's, sharing each row's decoding)
 #define QR 4  // rows per lane group per round
 
 // A lane's 8 BITS-bit codes of an LSB-first stream s (4-aligned): bytes [off, off + BITS),
@@ -687,30 +438,30 @@ __device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32
     return unrotate_at(s_o, x, threadIdx.x, hd, tab, had_scale);
 }
 
-// One decode row's attention with kv_encode before it and attention_merge_q after it in the
-// same launch (as attention_decode.cu fuses the bf16 path's): the same output bits as the
-// three kernels. grid (heads / qb, 1, splits · qb), block 128, hd ≤ 128. Every block norms
-// and rotates its qb query heads (kv_encode's arithmetic, rounded to bf16 as attention_q
-// reads q); the block whose part holds the new position pos[0] encodes its KV head's row
-// (kv_encode's bytes) and reads it back after a barrier (no other block reads it); after
-// its part (attend_part), the last block of a KV group's column to finish (counted in
-// done[blockIdx.x], reset for the next step) merges the column's partials as
-// attention_merge_q does, slot by slot in order, and undoes TurboQuant's value rotation.
-// k and v are the new position's raw rows; store, head_k and head_v are written here, so
-// they are not restrict (no non-coherent loads of them).
+// One decode row's kv_encode and attention_q in one launch (attention_merge_q follows):
+// the same partials, so the same output bits as the three kernels. grid (heads / qb, 1,
+// splits · qb), block 128, hd ≤ 128. A block whose part is empty (past the row's span: the
+// grid covers the whole store, since a captured step replays at later positions) only
+// marks its partials empty. Every other block norms and rotates its qb query heads
+// (kv_encode's arithmetic, rounded to bf16 as attention_q reads q); the block whose part
+// holds the new position pos[0] also takes its KV head's k and encodes the row (kv_encode's
+// bytes), reading it back after a barrier (no other block reads it). k and v are the new
+// position's raw rows; store, head_k and head_v are written here, so they are not restrict
+// (no non-coherent loads of them). The merge folded in as well (the last block of a KV
+// group merging its partials) measured slower: one block's merge of 4 heads took ~26 µs
+// against the merge kernel's ~10 (docs/kv.md).
 extern "C" __global__ void __launch_bounds__(128)
     attention_q_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
                        u8* store, const u32* __restrict__ tab, const float* __restrict__ inv_freq, float linear,
                        int interleaved, const float* __restrict__ qn, const float* __restrict__ kn, float eps,
-                       float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ out,
-                       int* __restrict__ done, int heads, int n_kv, int hd, const int* __restrict__ pos, int min_chunk,
+                       float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                       const int* __restrict__ pos, int min_chunk,
                        int max_splits, float scale, int window, const int* __restrict__ table, int qb,
                        float had_scale, bf16_t* head_k, bf16_t* head_v, int head_row0) {
-    __shared__ float s_x[HD_MAX], s_red[32], s_gp[2 * HD_MAX / 32];
+    __shared__ float s_x[(QH + 1) * 128], s_red[(QH + 1) * 32], s_gp[2 * HD_MAX / 32];
     __shared__ u8 s_code[HD_MAX];
     __shared__ bf16_t s_q[QH * 128];
     __shared__ float s_cent[TURBO ? 256 : 1];
-    __shared__ int s_last;
     pdl_trigger();
     const int d = threadIdx.x, z = blockIdx.z, zs = gridDim.z, h0 = blockIdx.x * qb;
 #if TURBO
@@ -718,50 +469,29 @@ extern "C" __global__ void __launch_bounds__(128)
 #endif
     pdl_wait();
     const int p = pos[0], kvh = h0 / (heads / n_kv);
-    for (int hq = 0; hq < qb; hq++) {
-        norm_rope_head(q + (long)(h0 + hq) * hd, s_x, s_red, qn, eps, hd, inv_freq, linear, interleaved, p);
-        if (d < hd) s_q[hq * hd + d] = f2bf(s_x[d]);
-        __syncthreads();
-    }
     QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, window, scale};
     int p0, p1;
     part_range(C, p + 1, z, p0, p1);
-    if (p0 <= p && p < p1) {
-        norm_rope_head(k + (long)kvh * hd, s_x, s_red, kn, eps, hd, inv_freq, linear, interleaved, p);
-        EncodeDst D = {store, head_k, head_v, head_row0};
-        kv_encode_row(s_x, s_gp, s_code, v + (long)kvh * hd, D, tab, kv_row(p, table), kvh, n_kv, hd, had_scale);
-    }
-    attend_part(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
-    __threadfence();
-    __syncthreads();
-    if (d == 0) s_last = atomicAdd(done + blockIdx.x, 1) == zs - 1;
-    __syncthreads();
-    if (!s_last) return;
-    __threadfence();
-    // attention_merge_q's sums for the column's heads, blockDim.x / hd heads a pass.
-    for (int i0 = 0; i0 < qb * hd; i0 += blockDim.x) {
-        int hq = (i0 + d) / hd, dd = (i0 + d) % hd;
-        float o = 0.f;
-        if (hq < qb) {
-            long base = (long)(h0 + hq) * zs;
-            float M = -INFINITY, Lsum = 0.f;
-            for (int s = 0; s < zs; s++) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
-#pragma unroll 8
-            for (int s = 0; s < zs; s++) {
-                float m = __ldcg(part_ml + 2 * (base + s));
-                if (m == -INFINITY) continue;
-                float w = __expf(m - M);
-                Lsum += __ldcg(part_ml + 2 * (base + s) + 1) * w;
-                o += __ldcg(part_acc + (base + s) * hd + dd) * w;
-            }
-            o = Lsum > 0.f ? o / Lsum : 0.f;
+    if (p0 >= p1) {
+        if (d < qb) {
+            long slot = (long)(h0 + d) * zs + z;
+            part_ml[2 * slot] = -INFINITY;
+            part_ml[2 * slot + 1] = 0.f;
         }
-#if TURBO
-        o = unrotate_at(s_x + (d / hd) * hd, o, dd, hd, tab, had_scale);
-#endif
-        if (hq < qb) out[(long)(h0 + hq) * hd + dd] = f2bf(o);
+    } else {
+        const bool has_new = p0 <= p && p < p1;
+        const bf16_t* kp = has_new ? k + (long)kvh * hd : nullptr;  // the new k as head qb
+        norm_rope_heads(q + (long)h0 * hd, qb, qn, kp, kn, s_x, s_red, eps, hd, inv_freq, linear, interleaved, p);
+        for (int i = d; i < qb * hd; i += blockDim.x) s_q[i] = f2bf(s_x[i]);
+        if (has_new) {
+            __syncthreads();  // s_q read from s_x before the key moves to its front
+            if (d < hd) s_x[d] = s_x[qb * hd + d];
+            __syncthreads();
+            EncodeDst D = {store, head_k, head_v, head_row0};
+            kv_encode_row(s_x, s_gp, s_code, v + (long)kvh * hd, D, tab, kv_row(p, table), kvh, n_kv, hd, had_scale);
+        }
+        attend_part(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
     }
-    if (d == 0) done[blockIdx.x] = 0;
 }
 
 // attention.cu's attention_merge, then (turbo) the values' inverse rotation in f32 before

@@ -213,8 +213,8 @@ fn rope_attention_gpu(
     g.read_rows(&og, 0).unwrap()
 }
 
-/// A decode row over a quantized cache in one launch (attention_q_decode, the default) is
-/// the three kernels it fuses (kv_encode, attention_q, attention_merge_q;
+/// A decode row over a quantized cache through attention_q_decode and the merge (the
+/// default) is the three kernels (kv_encode, attention_q, attention_merge_q;
 /// `FERROLM_KVQ_FUSED=0`) bit for bit: every output and every byte of the rows written,
 /// over prefill and decode steps across block boundaries, at head dims 64 and 128 (1 to 4
 /// query heads a block), causal and sliding, with bf16 head blocks (--kv-start) and without.

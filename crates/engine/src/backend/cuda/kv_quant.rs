@@ -229,9 +229,9 @@ impl Cuda {
         (resident * self.sms / heads.max(1)).clamp(1, self.cfg.attention_max_splits.max(1))
     }
 
-    /// A decode row over a quantized store in one launch (kv_quant.cu's attention_q_decode):
-    /// the q/k norms and RoPE, the new row's encoding, attention and the merge, the same
-    /// sums and splits as kv_encode, attention_q and attention_merge_q. q, k, v unrotated.
+    /// A decode row over a quantized store in two launches: kv_quant.cu's attention_q_decode
+    /// (the q/k norms and RoPE, the new row's encoding and attention: kv_encode's and
+    /// attention_q's work and partials), then attention_merge_q. q, k, v unrotated.
     pub(crate) fn attention_decode_quant(
         &self,
         q: &CudaAct,
@@ -252,7 +252,7 @@ impl Cuda {
             0 => attention_splits(kv.max_seq(), &self.cfg),
             n => n,
         } * qb;
-        let [ml, acc, done] = self.scratch.attention(self, heads, splits, hd)?;
+        let [ml, acc, _] = self.scratch.attention(self, heads, splits, hd)?;
         let (min_chunk, _) = attention_chunking(&self.cfg);
         let most = self.quant_max_splits(&f, heads);
         let (qn, kn, eps) = match qk_norm {
@@ -273,8 +273,6 @@ impl Cuda {
             KArg::F32(eps),
             ml,
             acc,
-            out.arg(self),
-            done,
             KArg::I32(heads as i32),
             KArg::I32(n_kv as i32),
             KArg::I32(hd as i32),
@@ -289,14 +287,39 @@ impl Cuda {
             KArg::F32(hadamard_scale(hd)),
         ];
         args.extend(qk.head_args(self, layer));
-        let c = LaunchConfig {
+        let grid = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        // Scratch sized [heads, splits]; `done` (a counter per block column) zeroed at
-        // allocation and reset by the kernel.
-        self.launch(&f, c, &args, super::context::Order::Overlap, "attention_q_decode launch")
+        // Scratch sized [heads, splits], the merge's as attention_cached_from's.
+        self.launch(&f, grid, &args, super::context::Order::Overlap, "attention_q_decode launch")?;
+        self.merge_quant_row(kv, layer, [ml, acc], (heads, splits), out)
+    }
+
+    /// attention_merge_q of one row's `splits` partials per head into `out`.
+    fn merge_quant_row(
+        &self,
+        kv: &CudaKv,
+        layer: usize,
+        [ml, acc]: [KArg; 2],
+        (heads, splits): (usize, usize),
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let (merge, qk) = self.quant_function(kv, layer, "attention_merge_q")?;
+        let hd = kv.head_dim;
+        let args = [
+            ml,
+            acc,
+            self.arg(out.bf16()),
+            KArg::I32(heads as i32),
+            KArg::I32(hd as i32),
+            KArg::I32(splits as i32),
+            self.arg(&qk.table),
+            KArg::F32(hadamard_scale(hd)),
+        ];
+        let grid = LaunchConfig { grid_dim: (heads as u32, 1, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
+        self.launch(&merge, grid, &args, super::context::Order::Overlap, "attention merge launch")
     }
 
     /// attention_q's and attention_merge_q's functions and their arguments for `layer`.

@@ -19,6 +19,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
+    ("kv_encode.cuh", include_str!("../../../kernels/kv_encode.cuh")),
     ("argmax.cuh", include_str!("../../../kernels/argmax.cuh")),
     ("x_stage.cuh", include_str!("../../../kernels/x_stage.cuh")),
 ];
