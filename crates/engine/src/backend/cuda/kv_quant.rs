@@ -294,32 +294,9 @@ impl Cuda {
         };
         // Scratch sized [heads, splits], the merge's as attention_cached_from's.
         self.launch(&f, grid, &args, super::context::Order::Overlap, "attention_q_decode launch")?;
-        self.merge_quant_row(kv, layer, [ml, acc], (heads, splits), out)
-    }
-
-    /// attention_merge_q of one row's `splits` partials per head into `out`.
-    fn merge_quant_row(
-        &self,
-        kv: &CudaKv,
-        layer: usize,
-        [ml, acc]: [KArg; 2],
-        (heads, splits): (usize, usize),
-        out: &mut CudaAct,
-    ) -> Result<()> {
-        let (merge, qk) = self.quant_function(kv, layer, "attention_merge_q")?;
-        let hd = kv.head_dim;
-        let args = [
-            ml,
-            acc,
-            self.arg(out.bf16()),
-            KArg::I32(heads as i32),
-            KArg::I32(hd as i32),
-            KArg::I32(splits as i32),
-            self.arg(&qk.table),
-            KArg::F32(hadamard_scale(hd)),
-        ];
-        let grid = LaunchConfig { grid_dim: (heads as u32, 1, 1), block_dim: (hd as u32, 1, 1), shared_mem_bytes: 0 };
-        self.launch(&merge, grid, &args, super::context::Order::Overlap, "attention merge launch")
+        let (merge, _) = self.quant_function(kv, layer, "attention_merge_q")?;
+        let extra = [self.arg(&qk.table), KArg::F32(hadamard_scale(hd))];
+        self.merge_splits(&merge, [ml, acc], out, (1, heads, hd, splits), Some(extra), super::context::Order::Overlap)
     }
 
     /// attention_q's and attention_merge_q's functions and their arguments for `layer`.

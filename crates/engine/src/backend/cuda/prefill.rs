@@ -12,7 +12,7 @@ use super::tensors::{CudaAct, CudaKv, CudaMat};
 use crate::backend::{Attend, Rope};
 use crate::config::RopeStyle;
 use crate::{Error, Result};
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaFunction, LaunchConfig};
 
 /// Activation rows from which a matmul runs on tensor cores (below, the GEMV reads the
 /// weights fewer times than the GEMM's fixed 64-token tiles waste).
@@ -203,20 +203,34 @@ impl Cuda {
             None => Order::Serial,
         };
         self.launch(&a, c, &args, order, "attention launch")?;
-        let mut merge_args = vec![
-            ml_arg,
-            acc_arg,
+        self.merge_splits(&mg, [ml_arg, acc_arg], out, (rows, heads, hd, splits), merge_extra, order)
+        // Scratch made here is freed when this returns: cudarc frees it stream-ordered, after
+        // the merge has read it.
+    }
+
+    /// attention.cu's attention_merge, or kv_quant.cu's attention_merge_q with `extra` (the
+    /// store's table and the Hadamard scale): `rows` rows' `splits` partials per head
+    /// ([rows, heads, splits], heads of `hd`) merged into `out`.
+    pub(crate) fn merge_splits(
+        &self,
+        merge: &CudaFunction,
+        [ml, acc]: [KArg; 2],
+        out: &mut CudaAct,
+        (rows, heads, hd, splits): (usize, usize, usize, usize),
+        extra: Option<[KArg; 2]>,
+        order: Order,
+    ) -> Result<()> {
+        let mut args = vec![
+            ml,
+            acc,
             self.arg(out.bf16()),
             KArg::I32(heads as i32),
             KArg::I32(hd as i32),
             KArg::I32(splits as i32),
         ];
-        merge_args.extend(merge_extra.into_iter().flatten());
-        let merge_grid = cfg((heads as u32, rows as u32), hd as u32);
-        self.launch(&mg, merge_grid, &merge_args, order, "attention merge launch")?;
-        // Scratch made here is freed when this returns: cudarc frees it stream-ordered, after
-        // the merge has read it.
-        Ok(())
+        args.extend(extra.into_iter().flatten());
+        let grid = cfg((heads as u32, rows as u32), hd as u32);
+        self.launch(merge, grid, &args, order, "attention merge launch")
     }
 
     /// The prefill half of `Backend::rope_attention`: RoPE with the cache write, then
