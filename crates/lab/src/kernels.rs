@@ -63,6 +63,36 @@ mod tests {
         assert!(stream_probe().src.contains("mbar_wait"), "mbarrier.cuh spliced in");
     }
 
+    /// The tensor-core attention over quantized KV rows (kernels/kvq_mma.cuh), spliced into
+    /// the product's kv_quant.cu by scripts/lab/kvq-mma.sh, compiles for every row format:
+    /// the splice still finds its places, and the lab text today's kernel. Skipped, and
+    /// said so, without NVRTC or python3.
+    #[test]
+    fn the_kvq_mma_variant_compiles_for_every_row_format() {
+        if !nvrtc::available() {
+            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
+            return;
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let dir = std::env::temp_dir().join(format!("ferrolm-kvq-mma-{}", std::process::id()));
+        let run = std::process::Command::new("bash").arg(root.join("scripts/lab/kvq-mma.sh")).arg(&dir).output();
+        match run {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => panic!("kvq-mma.sh failed: {}", String::from_utf8_lossy(&o.stderr)),
+            Err(e) => {
+                eprintln!("SKIPPED: bash not runnable: {e}");
+                return;
+            }
+        }
+        let src = std::fs::read_to_string(dir.join("kv_quant.cu")).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        for defines in ferrolm::backend::cuda::kernels::kv_quant_variants() {
+            let bin = nvrtc::compile_with("kv_quant.cu", &src, "sm_90", &defines, &["--Ofast-compile=max"])
+                .unwrap_or_else(|e| panic!("kvq_mma {defines:?}: {e}"));
+            assert_eq!(&bin[..4], b"\x7fELF", "kvq_mma {defines:?}: not a CUBIN");
+        }
+    }
+
     /// The probes' kernels compile against today's engine headers (NVRTC's quick pass, as
     /// the engine's kernels_compile test does for most variants). Skipped, and said so,
     /// where NVRTC cannot be loaded (scripts/nvrtc-env.sh puts it on LD_LIBRARY_PATH).
