@@ -4,9 +4,10 @@
 //! RowCodec::encode) and read by attention_q, the split-K attention of attention.cu
 //! dequantizing in its inner loop, whose merge undoes TurboQuant's value rotation once per
 //! output head. Every path (decode, prefill, batched and invariant calls) takes these two
-//! kernels (the fused decode attention reads bf16 only), but prefill with
-//! `CudaConfig::flash_quant_prefill` (the default): flash attention over dequantized tiles
-//! (flash.rs), then `unrotate_rows`.
+//! kernels (bf16's fused decode attention reads bf16 only), but a single decode row (head
+//! dims up to 128, `CudaConfig::fused_quant_decode`) runs both as attention_q_decode before
+//! the merge, and prefill with `CudaConfig::flash_quant_prefill` (the default) runs flash
+//! attention over dequantized tiles (flash.rs), then `unrotate_rows`.
 
 use super::decode::QkNorm;
 use super::device::Cuda;
