@@ -13,7 +13,7 @@ use super::decode::QkNorm;
 use super::device::Cuda;
 use super::driver::KArg;
 use super::kernels;
-use super::prefill::{attention_chunking, attention_splits, quant_heads_per_block, window_arg};
+use super::prefill::{attention_chunking, quant_heads_per_block, quant_row_splits, window_arg};
 use super::tensors::{CudaAct, CudaKv};
 use crate::backend::{Attend, Rope};
 use crate::config::{ModelConfig, RopeStyle};
@@ -248,14 +248,14 @@ impl Cuda {
         }
         let (f, qk) = self.quant_function(kv, layer, "attention_q_decode")?;
         let qb = quant_heads_per_block(heads, n_kv);
+        let (min_chunk, _) = attention_chunking(&self.cfg);
+        let most = self.quant_max_splits(&f, heads);
         // attention_cached_from's splits and scratch for one row.
         let splits = match self.steps.call_splits() {
-            0 => attention_splits(kv.max_seq(), &self.cfg),
+            0 => quant_row_splits(kv.max_seq(), min_chunk, qb, most),
             n => n,
         } * qb;
         let [ml, acc, _] = self.scratch.attention(self, heads, splits, hd)?;
-        let (min_chunk, _) = attention_chunking(&self.cfg);
-        let most = self.quant_max_splits(&f, heads);
         let (qn, kn, eps) = match qk_norm {
             Some(([qn, kn], eps)) => (self.arg(qn), self.arg(kn), eps),
             None => (KArg::Ptr(0), KArg::Ptr(0), 0.0),

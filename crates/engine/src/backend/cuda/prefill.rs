@@ -137,24 +137,6 @@ impl Cuda {
         // capture covers the whole store with scratch of its own graph; other calls their
         // longest sequence (a shared store may be far larger). Splits past a row's length
         // are empty: its chunk is a function of its own length, not of the count.
-        let capturing = self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed);
-        let whole = attention_splits(kv.max_seq(), &self.cfg) * qb;
-        let (splits, kept) = match (self.steps.call_splits(), rows == 1, capturing) {
-            (0, true, _) => (whole, Some(self.scratch.attention(self, heads, whole, hd)?)),
-            (0, false, true) => (whole, None),
-            (0, false, false) => (attention_splits(self.steps.end().clamp(1, kv.max_seq()), &self.cfg) * qb, None),
-            (n, _, _) => (n * qb, Some(self.scratch.attention(self, rows * heads, n * qb, hd)?)),
-        };
-        let slots = rows * heads * splits;
-        let (ml, acc);
-        let [ml_arg, acc_arg] = match kept {
-            Some([kept_ml, kept_acc, _]) => [kept_ml, kept_acc],
-            None => {
-                ml = self.zeros::<f32>(2 * slots, "allocating attention scratch")?;
-                acc = self.zeros::<f32>(slots * hd, "allocating attention scratch")?;
-                [self.arg(&ml), self.arg(&acc)]
-            }
-        };
         let (min_chunk, max_splits) = attention_chunking(&self.cfg);
         let (a, mg, store, merge_extra, head, max_splits) = match kv.quant {
             Some(_) => {
@@ -166,6 +148,30 @@ impl Cuda {
                 let store = [self.arg(&kv.k[layer]), self.arg(&kv.v[layer])];
                 let a = self.plain_kernel("attention.cu", "attention_split")?;
                 (a, self.plain_kernel("attention.cu", "attention_merge")?, store, None, None, max_splits)
+            }
+        };
+        // The splits that cover every row of up to `span` positions (the quantized kernels'
+        // chunk rule cuts fewer than attention.cu's).
+        let splits_for = |span: usize| match kv.quant {
+            Some(_) => quant_row_splits(span, min_chunk, qb, max_splits) * qb,
+            None => attention_splits(span, &self.cfg),
+        };
+        let capturing = self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed);
+        let whole = splits_for(kv.max_seq());
+        let (splits, kept) = match (self.steps.call_splits(), rows == 1, capturing) {
+            (0, true, _) => (whole, Some(self.scratch.attention(self, heads, whole, hd)?)),
+            (0, false, true) => (whole, None),
+            (0, false, false) => (splits_for(self.steps.end().clamp(1, kv.max_seq())), None),
+            (n, _, _) => (n * qb, Some(self.scratch.attention(self, rows * heads, n * qb, hd)?)),
+        };
+        let slots = rows * heads * splits;
+        let (ml, acc);
+        let [ml_arg, acc_arg] = match kept {
+            Some([kept_ml, kept_acc, _]) => [kept_ml, kept_acc],
+            None => {
+                ml = self.zeros::<f32>(2 * slots, "allocating attention scratch")?;
+                acc = self.zeros::<f32>(slots * hd, "allocating attention scratch")?;
+                [self.arg(&ml), self.arg(&acc)]
             }
         };
         let tables = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
@@ -282,6 +288,14 @@ pub(crate) fn quant_heads_per_block(heads: usize, n_kv: usize) -> usize {
     (1..=4).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1)
 }
 
+/// Splits of kv_quant.cu's attention_q (each cut into qb parts) that cover every row of up
+/// to `span` positions: a row's chunk is max(min_chunk · qb, ⌈its span / most⌉), so it
+/// needs at most ⌈span / (min_chunk · qb)⌉ splits while that chunk holds and at most
+/// `most` once the other does.
+pub(crate) fn quant_row_splits(span: usize, min_chunk: usize, qb: usize, most: usize) -> usize {
+    span.div_ceil(min_chunk * qb).clamp(1, most.max(1))
+}
+
 /// The configuration's (smallest chunk, most splits), at least 1 each: the kernel's
 /// doubling loop needs both positive.
 pub(crate) fn attention_chunking(cfg: &super::CudaConfig) -> (usize, usize) {
@@ -302,7 +316,32 @@ pub(crate) fn window_arg(attend: Attend) -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::super::CudaConfig;
-    use super::attention_splits;
+    use super::{attention_splits, quant_row_splits};
+
+    /// kv_quant.cu's part_range: the splits a row of `span` positions uses.
+    fn quant_need(span: usize, min_chunk: usize, qb: usize, most: usize) -> usize {
+        span.div_ceil((min_chunk * qb).max(span.div_ceil(most)))
+    }
+
+    #[test]
+    fn a_rows_quantized_splits_cover_every_shorter_row() {
+        for min_chunk in [16, 64, 256] {
+            for (qb, most) in (1..=4).flat_map(|q| (1..=16).map(move |m| (q, m))) {
+                let mut tight = false;
+                for end in (1..3000).step_by(7) {
+                    let splits = quant_row_splits(end, min_chunk, qb, most);
+                    assert!(splits <= most);
+                    let need = (1..=end).map(|s| quant_need(s, min_chunk, qb, most)).max().unwrap();
+                    assert!(
+                        need <= splits,
+                        "min chunk {min_chunk}, qb {qb}, most {most}: span {end} needs {need}, {splits} launched"
+                    );
+                    tight |= need == splits;
+                }
+                assert!(tight, "min chunk {min_chunk}, qb {qb}, most {most}: the bound is never reached");
+            }
+        }
+    }
 
     /// attention.cu's chunk of a row with `span` positions.
     fn kernel_chunk(span: usize, cfg: &CudaConfig) -> usize {
