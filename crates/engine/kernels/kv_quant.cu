@@ -414,11 +414,10 @@ extern "C" __global__ void __launch_bounds__(128)
                 s_cent);
 }
 
-// Thread d's value of the head whose thread i holds x (one thread per dim, hd of them: the
-// block's d-th of a head at s_o) after the values' inverse rotation, H(x)·signs in f32 (s_o:
-// hd floats of shared memory). Every thread of the block calls it.
-__device__ __forceinline__ float unrotate_at(float* s_o, float x, int d, int hd, const u32* __restrict__ tab,
-                                             float had_scale) {
+// Thread d's value of the head whose thread i holds x (one thread per dim, the whole block)
+// after the values' inverse rotation, H(x)·signs in f32 (s_o: hd floats of shared memory).
+__device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32* __restrict__ tab, float had_scale) {
+    int d = threadIdx.x;
     s_o[d] = x;
     __syncthreads();
     for (int hh = 1; hh < hd; hh <<= 1) {
@@ -431,11 +430,6 @@ __device__ __forceinline__ float unrotate_at(float* s_o, float x, int d, int hd,
         __syncthreads();
     }
     return tab[d / 32] >> (d % 32) & 1 ? -s_o[d] : s_o[d];
-}
-
-// unrotate_at for a block of hd threads, one head.
-__device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32* __restrict__ tab, float had_scale) {
-    return unrotate_at(s_o, x, threadIdx.x, hd, tab, had_scale);
 }
 
 // One decode row's kv_encode and attention_q in one launch (attention_merge_q follows):
