@@ -185,35 +185,6 @@ __device__ void encode_turbo_values(float* s_x, float* s_gp, u8* s_code, int hd,
     pack_codes(s_code, VBITS, hd, out);
 }
 
-// The head at src (hd bf16 values) after its norm (gains nw, or none) and RoPE (inv_freq,
-// or none) at position p, with attention.cu's math and bf16 roundings, into s_x as f32. A
-// block of hd threads or more, all taking part (those past hd hold 0).
-__device__ void norm_rope_head(const bf16_t* src, float* s_x, float* s_red, const float* __restrict__ nw, float eps,
-                               int hd, const float* __restrict__ inv_freq, float linear, int interleaved, int p) {
-    int d = threadIdx.x;
-    float x = d < hd ? bf2f(src[d]) : 0.f;
-    if (nw) {
-        float ss = block_sum(x * x, s_red);
-        if (d < hd) x = nw[d] * (x * rsqrtf(ss / hd + eps));
-    }
-    s_x[d] = x;
-    __syncthreads();
-    if (inv_freq) {
-        int half = hd / 2, i0 = 0, i1 = 0;
-        bf16_t y0 = 0, y1 = 0;
-        if (d < half) {
-            rope_pair_index(d, half, interleaved, i0, i1);
-            rope_rotate(s_x[i0], s_x[i1], p, linear, inv_freq[d], y0, y1);
-        }
-        __syncthreads();
-        if (d < half) {
-            s_x[i0] = bf2f(y0);
-            s_x[i1] = bf2f(y1);
-        }
-        __syncthreads();
-    }
-}
-
 // Where kv_encode_row writes: the store and the head blocks of one layer.
 struct EncodeDst {
     u8* store;
@@ -257,14 +228,16 @@ __device__ void kv_encode_row(float* s_x, float* s_gp, u8* s_code, const bf16_t*
     __syncthreads();
 }
 
-// norm_rope_head for nq ≤ QH query heads (q0, hd apart, gains qn or none) and, with kp,
-// one key head (gains kn or none) after them, into s_x + i·hd (head i): one thread per
-// dim, each head's sums and roundings as norm_rope_head's (its block_sum per head, threads
-// past hd adding 0), the barriers and RoPE angles shared.
+// nq query heads (q0, hd bf16 values apart, gains qn or none) and, with kp, one key head
+// (gains kn or none) after them, nq + 1 ≤ N, each after its norm and RoPE (inv_freq, or none) at
+// position p with attention.cu's math and bf16 roundings, into s_x + i·hd (head i) as f32.
+// One thread per dim, a block of hd threads or more, all taking part; each head's sum of
+// squares as block_sum's (threads past hd adding 0), the barriers and RoPE angles shared.
+// s_red: N · 32 floats.
+template <int N>
 __device__ void norm_rope_heads(const bf16_t* q0, int nq, const float* __restrict__ qn, const bf16_t* kp,
                                 const float* __restrict__ kn, float* s_x, float* s_red, float eps, int hd,
                                 const float* __restrict__ inv_freq, float linear, int interleaved, int p) {
-    constexpr int N = QH + 1;
     const int d = threadIdx.x, lane = d & 31, warp = d >> 5, n = nq + (kp ? 1 : 0);
     float x[N];
 #pragma unroll

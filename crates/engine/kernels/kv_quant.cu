@@ -60,7 +60,8 @@ extern "C" __global__ void kv_encode(const bf16_t* q, bf16_t* q_out, const bf16_
     if ((isq && !q_out) || (!isq && p < 0)) return;
     int h = isq ? slot : slot - heads;
     const bf16_t* src = isq ? q + ((long)t * heads + h) * hd : k + ((long)t * n_kv + h) * hd;
-    norm_rope_head(src, s_x, s_red, isq ? qn : kn, eps, hd, inv_freq, linear, interleaved, p);
+    if (isq) norm_rope_heads<1>(src, 1, qn, nullptr, nullptr, s_x, s_red, eps, hd, inv_freq, linear, interleaved, p);
+    else norm_rope_heads<1>(nullptr, 0, nullptr, src, kn, s_x, s_red, eps, hd, inv_freq, linear, interleaved, p);
     if (isq) {
         q_out[((long)t * heads + h) * hd + d] = f2bf(s_x[d]);
         return;
@@ -475,7 +476,7 @@ extern "C" __global__ void __launch_bounds__(128)
     } else {
         const bool has_new = p0 <= p && p < p1;
         const bf16_t* kp = has_new ? k + (long)kvh * hd : nullptr;  // the new k as head qb
-        norm_rope_heads(q + (long)h0 * hd, qb, qn, kp, kn, s_x, s_red, eps, hd, inv_freq, linear, interleaved, p);
+        norm_rope_heads<QH + 1>(q + (long)h0 * hd, qb, qn, kp, kn, s_x, s_red, eps, hd, inv_freq, linear, interleaved, p);
         for (int i = d; i < qb * hd; i += blockDim.x) s_q[i] = f2bf(s_x[i]);
         if (has_new) {
             __syncthreads();  // s_q read from s_x before the key moves to its front

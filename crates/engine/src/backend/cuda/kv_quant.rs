@@ -295,22 +295,26 @@ impl Cuda {
         };
         // Scratch sized [heads, splits], the merge's as attention_cached_from's.
         self.launch(&f, grid, &args, super::context::Order::Overlap, "attention_q_decode launch")?;
-        let (merge, _) = self.quant_function(kv, layer, "attention_merge_q")?;
-        let extra = [self.arg(&qk.table), KArg::F32(hadamard_scale(hd))];
+        let (merge, extra) = self.quant_merge(kv, layer)?;
         self.merge_splits(&merge, [ml, acc], out, (1, heads, hd, splits), Some(extra), super::context::Order::Overlap)
+    }
+
+    /// attention_merge_q for `layer` and its arguments after attention_merge's: the store's
+    /// table and the Hadamard scale.
+    fn quant_merge(&self, kv: &CudaKv, layer: usize) -> Result<(CudaFunction, [KArg; 2])> {
+        let (merge, qk) = self.quant_function(kv, layer, "attention_merge_q")?;
+        Ok((merge, [self.arg(&qk.table), KArg::F32(hadamard_scale(kv.head_dim))]))
     }
 
     /// attention_q's and attention_merge_q's functions and their arguments for `layer`.
     pub(crate) fn quant_attention_kernels(&self, kv: &CudaKv, layer: usize) -> Result<QuantAttention> {
         let (split, qk) = self.quant_function(kv, layer, "attention_q")?;
-        let (merge, _) = self.quant_function(kv, layer, "attention_merge_q")?;
-        let table = self.arg(&qk.table);
-        let had = KArg::F32(hadamard_scale(kv.head_dim));
+        let (merge, merge_extra) = self.quant_merge(kv, layer)?;
         Ok(QuantAttention {
             split,
             merge,
-            store: [self.arg(&qk.rows[layer]), table],
-            merge_extra: [table, had],
+            store: [self.arg(&qk.rows[layer]), self.arg(&qk.table)],
+            merge_extra,
             head: qk.head_args(self, layer),
         })
     }
