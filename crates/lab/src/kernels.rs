@@ -19,6 +19,12 @@ pub fn sync_probe() -> &'static KernelFile {
     &F
 }
 
+/// kernels/qgemm_wgmma.cu: the quantized GEMM on warpgroup MMA (compiled for sm_90a).
+pub fn qgemm_wgmma() -> &'static KernelFile {
+    static F: KernelFile = KernelFile { name: "qgemm_wgmma.cu", src: include_str!("../kernels/qgemm_wgmma.cu") };
+    &F
+}
+
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
 pub fn stream_probe() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
@@ -51,7 +57,7 @@ mod tests {
 
     #[test]
     fn every_include_left_is_an_engine_header() {
-        for f in all() {
+        for f in all().into_iter().chain([qgemm_wgmma()]) {
             for name in includes(f.src) {
                 assert!(
                     nvrtc::HEADERS.iter().any(|(h, _)| *h == name),
@@ -90,6 +96,68 @@ mod tests {
             let bin = nvrtc::compile_with("kv_quant.cu", &src, "sm_90", &defines, &["--Ofast-compile=max"])
                 .unwrap_or_else(|e| panic!("kvq_mma {defines:?}: {e}"));
             assert_eq!(&bin[..4], b"\x7fELF", "kvq_mma {defines:?}: not a CUBIN");
+        }
+    }
+
+    /// The few-token GEMM with windowed x loads (kernels/few_win.cuh), spliced into the
+    /// product's gemm_small.cuh by scripts/lab/few-win.sh, compiles in gemm.cu for every
+    /// weight format, at the default windows and at the narrowest (one step). Skipped, and
+    /// said so, without NVRTC or bash.
+    #[test]
+    fn the_few_win_variant_compiles_for_every_weight_format() {
+        if !nvrtc::available() {
+            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
+            return;
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let gemm = ferrolm::backend::cuda::kernels::file("gemm.cu");
+        for windows in [None, Some("1")] {
+            let dir = std::env::temp_dir().join(format!("ferrolm-few-win-{}", std::process::id()));
+            let mut cmd = std::process::Command::new("bash");
+            cmd.arg(root.join("scripts/lab/few-win.sh")).arg(&dir);
+            if let Some(w) = windows {
+                cmd.env("WIN_M1", w).env("WIN_GLU_M1", w);
+            }
+            match cmd.output() {
+                Ok(o) if o.status.success() => {}
+                Ok(o) => panic!("few-win.sh failed: {}", String::from_utf8_lossy(&o.stderr)),
+                Err(e) => {
+                    eprintln!("SKIPPED: bash not runnable: {e}");
+                    return;
+                }
+            }
+            let header = std::fs::read_to_string(dir.join("gemm_small.cuh")).unwrap();
+            std::fs::remove_dir_all(&dir).ok();
+            assert!(header.contains("chunk_mma_win<NM>(acc"), "the variant calls the windowed chunks");
+            let src = gemm.src.replacen("#include \"gemm_small.cuh\"", &header, 1);
+            assert_ne!(src, gemm.src, "gemm.cu includes gemm_small.cuh");
+            let variants = ferrolm::backend::cuda::kernels::all_variants();
+            for (_, defines) in variants.iter().filter(|(f, _)| f.name == "gemm.cu") {
+                let bin = nvrtc::compile_with("gemm.cu", &src, "sm_90", defines, &["--Ofast-compile=max"])
+                    .unwrap_or_else(|e| panic!("few_win {windows:?} {defines:?}: {e}"));
+                assert_eq!(&bin[..4], b"\x7fELF", "few_win {defines:?}: not a CUBIN");
+            }
+        }
+    }
+
+    /// The wgmma GEMM compiles for sm_90a in every weight format gemm.cu is compiled in
+    /// (the first format also with its ring at three stages, the fewest it allows).
+    #[test]
+    fn the_wgmma_gemm_compiles_for_every_weight_format() {
+        if !nvrtc::available() {
+            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
+            return;
+        }
+        let f = qgemm_wgmma();
+        let variants = ferrolm::backend::cuda::kernels::all_variants();
+        let formats: Vec<_> = variants.iter().filter(|(v, _)| v.name == "gemm.cu").map(|(_, d)| d.clone()).collect();
+        assert!(formats.len() >= 9, "gemm.cu's formats");
+        for (i, d) in formats.iter().enumerate() {
+            let stages = if i == 0 { "STAGES=3" } else { "STAGES=4" };
+            let defines = [d.clone(), vec![stages.to_string()]].concat();
+            let bin = nvrtc::compile_with(f.name, f.src, "sm_90a", &defines, &["--Ofast-compile=max"])
+                .unwrap_or_else(|e| panic!("qgemm_wgmma {defines:?}: {e}"));
+            assert_eq!(&bin[..4], b"\x7fELF", "qgemm_wgmma {defines:?}: not a CUBIN");
         }
     }
 

@@ -7,6 +7,7 @@
 pub mod kernels;
 pub mod probe;
 pub mod timing;
+pub mod wgmma;
 
 use cudarc::driver::{sys, DriverError};
 use ferrolm::backend::cuda::Cuda;

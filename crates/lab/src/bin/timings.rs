@@ -8,11 +8,14 @@
 //!   flash      flash prefill of 512 rows at depth 0 and 8192 against the split-K attention
 //!   qgemm      the tensor-core GEMM at prefill size (64- and 128-token tiles) against the
 //!              matmul path at the 1B and 8B shapes
+//!   wgmma      the lab's wgmma GEMM (kernels/qgemm_wgmma.cu) at 512 and 4096 tokens on the
+//!              1B and 8B shapes: its bits against the tiled kernel's, its error against
+//!              the CPU, then its time beside the product's GEMM
 //!   few        the few-token GEMM (1 to 64 tokens: the serving engine's calls) against
 //!              the tiled one and the GEMV path at the 1B and 8B shapes, checked for equal
 //!              bits with the tiled kernel
 //!
-//!   usage: timings [gemv|attention|sampling|flash|qgemm|few|all]... [--copies N] [--timing-only]
+//!   usage: timings [gemv|attention|sampling|flash|qgemm|wgmma|few|all]... [--copies N] [--timing-only]
 //!                  [--seed S]
 //!
 //! Graph-timed launches cycle over `--copies` device copies of the weights (default 16), as
@@ -31,10 +34,10 @@ use ferrolm::Result;
 use ferrolm_lab::timing::{attn_cfg, bf, cpu, graph_time, report, stream_time, Checks, Rng};
 
 const USAGE: &str =
-    "usage: timings [gemv|attention|sampling|flash|qgemm|few|all]... [--copies N] [--timing-only] [--seed S]";
+    "usage: timings [gemv|attention|sampling|flash|qgemm|wgmma|few|all]... [--copies N] [--timing-only] [--seed S]";
 /// The H200's bf16 dense matmul rate as measured (GPU-FACTS.md), FLOP/s.
 const BF16_DENSE_FLOPS: f64 = 790e12;
-const ALL: [&str; 6] = ["gemv", "attention", "sampling", "flash", "qgemm", "few"];
+const ALL: [&str; 7] = ["gemv", "attention", "sampling", "flash", "qgemm", "wgmma", "few"];
 
 /// What a timing section gets: the device, fresh random inputs, the checks and the options.
 struct Session<'a> {
@@ -88,6 +91,7 @@ fn main() {
             "sampling" => decode_sampling(&mut lab),
             "flash" => flash_prefill(&mut lab),
             "few" => few_token_gemm(&mut lab),
+            "wgmma" => wgmma_gemm(&mut lab),
             _ => qgemm(&mut lab),
         };
         if let Err(e) = r {
@@ -392,6 +396,61 @@ fn qgemm(lab: &mut Session) -> Result<()> {
             tv * 1e6,
             tf(tv)
         );
+    }
+    Ok(())
+}
+
+/// The lab's wgmma GEMM (issue 29's 8B prefill): at 2048 × 2048 against the CPU, then at
+/// the 1B and 8B shapes its bits against the product's tiled kernel (the same chunked
+/// arithmetic: equal where wgmma's k16 steps round as mma.sync's) and its time beside the
+/// product's GEMM as configured, at 512 and 4096 tokens (4-bit, group 64, f16 scales, as
+/// `timings qgemm`).
+fn wgmma_gemm(lab: &mut Session) -> Result<()> {
+    use ferrolm::backend::cuda::QgemmKernel;
+    use ferrolm_lab::wgmma::qgemm_wg;
+    let (g, c, r) = (lab.g, Cpu, &mut lab.r);
+    let affine = |r: &mut Rng, n: usize, k: usize| {
+        AffineTensor::quantize(&r.v(n * k, 0.05), n, k, 4, 64, ScaleDtype::F16).map(Weight::Affine)
+    };
+    {
+        let (m, n, k) = (300, 2048 + 64, 2048); // a partial token tile and a partial row tile
+        let w = affine(r, n, k)?;
+        let wg = g.matrix(w.clone())?;
+        let x = bf(&r.v(m * k, 1.0));
+        let xg = g.act_from(m, k, &x)?;
+        let mut want = c.act(m, n)?;
+        c.matmul(&cpu(m, k, x), &CpuMat::new(w), &mut want)?;
+        for f32_out in [false, true] {
+            let mut og = g.act_poisoned(m, n, f32_out)?;
+            qgemm_wg(g, &xg, &wg, &mut og)?;
+            let what = format!("qgemm_wg q4 g64 F16 n{n} k{k} m{m} f32out {f32_out}");
+            lab.checks.check(&what, &g.read_rows(&og, 0)?, &want.data, 1e-2);
+        }
+    }
+    for m in [512, 4096] {
+        for (n, k) in [(2048, 2048), (8192, 2048), (2048, 8192), (4096, 4096), (14336, 4096), (4096, 14336)] {
+            let wg = g.matrix(affine(r, n, k)?)?;
+            let xg = g.act_from(m, k, &bf(&r.v(m * k, 1.0)))?;
+            let (mut oa, mut ob) = (g.act_poisoned(m, n, true)?, g.act_poisoned(m, n, true)?);
+            qgemm_wg(g, &xg, &wg, &mut oa)?;
+            g.qgemm_as(&xg, &wg, &mut ob, QgemmKernel::Tiled)?;
+            let (a, b) = (g.read_rows(&oa, 0)?, g.read_rows(&ob, 0)?);
+            let same = a.iter().zip(&b).filter(|(x, y)| x.to_bits() == y.to_bits()).count();
+            let err = ferrolm_lab::timing::rel_err(&a, &b);
+            let mut og = g.act_poisoned(m, n, false)?;
+            let tw = stream_time(g, 20, &mut || qgemm_wg(g, &xg, &wg, &mut og))? / 1e3;
+            let tp = stream_time(g, 20, &mut || g.matmul(&xg, &wg, &mut og))? / 1e3;
+            let tf = |t: f64| 2.0 * (m * n * k) as f64 / t / 1e12;
+            println!(
+                "q4 g64 m{m} n{n} k{k}: wgmma {:.1} µs ({:.1} TFLOP/s), product {:.1} µs ({:.1} TFLOP/s), {:.3}x; bits equal to the tiled kernel's {same}/{} (rel. diff {err:.2e})",
+                tw * 1e6,
+                tf(tw),
+                tp * 1e6,
+                tf(tp),
+                tp / tw,
+                a.len()
+            );
+        }
     }
     Ok(())
 }

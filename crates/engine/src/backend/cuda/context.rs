@@ -110,6 +110,23 @@ impl Context {
     /// Load `func` from `file` compiled with `defines` (memory cache, then the NVRTC disk
     /// cache, then NVRTC).
     pub fn function(&self, file: &KernelFile, defines: &[String], func: &str) -> Result<CudaFunction> {
+        self.function_on(file, defines, func, &self.arch)
+    }
+
+    /// `function` compiled for `arch` rather than the device's own (crates/lab: "sm_90a" for
+    /// the architecture-specific instructions, such as wgmma, that the product does not use).
+    #[cfg(feature = "lab")]
+    pub fn function_for_arch(
+        &self,
+        file: &KernelFile,
+        defines: &[String],
+        func: &str,
+        arch: &str,
+    ) -> Result<CudaFunction> {
+        self.function_on(file, defines, func, arch)
+    }
+
+    fn function_on(&self, file: &KernelFile, defines: &[String], func: &str, arch: &str) -> Result<CudaFunction> {
         let traced;
         let defines = match &self.trace {
             Some((_, extra)) => {
@@ -118,7 +135,7 @@ impl Context {
             }
             None => defines,
         };
-        let module_key = format!("{}|{}", file.name, defines.join(","));
+        let module_key = format!("{}|{arch}|{}", file.name, defines.join(","));
         let fn_key = format!("{module_key}|{func}");
         if let Some(f) = self.functions.lock().unwrap_or_else(|e| e.into_inner()).get(&fn_key) {
             return Ok(f.clone());
@@ -128,7 +145,7 @@ impl Context {
             Some(m) => m.clone(),
             None => {
                 let src = nvrtc::source(file.name, file.src);
-                let (bin, hit) = nvrtc::cached(file.name, &src, &self.arch, defines)?;
+                let (bin, hit) = nvrtc::cached(file.name, &src, arch, defines)?;
                 if !hit {
                     *self.compiled.lock().unwrap_or_else(|e| e.into_inner()) += 1;
                 }

@@ -1,0 +1,245 @@
+// Lab: the quantized prefill GEMM on Hopper's warpgroup MMA (wgmma, sm_90a), for issue 29's
+// 8B prefill target (the product's gemm.cu reaches 22-26% of the bf16 dense rate with
+// mma.sync over 64×64 tiles). out[t, r] = Σ_k x[t, k]·w[r, k], x bf16 [m, cols], w affine
+// (BITS, GROUP, SCALE_T as gemm.cu's variants), out bf16 or f32 [m, rows].
+//
+// Design. A block of 256 threads (two warpgroups) owns 128 tokens × 128 weight rows and
+// walks K in steps of 64 values through a ring of STAGES shared-memory stages, each an x
+// tile and a w tile of 128 rows × 128 bytes in wgmma's 128-byte swizzled K-major layout
+// (16-byte chunk c of row r at r·128 + (c ^ r % 8)·16; 1024-byte aligned, so a descriptor
+// advances 32 bytes per k16 step):
+//   - x: cp.async 16-byte copies (zero-filled past m), STAGES - 1 steps ahead;
+//   - w: each thread loads one 32-value segment of one row STAGES steps ahead into
+//     registers and dequantizes it (qgemm.cuh's dequant_pair: f32 fmaf, one bf16 rounding)
+//     into its stage one iteration later, under the tensor cores' work;
+//   - step s: wait for its copies, fence them to the async proxy, barrier, then warpgroup g
+//     issues four wgmma.m64n128k16 (tokens 64g.., all 128 rows) and commits; the next
+//     stages' copies and dequantization go out before the wait.
+//   - qgemm.cuh's chunking: the accumulators restart from zero every CHUNK_K values and the
+//     chunk sums are added in order into f32 totals, so where wgmma's k16 arithmetic is
+//     mma.sync's the bits are gemm.cu's (the lab's check says whether they are).
+// Accumulator layout (m64nN, f32): warp w of a warpgroup holds rows 16w + lane/4 (d[4j],
+// d[4j+1], columns 8j + 2·(lane%4) + {0,1}) and 16w + lane/4 + 8 (d[4j+2], d[4j+3]).
+// Launch: grid (⌈rows/128⌉, ⌈m/128⌉), block 256, dynamic shared memory WG_SMEM bytes
+// (past 48 KiB: the function's attribute must allow it). cols a multiple of 64.
+#include "common.cuh"
+#include "affine.cuh"
+#include "mma.cuh"
+#include "qgemm.cuh"
+
+typedef unsigned long long u64;
+typedef unsigned char u8;
+
+#define WG_BM 128                         // tokens per block (two warpgroups of 64)
+#define WG_BN 128                         // weight rows per block (the wgmma's n)
+#define WG_BK 64                          // k values per step: one 128-byte row
+#ifndef STAGES
+#define STAGES 4
+#endif
+#define WG_TILE (128 * 128)               // bytes of one 128-row tile
+#define WG_STAGE (2 * WG_TILE)            // x tile, then w tile
+#define WG_SMEM (STAGES * WG_STAGE + 1024)  // + alignment slack
+#define SEG 32                            // weight values per thread per step
+#define SEG_WORDS (SEG * BITS / 32)
+#define SEG_G (GROUP < SEG ? GROUP : SEG)
+#define SEG_NG (SEG / SEG_G)
+
+static_assert(WG_BN * WG_BK == 256 * SEG, "one segment per thread per step");
+static_assert(CHUNK_K % WG_BK == 0, "whole steps per chunk");
+static_assert(STAGES >= 3, "w is stored two steps before its use");
+
+// Byte offset of 16-byte chunk c of row r in a swizzled tile.
+__device__ __forceinline__ u32 swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
+
+// wgmma's shared-memory matrix descriptor: K-major, 128-byte swizzle, 8-row groups 1024
+// bytes apart (the leading offset is unused by this layout).
+__device__ __forceinline__ u64 wg_desc(u32 addr) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)1 << 16) | ((u64)(1024 >> 4) << 32) | ((u64)1 << 62);
+}
+
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// Pin the accumulators' reads and writes to this point (the wgmma writes them asynchronously).
+__device__ __forceinline__ void pin(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; i++) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d += A·B over one k16 step: A 64 tokens (descriptor a), B 128 weight rows (descriptor b).
+__device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 a, u64 b) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "%64, %65, p, 1, 1, 0, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b));
+}
+
+// One thread's weight segment of a step as loaded (dequantized one iteration later).
+struct Seg {
+    u32 q[SEG_WORDS];
+    float s[SEG_NG], b[SEG_NG];
+};
+
+__device__ __forceinline__ void load_seg(Seg& sg, const u32* __restrict__ wrow, const scale_t* __restrict__ srow,
+                                         const scale_t* __restrict__ brow, int k, bool ok) {
+    const u32* p = wrow + k / (32 / BITS);
+#if SEG_WORDS == 2
+    const uint2 v = ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
+    sg.q[0] = v.x, sg.q[1] = v.y;
+#else
+#pragma unroll
+    for (int u = 0; u < SEG_WORDS / 4; u++) {
+        const uint4 v = ok ? *reinterpret_cast<const uint4*>(p + 4 * u) : make_uint4(0u, 0u, 0u, 0u);
+        sg.q[4 * u] = v.x, sg.q[4 * u + 1] = v.y, sg.q[4 * u + 2] = v.z, sg.q[4 * u + 3] = v.w;
+    }
+#endif
+#pragma unroll
+    for (int i = 0; i < SEG_NG; i++) {
+        const int g = (k + i * SEG_G) / GROUP;
+        sg.s[i] = ok ? s2f(srow[g]) : 0.f;
+        sg.b[i] = ok ? s2f(brow[g]) : 0.f;
+    }
+}
+
+// Dequantize a segment (values k0.. of tile row r) into the swizzled w tile at `tile`.
+__device__ __forceinline__ void store_seg(const Seg& sg, u8* tile, int r, int k0) {
+    u32 p[SEG / 2];
+#pragma unroll
+    for (int j = 0; j < SEG / 2; j++) {
+        const int v0 = 2 * j, v1 = 2 * j + 1;
+        const u32 q0 = (sg.q[(v0 * BITS) / 32] >> ((v0 * BITS) % 32)) & MASK;
+        const u32 q1 = (sg.q[(v1 * BITS) / 32] >> ((v1 * BITS) % 32)) & MASK;
+        const int g = v0 / SEG_G;
+        p[j] = dequant_pair(q0, q1, sg.s[g], sg.b[g]);
+    }
+#pragma unroll
+    for (int i = 0; i < SEG / 8; i++)
+        *reinterpret_cast<uint4*>(tile + swz(r, k0 / 8 + i)) = make_uint4(p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]);
+}
+
+template <bool OUT_F32>
+__device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const scale_t* __restrict__ ws,
+                                              const scale_t* __restrict__ wb, const bf16_t* __restrict__ x,
+                                              void* __restrict__ out, int rows, int cols, int m) {
+    extern __shared__ u8 smem_raw[];
+    u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
+    const int r0 = blockIdx.x * WG_BN, t0 = blockIdx.y * WG_BM, nk = cols / WG_BK;
+
+    // This thread's weight segment: tile row tid / 2, values (tid % 2)·32.. of each step.
+    const int seg_r = tid >> 1, seg_k = (tid & 1) * SEG;
+    const bool row_ok = r0 + seg_r < rows;
+    const int wr = row_ok ? r0 + seg_r : 0;
+    const int groups = cols / GROUP;
+    const u32* wrow = w + (size_t)wr * (size_t)(cols / (32 / BITS));
+    const scale_t* srow = ws + (size_t)wr * groups;
+    const scale_t* brow = wb + (size_t)wr * groups;
+
+    auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
+    auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
+    // x copies of step s into stage st: chunk c = tid + 256i is token row c/8, chunk c%8.
+    auto load_x = [&](int st, int s) {
+        const u32 base = smem_u32(x_tile(st));
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int c = tid + 256 * i, r = c >> 3, ch = c & 7, t = t0 + r;
+            const bool ok = t < m;
+            cp_async16(base + swz(r, ch), ok ? x + (size_t)t * cols + s * WG_BK + ch * 8 : x, ok);
+        }
+    };
+
+    float acc[64], tot[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
+
+    // Prologue: steps 0 .. STAGES-2 in their stages (one copy group each), step STAGES-1's
+    // weights in registers.
+    Seg sg;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if (st < nk) {
+            load_x(st, st);
+            load_seg(sg, wrow, srow, brow, st * WG_BK + seg_k, row_ok);
+            store_seg(sg, w_tile(st), seg_r, seg_k);
+        }
+        cp_async_commit();
+    }
+    if (STAGES - 1 < nk) load_seg(sg, wrow, srow, brow, (STAGES - 1) * WG_BK + seg_k, row_ok);
+
+    for (int s = 0; s < nk; s++) {
+        const int st = s % STAGES;
+        cp_async_wait<STAGES - 2>();  // step s's copies (groups of later steps may be in flight)
+        fence_async_smem();           // this thread's tile writes, visible to the tensor cores
+        __syncthreads();
+        const u32 xa = smem_u32(x_tile(st)) + wg * 64 * 128, wa = smem_u32(w_tile(st));
+        pin(acc);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < WG_BK / 16; kk++) wgmma_m64n128k16(acc, wg_desc(xa + 32 * kk), wg_desc(wa + 32 * kk));
+        wg_commit();
+        // Under the MMAs: step s+STAGES-1's weights (loaded last iteration) into the stage
+        // step s-1 used, its x copies, and step s+STAGES's weights into registers.
+        const int sn = s + STAGES - 1, stn = sn % STAGES;
+        if (sn < nk) {
+            store_seg(sg, w_tile(stn), seg_r, seg_k);
+            load_x(stn, sn);
+        }
+        cp_async_commit();
+        if (sn + 1 < nk) load_seg(sg, wrow, srow, brow, (sn + 1) * WG_BK + seg_k, row_ok);
+        wg_wait0();
+        pin(acc);
+        if ((s + 1) % (CHUNK_K / WG_BK) == 0 || s + 1 == nk) {
+#pragma unroll
+            for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
+        }
+    }
+
+    const int row_in = 64 * wg + 16 * warp + (lane >> 2);
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = t0 + row_in + 8 * h, r = r0 + 8 * j + 2 * (lane & 3);
+            if (t >= m) continue;
+            const float v0 = tot[4 * j + 2 * h], v1 = tot[4 * j + 2 * h + 1];
+            if constexpr (OUT_F32) {
+                float* po = reinterpret_cast<float*>(out) + (size_t)t * rows + r;
+                if (r < rows) po[0] = v0;
+                if (r + 1 < rows) po[1] = v1;
+            } else {
+                bf16_t* po = reinterpret_cast<bf16_t*>(out) + (size_t)t * rows + r;
+                if (r < rows) po[0] = f2bf(v0);
+                if (r + 1 < rows) po[1] = f2bf(v1);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+    qgemm_wg(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* out, int rows, int cols,
+             int m) {
+    qgemm_wg_body<false>(w, s, b, x, out, rows, cols, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    qgemm_wg_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* out, int rows, int cols,
+                 int m) {
+    qgemm_wg_body<true>(w, s, b, x, out, rows, cols, m);
+}

@@ -1,0 +1,53 @@
+//! The lab's quantized GEMM on warpgroup MMA (kernels/qgemm_wgmma.cu, sm_90a): its launch
+//! over the engine's weights and activations, for `timings wgmma`.
+
+use crate::kernels;
+use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
+use cudarc::driver::LaunchConfig;
+use ferrolm::backend::cuda::{ActBuf, Cuda, CudaAct, CudaMat, DevScales, KArg, Order};
+use ferrolm::{Error, Result};
+
+/// Tokens and weight rows per block, and the ring's stages (the kernel's WG_BM, WG_BN,
+/// STAGES): 32 KiB of shared memory a stage, plus 1 KiB to align the tiles.
+const TILE: usize = 128;
+const STAGES: usize = 4;
+const SMEM: usize = STAGES * 2 * TILE * 128 + 1024;
+
+/// out = x·wᵀ on the wgmma kernel: x bf16 `[m, cols]`, w affine `[rows, cols]` with cols a
+/// multiple of 64, out bf16 or f32 `[m, rows]`.
+pub fn qgemm_wg(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
+    let CudaMat::Affine { words, scales, biases, defines, rows, cols, .. } = w else {
+        return Err(Error::Unsupported("qgemm_wg takes affine weights".into()));
+    };
+    let (ActBuf::Bf16(xb), true) = (&x.buf, x.cols == *cols && out.rows == x.rows && out.cols == *rows) else {
+        return Err(Error::Invalid("qgemm_wg: bf16 x [m, cols] and out [m, rows]".into()));
+    };
+    if !cols.is_multiple_of(64) {
+        return Err(Error::Unsupported(format!("qgemm_wg: cols {cols} not a multiple of 64")));
+    }
+    let (name, o) = match &out.buf {
+        ActBuf::Bf16(o) => ("qgemm_wg", g.arg(o)),
+        ActBuf::F32(o) => ("qgemm_wg_f32", g.arg(o)),
+    };
+    let d = [defines.clone(), vec![format!("STAGES={STAGES}")]].concat();
+    let f = g.function_for_arch(kernels::qgemm_wgmma(), &d, name, "sm_90a")?;
+    f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM as i32)
+        .map_err(crate::drv("qgemm_wg shared memory"))?;
+    let s = |v: &DevScales| match v {
+        DevScales::Half(v) => g.arg(v),
+        DevScales::F32(v) => g.arg(v),
+    };
+    let args = [
+        g.arg(words),
+        s(scales),
+        s(biases),
+        g.arg(xb),
+        o,
+        KArg::I32(*rows as i32),
+        KArg::I32(*cols as i32),
+        KArg::I32(x.rows as i32),
+    ];
+    let grid = (rows.div_ceil(TILE) as u32, x.rows.div_ceil(TILE) as u32, 1);
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: SMEM as u32 };
+    g.launch(&f, cfg, &args, Order::Serial, "qgemm_wg launch")
+}
