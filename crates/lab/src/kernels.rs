@@ -25,6 +25,17 @@ pub fn qgemm_wgmma() -> &'static KernelFile {
     &F
 }
 
+/// The engine's gemv.cu with kernels/bgemv.cuh appended: the batched decode GEMV, built
+/// from the GEMV's own tiles and sums.
+pub fn bgemv() -> &'static KernelFile {
+    static F: OnceLock<KernelFile> = OnceLock::new();
+    F.get_or_init(|| {
+        let gemv = ferrolm::backend::cuda::kernels::file("gemv.cu").src;
+        let src = format!("{gemv}\n{}", include_str!("../kernels/bgemv.cuh"));
+        KernelFile { name: "bgemv.cu", src: Box::leak(src.into_boxed_str()) }
+    })
+}
+
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
 pub fn stream_probe() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
@@ -136,6 +147,33 @@ mod tests {
                 let bin = nvrtc::compile_with("gemm.cu", &src, "sm_90", defines, &["--Ofast-compile=max"])
                     .unwrap_or_else(|e| panic!("few_win {windows:?} {defines:?}: {e}"));
                 assert_eq!(&bin[..4], b"\x7fELF", "few_win {defines:?}: not a CUBIN");
+            }
+        }
+    }
+
+    /// The batched GEMV compiles at one and eight tokens a block in every weight format
+    /// gemv.cu is compiled in with int16 x (the XQ=1 variants; the text is empty without).
+    #[test]
+    fn the_batched_gemv_compiles_for_every_weight_format() {
+        if !nvrtc::available() {
+            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
+            return;
+        }
+        let f = bgemv();
+        assert!(f.src.contains("BGEMV_KERNEL(4)"), "the lab text is appended");
+        let variants = ferrolm::backend::cuda::kernels::all_variants();
+        let formats: Vec<_> = variants
+            .iter()
+            .filter(|(v, d)| v.name == "gemv.cu" && d.iter().any(|d| d == "XQ=1"))
+            .map(|(_, d)| d.clone())
+            .collect();
+        assert!(formats.len() >= 9, "gemv.cu's int16-x formats: {}", formats.len());
+        for d in &formats {
+            for nt in [1, 8] {
+                let defines = [d.clone(), vec![format!("BG_NT={nt}")]].concat();
+                let bin = nvrtc::compile_with(f.name, f.src, "sm_90", &defines, &["--Ofast-compile=max"])
+                    .unwrap_or_else(|e| panic!("bgemv {defines:?}: {e}"));
+                assert_eq!(&bin[..4], b"\x7fELF", "bgemv {defines:?}: not a CUBIN");
             }
         }
     }

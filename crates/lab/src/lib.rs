@@ -4,6 +4,7 @@
 //! here is linked into `ferrolm`, and what it measures is recorded in docs/perf-log.md.
 //! The binaries: `probes` (src/bin/probes.rs) and `timings` (src/bin/timings.rs).
 
+pub mod bgemv;
 pub mod kernels;
 pub mod probe;
 pub mod timing;

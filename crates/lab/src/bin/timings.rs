@@ -15,7 +15,11 @@
 //!              the tiled one and the GEMV path at the 1B and 8B shapes, checked for equal
 //!              bits with the tiled kernel
 //!
-//!   usage: timings [gemv|attention|sampling|flash|qgemm|wgmma|few|all]... [--copies N] [--timing-only]
+//!   bgemv      the lab's batched decode GEMV (kernels/bgemv.cuh) at 1 to 64 tokens on the
+//!              1B and 8B shapes: each token's bits against the product GEMV on that token
+//!              alone, then its time beside the serving path's GEMMs
+//!
+//!   usage: timings [gemv|attention|sampling|flash|qgemm|wgmma|few|bgemv|all]... [--copies N] [--timing-only]
 //!                  [--seed S]
 //!
 //! Graph-timed launches cycle over `--copies` device copies of the weights (default 16), as
@@ -34,10 +38,10 @@ use ferrolm::Result;
 use ferrolm_lab::timing::{attn_cfg, bf, cpu, graph_time, report, stream_time, Checks, Rng};
 
 const USAGE: &str =
-    "usage: timings [gemv|attention|sampling|flash|qgemm|wgmma|few|all]... [--copies N] [--timing-only] [--seed S]";
+    "usage: timings [gemv|attention|sampling|flash|qgemm|wgmma|few|bgemv|all]... [--copies N] [--timing-only] [--seed S]";
 /// The H200's bf16 dense matmul rate as measured (GPU-FACTS.md), FLOP/s.
 const BF16_DENSE_FLOPS: f64 = 790e12;
-const ALL: [&str; 7] = ["gemv", "attention", "sampling", "flash", "qgemm", "wgmma", "few"];
+const ALL: [&str; 8] = ["gemv", "attention", "sampling", "flash", "qgemm", "wgmma", "few", "bgemv"];
 
 /// What a timing section gets: the device, fresh random inputs, the checks and the options.
 struct Session<'a> {
@@ -92,6 +96,7 @@ fn main() {
             "flash" => flash_prefill(&mut lab),
             "few" => few_token_gemm(&mut lab),
             "wgmma" => wgmma_gemm(&mut lab),
+            "bgemv" => batched_gemv(&mut lab),
             _ => qgemm(&mut lab),
         };
         if let Err(e) = r {
@@ -494,6 +499,63 @@ fn few_token_gemm(lab: &mut Session) -> Result<()> {
                 100.0 * bf16_share,
                 gbs(tiled)
             );
+        }
+    }
+    Ok(())
+}
+
+/// The lab's batched decode GEMV (kernels/bgemv.cuh) at the 1B and 8B shapes (4-bit, group
+/// 64, bf16 scales): five tokens' outputs (a block of four, then one) against the product
+/// GEMV run on each token alone, which must be the same bits; then its time per launch at
+/// 1 to 64 tokens with 1 to 8 tokens a block, beside the serving path's two GEMMs, in
+/// captured graphs cycling over weight copies.
+fn batched_gemv(lab: &mut Session) -> Result<()> {
+    use ferrolm::backend::cuda::QgemmKernel;
+    use ferrolm_lab::bgemv::{bgemv, staged_bytes};
+    let (g, r, n) = (lab.g, &mut lab.r, lab.copies);
+    let optin = ferrolm_lab::Lab::new(g)?.smem_optin;
+    let shapes = [
+        ("1B q/o", 2048, 2048),
+        ("1B gate", 8192, 2048),
+        ("1B down", 2048, 8192),
+        ("8B q/o", 4096, 4096),
+        ("8B gate", 14336, 4096),
+        ("8B down", 4096, 14336),
+    ];
+    for (name, rows, cols) in shapes {
+        let (wg, w) = mat(g, r, rows, cols)?;
+        let m = 5;
+        let xv = bf(&r.v(m * cols, 1.0));
+        let mut out = g.act_poisoned(m, rows, true)?;
+        bgemv(g, &g.act_from(m, cols, &xv)?, &wg, &mut out, 4, optin)?;
+        let got = g.read_rows(&out, 0)?;
+        let mut equal = 0;
+        for (t, x) in xv.chunks(cols).enumerate() {
+            let mut one = g.act_poisoned(1, rows, true)?;
+            g.matmul(&g.act_from(1, cols, x)?, &wg, &mut one)?;
+            let want = g.read_rows(&one, 0)?;
+            equal +=
+                got[t * rows..(t + 1) * rows].iter().zip(&want).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+        }
+        if equal != m * rows && !lab.checks.timing_only {
+            lab.checks.failed.push(format!("bgemv {name}: {equal} of {} outputs have the GEMV's bits", m * rows));
+        }
+        let co = copies(g, &w, n)?;
+        for m in [1, 4, 8, 16, 32, 64] {
+            let xg = g.act_from(m, cols, &bf(&r.v(m * cols, 1.0)))?;
+            let (mut of, mut ob) = (g.act_poisoned(m, rows, true)?, g.act_poisoned(m, rows, false)?);
+            let mut line = format!("{name} {rows}×{cols} m{m}:");
+            for nt in [1, 2, 4, 8] {
+                if nt > m || nt * staged_bytes(cols) > optin {
+                    continue;
+                }
+                let us = graph_time(g, 48, &mut |i| bgemv(g, &xg, &co[i % n], &mut of, nt, optin))?;
+                let rate = (m * rows * cols) as f64 / us / 1e6;
+                line += &format!(" bgemv/{nt} {us:.2} µs ({rate:.1} T multiply-adds/s);");
+            }
+            let mut time = |k| graph_time(g, 48, &mut |i| g.qgemm_as(&xg, &co[i % n], &mut ob, k));
+            let (small, tiled) = (time(QgemmKernel::Small)?, time(QgemmKernel::Tiled)?);
+            println!("{line} serving GEMMs: few-token {small:.2} µs, tiled {tiled:.2} µs");
         }
     }
     Ok(())

@@ -175,6 +175,13 @@ impl Cuda {
         }
     }
 
+    /// Rows per warp of a one-matrix GEMV store over `rows` × `cols` weights of `bits`:
+    /// crates/lab's batched GEMV runs the same tiles, so that each token gets these bits.
+    #[cfg(feature = "lab")]
+    pub fn gemv_store_rows_per_warp(&self, rows: usize, cols: usize, bits: usize) -> usize {
+        self.gemv_shape(GemvOut::Store, 1, rows, cols * bits / 128).0
+    }
+
     /// Persistent GEMV blocks: as many as are resident on the GPU at once (registers
     /// decide: 2-5 per SM), each looping over row blocks with x staged once. More would
     /// queue behind the first wave and finish last.
