@@ -5,7 +5,7 @@
 use crate::kernels;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use cudarc::driver::LaunchConfig;
-use ferrolm::backend::cuda::{ActBuf, Cuda, CudaAct, CudaMat, DevScales, KArg, Order};
+use ferrolm::backend::cuda::{ActBuf, Cuda, CudaAct, CudaMat, KArg, Order};
 use ferrolm::{Error, Result};
 
 /// The GEMV's warps per block (gemv.cu's NW, the engine's default).
@@ -46,14 +46,10 @@ pub fn bgemv(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct, nt: usize, s
     let resident = f.occupancy_max_active_blocks_per_multiprocessor(threads, smem, None).unwrap_or(1).max(1) as usize;
     let steps = rows.div_ceil(WARPS * r);
     let width = (g.sms * resident / groups).clamp(1, steps);
-    let s = |v: &DevScales| match v {
-        DevScales::Half(v) => g.arg(v),
-        DevScales::F32(v) => g.arg(v),
-    };
     let args = [
         g.arg(words),
-        s(scales),
-        s(biases),
+        scales.arg(g),
+        biases.arg(g),
         g.arg(o),
         KArg::I32(*rows as i32),
         g.arg(xb),

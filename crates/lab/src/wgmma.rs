@@ -4,7 +4,7 @@
 use crate::kernels;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use cudarc::driver::LaunchConfig;
-use ferrolm::backend::cuda::{ActBuf, Cuda, CudaAct, CudaMat, DevScales, KArg, Order};
+use ferrolm::backend::cuda::{ActBuf, Cuda, CudaAct, CudaMat, KArg, Order};
 use ferrolm::{Error, Result};
 
 /// Tokens and weight rows per block, and the ring's stages (the kernel's WG_BM, WG_BN,
@@ -33,14 +33,10 @@ pub fn qgemm_wg(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result
     let f = g.function_for_arch(kernels::qgemm_wgmma(), &d, name, "sm_90a")?;
     f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM as i32)
         .map_err(crate::drv("qgemm_wg shared memory"))?;
-    let s = |v: &DevScales| match v {
-        DevScales::Half(v) => g.arg(v),
-        DevScales::F32(v) => g.arg(v),
-    };
     let args = [
         g.arg(words),
-        s(scales),
-        s(biases),
+        scales.arg(g),
+        biases.arg(g),
         g.arg(xb),
         o,
         KArg::I32(*rows as i32),

@@ -283,7 +283,8 @@ impl Context {
 }
 
 impl DevScales {
-    pub(crate) fn arg(&self, ctx: &Context) -> KArg {
+    /// The scales' device pointer as a kernel argument.
+    pub fn arg(&self, ctx: &Context) -> KArg {
         KArg::Ptr(match self {
             DevScales::Half(v) => v.device_ptr(&ctx.stream).0,
             DevScales::F32(v) => v.device_ptr(&ctx.stream).0,
