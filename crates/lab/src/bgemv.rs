@@ -1,10 +1,10 @@
-//! The lab's batched decode GEMV (kernels/bgemv.cuh appended to the engine's gemv.cu): one
-//! launch over `m` tokens, each token's output the product GEMV's bits for it alone, for
-//! `timings bgemv`.
+//! The lab's batched decode GEMVs, one launch over `m` tokens with each token's output the
+//! product GEMV's bits for it alone, for `timings bgemv`: on DP2A (kernels/bgemv.cuh
+//! appended to the engine's gemv.cu) and on integer MMAs (kernels/bgemv_mma.cu).
 
 use crate::kernels;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaSlice, LaunchConfig};
 use ferrolm::backend::cuda::{ActBuf, Cuda, CudaAct, CudaMat, KArg, Order};
 use ferrolm::{Error, Result};
 
@@ -62,4 +62,78 @@ pub fn bgemv(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct, nt: usize, s
         shared_mem_bytes: smem as u32,
     };
     g.launch(&f, cfg, &args, Order::Serial, "bgemv launch")
+}
+
+/// Scratch of `bgemv_mma`: x quantized as the GEMV stages it (kernels/bgemv_mma.cu's
+/// bq_quant), for up to `mp` tokens of `cols` inputs.
+pub struct QuantX {
+    xb: CudaSlice<u32>,
+    xd: CudaSlice<f32>,
+    xsx: CudaSlice<f32>,
+    mp: usize,
+    cols: usize,
+}
+
+impl QuantX {
+    /// Room for `m` tokens of `cols` inputs at `tt` token tiles of 8 per warp.
+    pub fn new(g: &Cuda, m: usize, cols: usize, tt: usize) -> Result<QuantX> {
+        let (mp, chunks) = (m.div_ceil(8 * tt) * 8 * tt, cols / 32);
+        let alloc = |n: usize| g.stream.alloc_zeros::<f32>(n).map_err(crate::drv("bgemv_mma scratch"));
+        let xb = g.stream.alloc_zeros::<u32>(mp * chunks * 16).map_err(crate::drv("bgemv_mma scratch"))?;
+        Ok(QuantX { xb, xd: alloc(mp * chunks)?, xsx: alloc(mp * chunks)?, mp, cols })
+    }
+}
+
+/// out = x·wᵀ in the decode GEMV's arithmetic on integer MMAs (kernels/bgemv_mma.cu):
+/// bq_quant, then bgemv_mma with `tt` (1, 2 or 4) token tiles of 8 per warp. 4-bit affine
+/// weights in groups of 32 or more; x bf16 `[m, cols]`, out f32 `[m, rows]`; `q` from
+/// `QuantX::new(g, m, cols, tt)`.
+pub fn bgemv_mma(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct, q: &mut QuantX, tt: usize) -> Result<()> {
+    let CudaMat::Affine { words, scales, biases, defines, rows, cols, bits, group, .. } = w else {
+        return Err(Error::Unsupported("bgemv_mma takes affine weights".into()));
+    };
+    let (ActBuf::Bf16(xb), ActBuf::F32(o)) = (&x.buf, &out.buf) else {
+        return Err(Error::Invalid("bgemv_mma: bf16 x and f32 out".into()));
+    };
+    let m = x.rows;
+    if *bits != 4 || !group.is_multiple_of(32) || ![1, 2, 4].contains(&tt) {
+        return Err(Error::Unsupported(format!("bgemv_mma: {bits}-bit weights in groups of {group}, {tt} tiles")));
+    }
+    if x.cols != *cols || out.rows != m || out.cols != *rows || q.cols != *cols || q.mp < m.div_ceil(8 * tt) * 8 * tt {
+        return Err(Error::Invalid(format!("bgemv_mma: x [m, {cols}], out [m, {rows}] and scratch for them")));
+    }
+    let d = [defines.clone(), vec![format!("TT={tt}")]].concat();
+    let (mp, chunks) = (m.div_ceil(8 * tt) * 8 * tt, cols / 32);
+    let quant = g.function(kernels::bgemv_mma(), &d, "bq_quant")?;
+    let args = [
+        g.arg(xb),
+        g.arg(&q.xb),
+        g.arg(&q.xd),
+        g.arg(&q.xsx),
+        KArg::I32(m as i32),
+        KArg::I32(mp as i32),
+        KArg::I32(*cols as i32),
+    ];
+    let cfg = LaunchConfig {
+        grid_dim: ((mp * chunks).div_ceil(128) as u32, 1, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    g.launch(&quant, cfg, &args, Order::Serial, "bq_quant launch")?;
+    let f = g.function(kernels::bgemv_mma(), &d, "bgemv_mma")?;
+    let args = [
+        g.arg(words),
+        scales.arg(g),
+        biases.arg(g),
+        g.arg(&q.xb),
+        g.arg(&q.xd),
+        g.arg(&q.xsx),
+        g.arg(o),
+        KArg::I32(*rows as i32),
+        KArg::I32(*cols as i32),
+        KArg::I32(m as i32),
+    ];
+    let grid = (rows.div_ceil(16) as u32, (mp / (8 * tt)) as u32, 1);
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    g.launch(&f, cfg, &args, Order::Serial, "bgemv_mma launch")
 }

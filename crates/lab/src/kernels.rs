@@ -36,6 +36,12 @@ pub fn bgemv() -> &'static KernelFile {
     })
 }
 
+/// kernels/bgemv_mma.cu: the decode GEMV's arithmetic on integer MMAs (4-bit weights).
+pub fn bgemv_mma() -> &'static KernelFile {
+    static F: KernelFile = KernelFile { name: "bgemv_mma.cu", src: include_str!("../kernels/bgemv_mma.cu") };
+    &F
+}
+
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
 pub fn stream_probe() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
@@ -68,7 +74,7 @@ mod tests {
 
     #[test]
     fn every_include_left_is_an_engine_header() {
-        for f in all().into_iter().chain([qgemm_wgmma()]) {
+        for f in all().into_iter().chain([qgemm_wgmma(), bgemv_mma()]) {
             for name in includes(f.src) {
                 assert!(
                     nvrtc::HEADERS.iter().any(|(h, _)| *h == name),
@@ -174,6 +180,35 @@ mod tests {
                 let bin = nvrtc::compile_with(f.name, f.src, "sm_90", &defines, &["--Ofast-compile=max"])
                     .unwrap_or_else(|e| panic!("bgemv {defines:?}: {e}"));
                 assert_eq!(&bin[..4], b"\x7fELF", "bgemv {defines:?}: not a CUBIN");
+            }
+        }
+    }
+
+    /// The integer-MMA batched GEMV compiles for every 4-bit format (groups of 32 or more)
+    /// at each of its token-tile counts.
+    #[test]
+    fn the_integer_mma_gemv_compiles_for_every_4_bit_format() {
+        if !nvrtc::available() {
+            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
+            return;
+        }
+        let f = bgemv_mma();
+        let variants = ferrolm::backend::cuda::kernels::all_variants();
+        let formats: Vec<_> = variants
+            .iter()
+            .filter(|(v, d)| {
+                let group = d.iter().find_map(|d| d.strip_prefix("GROUP=")).and_then(|g| g.parse::<usize>().ok());
+                v.name == "gemm.cu" && d.iter().any(|d| d == "BITS=4") && group.is_some_and(|g| g % 32 == 0)
+            })
+            .map(|(_, d)| d.clone())
+            .collect();
+        assert!(formats.len() >= 3, "4-bit formats: {}", formats.len());
+        for d in &formats {
+            for tt in [1, 2, 4] {
+                let defines = [d.clone(), vec![format!("TT={tt}")]].concat();
+                let bin = nvrtc::compile_with(f.name, f.src, "sm_90", &defines, &["--Ofast-compile=max"])
+                    .unwrap_or_else(|e| panic!("bgemv_mma {defines:?}: {e}"));
+                assert_eq!(&bin[..4], b"\x7fELF", "bgemv_mma {defines:?}: not a CUBIN");
             }
         }
     }

@@ -504,14 +504,15 @@ fn few_token_gemm(lab: &mut Session) -> Result<()> {
     Ok(())
 }
 
-/// The lab's batched decode GEMV (kernels/bgemv.cuh) at the 1B and 8B shapes (4-bit, group
-/// 64, bf16 scales): five tokens' outputs (a block of four, then one) against the product
-/// GEMV run on each token alone, which must be the same bits; then its time per launch at
-/// 1 to 64 tokens with 1 to 8 tokens a block, beside the serving path's two GEMMs, in
-/// captured graphs cycling over weight copies.
+/// The lab's batched decode GEMVs at the 1B and 8B shapes (4-bit, group 64, bf16 scales):
+/// on DP2A (kernels/bgemv.cuh, 1 to 8 tokens a block) and on integer MMAs
+/// (kernels/bgemv_mma.cu, 1 to 4 tiles of 8 tokens a warp, its x quantization included).
+/// Five tokens' outputs against the product GEMV run on each token alone, which must be
+/// the same bits; then each one's time per launch at 1 to 64 tokens beside the serving
+/// path's two GEMMs, in captured graphs cycling over weight copies.
 fn batched_gemv(lab: &mut Session) -> Result<()> {
     use ferrolm::backend::cuda::QgemmKernel;
-    use ferrolm_lab::bgemv::{bgemv, staged_bytes};
+    use ferrolm_lab::bgemv::{bgemv, bgemv_mma, staged_bytes, QuantX};
     let (g, r, n) = (lab.g, &mut lab.r, lab.copies);
     let optin = ferrolm_lab::Lab::new(g)?.smem_optin;
     let shapes = [
@@ -526,19 +527,26 @@ fn batched_gemv(lab: &mut Session) -> Result<()> {
         let (wg, w) = mat(g, r, rows, cols)?;
         let m = 5;
         let xv = bf(&r.v(m * cols, 1.0));
-        let mut out = g.act_poisoned(m, rows, true)?;
-        bgemv(g, &g.act_from(m, cols, &xv)?, &wg, &mut out, 4, optin)?;
-        let got = g.read_rows(&out, 0)?;
-        let mut equal = 0;
-        for (t, x) in xv.chunks(cols).enumerate() {
+        let xg5 = g.act_from(m, cols, &xv)?;
+        let mut want = Vec::with_capacity(m * rows);
+        for x in xv.chunks(cols) {
             let mut one = g.act_poisoned(1, rows, true)?;
             g.matmul(&g.act_from(1, cols, x)?, &wg, &mut one)?;
-            let want = g.read_rows(&one, 0)?;
-            equal +=
-                got[t * rows..(t + 1) * rows].iter().zip(&want).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            want.extend(g.read_rows(&one, 0)?);
         }
-        if equal != m * rows && !lab.checks.timing_only {
-            lab.checks.failed.push(format!("bgemv {name}: {equal} of {} outputs have the GEMV's bits", m * rows));
+        let mut out = g.act_poisoned(m, rows, true)?;
+        bgemv(g, &xg5, &wg, &mut out, 4, optin)?;
+        let mut q5 = QuantX::new(g, m, cols, 1)?;
+        let mut out_mma = g.act_poisoned(m, rows, true)?;
+        bgemv_mma(g, &xg5, &wg, &mut out_mma, &mut q5, 1)?;
+        for (kernel, got) in [("bgemv", g.read_rows(&out, 0)?), ("bgemv_mma", g.read_rows(&out_mma, 0)?)] {
+            let equal = got.iter().zip(&want).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            println!("{kernel} {name}: {equal} of {} outputs have the GEMV's bits", m * rows);
+            if equal != m * rows && !lab.checks.timing_only {
+                lab.checks
+                    .failed
+                    .push(format!("{kernel} {name}: {equal} of {} outputs have the GEMV's bits", m * rows));
+            }
         }
         let co = copies(g, &w, n)?;
         for m in [1, 4, 8, 16, 32, 64] {
@@ -552,6 +560,15 @@ fn batched_gemv(lab: &mut Session) -> Result<()> {
                 let us = graph_time(g, 48, &mut |i| bgemv(g, &xg, &co[i % n], &mut of, nt, optin))?;
                 let rate = (m * rows * cols) as f64 / us / 1e6;
                 line += &format!(" bgemv/{nt} {us:.2} µs ({rate:.1} T multiply-adds/s);");
+            }
+            for tt in [1, 2, 4] {
+                if 8 * tt > m.max(8) {
+                    continue;
+                }
+                let mut q = QuantX::new(g, m, cols, tt)?;
+                let us = graph_time(g, 48, &mut |i| bgemv_mma(g, &xg, &co[i % n], &mut of, &mut q, tt))?;
+                let rate = (m * rows * cols) as f64 / us / 1e6;
+                line += &format!(" mma/{tt} {us:.2} µs ({rate:.1} T);");
             }
             let mut time = |k| graph_time(g, 48, &mut |i| g.qgemm_as(&xg, &co[i % n], &mut ob, k));
             let (small, tiled) = (time(QgemmKernel::Small)?, time(QgemmKernel::Tiled)?);
