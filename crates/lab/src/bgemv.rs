@@ -137,3 +137,60 @@ pub fn bgemv_mma(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct, q: &mut 
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (128, 1, 1), shared_mem_bytes: 0 };
     g.launch(&f, cfg, &args, Order::Serial, "bgemv_mma launch")
 }
+
+#[cfg(test)]
+mod tests {
+    /// warp_sum's butterfly (xor 16, 8, 4, 2, 1) over 32 lane values, as every lane ends it.
+    fn butterfly(v: [f32; 32]) -> [f32; 32] {
+        let mut v = v;
+        for o in [16, 8, 4, 2, 1] {
+            let prev = v;
+            for (l, x) in v.iter_mut().enumerate() {
+                *x = prev[l] + prev[l ^ o];
+            }
+        }
+        v
+    }
+
+    /// bgemv_mma.cu's order: warp w pushes the lane classes brev(8w .. 8w + 7) into a
+    /// 3-level binary counter, and the 4 warps' subtotals meet as ((w0 + w1) + (w2 + w3)).
+    fn bit_reversed_stack(v: [f32; 32]) -> f32 {
+        let sub = |w: usize| {
+            let mut lv = [0f32; 3];
+            for leaf in 0..8usize {
+                let mut x = v[((8 * w + leaf) as u32).reverse_bits() as usize >> 27];
+                let mut k = 0;
+                while k < 3 && (leaf >> k) & 1 == 1 {
+                    x += lv[k]; // lv[k] + x: addition commutes bit for bit
+                    k += 1;
+                }
+                lv[if k == 3 { 0 } else { k }] = x; // the 8th leaf: the subtotal
+            }
+            lv[0]
+        };
+        (sub(0) + sub(1)) + (sub(2) + sub(3))
+    }
+
+    /// The kernel's sum is the butterfly's, bit for bit, in every lane, over values of
+    /// mixed magnitudes and signs (where a different order would round differently).
+    #[test]
+    fn the_bit_reversed_stack_is_the_warp_butterfly() {
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let unit = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            unit * 10f32.powi((state % 7) as i32 - 3)
+        };
+        let mut orders_differ = 0;
+        for _ in 0..5000 {
+            let v: [f32; 32] = std::array::from_fn(|_| next());
+            let lanes = butterfly(v);
+            assert!(lanes.iter().all(|x| x.to_bits() == lanes[0].to_bits()), "every lane ends with one sum");
+            assert_eq!(bit_reversed_stack(v).to_bits(), lanes[0].to_bits(), "{v:?}");
+            orders_differ += usize::from(v.iter().sum::<f32>().to_bits() != lanes[0].to_bits());
+        }
+        assert!(orders_differ > 1000, "the values make sum orders matter ({orders_differ} of 5000)");
+    }
+}
