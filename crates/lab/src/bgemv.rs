@@ -64,6 +64,12 @@ pub fn bgemv(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct, nt: usize, s
     g.launch(&f, cfg, &args, Order::Serial, "bgemv launch")
 }
 
+/// `m` tokens rounded up to whole warps' token tiles (`tt` tiles of 8): bgemv_mma's rows
+/// of quantized x, the padding zero.
+fn padded_tokens(m: usize, tt: usize) -> usize {
+    m.div_ceil(8 * tt) * 8 * tt
+}
+
 /// Scratch of `bgemv_mma`: x quantized as the GEMV stages it (kernels/bgemv_mma.cu's
 /// bq_quant), for up to `mp` tokens of `cols` inputs.
 pub struct QuantX {
@@ -77,7 +83,7 @@ pub struct QuantX {
 impl QuantX {
     /// Room for `m` tokens of `cols` inputs at `tt` token tiles of 8 per warp.
     pub fn new(g: &Cuda, m: usize, cols: usize, tt: usize) -> Result<QuantX> {
-        let (mp, chunks) = (m.div_ceil(8 * tt) * 8 * tt, cols / 32);
+        let (mp, chunks) = (padded_tokens(m, tt), cols / 32);
         let alloc = |n: usize| g.stream.alloc_zeros::<f32>(n).map_err(crate::drv("bgemv_mma scratch"));
         let xb = g.stream.alloc_zeros::<u32>(mp * chunks * 16).map_err(crate::drv("bgemv_mma scratch"))?;
         Ok(QuantX { xb, xd: alloc(mp * chunks)?, xsx: alloc(mp * chunks)?, mp, cols })
@@ -99,11 +105,11 @@ pub fn bgemv_mma(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct, q: &mut 
     if *bits != 4 || !group.is_multiple_of(32) || ![1, 2, 4].contains(&tt) {
         return Err(Error::Unsupported(format!("bgemv_mma: {bits}-bit weights in groups of {group}, {tt} tiles")));
     }
-    if x.cols != *cols || out.rows != m || out.cols != *rows || q.cols != *cols || q.mp < m.div_ceil(8 * tt) * 8 * tt {
+    let (mp, chunks) = (padded_tokens(m, tt), cols / 32);
+    if x.cols != *cols || out.rows != m || out.cols != *rows || q.cols != *cols || q.mp < mp {
         return Err(Error::Invalid(format!("bgemv_mma: x [m, {cols}], out [m, {rows}] and scratch for them")));
     }
     let d = [defines.clone(), vec![format!("TT={tt}")]].concat();
-    let (mp, chunks) = (m.div_ceil(8 * tt) * 8 * tt, cols / 32);
     let quant = g.function(kernels::bgemv_mma(), &d, "bq_quant")?;
     let args = [
         g.arg(xb),

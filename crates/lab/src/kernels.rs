@@ -72,6 +72,42 @@ mod tests {
         src.lines().filter_map(|l| l.trim().strip_prefix("#include \"")?.strip_suffix('"')).collect()
     }
 
+    /// NVRTC's quick pass over `src` for `arch` must give a CUBIN (`what` names it in a failure).
+    fn assert_cubin(what: &str, name: &str, src: &str, arch: &str, defines: &[String]) {
+        let bin = nvrtc::compile_with(name, src, arch, defines, &["--Ofast-compile=max"])
+            .unwrap_or_else(|e| panic!("{what} {defines:?}: {e}"));
+        assert_eq!(&bin[..4], b"\x7fELF", "{what} {defines:?}: not a CUBIN");
+    }
+
+    /// The defines `file` is compiled with for each weight format (and, for gemv.cu, x form).
+    fn formats(file: &str) -> Vec<Vec<String>> {
+        let variants = ferrolm::backend::cuda::kernels::all_variants();
+        variants.into_iter().filter(|(v, _)| v.name == file).map(|(_, d)| d).collect()
+    }
+
+    /// `file` as scripts/lab/`script` writes it into a fresh kernel directory, with `env`
+    /// set; None (skipped, and said so) where bash cannot run.
+    fn spliced(script: &str, env: &[(&str, &str)], file: &str) -> Option<String> {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let dir = std::env::temp_dir().join(format!("ferrolm-{script}-{}", std::process::id()));
+        let run = std::process::Command::new("bash")
+            .arg(root.join("scripts/lab").join(script))
+            .arg(&dir)
+            .envs(env.iter().copied())
+            .output();
+        match run {
+            Ok(o) if o.status.success() => {}
+            Ok(o) => panic!("{script} failed: {}", String::from_utf8_lossy(&o.stderr)),
+            Err(e) => {
+                eprintln!("SKIPPED: bash not runnable: {e}");
+                return None;
+            }
+        }
+        let text = std::fs::read_to_string(dir.join(file)).unwrap();
+        std::fs::remove_dir_all(&dir).ok();
+        Some(text)
+    }
+
     #[test]
     fn every_include_left_is_an_engine_header() {
         for f in all().into_iter().chain([qgemm_wgmma(), bgemv_mma()]) {
@@ -96,23 +132,9 @@ mod tests {
             eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
             return;
         }
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let dir = std::env::temp_dir().join(format!("ferrolm-kvq-mma-{}", std::process::id()));
-        let run = std::process::Command::new("bash").arg(root.join("scripts/lab/kvq-mma.sh")).arg(&dir).output();
-        match run {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => panic!("kvq-mma.sh failed: {}", String::from_utf8_lossy(&o.stderr)),
-            Err(e) => {
-                eprintln!("SKIPPED: bash not runnable: {e}");
-                return;
-            }
-        }
-        let src = std::fs::read_to_string(dir.join("kv_quant.cu")).unwrap();
-        std::fs::remove_dir_all(&dir).ok();
+        let Some(src) = spliced("kvq-mma.sh", &[], "kv_quant.cu") else { return };
         for defines in ferrolm::backend::cuda::kernels::kv_quant_variants() {
-            let bin = nvrtc::compile_with("kv_quant.cu", &src, "sm_90", &defines, &["--Ofast-compile=max"])
-                .unwrap_or_else(|e| panic!("kvq_mma {defines:?}: {e}"));
-            assert_eq!(&bin[..4], b"\x7fELF", "kvq_mma {defines:?}: not a CUBIN");
+            assert_cubin("kvq_mma", "kv_quant.cu", &src, "sm_90", &defines);
         }
     }
 
@@ -126,33 +148,14 @@ mod tests {
             eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
             return;
         }
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
         let gemm = ferrolm::backend::cuda::kernels::file("gemm.cu");
-        for windows in [None, Some("1")] {
-            let dir = std::env::temp_dir().join(format!("ferrolm-few-win-{}", std::process::id()));
-            let mut cmd = std::process::Command::new("bash");
-            cmd.arg(root.join("scripts/lab/few-win.sh")).arg(&dir);
-            if let Some(w) = windows {
-                cmd.env("WIN_M1", w).env("WIN_GLU_M1", w);
-            }
-            match cmd.output() {
-                Ok(o) if o.status.success() => {}
-                Ok(o) => panic!("few-win.sh failed: {}", String::from_utf8_lossy(&o.stderr)),
-                Err(e) => {
-                    eprintln!("SKIPPED: bash not runnable: {e}");
-                    return;
-                }
-            }
-            let header = std::fs::read_to_string(dir.join("gemm_small.cuh")).unwrap();
-            std::fs::remove_dir_all(&dir).ok();
+        for windows in [&[][..], &[("WIN_M1", "1"), ("WIN_GLU_M1", "1")]] {
+            let Some(header) = spliced("few-win.sh", windows, "gemm_small.cuh") else { return };
             assert!(header.contains("chunk_mma_win<NM>(acc"), "the variant calls the windowed chunks");
             let src = gemm.src.replacen("#include \"gemm_small.cuh\"", &header, 1);
             assert_ne!(src, gemm.src, "gemm.cu includes gemm_small.cuh");
-            let variants = ferrolm::backend::cuda::kernels::all_variants();
-            for (_, defines) in variants.iter().filter(|(f, _)| f.name == "gemm.cu") {
-                let bin = nvrtc::compile_with("gemm.cu", &src, "sm_90", defines, &["--Ofast-compile=max"])
-                    .unwrap_or_else(|e| panic!("few_win {windows:?} {defines:?}: {e}"));
-                assert_eq!(&bin[..4], b"\x7fELF", "few_win {defines:?}: not a CUBIN");
+            for defines in formats("gemm.cu") {
+                assert_cubin(&format!("few_win {windows:?}"), "gemm.cu", &src, "sm_90", &defines);
             }
         }
     }
@@ -168,19 +171,11 @@ mod tests {
         }
         let f = bgemv();
         assert!(f.src.contains("BGEMV_KERNEL(4)"), "the lab text is appended");
-        let variants = ferrolm::backend::cuda::kernels::all_variants();
-        let formats: Vec<_> = variants
-            .iter()
-            .filter(|(v, d)| v.name == "gemv.cu" && d.iter().any(|d| d == "XQ=1"))
-            .map(|(_, d)| d.clone())
-            .collect();
+        let formats: Vec<_> = formats("gemv.cu").into_iter().filter(|d| d.iter().any(|d| d == "XQ=1")).collect();
         assert!(formats.len() >= 9, "gemv.cu's int16-x formats: {}", formats.len());
         for (i, d) in formats.iter().enumerate() {
             for nt in if i == 0 { vec![1, 8] } else { vec![8] } {
-                let defines = [d.clone(), vec![format!("BG_NT={nt}")]].concat();
-                let bin = nvrtc::compile_with(f.name, f.src, "sm_90", &defines, &["--Ofast-compile=max"])
-                    .unwrap_or_else(|e| panic!("bgemv {defines:?}: {e}"));
-                assert_eq!(&bin[..4], b"\x7fELF", "bgemv {defines:?}: not a CUBIN");
+                assert_cubin("bgemv", f.name, f.src, "sm_90", &[d.clone(), vec![format!("BG_NT={nt}")]].concat());
             }
         }
     }
@@ -194,22 +189,17 @@ mod tests {
             return;
         }
         let f = bgemv_mma();
-        let variants = ferrolm::backend::cuda::kernels::all_variants();
-        let formats: Vec<_> = variants
-            .iter()
-            .filter(|(v, d)| {
+        let formats: Vec<_> = formats("gemm.cu")
+            .into_iter()
+            .filter(|d| {
                 let group = d.iter().find_map(|d| d.strip_prefix("GROUP=")).and_then(|g| g.parse::<usize>().ok());
-                v.name == "gemm.cu" && d.iter().any(|d| d == "BITS=4") && group.is_some_and(|g| g % 32 == 0)
+                d.iter().any(|d| d == "BITS=4") && group.is_some_and(|g| g % 32 == 0)
             })
-            .map(|(_, d)| d.clone())
             .collect();
         assert!(formats.len() >= 3, "4-bit formats: {}", formats.len());
         for d in &formats {
             for tt in [1, 2, 4] {
-                let defines = [d.clone(), vec![format!("TT={tt}")]].concat();
-                let bin = nvrtc::compile_with(f.name, f.src, "sm_90", &defines, &["--Ofast-compile=max"])
-                    .unwrap_or_else(|e| panic!("bgemv_mma {defines:?}: {e}"));
-                assert_eq!(&bin[..4], b"\x7fELF", "bgemv_mma {defines:?}: not a CUBIN");
+                assert_cubin("bgemv_mma", f.name, f.src, "sm_90", &[d.clone(), vec![format!("TT={tt}")]].concat());
             }
         }
     }
@@ -223,15 +213,11 @@ mod tests {
             return;
         }
         let f = qgemm_wgmma();
-        let variants = ferrolm::backend::cuda::kernels::all_variants();
-        let formats: Vec<_> = variants.iter().filter(|(v, _)| v.name == "gemm.cu").map(|(_, d)| d.clone()).collect();
+        let formats = formats("gemm.cu");
         assert!(formats.len() >= 9, "gemm.cu's formats");
         for (i, d) in formats.iter().enumerate() {
             let stages = if i == 0 { "STAGES=3" } else { "STAGES=4" };
-            let defines = [d.clone(), vec![stages.to_string()]].concat();
-            let bin = nvrtc::compile_with(f.name, f.src, "sm_90a", &defines, &["--Ofast-compile=max"])
-                .unwrap_or_else(|e| panic!("qgemm_wgmma {defines:?}: {e}"));
-            assert_eq!(&bin[..4], b"\x7fELF", "qgemm_wgmma {defines:?}: not a CUBIN");
+            assert_cubin("qgemm_wgmma", f.name, f.src, "sm_90a", &[d.clone(), vec![stages.to_string()]].concat());
         }
     }
 
@@ -245,9 +231,7 @@ mod tests {
             return;
         }
         for f in all() {
-            let bin = nvrtc::compile_with(f.name, f.src, "sm_90", &[], &["--Ofast-compile=max"])
-                .unwrap_or_else(|e| panic!("{}: {e}", f.name));
-            assert_eq!(&bin[..4], b"\x7fELF", "{}: not a CUBIN", f.name);
+            assert_cubin(f.name, f.name, f.src, "sm_90", &[]);
         }
     }
 }
