@@ -373,10 +373,12 @@ mod tests {
 
     /// A matrix summed in units gives, cut at a unit boundary, the same bits part after
     /// part (the first part's sums continued by the second's) as whole, for every x row
-    /// count (the tiles of 1-4 rows), quantized (each kernel layout) and dense.
+    /// count (the tiles of 1-4 rows), quantized (each kernel layout) and dense; units of
+    /// 128 and of 32 columns (16 units: two batches of `hsum8`), parts of one unit (summed
+    /// as a whole row) and of several.
     #[test]
     fn parts_continued_in_order_sum_as_the_whole() {
-        let (n, k, unit) = (20, 512, 128);
+        let (n, k) = (20, 512);
         let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
         let mut weights: Vec<Weight> = [(4, 32), (8, 32), (4, 64), (3, 32), (5, 16), (6, 128)]
             .into_iter()
@@ -389,25 +391,29 @@ mod tests {
             cols: k,
             data: crate::quant::DenseData::F32(w),
         }));
-        for wt in weights {
-            let whole = CpuMat::in_units(wt.clone(), unit);
-            assert_eq!(whole.unit, unit, "{}", wt.describe());
-            let cut = 3 * unit;
-            let (a, b) = (
-                CpuMat::in_units(wt.cols_part(0..cut).unwrap(), unit),
-                CpuMat::in_units(wt.cols_part(cut..k).unwrap(), unit),
-            );
-            for m in 1..7 {
-                let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
-                let xa: Vec<f32> = x.chunks(k).flat_map(|r| r[..cut].to_vec()).collect();
-                let xb: Vec<f32> = x.chunks(k).flat_map(|r| r[cut..].to_vec()).collect();
-                let mut want = vec![0f32; m * n];
-                matmul_many(&x, m, &[&whole], &mut [&mut want]);
-                let mut got = vec![0f32; m * n];
-                matmul_many(&xa, m, &[&a], &mut [&mut got]);
-                matmul_continue(&xb, m, &b, &mut got);
-                let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits_of(&got), bits_of(&want), "{}, {m} rows", wt.describe());
+        for unit in [128, 32] {
+            for wt in weights.iter().filter(|w| w.cuts_at(unit)) {
+                let whole = CpuMat::in_units(wt.clone(), unit);
+                assert_eq!(whole.unit, unit, "{}", wt.describe());
+                for cut in [unit, 3 * unit, k - unit] {
+                    let (a, b) = (
+                        CpuMat::in_units(wt.cols_part(0..cut).unwrap(), unit),
+                        CpuMat::in_units(wt.cols_part(cut..k).unwrap(), unit),
+                    );
+                    for m in 1..7 {
+                        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+                        let xa: Vec<f32> = x.chunks(k).flat_map(|r| r[..cut].to_vec()).collect();
+                        let xb: Vec<f32> = x.chunks(k).flat_map(|r| r[cut..].to_vec()).collect();
+                        let mut want = vec![0f32; m * n];
+                        matmul_many(&x, m, &[&whole], &mut [&mut want]);
+                        let mut got = vec![0f32; m * n];
+                        matmul_many(&xa, m, &[&a], &mut [&mut got]);
+                        matmul_continue(&xb, m, &b, &mut got);
+                        let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        let what = format!("{}, units of {unit}, cut at {cut}, {m} rows", wt.describe());
+                        assert_eq!(bits_of(&got), bits_of(&want), "{what}");
+                    }
+                }
             }
         }
     }

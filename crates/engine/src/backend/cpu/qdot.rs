@@ -28,6 +28,12 @@
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+#[cfg(target_arch = "x86_64")]
+#[path = "qdot_blocks.rs"]
+mod blocks;
+#[cfg(target_arch = "x86_64")]
+use blocks::*;
+
 /// Values per x scale.
 pub const XB: usize = 32;
 
@@ -183,13 +189,15 @@ pub struct Mat<'a, S> {
     pub accumulate: bool,
 }
 
-/// Scratch reused across tasks: a task's scales and biases as f32, one row's unit factors,
-/// and a padded copy of the matrix's last row (16-byte reads may pass a row's end).
+/// Scratch reused across tasks: a task's scales and biases as f32, one row's unit factors
+/// and bias terms, and a padded copy of the matrix's last row (16-byte reads may pass a
+/// row's end).
 #[derive(Default)]
 pub struct Scratch {
     s: Vec<f32>,
     b: Vec<f32>,
     f: Vec<f32>,
+    bt: Vec<f32>,
     pad: Vec<u8>,
 }
 
@@ -223,6 +231,7 @@ pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
     let bs = w.biases.get(r0 * gpr, (r1 - r0) * gpr, &mut sc.b);
     let units = k / g.min(XB);
     sc.f.resize(4 * units.next_multiple_of(8), 0.0);
+    sc.bt.resize(4 * gpr.next_multiple_of(8), 0.0);
     let last = w.bytes.len() / rb - 1;
     let (shuf, mul) = unpack_consts(BITS);
     let (shuf, mul) = (_mm256_loadu_si256(shuf.as_ptr().cast()), _mm256_loadu_si256(mul.as_ptr().cast()));
@@ -239,13 +248,13 @@ pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
         let row = RowJob { p, shuf, mul, s, b, sums, gpr, out: out.add(r), n, unit: w.unit, accumulate: w.accumulate };
         let mut t = 0;
         while t + 4 <= x.rows {
-            tile::<BITS, 4>(&row, x, t, &mut sc.f);
+            tile::<BITS, 4>(&row, x, t, (&mut sc.f, &mut sc.bt));
             t += 4;
         }
         match x.rows - t {
-            3 => tile::<BITS, 3>(&row, x, t, &mut sc.f),
-            2 => tile::<BITS, 2>(&row, x, t, &mut sc.f),
-            1 => tile::<BITS, 1>(&row, x, t, &mut sc.f),
+            3 => tile::<BITS, 3>(&row, x, t, (&mut sc.f, &mut sc.bt)),
+            2 => tile::<BITS, 2>(&row, x, t, (&mut sc.f, &mut sc.bt)),
+            1 => tile::<BITS, 1>(&row, x, t, (&mut sc.f, &mut sc.bt)),
             _ => {}
         }
     }
@@ -268,11 +277,33 @@ struct RowJob<'a> {
     accumulate: bool,
 }
 
+/// A tile's first x row and x's layout, and its shape, worked out once (a unit's integer
+/// divisions, taken per unit, cost SmolLM2's o with its 64-column units more than its
+/// blocks did).
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Shape {
+    t0: usize,
+    xq: *const i16,
+    /// Per unit: groups, factors (blocks of min(g, 32) values), 32-value x blocks.
+    groups: usize,
+    factors: usize,
+    blocks: usize,
+    /// 32-value blocks per x row, and the distance between x rows' factors in `f`.
+    kb: usize,
+    stride: usize,
+}
+
 /// The weight row against x rows t0..t0+R: per unit of `row.unit` columns, the unit's
 /// bias term and blocks in one vector sum, its total added to the row's.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: usize, f: &mut [f32]) {
+unsafe fn tile<const BITS: u32, const R: usize>(
+    row: &RowJob,
+    x: &QuantX,
+    t0: usize,
+    (f, bt): (&mut [f32], &mut [f32]),
+) {
     let (g, kb) = (x.cols / row.s.len(), x.cols / XB);
     let lay = Layouts::of(BITS, g);
     let xq = if lay.nibble {
@@ -282,8 +313,8 @@ unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: us
     } else {
         x.q.as_ptr()
     };
-    let units = x.cols / g.min(XB);
-    let stride = units.next_multiple_of(8);
+    let fpr = x.cols / g.min(XB);
+    let stride = fpr.next_multiple_of(8);
     for j in 0..R {
         match g {
             16 => factors(row.s, &x.d16[(t0 + j) * 2 * kb..], &mut f[j * stride..]),
@@ -291,12 +322,50 @@ unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: us
             _ => {}
         }
     }
+    let (groups, factors, blocks) = (row.unit / g, row.unit / g.min(XB), row.unit / XB);
+    let sh = Shape { t0, xq, groups, factors, blocks, kb, stride };
+    // One kernel for the whole tile, so that a unit's loop holds only its own code.
+    let args = (sh, (f, bt));
+    match (g, lay.nibble, lay.byte) {
+        (16, _, _) => tile_as::<BITS, R, K16>(row, x, args),
+        (XB, true, _) => tile_as::<BITS, R, KB_NIBBLE>(row, x, args),
+        (XB, _, true) => tile_as::<BITS, R, KB_BYTE>(row, x, args),
+        (XB, _, _) => tile_as::<BITS, R, KB_SEG>(row, x, args),
+        (_, true, _) => tile_as::<BITS, R, KG_NIBBLE>(row, x, args),
+        (_, _, true) => tile_as::<BITS, R, KG_BYTE>(row, x, args),
+        _ => tile_as::<BITS, R, KG_SEG>(row, x, args),
+    }
+}
+
+/// The kernels a tile's units run (`unit_acc`): group 16; group 32 in x's nibble, byte or
+/// segment layout; larger groups in the same three.
+const K16: u8 = 0;
+const KB_NIBBLE: u8 = 1;
+const KB_BYTE: u8 = 2;
+const KB_SEG: u8 = 3;
+const KG_NIBBLE: u8 = 4;
+const KG_BYTE: u8 = 5;
+const KG_SEG: u8 = 6;
+
+/// `tile` with its kernel K: the whole row's sum, or the units' sums added in order.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_as<const BITS: u32, const R: usize, const K: u8>(
+    row: &RowJob,
+    x: &QuantX,
+    (sh, (f, bt)): (Shape, (&mut [f32], &mut [f32])),
+) {
+    let t0 = sh.t0;
     // A row summed whole (every matrix but the output projections) stores its one sum
     // directly: through the units loop it decoded SmolLM2 about 10% slower.
     if row.unit == x.cols && !row.accumulate {
-        let part = unit_dot::<BITS, R>(row, x, (t0, xq), 0, f, stride);
-        for (j, t) in part.into_iter().enumerate() {
-            *row.out.add((t0 + j) * row.n) = t;
+        let mut acc = [_mm256_setzero_ps(); R];
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a = bias(row.b, &row.sums[(t0 + j) * row.gpr..]);
+        }
+        let acc = unit_acc::<BITS, R, K>(row, x, 0, sh, f, acc);
+        for (j, a) in acc.into_iter().enumerate() {
+            *row.out.add((t0 + j) * row.n) = super::simd::hsum(a);
         }
         return;
     }
@@ -307,10 +376,42 @@ unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: us
             total[j] = *row.out.add((t0 + j) * row.n);
         }
     }
-    for c0 in (0..x.cols).step_by(row.unit) {
-        let part = unit_dot::<BITS, R>(row, x, (t0, xq), c0, &f[c0 / g.min(XB)..], stride);
+    // Each unit's bias term: units of up to 8 groups load theirs from the row's products,
+    // made once (as `bias` makes them: a unit's bias costs o as much as its blocks).
+    let bstride = row.gpr.next_multiple_of(8);
+    let few = sh.groups <= 8;
+    if few {
         for j in 0..R {
-            total[j] = if c0 == 0 && !row.accumulate { part[j] } else { total[j] + part[j] };
+            bias_terms(row.b, &row.sums[(t0 + j) * row.gpr..], &mut bt[j * bstride..]);
+        }
+    }
+    let mask = head_mask(sh.groups.min(8));
+    // Eight units' vectors at a time, summed by one hsum8 per x row (each unit's sum is
+    // hsum's), then added to the row's in order.
+    let units = x.cols / row.unit;
+    let mut vs = [[_mm256_setzero_ps(); 8]; R];
+    for u0 in (0..units).step_by(8) {
+        let batch = (units - u0).min(8);
+        for i in 0..batch {
+            let u = u0 + i;
+            let g0 = u * sh.groups;
+            let mut acc = [_mm256_setzero_ps(); R];
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a = match few {
+                    true => _mm256_maskload_ps(bt.as_ptr().add(j * bstride + g0), mask),
+                    false => bias(&row.b[g0..g0 + sh.groups], &row.sums[(t0 + j) * row.gpr + g0..]),
+                };
+            }
+            let acc = unit_acc::<BITS, R, K>(row, x, u, sh, &f[u * sh.factors..], acc);
+            for j in 0..R {
+                vs[j][i] = acc[j];
+            }
+        }
+        for j in 0..R {
+            let sums = super::simd::hsum8(&vs[j]);
+            for (i, &p) in sums[..batch].iter().enumerate() {
+                total[j] = if u0 + i == 0 && !row.accumulate { p } else { total[j] + p };
+            }
         }
     }
     for (j, t) in total.into_iter().enumerate() {
@@ -318,306 +419,47 @@ unsafe fn tile<const BITS: u32, const R: usize>(row: &RowJob, x: &QuantX, t0: us
     }
 }
 
-/// Columns c0..c0 + row.unit of the weight row against x rows t0..t0+R (xq: x in the
-/// layout the row reads; f: the rows' unit factors from the unit's first one on).
+/// Unit `u` (columns u·row.unit onwards) of the weight row against x rows t0..t0+R (xq: x
+/// in the layout the row reads; f: the rows' factors from the unit's first one on), each
+/// x row's sum as 8 lanes continuing `acc` (the unit's bias term).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn unit_dot<const BITS: u32, const R: usize>(
+unsafe fn unit_acc<const BITS: u32, const R: usize, const K: u8>(
     row: &RowJob,
     x: &QuantX,
-    (t0, xq): (usize, *const i16),
-    c0: usize,
+    u: usize,
+    sh: Shape,
     f: &[f32],
-    stride: usize,
-) -> [f32; R] {
-    let g = x.cols / row.s.len();
-    let lay = Layouts::of(BITS, g);
-    let (g0, g1) = (c0 / g, (c0 + row.unit) / g);
+    acc: [__m256; R],
+) -> [__m256; R] {
+    let (t0, xq, stride) = (sh.t0, sh.xq, sh.stride);
+    let c0 = u * row.unit;
+    let (g0, g1) = (u * sh.groups, (u + 1) * sh.groups);
     // (No closures here: they would not inherit the target features, and their intrinsics
     // would be calls.)
     let mut src = Src::<R> { p: row.p.add(c0 * BITS as usize / 8), xq: [xq; R], shuf: row.shuf, mul: row.mul };
-    // The bias term Σ_g b_g·Σx'_g starts each x row's accumulator.
-    let mut acc = [_mm256_setzero_ps(); R];
     for j in 0..R {
         src.xq[j] = xq.add((t0 + j) * x.cols + c0);
-        acc[j] = bias(&row.b[g0..g1], &row.sums[(t0 + j) * row.gpr + g0..]);
     }
-    let units = row.unit / g.min(XB);
-    let acc = match g {
-        16 => dot_units16::<BITS, R>(src, f, stride, units, acc),
-        XB => match (lay.nibble, lay.byte) {
-            (true, _) => dot_blocks::<BITS, NIBBLE, R>(src, f, stride, units, acc),
-            (_, true) => dot_blocks::<BITS, BYTE, R>(src, f, stride, units, acc),
-            _ => dot_blocks::<BITS, SEG, R>(src, f, stride, units, acc),
-        },
+    match K {
+        K16 => dot_units16::<BITS, R>(src, f, stride, sh.factors, acc),
+        KB_NIBBLE => dot_blocks::<BITS, NIBBLE, R>(src, f, stride, sh.factors, acc),
+        KB_BYTE => dot_blocks::<BITS, BYTE, R>(src, f, stride, sh.factors, acc),
+        KB_SEG => dot_blocks::<BITS, SEG, R>(src, f, stride, sh.factors, acc),
         _ => {
-            let (kb, b0) = (x.cols / XB, c0 / XB);
+            let (kb, b0) = (sh.kb, u * sh.blocks);
             let mut d: [&[f32]; R] = [&[]; R];
             for (j, d) in d.iter_mut().enumerate() {
                 *d = &x.d[(t0 + j) * kb + b0..(t0 + j + 1) * kb];
             }
-            let s = &row.s[g0..g1];
-            match (lay.nibble, lay.byte) {
-                (true, _) => dot_groups::<BITS, NIBBLE, R>(src, s, d, g / XB, acc),
-                (_, true) => dot_groups::<BITS, BYTE, R>(src, s, d, g / XB, acc),
-                _ => dot_groups::<BITS, SEG, R>(src, s, d, g / XB, acc),
+            let (s, bpg) = (&row.s[g0..g1], sh.blocks / sh.groups);
+            match K {
+                KG_NIBBLE => dot_groups::<BITS, NIBBLE, R>(src, s, d, bpg, acc),
+                KG_BYTE => dot_groups::<BITS, BYTE, R>(src, s, d, bpg, acc),
+                _ => dot_groups::<BITS, SEG, R>(src, s, d, bpg, acc),
             }
         }
-    };
-    let mut sums = [0f32; R];
-    for j in 0..R {
-        sums[j] = super::simd::hsum(acc[j]);
     }
-    sums
-}
-
-/// A weight row and R rows of x for the block kernels: the row's packed bytes, each x
-/// row in the layout they read, and the byte shuffle and multipliers of `load16`.
-#[cfg(target_arch = "x86_64")]
-#[derive(Clone, Copy)]
-struct Src<const R: usize> {
-    p: *const u8,
-    xq: [*const i16; R],
-    shuf: __m256i,
-    mul: __m256i,
-}
-
-/// How a 32-value block is unpacked: two 16-value segments of any width (x in order),
-/// 4-bit nibbles (x in `q4` order), 8-bit bytes (x in `q8` order).
-const SEG: u8 = 0;
-const NIBBLE: u8 = 1;
-const BYTE: u8 = 2;
-
-/// Lanes [0, n) of 8 set (n ≤ 8).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn head_mask(n: usize) -> __m256i {
-    _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
-}
-
-/// A row's unit factors f = s ⊙ d, written in whole vectors (a masked store is slow on
-/// AMD): f holds s.len() rounded up to 8 values.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn factors(s: &[f32], d: &[f32], f: &mut [f32]) {
-    let n = s.len();
-    debug_assert!(d.len() >= n && f.len() >= n.next_multiple_of(8));
-    for i in (0..n).step_by(8) {
-        let m = head_mask(n - i);
-        let v = _mm256_mul_ps(_mm256_maskload_ps(s.as_ptr().add(i), m), _mm256_maskload_ps(d.as_ptr().add(i), m));
-        _mm256_storeu_ps(f.as_mut_ptr().add(i), v);
-    }
-}
-
-/// A row's bias term b · sums as 8 partial sums (a handful of vectors).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn bias(b: &[f32], sums: &[f32]) -> __m256 {
-    let n = b.len();
-    debug_assert!(sums.len() >= n);
-    let mut acc = _mm256_setzero_ps();
-    for i in (0..n).step_by(8) {
-        let m = head_mask(n - i);
-        acc =
-            _mm256_fmadd_ps(_mm256_maskload_ps(b.as_ptr().add(i), m), _mm256_maskload_ps(sums.as_ptr().add(i), m), acc);
-    }
-    acc
-}
-
-/// acc_j + Σ_b f_j,b · (q·xq_j over block b) for R x rows of 32-value blocks (group 32);
-/// x row j's unit factors at f[j·stride..][..units].
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn dot_blocks<const BITS: u32, const L: u8, const R: usize>(
-    src: Src<R>,
-    f: &[f32],
-    stride: usize,
-    units: usize,
-    acc: [__m256; R],
-) -> [__m256; R] {
-    let fp = f.as_ptr();
-    let (mut a0, mut a1) = (acc, [_mm256_setzero_ps(); R]);
-    let mut b = 0;
-    while b + 2 <= units {
-        let (w0, w1) = (wblock::<BITS, L, R>(src, b), wblock::<BITS, L, R>(src, b + 1));
-        for j in 0..R {
-            let (i0, i1) = (xdot(w0, src.xq[j], b), xdot(w1, src.xq[j], b + 1));
-            let f = fp.add(j * stride + b);
-            a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*f), a0[j]);
-            a1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*f.add(1)), a1[j]);
-        }
-        b += 2;
-    }
-    if b < units {
-        let w0 = wblock::<BITS, L, R>(src, b);
-        for j in 0..R {
-            let i0 = xdot(w0, src.xq[j], b);
-            a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*fp.add(j * stride + b)), a0[j]);
-        }
-    }
-    for j in 0..R {
-        a0[j] = _mm256_add_ps(a0[j], a1[j]);
-    }
-    a0
-}
-
-/// acc_j + Σ_g s_g · Σ_{b∈g} d_j,b · (q·xq_j over block b) for groups of bpg ≥ 2 blocks.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn dot_groups<const BITS: u32, const L: u8, const R: usize>(
-    src: Src<R>,
-    s: &[f32],
-    d: [&[f32]; R],
-    bpg: usize,
-    mut acc: [__m256; R],
-) -> [__m256; R] {
-    let mut b = 0;
-    for s in s {
-        let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
-        let end = b + bpg;
-        while b < end {
-            let (w0, w1) = (wblock::<BITS, L, R>(src, b), wblock::<BITS, L, R>(src, b + 1));
-            for j in 0..R {
-                let (i0, i1) = (xdot(w0, src.xq[j], b), xdot(w1, src.xq[j], b + 1));
-                let dp = d[j].as_ptr().add(b);
-                a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*dp), a0[j]);
-                a1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*dp.add(1)), a1[j]);
-            }
-            b += 2;
-        }
-        for j in 0..R {
-            acc[j] = _mm256_fmadd_ps(_mm256_add_ps(a0[j], a1[j]), _mm256_broadcast_ss(s), acc[j]);
-        }
-    }
-    acc
-}
-
-/// acc_j + Σ_u f_j,u · (q·xq_j over 16-value unit u) (group 16: a scale per unit).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn dot_units16<const BITS: u32, const R: usize>(
-    src: Src<R>,
-    f: &[f32],
-    stride: usize,
-    units: usize,
-    acc: [__m256; R],
-) -> [__m256; R] {
-    let fp = f.as_ptr();
-    let (mut a0, mut a1) = (acc, [_mm256_setzero_ps(); R]);
-    // cols is a multiple of 32: units come in pairs.
-    let mut u = 0;
-    while u < units {
-        let (w0, w1) = (load16::<BITS, R>(src, u), load16::<BITS, R>(src, u + 1));
-        for j in 0..R {
-            let x = src.xq[j].add(16 * u);
-            let i0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(x as *const __m256i));
-            let i1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(x.add(16) as *const __m256i));
-            let f = fp.add(j * stride + u);
-            a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*f), a0[j]);
-            a1[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_broadcast_ss(&*f.add(1)), a1[j]);
-        }
-        u += 2;
-    }
-    for j in 0..R {
-        a0[j] = _mm256_add_ps(a0[j], a1[j]);
-    }
-    a0
-}
-
-/// The 32 weights of block b as two vectors of u16 lanes, in the order layout L pairs
-/// them with x: values 0-15 and 16-31 (segments), even and odd values (4-bit nibbles), or
-/// the bytes' unpack halves (8-bit).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn wblock<const BITS: u32, const L: u8, const R: usize>(src: Src<R>, b: usize) -> (__m256i, __m256i) {
-    match L {
-        NIBBLE => {
-            let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(src.p.add(16 * b) as *const __m128i));
-            (_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_srli_epi16::<4>(v))
-        }
-        BYTE => {
-            let v = _mm256_loadu_si256(src.p.add(XB * b) as *const __m256i);
-            let z = _mm256_setzero_si256();
-            (_mm256_unpacklo_epi8(v, z), _mm256_unpackhi_epi8(v, z))
-        }
-        _ => (load16::<BITS, R>(src, 2 * b), load16::<BITS, R>(src, 2 * b + 1)),
-    }
-}
-
-/// w·xq over block b (w from `wblock`; x row xq in the block's layout) as 8 i32 partial
-/// sums.
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-unsafe fn xdot(w: (__m256i, __m256i), xq: *const i16, b: usize) -> __m256i {
-    let x = xq.add(XB * b);
-    _mm256_add_epi32(
-        _mm256_madd_epi16(w.0, _mm256_loadu_si256(x as *const __m256i)),
-        _mm256_madd_epi16(w.1, _mm256_loadu_si256(x.add(16) as *const __m256i)),
-    )
-}
-
-/// The 16 values of segment s (bytes [2·BITS·s, 2·BITS·(s+1)) of the row) as u16 lanes.
-/// Not 8-bit: 16 bytes are read from the segment's start, past the row's end for its last
-/// segments (the matrix's last row is read from a padded copy).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-#[target_feature(enable = "avx2")]
-unsafe fn load16<const BITS: u32, const R: usize>(src: Src<R>, s: usize) -> __m256i {
-    if BITS == 8 {
-        return _mm256_cvtepu8_epi16(_mm_loadu_si128(src.p.add(16 * s) as *const __m128i));
-    }
-    let v = _mm_loadu_si128(src.p.add(2 * BITS as usize * s) as *const __m128i);
-    let t = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(v), src.shuf);
-    // The multiply-high as written: through the intrinsic, LLVM sees the powers of two and
-    // rewrites it as 32-bit shifts and packs, twice the work.
-    let w: __m256i;
-    std::arch::asm!("vpmulhuw {w}, {t}, {m}", w = lateout(ymm_reg) w, t = in(ymm_reg) t, m = in(ymm_reg) src.mul,
-        options(pure, nomem, nostack, preserves_flags));
-    _mm256_and_si256(w, _mm256_set1_epi16((1 << BITS) - 1))
-}
-
-/// Byte shuffle and multiplier for 16 BITS-bit values: lane i gets the two bytes holding
-/// value i, whose low bit is then at o = BITS·i mod 8 of the lane (at 8 when o would be
-/// 0: the lane holds the value's byte on top, zero below), and the high half of the
-/// product with 2^(16−o) shifts it down by o (one multiply; an AND keeps BITS bits).
-#[inline(always)]
-fn unpack_consts(bits: u32) -> (&'static [i8; 32], &'static [u16; 16]) {
-    const fn shuf(bits: usize) -> [i8; 32] {
-        let mut t = [0i8; 32];
-        let mut i = 0;
-        while i < 16 {
-            let byte = (bits * i / 8) as i8;
-            if (bits * i).is_multiple_of(8) {
-                t[2 * i] = -128; // the zero byte
-                t[2 * i + 1] = byte;
-            } else {
-                t[2 * i] = byte;
-                t[2 * i + 1] = byte + 1;
-            }
-            i += 1;
-        }
-        t
-    }
-    const fn mul(bits: usize) -> [u16; 16] {
-        let mut t = [0u16; 16];
-        let mut i = 0;
-        while i < 16 {
-            let o = if (bits * i).is_multiple_of(8) { 8 } else { bits * i % 8 };
-            t[i] = (1u32 << (16 - o)) as u16;
-            i += 1;
-        }
-        t
-    }
-    const S: [[i8; 32]; 5] = [shuf(2), shuf(3), shuf(4), shuf(5), shuf(6)];
-    const M: [[u16; 16]; 5] = [mul(2), mul(3), mul(4), mul(5), mul(6)];
-    let i = match bits {
-        2 => 0,
-        3 => 1,
-        4 => 2,
-        5 => 3,
-        _ => 4, // 6 (8-bit rows take no table)
-    };
-    (&S[i], &M[i])
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

@@ -32,6 +32,29 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// `hsum` of each of eight vectors, in one transposing network whose adds pair the lanes
+/// as `hsum`'s do (lane i + lane i+4, then 0+2 and 1+3, then those two), so each sum has
+/// `hsum`'s bits: about a third of eight `hsum`s' instructions.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> [f32; 8] {
+    // [a's lane i + lane i+4 for i < 4 | b's]
+    let halves = |a: __m256, b: __m256| {
+        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b))
+    };
+    let (h01, h23, h45, h67) = (halves(v[0], v[1]), halves(v[2], v[3]), halves(v[4], v[5]), halves(v[6], v[7]));
+    // Per 128-bit lane, [a0 + a2, a1 + a3, b0 + b2, b1 + b3].
+    let pairs = |a: __m256, b: __m256| {
+        _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(a, b), _mm256_shuffle_ps::<0b11_10_11_10>(a, b))
+    };
+    let (p0, p1) = (pairs(h01, h23), pairs(h45, h67));
+    // [v0, v2, v4, v6 | v1, v3, v5, v7]
+    let r = _mm256_add_ps(_mm256_shuffle_ps::<0b10_00_10_00>(p0, p1), _mm256_shuffle_ps::<0b11_01_11_01>(p0, p1));
+    let mut t = [0f32; 8];
+    _mm256_storeu_ps(t.as_mut_ptr(), r);
+    [t[0], t[4], t[1], t[5], t[2], t[6], t[3], t[7]]
+}
+
 /// 8 consecutive q values (as f32) starting at value 8·i of a row of `nbytes` bytes.
 /// 4 bits: one word, shifted per lane; 8 bits: 8 bytes widened. Any other width: the 8
 /// values are the BITS bytes at byte 8·i·BITS/8 of the LSB-first stream, read as one u64
@@ -185,4 +208,37 @@ pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
         j += 1;
     }
     s
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// hsum8's sums are hsum's bit for bit (values of mixed magnitudes, so that another
+    /// order of the adds rounds differently).
+    #[test]
+    fn hsum8_is_eight_hsums() {
+        if !has_avx2() {
+            return;
+        }
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            let mant = (seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            mant * 2f32.powi((seed % 40) as i32 - 20)
+        };
+        for _ in 0..1000 {
+            let lanes: Vec<[f32; 8]> = (0..8).map(|_| std::array::from_fn(|_| next())).collect();
+            // SAFETY: AVX2 is present (checked above).
+            unsafe {
+                let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(lanes[i].as_ptr()));
+                let got = hsum8(&v);
+                for i in 0..8 {
+                    assert_eq!(got[i].to_bits(), hsum(v[i]).to_bits(), "vector {i}: {:?}", lanes[i]);
+                }
+            }
+        }
+    }
 }
