@@ -277,9 +277,8 @@ struct RowJob<'a> {
     accumulate: bool,
 }
 
-/// A tile's first x row and x's layout, and its shape, worked out once (a unit's integer
-/// divisions, taken per unit, cost SmolLM2's o with its 64-column units more than its
-/// blocks did).
+/// A tile's first x row and x's layout, and its shape, worked out once rather than per
+/// unit (five integer divisions a unit, a measurable share of a 64-column unit's work).
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 struct Shape {
@@ -377,7 +376,8 @@ unsafe fn tile_as<const BITS: u32, const R: usize, const K: u8>(
         }
     }
     // Each unit's bias term: units of up to 8 groups load theirs from the row's products,
-    // made once (as `bias` makes them: a unit's bias costs o as much as its blocks).
+    // made once as `bias` makes them (a masked bias loop per unit and x row was about a
+    // fifth of o's time at 128 rows).
     let bstride = row.gpr.next_multiple_of(8);
     let few = sh.groups <= 8;
     if few {

@@ -34,7 +34,7 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
 
 /// `hsum` of each of eight vectors, in one transposing network whose adds pair the lanes
 /// as `hsum`'s do (lane i + lane i+4, then 0+2 and 1+3, then those two), so each sum has
-/// `hsum`'s bits: about a third of eight `hsum`s' instructions.
+/// `hsum`'s bits, in under half of eight `hsum`s' instructions.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> [f32; 8] {
