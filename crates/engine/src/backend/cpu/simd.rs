@@ -38,16 +38,16 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> [f32; 8] {
+    // (No closures: they would not inherit the caller's target features, and each
+    // intrinsic in them would be a call.)
     // [a's lane i + lane i+4 for i < 4 | b's]
-    let halves = |a: __m256, b: __m256| {
-        _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b))
-    };
-    let (h01, h23, h45, h67) = (halves(v[0], v[1]), halves(v[2], v[3]), halves(v[4], v[5]), halves(v[6], v[7]));
+    let h01 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[0], v[1]), _mm256_permute2f128_ps::<0x31>(v[0], v[1]));
+    let h23 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[2], v[3]), _mm256_permute2f128_ps::<0x31>(v[2], v[3]));
+    let h45 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[4], v[5]), _mm256_permute2f128_ps::<0x31>(v[4], v[5]));
+    let h67 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[6], v[7]), _mm256_permute2f128_ps::<0x31>(v[6], v[7]));
     // Per 128-bit lane, [a0 + a2, a1 + a3, b0 + b2, b1 + b3].
-    let pairs = |a: __m256, b: __m256| {
-        _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(a, b), _mm256_shuffle_ps::<0b11_10_11_10>(a, b))
-    };
-    let (p0, p1) = (pairs(h01, h23), pairs(h45, h67));
+    let p0 = _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(h01, h23), _mm256_shuffle_ps::<0b11_10_11_10>(h01, h23));
+    let p1 = _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(h45, h67), _mm256_shuffle_ps::<0b11_10_11_10>(h45, h67));
     // [v0, v2, v4, v6 | v1, v3, v5, v7]
     let r = _mm256_add_ps(_mm256_shuffle_ps::<0b10_00_10_00>(p0, p1), _mm256_shuffle_ps::<0b11_01_11_01>(p0, p1));
     let mut t = [0f32; 8];
