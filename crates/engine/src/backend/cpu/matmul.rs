@@ -374,8 +374,8 @@ mod tests {
     /// A matrix summed in units gives, cut at a unit boundary, the same bits part after
     /// part (the first part's sums continued by the second's) as whole, for every x row
     /// count (the tiles of 1-4 rows), quantized (each kernel layout) and dense; units of
-    /// 128 and of 32 columns (16 units: two batches of `hsum8`), parts of one unit (summed
-    /// as a whole row) and of several.
+    /// 128 and of 32 columns (16 units), parts of one unit (summed as a whole row) and of
+    /// several.
     #[test]
     fn parts_continued_in_order_sum_as_the_whole() {
         let (n, k) = (20, 512);

@@ -368,13 +368,6 @@ unsafe fn tile_as<const BITS: u32, const R: usize, const K: u8>(
         }
         return;
     }
-    // Continuing: each x row's sum starts from what its output holds.
-    let mut total = [0f32; R];
-    if row.accumulate {
-        for j in 0..R {
-            total[j] = *row.out.add((t0 + j) * row.n);
-        }
-    }
     // Each unit's bias term: units of up to 8 groups load theirs from the row's products,
     // made once as `bias` makes them (a masked bias loop per unit and x row was about a
     // fifth of o's time at 128 rows).
@@ -386,35 +379,35 @@ unsafe fn tile_as<const BITS: u32, const R: usize, const K: u8>(
         }
     }
     let mask = head_mask(sh.groups.min(8));
-    // Eight units' vectors at a time, summed by one hsum8 per x row (each unit's sum is
-    // hsum's), then added to the row's in order.
-    let units = x.cols / row.unit;
-    let mut vs = [[_mm256_setzero_ps(); 8]; R];
-    for u0 in (0..units).step_by(8) {
-        let batch = (units - u0).min(8);
-        for i in 0..batch {
-            let u = u0 + i;
-            let g0 = u * sh.groups;
-            let mut acc = [_mm256_setzero_ps(); R];
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = match few {
-                    true => _mm256_maskload_ps(bt.as_ptr().add(j * bstride + g0), mask),
-                    false => bias(&row.b[g0..g0 + sh.groups], &row.sums[(t0 + j) * row.gpr + g0..]),
-                };
-            }
-            let acc = unit_acc::<BITS, R, K>(row, x, u, sh, &f[u * sh.factors..], acc);
-            for j in 0..R {
-                vs[j][i] = acc[j];
-            }
-        }
+    // The x rows' totals as the lanes of one vector, each unit's sums (hsum4: hsum's bits)
+    // added in unit order (the same adds as one scalar a row; per-row hsums and scalar
+    // chains cost o at 128 rows as much as its blocks). A continued sum starts from what
+    // the outputs hold.
+    let mut total = [0f32; 4];
+    if row.accumulate {
         for j in 0..R {
-            let sums = super::simd::hsum8(&vs[j]);
-            for (i, &p) in sums[..batch].iter().enumerate() {
-                total[j] = if u0 + i == 0 && !row.accumulate { p } else { total[j] + p };
-            }
+            total[j] = *row.out.add((t0 + j) * row.n);
         }
     }
-    for (j, t) in total.into_iter().enumerate() {
+    let mut total = _mm_loadu_ps(total.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for u in 0..x.cols / row.unit {
+        let g0 = u * sh.groups;
+        let mut start = [_mm256_setzero_ps(); R];
+        for (j, a) in start.iter_mut().enumerate() {
+            *a = match few {
+                true => _mm256_maskload_ps(bt.as_ptr().add(j * bstride + g0), mask),
+                false => bias(&row.b[g0..g0 + sh.groups], &row.sums[(t0 + j) * row.gpr + g0..]),
+            };
+        }
+        let unit = unit_acc::<BITS, R, K>(row, x, u, sh, &f[u * sh.factors..], start);
+        acc[..R].copy_from_slice(&unit);
+        let sums = super::simd::hsum4(&acc);
+        total = if u == 0 && !row.accumulate { sums } else { _mm_add_ps(total, sums) };
+    }
+    let mut out = [0f32; 4];
+    _mm_storeu_ps(out.as_mut_ptr(), total);
+    for (j, t) in out.into_iter().take(R).enumerate() {
         *row.out.add((t0 + j) * row.n) = t;
     }
 }

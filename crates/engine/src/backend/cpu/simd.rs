@@ -32,27 +32,21 @@ pub(super) unsafe fn hsum(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
-/// `hsum` of each of eight vectors, in one transposing network whose adds pair the lanes
-/// as `hsum`'s do (lane i + lane i+4, then 0+2 and 1+3, then those two), so each sum has
-/// `hsum`'s bits, in under half of eight `hsum`s' instructions.
+/// `hsum` of each of four vectors as the lanes of one, in one transposing network whose
+/// adds pair the lanes as `hsum`'s do (lane i + lane i+4, then 0+2 and 1+3, then those
+/// two), so each lane has `hsum`'s bits.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn hsum8(v: &[__m256; 8]) -> [f32; 8] {
-    // (No closures: they would not inherit the caller's target features, and each
-    // intrinsic in them would be a call.)
+pub(super) unsafe fn hsum4(v: &[__m256; 4]) -> __m128 {
+    // (No closures: they would not inherit the caller's target features.)
     // [a's lane i + lane i+4 for i < 4 | b's]
     let h01 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[0], v[1]), _mm256_permute2f128_ps::<0x31>(v[0], v[1]));
     let h23 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[2], v[3]), _mm256_permute2f128_ps::<0x31>(v[2], v[3]));
-    let h45 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[4], v[5]), _mm256_permute2f128_ps::<0x31>(v[4], v[5]));
-    let h67 = _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(v[6], v[7]), _mm256_permute2f128_ps::<0x31>(v[6], v[7]));
-    // Per 128-bit lane, [a0 + a2, a1 + a3, b0 + b2, b1 + b3].
-    let p0 = _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(h01, h23), _mm256_shuffle_ps::<0b11_10_11_10>(h01, h23));
-    let p1 = _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(h45, h67), _mm256_shuffle_ps::<0b11_10_11_10>(h45, h67));
-    // [v0, v2, v4, v6 | v1, v3, v5, v7]
-    let r = _mm256_add_ps(_mm256_shuffle_ps::<0b10_00_10_00>(p0, p1), _mm256_shuffle_ps::<0b11_01_11_01>(p0, p1));
-    let mut t = [0f32; 8];
-    _mm256_storeu_ps(t.as_mut_ptr(), r);
-    [t[0], t[4], t[1], t[5], t[2], t[6], t[3], t[7]]
+    // [v0: 0+2, 1+3, v2: 0+2, 1+3 | v1: …, v3: …]
+    let p = _mm256_add_ps(_mm256_shuffle_ps::<0b01_00_01_00>(h01, h23), _mm256_shuffle_ps::<0b11_10_11_10>(h01, h23));
+    // [v0, v2, v0, v2 | v1, v3, v1, v3]
+    let q = _mm256_add_ps(_mm256_shuffle_ps::<0b10_00_10_00>(p, p), _mm256_shuffle_ps::<0b11_01_11_01>(p, p));
+    _mm_unpacklo_ps(_mm256_castps256_ps128(q), _mm256_extractf128_ps::<1>(q))
 }
 
 /// 8 consecutive q values (as f32) starting at value 8·i of a row of `nbytes` bytes.
@@ -214,10 +208,10 @@ pub unsafe fn dot(a: &[f32], b: &[f32]) -> f32 {
 mod tests {
     use super::*;
 
-    /// hsum8's sums are hsum's bit for bit (values of mixed magnitudes, so that another
+    /// hsum4's lanes are hsum's bit for bit (values of mixed magnitudes, so that another
     /// order of the adds rounds differently).
     #[test]
-    fn hsum8_is_eight_hsums() {
+    fn hsum4_is_four_hsums() {
         if !has_avx2() {
             return;
         }
@@ -230,12 +224,13 @@ mod tests {
             mant * 2f32.powi((seed % 40) as i32 - 20)
         };
         for _ in 0..1000 {
-            let lanes: Vec<[f32; 8]> = (0..8).map(|_| std::array::from_fn(|_| next())).collect();
+            let lanes: Vec<[f32; 8]> = (0..4).map(|_| std::array::from_fn(|_| next())).collect();
             // SAFETY: AVX2 is present (checked above).
             unsafe {
-                let v: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(lanes[i].as_ptr()));
-                let got = hsum8(&v);
-                for i in 0..8 {
+                let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(lanes[i].as_ptr()));
+                let mut got = [0f32; 4];
+                _mm_storeu_ps(got.as_mut_ptr(), hsum4(&v));
+                for i in 0..4 {
                     assert_eq!(got[i].to_bits(), hsum(v[i]).to_bits(), "vector {i}: {:?}", lanes[i]);
                 }
             }
