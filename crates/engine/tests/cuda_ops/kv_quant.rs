@@ -3,7 +3,7 @@
 //! f32 rounding (prefill and decode, causal and sliding, caches that are and are not whole
 //! blocks), and real models whose quantized caches cost on CUDA what they cost on the CPU.
 
-use super::models::kl_and_agreement;
+use super::models::{golden_texts, kl_and_agreement, teacher_forced};
 use super::{attention_both, attn_cfg, bf, check, gpu, rope_attention_both, Rng};
 use ferrolm::backend::cpu::Cpu;
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
@@ -146,14 +146,7 @@ fn rope_attention_cases(g: &Cuda) {
 
 /// Teacher-forced logits of `m` over each of the golden's texts, concatenated.
 fn golden_logits<B: Backend>(m: &Decoder<B>, golden: &serde_json::Value) -> Vec<Vec<f32>> {
-    let mut rows = vec![];
-    for t in golden["texts"].as_array().unwrap() {
-        let ids: Vec<u32> = t["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-        let mut kv = m.new_cache(ids.len()).unwrap();
-        let l = m.forward(&ids, 0, &mut kv, Logits::All).unwrap();
-        rows.extend(l.chunks_exact(m.cfg.vocab).map(|r| r.to_vec()));
-    }
-    rows
+    golden_texts(golden).iter().flat_map(|ids| teacher_forced(m, ids)).collect()
 }
 
 /// A real model's quantized cache on CUDA costs what it costs on the CPU: KL from the

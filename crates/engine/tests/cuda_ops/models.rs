@@ -21,9 +21,17 @@ pub fn smollm2() -> (Decoder<Cpu>, Decoder<Cuda>, Tokenizer) {
 /// rings on CUDA.
 const DECODE_STEPS: usize = 24;
 
-/// Rows of `vocab` logits, one a position.
-fn rows(l: &[f32], vocab: usize) -> Vec<Vec<f32>> {
-    l.chunks_exact(vocab).map(<[f32]>::to_vec).collect()
+/// The token ids of each of a golden's texts.
+pub fn golden_texts(golden: &serde_json::Value) -> Vec<Vec<u32>> {
+    let ids = |t: &serde_json::Value| t["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    golden["texts"].as_array().unwrap().iter().map(ids).collect()
+}
+
+/// `m`'s teacher-forced logits over `ids` from an empty cache, one row a position.
+pub fn teacher_forced<B: Backend>(m: &Decoder<B>, ids: &[u32]) -> Vec<Vec<f32>> {
+    let mut kv = m.new_cache(ids.len()).unwrap();
+    let l = m.forward(ids, 0, &mut kv, Logits::All).unwrap();
+    l.chunks_exact(m.cfg.vocab).map(<[f32]>::to_vec).collect()
 }
 
 /// What `cuda_agrees_with_cpu` compares a CUDA model with, computed once on the CPU for
@@ -62,15 +70,11 @@ fn decode_steps_from<B: Backend>(m: &Decoder<B>, ids: &[u32], split: usize) -> V
 impl CpuReference {
     fn new(name: &str, mc: &Decoder<Cpu>, tok: &Tokenizer, golden: &str) -> Self {
         let golden: serde_json::Value = serde_json::from_str(golden).unwrap();
-        let texts: Vec<(Vec<u32>, Vec<Vec<f32>>)> = golden["texts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|t| {
-                let ids: Vec<u32> = t["ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-                let mut kc = mc.new_cache(ids.len()).unwrap();
-                let l = mc.forward(&ids, 0, &mut kc, Logits::All).unwrap();
-                (ids, rows(&l, mc.cfg.vocab))
+        let texts: Vec<(Vec<u32>, Vec<Vec<f32>>)> = golden_texts(&golden)
+            .into_iter()
+            .map(|ids| {
+                let logits = teacher_forced(mc, &ids);
+                (ids, logits)
             })
             .collect();
         // The first text of the longest length, as a strict `>` scan picks it.
@@ -91,7 +95,6 @@ impl CpuReference {
 /// where the margin > 0.05 and mean KL ≤ 2e-3; the same greedy reply to the README prompt.
 fn cuda_agrees_with_cpu(want: &CpuReference, variant: &str, mg: &Decoder<Cuda>, tok: &Tokenizer) {
     let name = format!("{}, {variant}", want.name);
-    let v = mg.cfg.vocab;
     // (KL summed over rows, agreeing, counted, rows)
     let mut a = (0f64, 0, 0, 0);
     let mut add = |cpu: &[Vec<f32>], gpu: &[Vec<f32>]| {
@@ -99,13 +102,9 @@ fn cuda_agrees_with_cpu(want: &CpuReference, variant: &str, mg: &Decoder<Cuda>, 
         a = (a.0 + kl * cpu.len() as f64, a.1 + agree, a.2 + counted, a.3 + cpu.len());
     };
     for (ids, lc) in &want.texts {
-        let mut runs = vec![];
-        for _ in 0..3 {
-            let mut kg = mg.new_cache(ids.len()).unwrap();
-            runs.push(mg.forward(ids, 0, &mut kg, Logits::All).unwrap());
-        }
+        let runs = [teacher_forced(mg, ids), teacher_forced(mg, ids), teacher_forced(mg, ids)];
         assert!(runs[0] == runs[1] && runs[1] == runs[2], "{name}: CUDA logits differ between runs");
-        add(lc, &rows(&runs[0], v));
+        add(lc, &runs[0]);
     }
     add(&want.decode, &decode_steps_from(mg, &want.longest, want.longest.len() - DECODE_STEPS));
     let (agreement, kl) = (a.1 as f64 / a.2 as f64, a.0 / a.3 as f64);
