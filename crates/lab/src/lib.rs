@@ -7,6 +7,7 @@
 pub mod bgemv;
 pub mod kernels;
 pub mod probe;
+pub mod release_probe;
 pub mod timing;
 pub mod wgmma;
 
