@@ -10,7 +10,9 @@
 // (kv_encode.cuh). attention_q is attention.cu's split-K over the rows, dequantizing in the
 // inner loop: a key's dot with q is scale·Σ qᵢ·codeᵢ + offset·Σ qᵢ over a lane's dims (one
 // group); turbo values accumulate in the rotated domain and attention_merge_q undoes the
-// rotation once per output head. A decode row (head dims up to 128) runs kv_encode's and
+// rotation once per output head. At head dims 64 and 128 both take the scores and value
+// sums on the tensor cores (kv_quant_mma.cuh; attend_part is the CUDA-core form the others
+// and the bf16 head blocks take). A decode row (head dims up to 128) runs kv_encode's and
 // attention_q's work as one kernel, attention_q_decode, then the merge. Deterministic:
 // fixed orders.
 #include "common.cuh"
@@ -376,6 +378,8 @@ __device__ void attend_part(const QCall& C, const bf16_t* qrow, const int* table
     }
 }
 
+#include "kv_quant_mma.cuh"
+
 // attention.cu's attention_split over quantized rows for qb ≤ QH query heads of one KV group
 // per block: grid (heads / qb, m, splits · qb), block 128. A row's span is cut into at most
 // max_splits splits of max(min_chunk · qb, ⌈span / max_splits⌉) positions (a function of the
@@ -411,8 +415,8 @@ extern "C" __global__ void __launch_bounds__(128)
     pdl_wait();  // the table is the store's own; q, the rows, positions and tables may be new
     QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, window, scale};
     long row0 = (long)t * heads + h0;
-    attend_part(C, q + row0 * hd, tables + row_tab[t], pos[t] + 1, h0, blockIdx.z, gridDim.z, row0, part_ml, part_acc,
-                s_cent);
+    attend_part_mma(C, q + row0 * hd, tables + row_tab[t], pos[t] + 1, h0, blockIdx.z, gridDim.z, row0, part_ml,
+                    part_acc, s_cent);
 }
 
 // Thread d's value of the head whose thread i holds x (one thread per dim, the whole block)
@@ -485,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(128)
             EncodeDst D = {store, head_k, head_v, head_row0};
             kv_encode_row(s_x, s_gp, s_code, v + (long)kvh * hd, D, tab, kv_row(p, table), kvh, n_kv, hd, had_scale);
         }
-        attend_part(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
+        attend_part_mma(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
     }
 }
 

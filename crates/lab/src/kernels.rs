@@ -122,22 +122,6 @@ mod tests {
         assert!(stream_probe().src.contains("mbar_wait"), "mbarrier.cuh spliced in");
     }
 
-    /// The tensor-core attention over quantized KV rows (kernels/kvq_mma.cuh), spliced into
-    /// the product's kv_quant.cu by scripts/lab/kvq-mma.sh, compiles for every row format:
-    /// the splice still finds its places, and the lab text today's kernel. Skipped, and
-    /// said so, without NVRTC or python3.
-    #[test]
-    fn the_kvq_mma_variant_compiles_for_every_row_format() {
-        if !nvrtc::available() {
-            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
-            return;
-        }
-        let Some(src) = spliced("kvq-mma.sh", &[], "kv_quant.cu") else { return };
-        for defines in ferrolm::backend::cuda::kernels::kv_quant_variants() {
-            assert_cubin("kvq_mma", "kv_quant.cu", &src, "sm_90", &defines);
-        }
-    }
-
     /// The few-token GEMM with windowed x loads (kernels/few_win.cuh), spliced into the
     /// product's gemm_small.cuh by scripts/lab/few-win.sh, compiles in gemm.cu for every
     /// weight format, at the default windows and at the narrowest (one step). Skipped, and

@@ -20,6 +20,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
     ("kv_encode.cuh", include_str!("../../../kernels/kv_encode.cuh")),
+    ("kv_quant_mma.cuh", include_str!("../../../kernels/kv_quant_mma.cuh")),
     ("argmax.cuh", include_str!("../../../kernels/argmax.cuh")),
     ("x_stage.cuh", include_str!("../../../kernels/x_stage.cuh")),
 ];

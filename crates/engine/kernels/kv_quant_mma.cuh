@@ -1,10 +1,8 @@
-// Lab variant of kv_quant.cu's attend_part (decode and serving attention over quantized
-// KV rows): the scores and the value sums as tensor-core products (mma.m16n8k16, bf16 in,
-// f32 accumulate) over rows dequantized in registers, where attend_part spends ~90 warp
-// instructions a row on CUDA-core multiply-adds for 4 query heads (docs/kv.md, "Speed").
-// scripts/lab/kvq-mma.sh splices this text into a copy of kv_quant.cu (before its
-// attention_q) and points attention_q and attention_q_decode at attend_part_mma; with
-// FERROLM_KERNEL_DIR the same binaries then A/B it and run the parity tests on it.
+// Attention over quantized KV rows on the tensor cores (kv_quant.cu's attention_q and
+// attention_q_decode, head dims 64 and 128): the scores and the value sums as
+// mma.m16n8k16 products (bf16 in, f32 accumulate) over rows dequantized in registers. The
+// CUDA-core attend_part spends ~90 warp instructions a row on multiply-adds for 4 query
+// heads, which bounded quantized decode by instructions, not bytes (docs/kv.md, "Speed").
 //
 // Per warp, 16 positions a step, a block's qb ≤ 4 query heads as the MMA's rows (padded to
 // 16: rows past qb compute nothing that is stored):
@@ -20,7 +18,8 @@
 // k-step being 4 consecutive dims; for the values it takes hd/8 consecutive dims (one
 // group's) of its 4 positions, n-tile t's column g4 being dim g4·hd/8 + t.
 // Not bit-identical to attend_part (other sum orders, bf16 values and probabilities):
-// within the parity tests' bars, as flash prefill over quantized tiles is. Parts with
+// within the parity tests' bars against the CPU, as flash prefill over quantized tiles is.
+// Fixed orders, a function of the row alone: batch-invariant as attend_part. Parts over
 // bf16 head blocks (--kv-start) and head dim 256 take attend_part.
 #include "mma.cuh"
 
