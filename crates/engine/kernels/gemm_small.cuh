@@ -132,6 +132,51 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[NM][MT][4], const ChunkW 
     }
 }
 
+// chunk_mma<1, NM> for a chunk whose steps all lie below kend, its x fragments loaded
+// FEW_WIN steps at a time ahead of their MMAs: the same MMAs on the same operands in the
+// same order, so the same bits. In chunk_mma each k16 step loads its A registers from
+// global memory right before its mma and the step's `break` keeps the next step's shuffles
+// behind a branch, so at one tile (1-16 tokens, the serving path's calls at few streams)
+// a chunk was 16 serialized round trips (10.6 cycles per issued instruction under ncu).
+// Windows of 4 steps measured best (docs/perf.md, "One stream through the server"): the
+// 1B q/o matrix at one token 4.45 µs against 5.94, down 13.5 against 20.9.
+constexpr int FEW_WIN = 4;
+static_assert(CHUNK_STEPS % FEW_WIN == 0, "whole windows per chunk");
+
+// mma_bf16 without `volatile`: a pure function of its registers, which ptxas may schedule
+// (the next step's shuffles and dequantization under the current mma).
+__device__ __forceinline__ void mma_bf16_free(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <int NM>
+__device__ __forceinline__ void chunk_mma_win(float (&acc)[NM][1][4], const ChunkW (&cw)[NM],
+                                              const bf16_t* __restrict__ x, int c, int cols, int m, int lane) {
+    const int g = lane >> 2, tg = lane & 3;
+#pragma unroll
+    for (int j0 = 0; j0 < CHUNK_STEPS; j0 += FEW_WIN) {
+        u32 a[FEW_WIN][4];
+#pragma unroll
+        for (int w = 0; w < FEW_WIN; w++) {
+            const int k = c * CHUNK_K + 16 * (j0 + w), kl = k + 2 * tg;
+            const bool kin = k < cols;  // steps past cols run on zeros (qgemm.cuh)
+            a[w][0] = x_pair(x, g, kl, m, kin, cols), a[w][1] = x_pair(x, g + 8, kl, m, kin, cols);
+            a[w][2] = x_pair(x, g, kl + 8, m, kin, cols), a[w][3] = x_pair(x, g + 8, kl + 8, m, kin, cols);
+        }
+#pragma unroll
+        for (int w = 0; w < FEW_WIN; w++) {
+            u32 b[NM][2];
+#pragma unroll
+            for (int n = 0; n < NM; n++) step_b(cw[n], j0 + w, lane, b[n][0], b[n][1]);
+#pragma unroll
+            for (int n = 0; n < NM; n++) mma_bf16_free(acc[n][0], a[w], b[n][0], b[n][1]);
+        }
+    }
+}
+
 // grid (ceil(rows / 8)), block 32·min(SMALL_WARPS, ceil(cols / CHUNK_K)), m ≤ 16·MT. GLU:
 // gate and up of the same rows, out bf16 act(gate)·up (glu_value), act 0 silu, 1 gelu (tanh).
 template <int MT, bool OUT_F32, bool GLU>
@@ -172,7 +217,14 @@ __device__ __forceinline__ void qgemm_small_body(QMat gate, QMat up, const bf16_
             for (int i = 0; i < MT; i++)
 #pragma unroll
                 for (int e = 0; e < 4; e++) acc[n][i][e] = 0.f;
-        if (c < nchunk) chunk_mma<MT, NM>(acc, cur, x, c, kend, cols, m, lane);
+        if (c < nchunk) {
+            if constexpr (MT == 1) {
+                if ((c + 1) * CHUNK_K <= kend) chunk_mma_win<NM>(acc, cur, x, c, cols, m, lane);
+                else chunk_mma<MT, NM>(acc, cur, x, c, kend, cols, m, lane);
+            } else {
+                chunk_mma<MT, NM>(acc, cur, x, c, kend, cols, m, lane);
+            }
+        }
         __syncthreads();  // the previous round's totals have read `part`
         if (c < nchunk) {
 #pragma unroll

@@ -85,29 +85,6 @@ mod tests {
         variants.into_iter().filter(|(v, _)| v.name == file).map(|(_, d)| d).collect()
     }
 
-    /// `file` as scripts/lab/`script` writes it into a fresh kernel directory, with `env`
-    /// set; None (skipped, and said so) where bash cannot run.
-    fn spliced(script: &str, env: &[(&str, &str)], file: &str) -> Option<String> {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let dir = std::env::temp_dir().join(format!("ferrolm-{script}-{}", std::process::id()));
-        let run = std::process::Command::new("bash")
-            .arg(root.join("scripts/lab").join(script))
-            .arg(&dir)
-            .envs(env.iter().copied())
-            .output();
-        match run {
-            Ok(o) if o.status.success() => {}
-            Ok(o) => panic!("{script} failed: {}", String::from_utf8_lossy(&o.stderr)),
-            Err(e) => {
-                eprintln!("SKIPPED: bash not runnable: {e}");
-                return None;
-            }
-        }
-        let text = std::fs::read_to_string(dir.join(file)).unwrap();
-        std::fs::remove_dir_all(&dir).ok();
-        Some(text)
-    }
-
     #[test]
     fn every_include_left_is_an_engine_header() {
         for f in all().into_iter().chain([qgemm_wgmma(), bgemv_mma()]) {
@@ -120,28 +97,6 @@ mod tests {
             }
         }
         assert!(stream_probe().src.contains("mbar_wait"), "mbarrier.cuh spliced in");
-    }
-
-    /// The few-token GEMM with windowed x loads (kernels/few_win.cuh), spliced into the
-    /// product's gemm_small.cuh by scripts/lab/few-win.sh, compiles in gemm.cu for every
-    /// weight format, at the default windows and at the narrowest (one step). Skipped, and
-    /// said so, without NVRTC or bash.
-    #[test]
-    fn the_few_win_variant_compiles_for_every_weight_format() {
-        if !nvrtc::available() {
-            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
-            return;
-        }
-        let gemm = ferrolm::backend::cuda::kernels::file("gemm.cu");
-        for windows in [&[][..], &[("WIN_M1", "1"), ("WIN_GLU_M1", "1")]] {
-            let Some(header) = spliced("few-win.sh", windows, "gemm_small.cuh") else { return };
-            assert!(header.contains("chunk_mma_win<NM>(acc"), "the variant calls the windowed chunks");
-            let src = gemm.src.replacen("#include \"gemm_small.cuh\"", &header, 1);
-            assert_ne!(src, gemm.src, "gemm.cu includes gemm_small.cuh");
-            for defines in formats("gemm.cu") {
-                assert_cubin(&format!("few_win {windows:?}"), "gemm.cu", &src, "sm_90", &defines);
-            }
-        }
     }
 
     /// The batched GEMV compiles at eight tokens a block in every weight format gemv.cu is
