@@ -13,8 +13,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import mlx_lm" 2>/dev/null || python3 -m pip install --quiet "mlx[cpu]" mlx-lm
-cargo build --release -q -p ferrolm-cli
-bin=${CARGO_TARGET_DIR:-target}/release/ferrolm
+# FERROLM: a ferrolm binary already built (scripts/test.sh passes its own, whose engine has
+# the test features: building the CLI alone here would compile the engine a second time).
+[[ -n ${FERROLM:-} ]] || cargo build --release -q -p ferrolm-cli
+bin=${FERROLM:-${CARGO_TARGET_DIR:-target}/release/ferrolm}
 model=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models/SmolLM2-135M-Instruct.Q4_1.gguf
 [[ -f $model ]] || $bin inspect >/dev/null
 tmp=$(mktemp -d)

@@ -29,8 +29,11 @@ cargo test --workspace --release "${features[@]}" --doc
 cargo build --workspace --release "${features[@]}" --test cuda_parity
 # The official openai Python client against `ferrolm serve` (tools/openai_compat.py).
 python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
-cargo build --release -q -p ferrolm-cli
-python3 tools/openai_compat.py --bin "${CARGO_TARGET_DIR:-target}/release/ferrolm"
+# The CLI in the tests' feature set (already built for tests/cli.rs: a no-op), for the scripts
+# below: `cargo build -p ferrolm-cli` alone would compile the engine again without them.
+cargo build --workspace --release "${features[@]}" --bin ferrolm
+export FERROLM=${CARGO_TARGET_DIR:-target}/release/ferrolm
+python3 tools/openai_compat.py --bin "$FERROLM"
 scripts/mlx-check.sh
 # mlx-lm's own converter against ferrolm's NLL: an odd bit width and a mixed recipe (the
 # whole matrix of bits × groups × recipes: scripts/mlx-corpus.sh with no arguments).
