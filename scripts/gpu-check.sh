@@ -10,9 +10,8 @@
 #          OUT          where gpu-check.log goes (default /tmp)
 #          PARITY=0 / BENCH=0   skip the parity suite / the benchmarks
 #          PARITY_ARGS  arguments for the test binary, e.g. a filter or `--skip models::`
-# The parity suite alone took ~10 minutes on an H200 (2026-12-04, the model tests over
-# quantized caches and Gemma 3 most of it; their host side is cheaper since dc8e294, not
-# yet timed there), a device call's limit: run it in two calls,
+# The parity suite alone takes ~3 minutes on an H200 (2026-12-05: the model tests 118 s,
+# the rest 59 s, after `ferrolm kernels` below); with the benchmarks, run it in two calls,
 # PARITY_ARGS="--skip models" BENCH=0 then PARITY_ARGS=models (with the benchmarks).
 # Parity: the whole GPU test target (every CudaConfig switch included, as a test), then the
 # device top-k sampler against the host's. Benchmarks: SmolLM2-135M Q4_1, Gemma 3 270M

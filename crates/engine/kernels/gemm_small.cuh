@@ -143,6 +143,15 @@ __device__ __forceinline__ void chunk_mma(float (&acc)[NM][MT][4], const ChunkW 
 constexpr int FEW_WIN = 4;
 static_assert(CHUNK_STEPS % FEW_WIN == 0, "whole windows per chunk");
 
+// mma_bf16 without `volatile`: a pure function of its registers, which ptxas may schedule
+// (the next step's shuffles and dequantization under the current mma).
+__device__ __forceinline__ void mma_bf16_free(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 template <int NM>
 __device__ __forceinline__ void chunk_mma_win(float (&acc)[NM][1][4], const ChunkW (&cw)[NM],
                                               const bf16_t* __restrict__ x, int c, int cols, int m, int lane) {

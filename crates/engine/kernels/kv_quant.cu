@@ -399,17 +399,12 @@ __device__ void attend_part(const QCall& C, const bf16_t* qrow, const int* table
 // shape's decode at depth 32768 fell from 146 to 135 tok/s (spills; H200). Rows staged
 // through shared memory by cp.async (no register cost for loads in flight) measured slower
 // than these direct loads (docs/kv.md, "Speed").
-#define ATTENTION_Q_PARAMS                                                                                     \
-    const bf16_t *__restrict__ q, const u8 *__restrict__ store, const u32 *__restrict__ tab,                      \
-        float *__restrict__ part_ml, float *__restrict__ part_acc, int heads, int n_kv, int hd,                   \
-        const int *__restrict__ pos, int min_chunk, int max_splits, float scale, int window,                      \
-        const int *__restrict__ tables, const int *__restrict__ row_tab, int qb, const bf16_t *__restrict__ head_k, \
-        const bf16_t *__restrict__ head_v, int head_row0
-#define ATTENTION_Q_ARGS                                                                                       \
-    q, store, tab, part_ml, part_acc, heads, n_kv, hd, pos, min_chunk, max_splits, scale, window, tables, row_tab, \
-        qb, head_k, head_v, head_row0
-template <bool MMA_ONLY>
-__device__ __forceinline__ void attention_q_body(ATTENTION_Q_PARAMS) {
+extern "C" __global__ void __launch_bounds__(128)
+    attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store, const u32* __restrict__ tab,
+                float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                const int* __restrict__ pos, int min_chunk, int max_splits, float scale, int window,
+                const int* __restrict__ tables, const int* __restrict__ row_tab, int qb,
+                const bf16_t* __restrict__ head_k, const bf16_t* __restrict__ head_v, int head_row0) {
     __shared__ float s_cent[TURBO ? 256 : 1];
     pdl_trigger();
     int t = blockIdx.y, h0 = blockIdx.x * qb;
@@ -420,16 +415,8 @@ __device__ __forceinline__ void attention_q_body(ATTENTION_Q_PARAMS) {
     pdl_wait();  // the table is the store's own; q, the rows, positions and tables may be new
     QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, window, scale};
     long row0 = (long)t * heads + h0;
-    attend_part_mma<MMA_ONLY>(C, q + row0 * hd, tables + row_tab[t], pos[t] + 1, h0, blockIdx.z, gridDim.z, row0,
-                              part_ml, part_acc, s_cent);
-}
-extern "C" __global__ void __launch_bounds__(128) attention_q(ATTENTION_Q_PARAMS) {
-    attention_q_body<false>(ATTENTION_Q_ARGS);
-}
-// attention_q where every part takes the tensor cores (head dims 64 and 128, no head blocks):
-// without the CUDA-core loop's registers, four blocks fit an SM where three did (kv_quant_mma.cuh).
-extern "C" __global__ void __launch_bounds__(128) attention_q_mma(ATTENTION_Q_PARAMS) {
-    attention_q_body<true>(ATTENTION_Q_ARGS);
+    attend_part_mma(C, q + row0 * hd, tables + row_tab[t], pos[t] + 1, h0, blockIdx.z, gridDim.z, row0, part_ml,
+                    part_acc, s_cent);
 }
 
 // Thread d's value of the head whose thread i holds x (one thread per dim, the whole block)
@@ -462,18 +449,14 @@ __device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32
 // (no non-coherent loads of them). The merge folded in as well (the last block of a KV
 // group merging its partials) measured slower: one block's merge of 4 heads took ~26 µs
 // against the merge kernel's ~10 (docs/kv.md).
-#define ATTENTION_Q_DECODE_PARAMS                                                                              \
-    const bf16_t *__restrict__ q, const bf16_t *__restrict__ k, const bf16_t *__restrict__ v, u8 *store,             \
-        const u32 *__restrict__ tab, const float *__restrict__ inv_freq, float linear, int interleaved,            \
-        const float *__restrict__ qn, const float *__restrict__ kn, float eps, float *__restrict__ part_ml,         \
-        float *__restrict__ part_acc, int heads, int n_kv, int hd, const int *__restrict__ pos, int min_chunk,     \
-        int max_splits, float scale, int window, const int *__restrict__ table, int qb, float had_scale,           \
-        bf16_t *head_k, bf16_t *head_v, int head_row0
-#define ATTENTION_Q_DECODE_ARGS                                                                                 \
-    q, k, v, store, tab, inv_freq, linear, interleaved, qn, kn, eps, part_ml, part_acc, heads, n_kv, hd, pos,      \
-        min_chunk, max_splits, scale, window, table, qb, had_scale, head_k, head_v, head_row0
-template <bool MMA_ONLY>
-__device__ __forceinline__ void attention_q_decode_body(ATTENTION_Q_DECODE_PARAMS) {
+extern "C" __global__ void __launch_bounds__(128)
+    attention_q_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+                       u8* store, const u32* __restrict__ tab, const float* __restrict__ inv_freq, float linear,
+                       int interleaved, const float* __restrict__ qn, const float* __restrict__ kn, float eps,
+                       float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                       const int* __restrict__ pos, int min_chunk,
+                       int max_splits, float scale, int window, const int* __restrict__ table, int qb,
+                       float had_scale, bf16_t* head_k, bf16_t* head_v, int head_row0) {
     __shared__ float s_x[(QH + 1) * 128], s_red[(QH + 1) * 32], s_gp[2 * HD_MAX / 32];
     __shared__ u8 s_code[HD_MAX];
     __shared__ bf16_t s_q[QH * 128];
@@ -506,15 +489,8 @@ __device__ __forceinline__ void attention_q_decode_body(ATTENTION_Q_DECODE_PARAM
             EncodeDst D = {store, head_k, head_v, head_row0};
             kv_encode_row(s_x, s_gp, s_code, v + (long)kvh * hd, D, tab, kv_row(p, table), kvh, n_kv, hd, had_scale);
         }
-        attend_part_mma<MMA_ONLY>(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
+        attend_part_mma(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
     }
-}
-extern "C" __global__ void __launch_bounds__(128) attention_q_decode(ATTENTION_Q_DECODE_PARAMS) {
-    attention_q_decode_body<false>(ATTENTION_Q_DECODE_ARGS);
-}
-// attention_q_decode where every part takes the tensor cores, as attention_q_mma.
-extern "C" __global__ void __launch_bounds__(128) attention_q_decode_mma(ATTENTION_Q_DECODE_PARAMS) {
-    attention_q_decode_body<true>(ATTENTION_Q_DECODE_ARGS);
 }
 
 // attention.cu's attention_merge, then (turbo) the values' inverse rotation in f32 before

@@ -37,23 +37,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const u32 (&a)[4], u32 b
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// mma_bf16 without `volatile`: a pure function of its registers, which ptxas may schedule
-// (gemm_small.cuh's next step's shuffles and dequantization under the current mma).
-__device__ __forceinline__ void mma_bf16_free(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// The transpose of an 8×8 b16 matrix held in the mma fragment layout (lane l: row l / 4,
-// columns 2·(l % 4) and +1, the lower column in the low half), in the same layout.
-__device__ __forceinline__ u32 movmatrix_t(u32 x) {
-    u32 r;
-    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
-    return r;
-}
-
 // Two f32 → bf16x2 (round to nearest even), lo in the low half.
 __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     u32 r;

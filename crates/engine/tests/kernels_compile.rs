@@ -18,7 +18,8 @@ use ferrolm::backend::cuda::{kernels, nvrtc};
 /// 32, f16 scales). The other formats of both and gemv.cu's knob-only variants (ring,
 /// megakernel, split-K, fused layer end, attention block, warps, trace) compile quickly, as
 /// do flash_attention.cu's builds over quantized KV rows but the default scheme's
-/// (turbo:k8v3).
+/// (turbo:k8v3) and kv_quant.cu's (~3 s a variant) but the measured schemes' (turbo:k8v3,
+/// affine:4, affine:8).
 fn full_optimization(file: &str, defines: &[String]) -> bool {
     let format = |f: [&str; 3]| defines.len() >= 3 && defines[..3].iter().zip(f).all(|(d, f)| d == f);
     let default_format = ["BITS=4", "GROUP=64", "SCALE_T=1"];
@@ -28,6 +29,9 @@ fn full_optimization(file: &str, defines: &[String]) -> bool {
         "flash_attention.cu" if defines.iter().any(|d| d == "KVQ=1") => {
             defines.ends_with(&kernels::kv_quant_defines(true, 8, true, 3))
         }
+        "kv_quant.cu" => [(true, 8, true, 3), (false, 4, false, 4), (false, 8, false, 8)]
+            .into_iter()
+            .any(|(turbo, k, signed, v)| defines == kernels::kv_quant_defines(turbo, k, signed, v)),
         _ => true,
     }
 }

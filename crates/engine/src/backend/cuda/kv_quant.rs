@@ -55,17 +55,6 @@ impl QuantKv {
         row >= self.head_row0 && self.head.get(layer).is_some_and(Option::is_some)
     }
 
-    /// `kernel` (attention_q or attention_q_decode) for `layer`, or its `_mma` entry where
-    /// every part takes the tensor cores (head dims 64 and 128, no head blocks in the layer):
-    /// without the CUDA-core loop's registers it fits four blocks an SM, not three.
-    pub(crate) fn attention_entry(&self, kernel: &str, layer: usize, hd: usize) -> String {
-        let heads = self.head.get(layer).is_some_and(Option::is_some);
-        match (hd == 64 || hd == 128) && !heads {
-            true => format!("{kernel}_mma"),
-            false => kernel.to_string(),
-        }
-    }
-
     /// The kernels' head-block arguments of `layer`: keys, values (null for none), first row.
     pub(crate) fn head_args(&self, ctx: &Cuda, layer: usize) -> [KArg; 3] {
         let (k, v) = match &self.head[layer] {
@@ -159,21 +148,6 @@ impl Cuda {
             Error::Invalid(format!("CUDA KV store: layer {layer} of a {}-layer store", qk.codecs.len()))
         })?;
         Ok((self.function(kernels::file("kv_quant.cu"), &quant_defines(codec), name)?, qk))
-    }
-
-    /// `quant_function` of attention_q or attention_q_decode, the entry
-    /// `QuantKv::attention_entry` picks for `layer`.
-    fn quant_attention_function<'a>(
-        &self,
-        kv: &'a CudaKv,
-        layer: usize,
-        kernel: &str,
-    ) -> Result<(CudaFunction, &'a QuantKv)> {
-        let name = match &kv.quant {
-            Some(qk) => qk.attention_entry(kernel, layer, kv.head_dim),
-            None => kernel.to_string(),
-        };
-        self.quant_function(kv, layer, &name)
     }
 
     /// This call's k/v rows encoded into `layer`'s quantized store at the staged positions,
@@ -272,12 +246,10 @@ impl Cuda {
         if hd > FUSED_HEAD_DIM_MAX {
             return Err(Error::Invalid(format!("attention_q_decode takes head dims up to 128, not {hd}")));
         }
-        let (f, qk) = self.quant_attention_function(kv, layer, "attention_q_decode")?;
+        let (f, qk) = self.quant_function(kv, layer, "attention_q_decode")?;
         let qb = quant_heads_per_block(heads, n_kv);
         let (min_chunk, _) = attention_chunking(&self.cfg);
-        // attention_q's most splits, not this kernel's own (the same unless their registers
-        // differ): a row's parts, and so its bits, are those of the batched calls.
-        let most = self.quant_max_splits(&self.quant_attention_function(kv, layer, "attention_q")?.0, heads);
+        let most = self.quant_max_splits(&f, heads);
         // attention_cached_from's splits and scratch for one row.
         let splits = match self.steps.call_splits() {
             0 => quant_row_splits(kv.max_seq(), min_chunk, qb, most),
@@ -336,7 +308,7 @@ impl Cuda {
 
     /// attention_q's and attention_merge_q's functions and their arguments for `layer`.
     pub(crate) fn quant_attention_kernels(&self, kv: &CudaKv, layer: usize) -> Result<QuantAttention> {
-        let (split, qk) = self.quant_attention_function(kv, layer, "attention_q")?;
+        let (split, qk) = self.quant_function(kv, layer, "attention_q")?;
         let (merge, merge_extra) = self.quant_merge(kv, layer)?;
         Ok(QuantAttention {
             split,
