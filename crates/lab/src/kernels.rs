@@ -42,6 +42,20 @@ pub fn bgemv_mma() -> &'static KernelFile {
     &F
 }
 
+/// The engine's kv_quant.cu with kernels/kvq_wide.cuh in place of its kv_quant_mma.cuh:
+/// the tensor-core attention over quantized rows with wider loads (a kernel directory of it
+/// for `FERROLM_KERNEL_DIR`: scripts/lab/kvq-wide.sh).
+pub fn kvq_wide() -> &'static KernelFile {
+    static F: OnceLock<KernelFile> = OnceLock::new();
+    F.get_or_init(|| {
+        let src = ferrolm::backend::cuda::kernels::file("kv_quant.cu").src;
+        let include = "#include \"kv_quant_mma.cuh\"";
+        assert_eq!(src.matches(include).count(), 1, "kv_quant.cu includes kv_quant_mma.cuh once");
+        let src = src.replacen(include, include_str!("../kernels/kvq_wide.cuh"), 1);
+        KernelFile { name: "kvq_wide.cu", src: Box::leak(src.into_boxed_str()) }
+    })
+}
+
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
 pub fn stream_probe() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
@@ -151,6 +165,23 @@ mod tests {
             for tt in [1, 2, 4] {
                 assert_cubin("bgemv_mma", f.name, f.src, "sm_90", &[d.clone(), vec![format!("TT={tt}")]].concat());
             }
+        }
+    }
+
+    /// The wide-load quantized attention compiles in every row format kv_quant.cu is built
+    /// for (each scheme takes the wide loads its layout allows, the rest as before).
+    #[test]
+    fn the_wide_load_quantized_attention_compiles_for_every_row_format() {
+        if !nvrtc::available() {
+            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
+            return;
+        }
+        let f = kvq_wide();
+        assert!(f.src.contains("WIDE_KEYS") && !f.src.contains("#include \"kv_quant_mma.cuh\""), "spliced");
+        let formats = formats("kv_quant.cu");
+        assert!(formats.len() >= 20, "kv_quant.cu's formats: {}", formats.len());
+        for d in &formats {
+            assert_cubin("kvq_wide", f.name, f.src, "sm_90", d);
         }
     }
 
