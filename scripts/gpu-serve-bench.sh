@@ -16,6 +16,7 @@ bin=${1:?usage: gpu-serve-bench.sh BIN_DIR MODEL.gguf}
 model=${2:?usage: gpu-serve-bench.sh BIN_DIR MODEL.gguf}
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp}
+mkdir -p "$out"
 levels=${LEVELS:-1,8,32,64}
 np=$(tr ',' '\n' <<<"$levels" | sort -n | tail -1)
 ctx=${CTX:-1024}
