@@ -1,13 +1,13 @@
-// The lab's variant of the engine's kv_quant_mma.cuh (a FERROLM_KERNEL_DIR file of that name:
-// scripts/lab/kvq-wide.sh): the same kernel, its rows' bytes loaded in fewer, wider loads.
-// ncu put the engine's kernel's L1 at 61-67% busy with 55% of the fetched sectors excess
-// (docs/kv.md, "Speed"): a lane loaded its key codes and every group parameter as 4-byte
-// words and each value Codes8 as its own pair of words. Here, where the row layout keeps 8-byte
-// alignment (turbo:k8v3 and the affine schemes at head dim 128), a lane's run of key codes
-// in a group is one or two 8-byte loads, a row's key group parameters one or two, and its
-// value codes one pair of words (3-bit) or 8-byte words (4- and 8-bit): 28 loads a step for
-// turbo:k8v3 at head dim 128 against 52. The same codes in the same registers: bit for bit
-// the engine's kernel.
+// The lab's variant of the engine's kv_quant_mma.cuh (a FERROLM_KERNEL_DIR file of that
+// name: scripts/lab/kvq-variant.sh wide): the same kernel, its rows' bytes in fewer, wider
+// loads. ncu put the engine's kernel's L1 at 61-67% busy with 55% of the fetched sectors
+// excess (docs/kv.md, "Speed"): a lane loaded its key codes and every group parameter as
+// 4-byte words and each value Codes8 as its own pair of words. Here, where the row layout
+// keeps 8-byte alignment (turbo:k8v3 and the affine schemes at head dim 128), a lane's run
+// of key codes in a group is one or two 8-byte loads, a row's key group parameters one or
+// two, and its value codes one pair of words (3-bit) or 8-byte words (4- and 8-bit): 34
+// global loads a step for turbo:k8v3 at head dim 128 against 58 (scripts/lab/sass-loops.sh),
+// the same instruction count. The same codes in the same registers: the engine's bits.
 // Attention over quantized KV rows on the tensor cores (kv_quant.cu's attention_q and
 // attention_q_decode, head dims 64 and 128): the scores and the value sums as
 // mma.m16n8k16 products (bf16 in, f32 accumulate) over rows dequantized in registers. The

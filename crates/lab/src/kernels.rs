@@ -42,18 +42,27 @@ pub fn bgemv_mma() -> &'static KernelFile {
     &F
 }
 
-/// The engine's kv_quant.cu with kernels/kvq_wide.cuh in place of its kv_quant_mma.cuh:
-/// the tensor-core attention over quantized rows with wider loads (a kernel directory of it
-/// for `FERROLM_KERNEL_DIR`: scripts/lab/kvq-wide.sh).
+/// The engine's kv_quant.cu with `text` in place of its kv_quant_mma.cuh.
+fn kv_quant_with(name: &'static str, text: &str) -> KernelFile {
+    let src = ferrolm::backend::cuda::kernels::file("kv_quant.cu").src;
+    let include = "#include \"kv_quant_mma.cuh\"";
+    assert_eq!(src.matches(include).count(), 1, "kv_quant.cu includes kv_quant_mma.cuh once");
+    KernelFile { name, src: Box::leak(src.replacen(include, text, 1).into_boxed_str()) }
+}
+
+/// kv_quant.cu with kernels/kvq_wide.cuh: the tensor-core attention over quantized rows
+/// with wider loads (a kernel directory of it for `FERROLM_KERNEL_DIR`:
+/// scripts/lab/kvq-variant.sh wide).
 pub fn kvq_wide() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| {
-        let src = ferrolm::backend::cuda::kernels::file("kv_quant.cu").src;
-        let include = "#include \"kv_quant_mma.cuh\"";
-        assert_eq!(src.matches(include).count(), 1, "kv_quant.cu includes kv_quant_mma.cuh once");
-        let src = src.replacen(include, include_str!("../kernels/kvq_wide.cuh"), 1);
-        KernelFile { name: "kvq_wide.cu", src: Box::leak(src.into_boxed_str()) }
-    })
+    F.get_or_init(|| kv_quant_with("kvq_wide.cu", include_str!("../kernels/kvq_wide.cuh")))
+}
+
+/// kv_quant.cu with kernels/kvq_lean.cuh: kvq_wide's loads and fewer instructions a step
+/// (scripts/lab/kvq-variant.sh lean).
+pub fn kvq_lean() -> &'static KernelFile {
+    static F: OnceLock<KernelFile> = OnceLock::new();
+    F.get_or_init(|| kv_quant_with("kvq_lean.cu", include_str!("../kernels/kvq_lean.cuh")))
 }
 
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
@@ -168,20 +177,21 @@ mod tests {
         }
     }
 
-    /// The wide-load quantized attention compiles in every row format kv_quant.cu is built
-    /// for (each scheme takes the wide loads its layout allows, the rest as before).
+    /// The quantized-attention variants compile in every row format kv_quant.cu is built for
+    /// (each scheme takes the paths its layout allows, the rest the engine's).
     #[test]
-    fn the_wide_load_quantized_attention_compiles_for_every_row_format() {
+    fn the_quantized_attention_variants_compile_for_every_row_format() {
         if !nvrtc::available() {
             eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
             return;
         }
-        let f = kvq_wide();
-        assert!(f.src.contains("WIDE_KEYS") && !f.src.contains("#include \"kv_quant_mma.cuh\""), "spliced");
         let formats = formats("kv_quant.cu");
         assert!(formats.len() >= 20, "kv_quant.cu's formats: {}", formats.len());
-        for d in &formats {
-            assert_cubin("kvq_wide", f.name, f.src, "sm_90", d);
+        for (f, mark) in [(kvq_wide(), "WIDE_KEYS"), (kvq_lean(), "F16_KEYS")] {
+            assert!(f.src.contains(mark) && !f.src.contains("#include \"kv_quant_mma.cuh\""), "{} spliced", f.name);
+            for d in &formats {
+                assert_cubin(f.name, f.name, f.src, "sm_90", d);
+            }
         }
     }
 
