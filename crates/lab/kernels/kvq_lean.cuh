@@ -1,7 +1,7 @@
 // The lab's variant of the engine's kv_quant_mma.cuh (a FERROLM_KERNEL_DIR file of that
 // name: scripts/lab/kvq-variant.sh lean): kvq_wide.cuh's loads and fewer instructions a step
-// (scripts/lab/sass-loops.sh: turbo:k8v3 at head dim 128 803 against 1,042, fewer
-// executed while no rescale is due; head dim 64 576 against 662):
+// (scripts/lab/sass-loops.sh: turbo:k8v3 at head dim 128 791 against 1,042, fewer
+// executed while no rescale is due; head dim 64 562 against 662):
 // - 8-bit key codes become f16 by byte permutes against a magic exponent (1024 + code,
 //   exact, then one packed subtract for two codes), and the scores' MMAs run in f16 with q
 //   converted once (exact where q's elements are f16 normal numbers);
@@ -159,9 +159,10 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
         const int last = min(15, p1 - 1 - base), q0 = base % KV_BLOCK;
         const u8* blk0 = kvbase + (long)table[base / KV_BLOCK] * KV_BLOCK * rs;
         const u8* blk1 = q0 + last >= KV_BLOCK ? kvbase + (long)table[base / KV_BLOCK + 1] * KV_BLOCK * rs : blk0;
+        const u8* blk1b = blk1 - KV_BLOCK * rs;  // (positions q ≥ KV_BLOCK of the step's first block)
         auto row_of = [&](int off) {
             const int q = q0 + min(off, last);
-            return (q < KV_BLOCK ? blk0 : blk1) + (q & (KV_BLOCK - 1)) * rs;
+            return (q < KV_BLOCK ? blk0 : blk1b) + q * rs;
         };
         const u8* krow[2] = {row_of(g4), row_of(8 + g4)};
         const u8* prow[4] = {row_of(2 * c4), row_of(2 * c4 + 1), row_of(8 + 2 * c4), row_of(9 + 2 * c4)};
@@ -258,12 +259,12 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     u32 p = kp[2 * T + j][g];
+                    // Two fused multiply-adds: turbo ks·(acc + zero·Σq), affine ks·acc + bias·Σq.
 #if TURBO
-                    float ks = h2f(p & 0xffff), ko = h2f(p >> 16) * ks;
+                    sc[T][j] = fmaf(h2f(p & 0xffff), fmaf(h2f(p >> 16), qsum[g], acc[j]), sc[T][j]);
 #else
-                    float ks = bf2f(p & 0xffff), ko = bf2f(p >> 16);
+                    sc[T][j] = fmaf(bf2f(p & 0xffff), acc[j], fmaf(bf2f(p >> 16), qsum[g], sc[T][j]));
 #endif
-                    sc[T][j] += ks * acc[j] + ko * qsum[g];
                 }
             }
 #pragma unroll
