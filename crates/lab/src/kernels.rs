@@ -12,6 +12,7 @@ use std::sync::OnceLock;
 
 const MBARRIER: &str = include_str!("../kernels/mbarrier.cuh");
 const MBARRIER_INCLUDE: &str = "#include \"mbarrier.cuh\"";
+const KVQ_LAB: &str = include_str!("../kernels/kvq_lab.cuh");
 
 /// kernels/sync_probe.cu: grid and cluster barriers, and the PDL release pair.
 pub fn sync_probe() -> &'static KernelFile {
@@ -50,19 +51,19 @@ fn kv_quant_with(name: &'static str, text: &str) -> KernelFile {
     KernelFile { name, src: Box::leak(src.replacen(include, text, 1).into_boxed_str()) }
 }
 
-/// kv_quant.cu with kernels/kvq_wide.cuh: the tensor-core attention over quantized rows
-/// with wider loads (a kernel directory of it for `FERROLM_KERNEL_DIR`:
-/// scripts/lab/kvq-variant.sh wide).
+/// kv_quant.cu with kernels/kvq_lab.cuh's wide variant (`KVQ_LEAN 0`): the tensor-core
+/// attention over quantized rows with wider loads (a kernel directory of it for
+/// `FERROLM_KERNEL_DIR`: scripts/lab/kvq-variant.sh wide).
 pub fn kvq_wide() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| kv_quant_with("kvq_wide.cu", include_str!("../kernels/kvq_wide.cuh")))
+    F.get_or_init(|| kv_quant_with("kvq_wide.cu", &format!("#define KVQ_LEAN 0\n{KVQ_LAB}")))
 }
 
-/// kv_quant.cu with kernels/kvq_lean.cuh: kvq_wide's loads and fewer instructions a step
-/// (scripts/lab/kvq-variant.sh lean).
+/// kv_quant.cu with kvq_lab.cuh's lean variant (`KVQ_LEAN 1`): the wide loads and fewer
+/// instructions a step (scripts/lab/kvq-variant.sh lean).
 pub fn kvq_lean() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| kv_quant_with("kvq_lean.cu", include_str!("../kernels/kvq_lean.cuh")))
+    F.get_or_init(|| kv_quant_with("kvq_lean.cu", &format!("#define KVQ_LEAN 1\n{KVQ_LAB}")))
 }
 
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
@@ -177,8 +178,9 @@ mod tests {
         }
     }
 
-    /// The quantized-attention variants compile in every row format kv_quant.cu is built for
-    /// (each scheme takes the paths its layout allows, the rest the engine's).
+    /// The quantized-attention variants compile: lean in every row format kv_quant.cu is built
+    /// for (each scheme takes the paths its layout allows, the rest the engine's), wide (the
+    /// engine's code but for its loads, which lean shares) in the measured schemes'.
     #[test]
     fn the_quantized_attention_variants_compile_for_every_row_format() {
         if !nvrtc::available() {
@@ -187,9 +189,12 @@ mod tests {
         }
         let formats = formats("kv_quant.cu");
         assert!(formats.len() >= 20, "kv_quant.cu's formats: {}", formats.len());
-        for (f, mark) in [(kvq_wide(), "WIDE_KEYS"), (kvq_lean(), "F16_KEYS")] {
+        let measured = [(true, 8, true, 3), (false, 4, false, 4), (false, 8, false, 8)]
+            .map(|(turbo, k, signed, v)| ferrolm::backend::cuda::kernels::kv_quant_defines(turbo, k, signed, v));
+        for (f, mark, which) in [(kvq_wide(), "KVQ_LEAN 0", &measured[..]), (kvq_lean(), "KVQ_LEAN 1", &formats[..])] {
             assert!(f.src.contains(mark) && !f.src.contains("#include \"kv_quant_mma.cuh\""), "{} spliced", f.name);
-            for d in &formats {
+            for d in which {
+                assert!(formats.contains(d), "{d:?} is one of kv_quant.cu's formats");
                 assert_cubin(f.name, f.name, f.src, "sm_90", d);
             }
         }

@@ -1,7 +1,16 @@
-// The lab's variant of the engine's kv_quant_mma.cuh (a FERROLM_KERNEL_DIR file of that
-// name: scripts/lab/kvq-variant.sh lean): kvq_wide.cuh's loads and fewer instructions a step
-// (scripts/lab/sass-loops.sh: turbo:k8v3 at head dim 128 791 against 1,042, fewer
-// executed while no rescale is due; head dim 64 562 against 662):
+// The lab's variants of the engine's kv_quant_mma.cuh (a FERROLM_KERNEL_DIR file of that
+// name: scripts/lab/kvq-variant.sh wide|lean DIR, which puts `#define KVQ_LEAN 0|1` first).
+// wide (KVQ_LEAN 0): the same kernel, its rows' bytes in fewer, wider loads. ncu put the
+// engine's kernel's L1 at 61-67% busy with 55% of the fetched sectors excess (docs/kv.md,
+// "Speed"): a lane loaded its key codes and every group parameter as 4-byte words and each
+// value Codes8 as its own pair of words. Here, where the row layout keeps 8-byte alignment
+// (turbo:k8v3 and the affine schemes at head dim 128), a lane's run of key codes in a
+// group is one or two 8-byte loads, a row's key group parameters one or two, and its value
+// codes one pair of words (3-bit) or 8-byte words (4- and 8-bit): 34 global loads a step
+// for turbo:k8v3 at head dim 128 against 58 (scripts/lab/sass-loops.sh), the same
+// instruction count. The same codes in the same registers: the engine's bits.
+// lean (KVQ_LEAN 1): those loads and fewer instructions a step (turbo:k8v3 at head dim 128
+// 791 against 1,042, fewer executed while no rescale is due; head dim 64 562 against 662):
 // - 8-bit key codes become f16 by byte permutes against a magic exponent (1024 + code,
 //   exact, then one packed subtract for two codes), and the scores' MMAs run in f16 with q
 //   converted once (exact where q's elements are f16 normal numbers);
@@ -13,6 +22,9 @@
 //   a row.
 // Within the parity tests' bars, not the engine's bits (other roundings of q and of the
 // probabilities); both of a row's paths (fused decode, attention_q) take this code.
+#ifndef KVQ_LEAN
+#define KVQ_LEAN 0
+#endif
 // Attention over quantized KV rows on the tensor cores (kv_quant.cu's attention_q and
 // attention_q_decode, head dims 64 and 128): the scores and the value sums as
 // mma.m16n8k16 products (bf16 in, f32 accumulate) over rows dequantized in registers. The
@@ -103,11 +115,11 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
     constexpr bool WIDE_PARAMS = A8 && K_CODES % 8 == 0 && NG % 2 == 0;
     constexpr bool WIDE_VALUES = A8 && K_BYTES % 8 == 0 && VRUN % 8 == 0 && (VBITS == 4 || VBITS == 8);
     constexpr bool PAIR_VALUES = !WIDE_VALUES && NT * VBITS <= 48 && (VRUN <= 5 || VRUN == 6);
-    constexpr bool F16_KEYS = WIDE_KEYS && KBITS == 8;  // the scores in f16 (q converted)
+    constexpr bool F16_KEYS = KVQ_LEAN && WIDE_KEYS && KBITS == 8;  // the scores in f16 (q converted)
     __shared__ float s_m[4 * QH], s_l[4 * QH], s_acc[4 * QH * HD];  // warps · heads · (1, 1, hd)
     // TurboQuant's centroids in pairs (low code: the first position), for values of up to 4
     // bits: the same products as one lookup a code.
-    constexpr bool PAIR_TABLE = TURBO && VBITS <= 4;
+    constexpr bool PAIR_TABLE = KVQ_LEAN && TURBO && VBITS <= 4;
     __shared__ float2 s_cpair[PAIR_TABLE ? 1 << (2 * VBITS) : 1];
     if constexpr (PAIR_TABLE) {
         for (int i = threadIdx.x; i < 1 << (2 * VBITS); i += blockDim.x)
@@ -149,11 +161,16 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
 #pragma unroll
     for (int t = 0; t < NT; t++) oacc[t][0] = oacc[t][1] = oacc[t][2] = oacc[t][3] = 0.f;
     float m = -INFINITY, l = 0.f;
+#if KVQ_LEAN
     const u8* kvbase = store + (long)kvh * L.bytes;
     const int rs = C.n_kv * L.bytes;  // bytes from a store row to the next
+#else
+    auto row_of = [&](int p) { return store + (kv_row(p < p1 ? p : p0, table) * C.n_kv + kvh) * L.bytes; };
+#endif
     for (int base = p0 + 16 * warp; base < p1; base += 64) {
         // The rows: the keys' position g4 of each tile, and the 4 positions whose scores
         // (and values) this lane holds: 2c4, 2c4 + 1, 8 + 2c4, 9 + 2c4.
+#if KVQ_LEAN
         // The step's 16 positions lie in one block of the table or two: their rows from those
         // entries (positions past p1 read the last one's row; their scores are masked).
         const int last = min(15, p1 - 1 - base), q0 = base % KV_BLOCK;
@@ -166,6 +183,11 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
         };
         const u8* krow[2] = {row_of(g4), row_of(8 + g4)};
         const u8* prow[4] = {row_of(2 * c4), row_of(2 * c4 + 1), row_of(8 + 2 * c4), row_of(9 + 2 * c4)};
+#else
+        const u8* krow[2] = {row_of(base + g4), row_of(base + 8 + g4)};
+        const u8* prow[4] = {row_of(base + 2 * c4), row_of(base + 2 * c4 + 1), row_of(base + 8 + 2 * c4),
+                             row_of(base + 9 + 2 * c4)};
+#endif
         Codes8<KBITS> kc[2][NG][CPT / 8];
         u32 kp[4][NG];
         Codes8<VBITS> vc[4][NT / 8];
@@ -259,11 +281,19 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
 #pragma unroll
                 for (int j = 0; j < 2; j++) {
                     u32 p = kp[2 * T + j][g];
-                    // Two fused multiply-adds: turbo ks·(acc + zero·Σq), affine ks·acc + bias·Σq.
+#if KVQ_LEAN  // two fused multiply-adds: turbo ks·(acc + zero·Σq), affine ks·acc + bias·Σq
 #if TURBO
                     sc[T][j] = fmaf(h2f(p & 0xffff), fmaf(h2f(p >> 16), qsum[g], acc[j]), sc[T][j]);
 #else
                     sc[T][j] = fmaf(bf2f(p & 0xffff), acc[j], fmaf(bf2f(p >> 16), qsum[g], sc[T][j]));
+#endif
+#else
+#if TURBO
+                    float ks = h2f(p & 0xffff), ko = h2f(p >> 16) * ks;
+#else
+                    float ks = bf2f(p & 0xffff), ko = bf2f(p >> 16);
+#endif
+                    sc[T][j] += ks * acc[j] + ko * qsum[g];
 #endif
                 }
             }
@@ -275,6 +305,7 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
         float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+#if KVQ_LEAN
         // The sums stay relative to m until a score passes it by LAZY: then every row of
         // the warp takes its new max (a row that did not grow keeps its m: corr 1).
         const bool grow = mx > m + LAZY;  // (m = -inf: any score)
@@ -295,6 +326,17 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
 #pragma unroll
             for (int j = 0; j < 2; j++) pr[T][j] = m == -INFINITY ? 0.f : __expf(sc[T][j] - m);
         l += pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
+#else
+        float mn = fmaxf(m, mx);
+        float corr = mn == -INFINITY ? 1.f : __expf(m - mn);
+        float pr[2][2];
+#pragma unroll
+        for (int T = 0; T < 2; T++)
+#pragma unroll
+            for (int j = 0; j < 2; j++) pr[T][j] = mn == -INFINITY ? 0.f : __expf(sc[T][j] - mn);
+        l = l * corr + pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
+        m = mn;
+#endif
         const u32 pa[4] = {pack_bf16x2(pr[0][0], pr[0][1]), 0u, pack_bf16x2(pr[1][0], pr[1][1]), 0u};
         // Values: each position's scale (and affine bias), then an MMA per 8 dims.
         float vs[4], vb[4];
@@ -330,6 +372,10 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
 #endif
                 }
             }
+#if !KVQ_LEAN
+            oacc[t][0] *= corr;
+            oacc[t][1] *= corr;
+#endif
             mma_bf16(oacc[t], pa, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]));
         }
     }
