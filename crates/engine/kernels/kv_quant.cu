@@ -489,6 +489,7 @@ extern "C" __global__ void __launch_bounds__(128)
             EncodeDst D = {store, head_k, head_v, head_row0};
             kv_encode_row(s_x, s_gp, s_code, v + (long)kvh * hd, D, tab, kv_row(p, table), kvh, n_kv, hd, had_scale);
         }
+        __syncthreads();  // s_q whole before any thread reads it: each reads every thread's dims
         attend_part_mma(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
     }
 }
