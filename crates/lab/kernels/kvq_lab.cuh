@@ -12,8 +12,10 @@
 // lean (KVQ_LEAN 1): those loads and fewer instructions a step (turbo:k8v3 at head dim 128
 // 791 against 1,042, fewer executed while no rescale is due; head dim 64 562 against 662):
 // - 8-bit key codes become f16 by byte permutes against a magic exponent (1024 + code,
-//   exact, then one packed subtract for two codes), and the scores' MMAs run in f16 with q
-//   converted once (exact where q's elements are f16 normal numbers);
+//   exact, then one packed subtract for two codes), unsigned 4-bit ones by masking a
+//   word's nibbles j and j + 4 into the same exponent (affine:4 759 against 921), and the
+//   scores' MMAs run in f16 with q converted once (exact where q's elements are f16 normal
+//   numbers);
 // - TurboQuant's centroids are looked up in pairs (a B register's two positions, values of
 //   up to 4 bits), the byte offset built from the two codes shifted in place;
 // - the accumulators are rescaled only when a row's running max grows by more than LAZY
@@ -88,6 +90,13 @@ __device__ __forceinline__ u32 codes_f16x2(u32 w) {
     asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(r), "r"(KSIGNED ? 0x64806480u : 0x64006400u));
     return d;
 }
+// Nibbles 0 and 4 of w (two unsigned 4-bit codes) as an f16 pair: 1024 + code by the
+// exponent bits 0x6400, then 1024 off.
+__device__ __forceinline__ u32 nibbles_f16x2(u32 w) {
+    u32 d;
+    asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"((w & 0x000f000fu) | 0x64006400u), "r"(0x64006400u));
+    return d;
+}
 #define LAZY 8.f
 
 // The centroid pair of code k of xa (low) and of xb (high) in a table of float2 entries:
@@ -115,7 +124,9 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
     constexpr bool WIDE_PARAMS = A8 && K_CODES % 8 == 0 && NG % 2 == 0;
     constexpr bool WIDE_VALUES = A8 && K_BYTES % 8 == 0 && VRUN % 8 == 0 && (VBITS == 4 || VBITS == 8);
     constexpr bool PAIR_VALUES = !WIDE_VALUES && NT * VBITS <= 48 && (VRUN <= 5 || VRUN == 6);
-    constexpr bool F16_KEYS = KVQ_LEAN && WIDE_KEYS && KBITS == 8;  // the scores in f16 (q converted)
+    // The scores in f16 (q converted) over 8-bit codes, or over unsigned 4-bit ones paired
+    // as a word's nibbles j and j + 4 (q's dims paired the same way).
+    constexpr bool F16_KEYS = KVQ_LEAN && WIDE_KEYS && (KBITS == 8 || (KBITS == 4 && !KSIGNED));
     __shared__ float s_m[4 * QH], s_l[4 * QH], s_acc[4 * QH * HD];  // warps · heads · (1, 1, hd)
     // TurboQuant's centroids in pairs (low code: the first position), for values of up to 4
     // bits: the same products as one lookup a code.
@@ -141,8 +152,15 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
             int d = g * QG + c4 * CPT + 4 * s;
             u32 lo = 0, hi = 0;
             if (g4 < qb) {
-                lo = *reinterpret_cast<const u32*>(qrow + g4 * HD + d);
-                hi = *reinterpret_cast<const u32*>(qrow + g4 * HD + d + 2);
+                if (F16_KEYS && KBITS == 4) {
+                    // k-step s takes nibbles r, r + 4 and r + 1, r + 5 of word s / 2 (r = 2·(s % 2)).
+                    const bf16_t* qd = qrow + g4 * HD + g * QG + c4 * CPT + 8 * (s / 2) + 2 * (s % 2);
+                    lo = (u32)qd[0] | (u32)qd[4] << 16;
+                    hi = (u32)qd[1] | (u32)qd[5] << 16;
+                } else {
+                    lo = *reinterpret_cast<const u32*>(qrow + g4 * HD + d);
+                    hi = *reinterpret_cast<const u32*>(qrow + g4 * HD + d + 2);
+                }
             }
             if constexpr (F16_KEYS) {
                 lo = bf16x2_to_f16x2(lo);
@@ -264,7 +282,10 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
 #pragma unroll
                 for (int s = 0; s < KPG; s++) {
                     const u32 a[4] = {qa[g * KPG + s][0], 0u, qa[g * KPG + s][1], 0u};
-                    if constexpr (F16_KEYS) {
+                    if constexpr (F16_KEYS && KBITS == 4) {
+                        const u32 w = (u32)kc[T][g][s / 2].x >> (8 * (s % 2));
+                        mma_f16(acc, a, nibbles_f16x2(w), nibbles_f16x2(w >> 4));
+                    } else if constexpr (F16_KEYS) {
                         u32 w = (u32)(kc[T][g][s / 2].x >> (32 * (s % 2)));
                         if (KSIGNED) w ^= 0x80808080u;
                         mma_f16(acc, a, codes_f16x2<0>(w), codes_f16x2<2>(w));
