@@ -297,6 +297,32 @@ __device__ __forceinline__ void part_range(const QCall& C, int len, int z, int& 
     p1 = min(min(len, c0 + chunk), p0 + part);
 }
 
+// A block's partial states of its qb query heads, `groups` of them a head in shared memory
+// (s_m, s_l: [head][group]; s_acc: [head][group][hd]), merged in group order into the
+// part's slot (row0 + head)·zs + z: max, sum and unnormalized output (after a barrier).
+__device__ __forceinline__ void merge_groups(const float* s_m, const float* s_l, const float* s_acc, int groups,
+                                             int qb, int hd, long row0, int z, int zs, float* __restrict__ part_ml,
+                                             float* __restrict__ part_acc) {
+    for (int hq = 0; hq < qb; hq++) {
+        const float *hm = s_m + hq * groups, *hl = s_l + hq * groups;
+        long slot = (row0 + hq) * zs + z;
+        float M = -INFINITY;
+        for (int w = 0; w < groups; w++) M = fmaxf(M, hm[w]);
+        if (threadIdx.x == 0) {
+            float Lsum = 0.f;
+            for (int w = 0; w < groups; w++) Lsum += hm[w] == -INFINITY ? 0.f : hl[w] * __expf(hm[w] - M);
+            part_ml[2 * slot] = M;
+            part_ml[2 * slot + 1] = Lsum;
+        }
+        for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+            float o = 0.f;
+            for (int w = 0; w < groups; w++)
+                if (hm[w] != -INFINITY) o += s_acc[(hq * groups + w) * hd + dd] * __expf(hm[w] - M);
+            part_acc[slot * hd + dd] = o;
+        }
+    }
+}
+
 // One block's part: query heads [h0, h0 + qb) of a row of len positions whose q heads are
 // at qrow (bf16, normed and rotated) and whose block table is `table`; part z of zs. Its
 // partial per head goes to slot (row0 + hq)·zs + z, row0 = t·heads + h0.
@@ -358,24 +384,7 @@ __device__ void attend_part(const QCall& C, const bf16_t* qrow, const int* table
         for (int i = 0; i < DL; i++) s_acc[(hq * groups + grp) * hd + P.d0 + i] = S.acc[hq][i] + S.bacc[hq];
     }
     __syncthreads();
-    for (int hq = 0; hq < qb; hq++) {
-        const float *hm = s_m + hq * groups, *hl = s_l + hq * groups;
-        long slot = (row0 + hq) * zs + z;
-        float M = -INFINITY;
-        for (int w = 0; w < groups; w++) M = fmaxf(M, hm[w]);
-        if (threadIdx.x == 0) {
-            float Lsum = 0.f;
-            for (int w = 0; w < groups; w++) Lsum += hm[w] == -INFINITY ? 0.f : hl[w] * __expf(hm[w] - M);
-            part_ml[2 * slot] = M;
-            part_ml[2 * slot + 1] = Lsum;
-        }
-        for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-            float o = 0.f;
-            for (int w = 0; w < groups; w++)
-                if (hm[w] != -INFINITY) o += s_acc[(hq * groups + w) * hd + dd] * __expf(hm[w] - M);
-            part_acc[slot * hd + dd] = o;
-        }
-    }
+    merge_groups(s_m, s_l, s_acc, groups, qb, hd, row0, z, zs, part_ml, part_acc);
 }
 
 #include "kv_quant_mma.cuh"

@@ -186,24 +186,7 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
         }
     }
     __syncthreads();
-    // attend_part's merge of its groups' states, here the 4 warps'.
-    for (int hq = 0; hq < qb; hq++) {
-        const float *hm = s_m + hq * 4, *hl = s_l + hq * 4;
-        long slot = (row0 + hq) * zs + z;
-        float M = fmaxf(fmaxf(hm[0], hm[1]), fmaxf(hm[2], hm[3]));
-        if (threadIdx.x == 0) {
-            float Lsum = 0.f;
-            for (int w = 0; w < 4; w++) Lsum += hm[w] == -INFINITY ? 0.f : hl[w] * __expf(hm[w] - M);
-            part_ml[2 * slot] = M;
-            part_ml[2 * slot + 1] = Lsum;
-        }
-        for (int dd = threadIdx.x; dd < HD; dd += blockDim.x) {
-            float o = 0.f;
-            for (int w = 0; w < 4; w++)
-                if (hm[w] != -INFINITY) o += s_acc[(hq * 4 + w) * HD + dd] * __expf(hm[w] - M);
-            part_acc[slot * HD + dd] = o;
-        }
-    }
+    merge_groups(s_m, s_l, s_acc, 4, qb, HD, row0, z, zs, part_ml, part_acc);  // the 4 warps' states
 }
 
 // attend_part, with the tensor cores where they apply (128 threads, head dims 64 and 128,

@@ -29,7 +29,7 @@ fn full_optimization(file: &str, defines: &[String]) -> bool {
         "flash_attention.cu" if defines.iter().any(|d| d == "KVQ=1") => {
             defines.ends_with(&kernels::kv_quant_defines(true, 8, true, 3))
         }
-        "kv_quant.cu" => [(true, 8, true, 3), (false, 4, false, 4), (false, 8, false, 8)]
+        "kv_quant.cu" => kernels::KV_QUANT_MEASURED
             .into_iter()
             .any(|(turbo, k, signed, v)| defines == kernels::kv_quant_defines(turbo, k, signed, v)),
         _ => true,

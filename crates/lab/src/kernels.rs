@@ -189,8 +189,8 @@ mod tests {
         }
         let formats = formats("kv_quant.cu");
         assert!(formats.len() >= 20, "kv_quant.cu's formats: {}", formats.len());
-        let measured = [(true, 8, true, 3), (false, 4, false, 4), (false, 8, false, 8)]
-            .map(|(turbo, k, signed, v)| ferrolm::backend::cuda::kernels::kv_quant_defines(turbo, k, signed, v));
+        use ferrolm::backend::cuda::kernels::{kv_quant_defines, KV_QUANT_MEASURED};
+        let measured = KV_QUANT_MEASURED.map(|(turbo, k, signed, v)| kv_quant_defines(turbo, k, signed, v));
         for (f, mark, which) in [(kvq_wide(), "KVQ_LEAN 0", &measured[..]), (kvq_lean(), "KVQ_LEAN 1", &formats[..])] {
             assert!(f.src.contains(mark) && !f.src.contains("#include \"kv_quant_mma.cuh\""), "{} spliced", f.name);
             for d in which {

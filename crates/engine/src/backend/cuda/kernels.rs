@@ -77,6 +77,11 @@ pub fn kv_quant_defines(turbo: bool, key_bits: u32, signed_keys: bool, value_bit
     ]
 }
 
+/// The row formats of the schemes docs/kv.md's speed rows measure (turbo:k8v3, affine:4,
+/// affine:8), as `kv_quant_defines`' arguments: CI compiles these at full optimization.
+pub const KV_QUANT_MEASURED: [(bool, u32, bool, u32); 3] =
+    [(true, 8, true, 3), (false, 4, false, 4), (false, 8, false, 8)];
+
 /// Every row format kv_quant.cu is built for: affine 4 and 8 bits, and TurboQuant's keys
 /// (int8, or 5, 4, 2 bits unsigned) by values (2, 3, 4, 5, 8 bits).
 pub fn kv_quant_variants() -> Vec<Vec<String>> {
