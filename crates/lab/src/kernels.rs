@@ -12,7 +12,6 @@ use std::sync::OnceLock;
 
 const MBARRIER: &str = include_str!("../kernels/mbarrier.cuh");
 const MBARRIER_INCLUDE: &str = "#include \"mbarrier.cuh\"";
-const KVQ_LAB: &str = include_str!("../kernels/kvq_lab.cuh");
 
 /// kernels/sync_probe.cu: grid and cluster barriers, and the PDL release pair.
 pub fn sync_probe() -> &'static KernelFile {
@@ -41,29 +40,6 @@ pub fn bgemv() -> &'static KernelFile {
 pub fn bgemv_mma() -> &'static KernelFile {
     static F: KernelFile = KernelFile { name: "bgemv_mma.cu", src: include_str!("../kernels/bgemv_mma.cu") };
     &F
-}
-
-/// The engine's kv_quant.cu with `text` in place of its kv_quant_mma.cuh.
-fn kv_quant_with(name: &'static str, text: &str) -> KernelFile {
-    let src = ferrolm::backend::cuda::kernels::file("kv_quant.cu").src;
-    let include = "#include \"kv_quant_mma.cuh\"";
-    assert_eq!(src.matches(include).count(), 1, "kv_quant.cu includes kv_quant_mma.cuh once");
-    KernelFile { name, src: Box::leak(src.replacen(include, text, 1).into_boxed_str()) }
-}
-
-/// kv_quant.cu with kernels/kvq_lab.cuh's wide variant (`KVQ_LEAN 0`): the tensor-core
-/// attention over quantized rows with wider loads (a kernel directory of it for
-/// `FERROLM_KERNEL_DIR`: scripts/lab/kvq-variant.sh wide).
-pub fn kvq_wide() -> &'static KernelFile {
-    static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| kv_quant_with("kvq_wide.cu", &format!("#define KVQ_LEAN 0\n{KVQ_LAB}")))
-}
-
-/// kv_quant.cu with kvq_lab.cuh's lean variant (`KVQ_LEAN 1`): the wide loads and fewer
-/// instructions a step (scripts/lab/kvq-variant.sh lean).
-pub fn kvq_lean() -> &'static KernelFile {
-    static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| kv_quant_with("kvq_lean.cu", &format!("#define KVQ_LEAN 1\n{KVQ_LAB}")))
 }
 
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
@@ -174,28 +150,6 @@ mod tests {
         for d in &formats {
             for tt in [1, 2, 4] {
                 assert_cubin("bgemv_mma", f.name, f.src, "sm_90", &[d.clone(), vec![format!("TT={tt}")]].concat());
-            }
-        }
-    }
-
-    /// The quantized-attention variants compile: lean in every row format kv_quant.cu is built
-    /// for (each scheme takes the paths its layout allows, the rest the engine's), wide (the
-    /// engine's code but for its loads, which lean shares) in the measured schemes'.
-    #[test]
-    fn the_quantized_attention_variants_compile_for_every_row_format() {
-        if !nvrtc::available() {
-            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
-            return;
-        }
-        let formats = formats("kv_quant.cu");
-        assert!(formats.len() >= 20, "kv_quant.cu's formats: {}", formats.len());
-        use ferrolm::backend::cuda::kernels::{kv_quant_defines, KV_QUANT_MEASURED};
-        let measured = KV_QUANT_MEASURED.map(|(turbo, k, signed, v)| kv_quant_defines(turbo, k, signed, v));
-        for (f, mark, which) in [(kvq_wide(), "KVQ_LEAN 0", &measured[..]), (kvq_lean(), "KVQ_LEAN 1", &formats[..])] {
-            assert!(f.src.contains(mark) && !f.src.contains("#include \"kv_quant_mma.cuh\""), "{} spliced", f.name);
-            for d in which {
-                assert!(formats.contains(d), "{d:?} is one of kv_quant.cu's formats");
-                assert_cubin(f.name, f.name, f.src, "sm_90", d);
             }
         }
     }
