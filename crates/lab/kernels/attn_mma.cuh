@@ -27,6 +27,13 @@
 
 #include "mma.cuh"
 
+// Each step's value rows are loaded at its start and the next step's key rows after its
+// scores, so each phase's loads are in flight under the other phase's math with the same
+// registers (0: both at the step's start).
+#ifndef ATT_MMA_SPLIT_LOADS
+#define ATT_MMA_SPLIT_LOADS 1
+#endif
+
 // Whether this build and head dim take the tensor cores (block-uniform).
 #define ATT_MMA_ON (QB_MAX > 1 && (hd == 64 || hd == 128))
 
@@ -40,11 +47,26 @@ __device__ __forceinline__ bf16_t* att_mma_q() {
         _Pragma("unroll") for (int i = 0; i < 8; i++) att_mma_q()[(j) * hd + gl * 8 + i] = f2bf(qv[j][i]); \
     }
 
+// c += a·b, m16n8k16 (bf16 in, f32 accumulate) where rows 8-15 of a are zero (the query
+// heads fill rows 0-3): the accumulators of rows 8-15 stay zero, so they enter as a zero
+// and leave into dead registers instead of living across the loop (32 registers of the
+// value sums at head dim 128). a1 = a3 = 0.
+__device__ __forceinline__ void mma_bf16_top(float (&c)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
+    float d2, d3;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %5}, {%7, %8}, "
+        "{%0, %1, %9, %9};\n"
+        : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(0.f));
+}
+
 // A warp's partial per query head, [heads][hd] then max and sum per head.
 constexpr int ATT_MMA_PART = QB_MAX * 128 + 2 * QB_MAX;
 
+// kc and vc without __restrict__: the block wrote the new position's row just before, so
+// their loads must not take the read-only (non-coherent) path.
 template <int HD>
-__device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* __restrict__ kc, const bf16_t* __restrict__ vc,
+__device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_t* vc,
                                                    const int* __restrict__ table, int kvh, int width, int qb, int p0,
                                                    int p1, float scale, float* __restrict__ part) {
     constexpr int KS = HD / 16, NT = HD / 8, KU = HD / 32, VU = HD / 64;  // k-steps, n-tiles, 16-B loads a row
@@ -57,21 +79,22 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* __restrict__ kc
         qa[s][0] = g4 < qb ? *reinterpret_cast<const u32*>(qd) : 0u;
         qa[s][1] = g4 < qb ? *reinterpret_cast<const u32*>(qd + 2) : 0u;
     }
-    float oacc[NT][4];
+    float oacc[NT][2];
 #pragma unroll
-    for (int t = 0; t < NT; t++) oacc[t][0] = oacc[t][1] = oacc[t][2] = oacc[t][3] = 0.f;
+    for (int t = 0; t < NT; t++) oacc[t][0] = oacc[t][1] = 0.f;
     float m = -INFINITY, l = 0.f;
     const bf16_t* kb = kc + (long)kvh * HD + c4 * (HD / 4);
     const bf16_t* vb = vc + (long)kvh * HD + g4 * (HD / 8);
-    for (int base = p0 + 16 * warp; base < p1; base += 64) {
-        // Positions past p1 read the last one's row (their scores are masked).
-        uint4 kr[2][KU], vr[4][VU];
+    // A step's rows (positions past p1 read the last one's row; their scores are masked).
+    auto load_k = [&](int base, uint4(&kr)[2][KU]) {
 #pragma unroll
         for (int T = 0; T < 2; T++) {
             const uint4* r = reinterpret_cast<const uint4*>(kb + kv_row(min(base + 8 * T + g4, p1 - 1), table) * width);
 #pragma unroll
             for (int u = 0; u < KU; u++) kr[T][u] = r[u];
         }
+    };
+    auto load_v = [&](int base, uint4(&vr)[4][VU]) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const int p = base + (i / 2) * 8 + 2 * c4 + i % 2;
@@ -79,17 +102,27 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* __restrict__ kc
 #pragma unroll
             for (int u = 0; u < VU; u++) vr[i][u] = r[u];
         }
+    };
+    uint4 kr[2][KU], vr[4][VU];
+    int base = p0 + 16 * warp;
+#if ATT_MMA_SPLIT_LOADS
+    if (base < p1) load_k(base, kr);
+#endif
+    for (; base < p1; base += 64) {
+#if ATT_MMA_SPLIT_LOADS
+        load_v(base, vr);  // in flight under the scores' math (the keys came a phase ahead)
+#else
+        load_k(base, kr);
+        load_v(base, vr);
+#endif
         // Scores: sc[T][j], position base + 8T + 2c4 + j, query head g4.
         float sc[2][2];
 #pragma unroll
         for (int T = 0; T < 2; T++) {
-            float c[4] = {0.f, 0.f, 0.f, 0.f};
+            float c[2] = {0.f, 0.f};
             const u32* w = reinterpret_cast<const u32*>(kr[T]);
 #pragma unroll
-            for (int s = 0; s < KS; s++) {
-                const u32 a[4] = {qa[s][0], 0u, qa[s][1], 0u};
-                mma_bf16(c, a, w[2 * s], w[2 * s + 1]);
-            }
+            for (int s = 0; s < KS; s++) mma_bf16_top(c, qa[s][0], qa[s][1], w[2 * s], w[2 * s + 1]);
 #pragma unroll
             for (int j = 0; j < 2; j++) sc[T][j] = base + 8 * T + 2 * c4 + j < p1 ? c[j] * scale : -INFINITY;
         }
@@ -116,7 +149,10 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* __restrict__ kc
 #pragma unroll
             for (int j = 0; j < 2; j++) pr[T][j] = m == -INFINITY ? 0.f : __expf(sc[T][j] - m);
         l += pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
-        const u32 pa[4] = {pack_bf16x2(pr[0][0], pr[0][1]), 0u, pack_bf16x2(pr[1][0], pr[1][1]), 0u};
+        const u32 pa0 = pack_bf16x2(pr[0][0], pr[0][1]), pa2 = pack_bf16x2(pr[1][0], pr[1][1]);
+#if ATT_MMA_SPLIT_LOADS
+        if (base + 64 < p1) load_k(base + 64, kr);  // the next step's keys under the value math
+#endif
         const u32* v0 = reinterpret_cast<const u32*>(vr[0]);
         const u32* v1 = reinterpret_cast<const u32*>(vr[1]);
         const u32* v2 = reinterpret_cast<const u32*>(vr[2]);
@@ -124,7 +160,7 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* __restrict__ kc
 #pragma unroll
         for (int t = 0; t < NT; t++) {
             const u32 sel = t % 2 ? 0x7632u : 0x5410u;  // the high or the low halves of two words
-            mma_bf16(oacc[t], pa, __byte_perm(v0[t / 2], v1[t / 2], sel), __byte_perm(v2[t / 2], v3[t / 2], sel));
+            mma_bf16_top(oacc[t], pa0, pa2, __byte_perm(v0[t / 2], v1[t / 2], sel), __byte_perm(v2[t / 2], v3[t / 2], sel));
         }
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);

@@ -70,6 +70,14 @@ pub fn attn_mma_header() -> &'static str {
     })
 }
 
+/// The engine's attention_decode.cu with its blocks-per-SM bound at `blocks` instead of 3
+/// (the tensor-core loop at head dim 128 spills under the bound of 3: 168 registers; 206
+/// under 2, none).
+pub fn attn_mma_kernel(blocks: u32) -> String {
+    let src = ferrolm::backend::cuda::kernels::file("attention_decode.cu").src;
+    replace_each(src, &[("__launch_bounds__(128, 3)", format!("__launch_bounds__(128, {blocks})"))])
+}
+
 /// The engine's attention_decode.cu over `attn_mma_header()`.
 pub fn attn_mma() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
@@ -218,6 +226,12 @@ mod tests {
                 assert_cubin(f.name, f.name, f.src, "sm_90", &attention_decode_defines(qb, deep, capped));
             }
         }
+        // Two blocks an SM, and both phases' loads at a step's start.
+        let two = replace_each(&attn_mma_kernel(2), &[("#include \"attention_decode.cuh\"", attn_mma_header().into())]);
+        assert!(two.contains("__launch_bounds__(128, 2)"));
+        assert_cubin("attn_mma, 2 blocks", f.name, &two, "sm_90", &attention_decode_defines(4, true, false));
+        let eager = format!("#define ATT_MMA_SPLIT_LOADS 0\n{}", f.src);
+        assert_cubin("attn_mma, eager loads", f.name, &eager, "sm_90", &attention_decode_defines(4, true, false));
     }
 
     /// The wgmma GEMM compiles for sm_90a in every weight format gemm.cu is compiled in
