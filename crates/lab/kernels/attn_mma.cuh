@@ -85,35 +85,50 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
     float m = -INFINITY, l = 0.f;
     const bf16_t* kb = kc + (long)kvh * HD + c4 * (HD / 4);
     const bf16_t* vb = vc + (long)kvh * HD + g4 * (HD / 8);
-    // A step's rows (positions past p1 read the last one's row; their scores are masked).
-    auto load_k = [&](int base, uint4(&kr)[2][KU]) {
+    // A step's 16 positions lie in one or two blocks of the table: its entries e (loaded a
+    // step ahead, so a row load never waits on the table), and the row of the step's
+    // position off from them (positions past p1 read the last one's row; their scores
+    // are masked).
+    auto entries = [&](int base, int(&e)[2]) {
+        const int q0 = base % KV_BLOCK, last = min(15, p1 - 1 - base);
+        e[0] = table[base / KV_BLOCK];
+        e[1] = q0 + last >= KV_BLOCK ? table[base / KV_BLOCK + 1] : e[0];
+    };
+    auto row = [&](int base, const int(&e)[2], int off) {
+        const int q = base % KV_BLOCK + min(off, p1 - 1 - base);
+        return (q < KV_BLOCK ? (long)e[0] * KV_BLOCK + q : (long)e[1] * KV_BLOCK + q - KV_BLOCK) * width;
+    };
+    auto load_k = [&](int base, const int(&e)[2], uint4(&kr)[2][KU]) {
 #pragma unroll
         for (int T = 0; T < 2; T++) {
-            const uint4* r = reinterpret_cast<const uint4*>(kb + kv_row(min(base + 8 * T + g4, p1 - 1), table) * width);
+            const uint4* r = reinterpret_cast<const uint4*>(kb + row(base, e, 8 * T + g4));
 #pragma unroll
             for (int u = 0; u < KU; u++) kr[T][u] = r[u];
         }
     };
-    auto load_v = [&](int base, uint4(&vr)[4][VU]) {
+    auto load_v = [&](int base, const int(&e)[2], uint4(&vr)[4][VU]) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            const int p = base + (i / 2) * 8 + 2 * c4 + i % 2;
-            const uint4* r = reinterpret_cast<const uint4*>(vb + kv_row(min(p, p1 - 1), table) * width);
+            const uint4* r = reinterpret_cast<const uint4*>(vb + row(base, e, (i / 2) * 8 + 2 * c4 + i % 2));
 #pragma unroll
             for (int u = 0; u < VU; u++) vr[i][u] = r[u];
         }
     };
     uint4 kr[2][KU], vr[4][VU];
-    int base = p0 + 16 * warp;
+    int base = p0 + 16 * warp, e[2] = {0, 0};
+    if (base < p1) entries(base, e);
 #if ATT_MMA_SPLIT_LOADS
-    if (base < p1) load_k(base, kr);
+    if (base < p1) load_k(base, e, kr);
 #endif
     for (; base < p1; base += 64) {
+        const bool more = base + 64 < p1;
+        int en[2] = {e[0], e[1]};
+        if (more) entries(base + 64, en);
 #if ATT_MMA_SPLIT_LOADS
-        load_v(base, vr);  // in flight under the scores' math (the keys came a phase ahead)
+        load_v(base, e, vr);  // in flight under the scores' math (the keys came a phase ahead)
 #else
-        load_k(base, kr);
-        load_v(base, vr);
+        load_k(base, e, kr);
+        load_v(base, e, vr);
 #endif
         // Scores: sc[T][j], position base + 8T + 2c4 + j, query head g4.
         float sc[2][2];
@@ -151,7 +166,7 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
         l += pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
         const u32 pa0 = pack_bf16x2(pr[0][0], pr[0][1]), pa2 = pack_bf16x2(pr[1][0], pr[1][1]);
 #if ATT_MMA_SPLIT_LOADS
-        if (base + 64 < p1) load_k(base + 64, kr);  // the next step's keys under the value math
+        if (more) load_k(base + 64, en, kr);  // the next step's keys under the value math
 #endif
         const u32* v0 = reinterpret_cast<const u32*>(vr[0]);
         const u32* v1 = reinterpret_cast<const u32*>(vr[1]);
@@ -162,6 +177,8 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
             const u32 sel = t % 2 ? 0x7632u : 0x5410u;  // the high or the low halves of two words
             mma_bf16_top(oacc[t], pa0, pa2, __byte_perm(v0[t / 2], v1[t / 2], sel), __byte_perm(v2[t / 2], v3[t / 2], sel));
         }
+        e[0] = en[0];
+        e[1] = en[1];
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
