@@ -27,9 +27,10 @@
 
 #include "mma.cuh"
 
-// Each step's value rows are loaded at its start and the next step's key rows after its
-// scores, so each phase's loads are in flight under the other phase's math with the same
-// registers (0: both at the step's start).
+// 1: each step's value rows are loaded at its start and the next step's key rows after
+// its scores, so each phase's loads are in flight under the other phase's math with the
+// same registers. 2: the value rows a whole step ahead (one more buffer of them: 16
+// registers at head dim 64, 32 at 128). 0: both at the step's start.
 #ifndef ATT_MMA_SPLIT_LOADS
 #define ATT_MMA_SPLIT_LOADS 1
 #endif
@@ -120,11 +121,17 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
 #if ATT_MMA_SPLIT_LOADS
     if (base < p1) load_k(base, e, kr);
 #endif
+#if ATT_MMA_SPLIT_LOADS == 2
+    if (base < p1) load_v(base, e, vr);
+#endif
     for (; base < p1; base += 64) {
         const bool more = base + 64 < p1;
         int en[2] = {e[0], e[1]};
         if (more) entries(base + 64, en);
-#if ATT_MMA_SPLIT_LOADS
+#if ATT_MMA_SPLIT_LOADS == 2
+        uint4 vn[4][VU];
+        if (more) load_v(base + 64, en, vn);  // the next step's values under this whole step
+#elif ATT_MMA_SPLIT_LOADS
         load_v(base, e, vr);  // in flight under the scores' math (the keys came a phase ahead)
 #else
         load_k(base, e, kr);
@@ -179,6 +186,12 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
         }
         e[0] = en[0];
         e[1] = en[1];
+#if ATT_MMA_SPLIT_LOADS == 2
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int u = 0; u < VU; u++) vr[i][u] = vn[i][u];
+#endif
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);

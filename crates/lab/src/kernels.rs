@@ -226,12 +226,14 @@ mod tests {
                 assert_cubin(f.name, f.name, f.src, "sm_90", &attention_decode_defines(qb, deep, capped));
             }
         }
-        // Two blocks an SM, and both phases' loads at a step's start.
+        // Two blocks an SM; both phases' loads at a step's start, or the values a step ahead.
         let two = replace_each(&attn_mma_kernel(2), &[("#include \"attention_decode.cuh\"", attn_mma_header().into())]);
         assert!(two.contains("__launch_bounds__(128, 2)"));
         assert_cubin("attn_mma, 2 blocks", f.name, &two, "sm_90", &attention_decode_defines(4, true, false));
-        let eager = format!("#define ATT_MMA_SPLIT_LOADS 0\n{}", f.src);
-        assert_cubin("attn_mma, eager loads", f.name, &eager, "sm_90", &attention_decode_defines(4, true, false));
+        for (mode, what) in [(0, "eager loads"), (2, "values a step ahead")] {
+            let src = format!("#define ATT_MMA_SPLIT_LOADS {mode}\n{two}");
+            assert_cubin(what, f.name, &src, "sm_90", &attention_decode_defines(4, true, false));
+        }
     }
 
     /// The wgmma GEMM compiles for sm_90a in every weight format gemm.cu is compiled in
