@@ -10,7 +10,7 @@
 //   quantization group and combined with the group's scale and offset:
 //   s = Σ_g ks·(q·code)_g + ko·Σ_g q, times the softmax scale. 8-bit codes and unsigned
 //   4-bit ones enter in f16 (q converted once to f16: exact for q's elements in f16's
-//   normal range; a code becomes 1024 + code by a byte permute or a nibble mask into the
+//   normal range, clamped at ±65504; a code becomes 1024 + code by a byte permute or a nibble mask into the
 //   exponent 0x64, then one packed subtract), other widths in bf16 (exact as well);
 //   values O += P·V: A = the probabilities (bf16) straight from the scores' accumulators
 //   (the C layout of two 8-position tiles is the A layout of one 16-position step), B =
@@ -59,10 +59,11 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const u32 (&a)[4], u32 b0
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-// A bf16 pair as an f16 pair (round to nearest).
+// A bf16 pair as an f16 pair (round to nearest; past f16's range ±65504, not infinity:
+// a q element that large gives a finite, clamped score instead of NaN).
 __device__ __forceinline__ u32 bf16x2_to_f16x2(u32 x) {
     u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(bf2f(x >> 16)), "f"(bf2f(x & 0xffff)));
+    asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(bf2f(x >> 16)), "f"(bf2f(x & 0xffff)));
     return r;
 }
 __device__ __forceinline__ float f16_lo(u32 x) { return h2f(x & 0xffff); }
