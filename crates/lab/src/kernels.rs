@@ -78,12 +78,17 @@ pub fn attn_mma_kernel(blocks: u32) -> String {
     replace_each(src, &[("__launch_bounds__(128, 3)", format!("__launch_bounds__(128, {blocks})"))])
 }
 
+/// `attention_decode.cu` (the engine's, or `attn_mma_kernel`'s) with `attn_mma_header()`
+/// in place of its include, as one source for NVRTC.
+fn over_attn_mma_header(cu: &str) -> String {
+    replace_each(cu, &[("#include \"attention_decode.cuh\"", attn_mma_header().to_string())])
+}
+
 /// The engine's attention_decode.cu over `attn_mma_header()`.
 pub fn attn_mma() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
     F.get_or_init(|| {
-        let src = ferrolm::backend::cuda::kernels::file("attention_decode.cu").src;
-        let src = replace_each(src, &[("#include \"attention_decode.cuh\"", attn_mma_header().to_string())]);
+        let src = over_attn_mma_header(ferrolm::backend::cuda::kernels::file("attention_decode.cu").src);
         KernelFile { name: "attn_mma.cu", src: Box::leak(src.into_boxed_str()) }
     })
 }
@@ -109,8 +114,7 @@ pub fn stream_probe() -> &'static KernelFile {
 
 /// `src` with its `#include "mbarrier.cuh"` line replaced by the header's text.
 fn splice(src: &str) -> String {
-    assert!(src.contains(MBARRIER_INCLUDE), "the kernel includes mbarrier.cuh");
-    src.replacen(MBARRIER_INCLUDE, MBARRIER, 1)
+    replace_each(src, &[(MBARRIER_INCLUDE, MBARRIER.to_string())])
 }
 
 /// Every kernel file of the lab.
@@ -227,7 +231,7 @@ mod tests {
             }
         }
         // Two blocks an SM; both phases' loads at a step's start, or the values a step ahead.
-        let two = replace_each(&attn_mma_kernel(2), &[("#include \"attention_decode.cuh\"", attn_mma_header().into())]);
+        let two = over_attn_mma_header(&attn_mma_kernel(2));
         assert!(two.contains("__launch_bounds__(128, 2)"));
         assert_cubin("attn_mma, 2 blocks", f.name, &two, "sm_90", &attention_decode_defines(4, true, false));
         for (mode, what) in [(0, "eager loads"), (2, "values a step ahead")] {
