@@ -9,6 +9,7 @@
 #   usage: scripts/lab/sass-loops.sh FILE FUNCTION [DEFINE...]   (DEFINE: NAME=VALUE)
 #   env:   KERNEL_DIR  the directory FILE's includes come from (default: FILE's own)
 #          TOOLS       where cuobjdump and nvdisasm go (default ~/.cache/ferrolm/cuda-tools)
+#          SASS        also write the whole disassembly there (to diff two builds' code)
 set -euo pipefail
 here=$(cd "$(dirname "$0")/../.." && pwd)
 file=${1:?usage: sass-loops.sh FILE FUNCTION [DEFINE...]}
@@ -46,6 +47,7 @@ n.nvrtcGetCUBIN(prog, cubin)
 open(out, "wb").write(cubin.raw)
 PY
 cuobjdump -sass -fun "$fun" "$tmp/k.cubin" >"$tmp/k.sass"
+[[ -n ${SASS:-} ]] && cp "$tmp/k.sass" "$SASS"
 python3 - "$tmp/k.sass" <<'PY'
 import collections, re, sys
 ins = []

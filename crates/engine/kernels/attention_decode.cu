@@ -5,8 +5,9 @@
 //
 // grid (heads / QB, 1, splits), block 128, clusters of cs blocks along z (cs = 1: none).
 // A block takes QB query heads of one kv group (GQA: they share K/V, so each K/V row is
-// loaded once for all of them; the host launches QB = 1 unless FERROLM_ATTN_QB says more,
-// attn_decode.rs) and the positions [s·chunk, (s+1)·chunk) ∩ [0, pos0] of split s. Positions are
+// loaded once for all of them; decode.rs launches QB = 1 on short caches and up to 4 on
+// deep ones at head dims 64 and 128, where QB > 1 runs on the tensor cores:
+// attention_decode_mma.cuh) and the positions [s·chunk, (s+1)·chunk) ∩ [0, pos0] of split s. Positions are
 // spread over lanes, not walked one by one: a group of hd/8 lanes takes one position (each
 // lane 8 dims, one 16-byte load of K and of V), so a warp scores 32·8/hd positions at once
 // and every iteration's loads are independent. Each lane group keeps an online softmax per
@@ -42,8 +43,12 @@
 // GEMV block (134 registers × 256 threads) instead of one, so more start before q/k/v ends.
 // 1B at depth 8192 1 598 against 1 573 tok/s; SmolLM2 (a 960-row q/k/v) 1 396 against
 // 1 407, and the short cache's kernel capped the same way lost 1% (H200, docs/perf-log.md).
+// Two or more heads a block: 2 blocks an SM (the tensor-core loop needs 206 registers; under
+// the 3-block bound it spilled into local memory every step: 0.93x at the 8B's 32768).
 #if ATT_CAP
 #define ATT_BOUNDS __maxnreg__(112)
+#elif QB_MAX > 1
+#define ATT_BOUNDS __launch_bounds__(128, 2)
 #else
 #define ATT_BOUNDS __launch_bounds__(128, 3)
 #endif

@@ -103,6 +103,20 @@ __device__ __forceinline__ void head_norm(float (&v)[8], const float* __restrict
     for (int i = 0; i < 8; i++) v[i] = w[i] * (v[i] * r);
 }
 
+// The new position's 8 dims of k (rotated, f32: rounded to bf16 here) and v (as loaded)
+// into the cache at element offset o.
+__device__ __forceinline__ void store_new_kv(bf16_t* kc, bf16_t* vc, long o, const float (&kn)[8], uint4 vnr) {
+    uint4 kw;
+    kw.x = (u32)f2bf(kn[0]) | ((u32)f2bf(kn[1]) << 16);
+    kw.y = (u32)f2bf(kn[2]) | ((u32)f2bf(kn[3]) << 16);
+    kw.z = (u32)f2bf(kn[4]) | ((u32)f2bf(kn[5]) << 16);
+    kw.w = (u32)f2bf(kn[6]) | ((u32)f2bf(kn[7]) << 16);
+    *reinterpret_cast<uint4*>(kc + o) = kw;
+    *reinterpret_cast<uint4*>(vc + o) = vnr;
+}
+
+#include "attention_decode_mma.cuh"
+
 template <class Wait>
 __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_new,
                                        const bf16_t* __restrict__ v_new, bf16_t* __restrict__ kc,
@@ -142,7 +156,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
     };
     int first = p0 + warp * PW;
     uint4 kr[UNR], vr[UNR];
-    if (first < pc) load_kv(first, kr, vr);
+    if (!ATT_MMA_ON && first < pc) load_kv(first, kr, vr);
 #if KV_AHEAD > 1
     uint4 kr2[UNR], vr2[UNR];
     if (first + AW * PW * UNR < pc) load_kv(first + AW * PW * UNR, kr2, vr2);
@@ -166,6 +180,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
             load_bf16x8(q + (long)(h0 + j) * hd + gl * 8, qv[j]);
             if (qn) head_norm(qv[j], qn + gl * 8, eps, hd, G);
             rope.apply(qv[j], G, interleaved);
+            ATT_MMA_Q(j);
         }
 #pragma unroll
         for (int i = 0; i < 8; i++) {
@@ -197,91 +212,87 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
             }
         }
     };
-    // Each round's K/V loads go out KV_AHEAD rounds before it is scored (KV_AHEAD + 1 rounds
-    // in registers), so a split pays at most one DRAM latency after the release, not one per
-    // round (none up to KV_AHEAD rounds: their loads went out before the wait).
-    for (int base0 = first; base0 < pc; base0 += AW * PW * UNR) {  // uniform per warp: shuffles
-        uint4 kn_r[UNR], vn_r[UNR];
+    if (ATT_MMA_ON) {
+        attend_mma_bf16(kc, vc, table, has_new, kn, vnr, pos0, kvh, width, hd, qb, p0, p1, scale, grp, gl, m, l, acc);
+    } else {
+        // Each round's K/V loads go out KV_AHEAD rounds before it is scored (KV_AHEAD + 1 rounds
+        // in registers), so a split pays at most one DRAM latency after the release, not one per
+        // round (none up to KV_AHEAD rounds: their loads went out before the wait).
+        for (int base0 = first; base0 < pc; base0 += AW * PW * UNR) {  // uniform per warp: shuffles
+            uint4 kn_r[UNR], vn_r[UNR];
 #pragma unroll
-        for (int u = 0; u < UNR; u++) kn_r[u] = kr[u], vn_r[u] = vr[u];
+            for (int u = 0; u < UNR; u++) kn_r[u] = kr[u], vn_r[u] = vr[u];
 #if KV_AHEAD > 1
 #pragma unroll
-        for (int u = 0; u < UNR; u++) kr[u] = kr2[u], vr[u] = vr2[u];
-        if (base0 + 2 * AW * PW * UNR < pc) load_kv(base0 + 2 * AW * PW * UNR, kr2, vr2);
+            for (int u = 0; u < UNR; u++) kr[u] = kr2[u], vr[u] = vr2[u];
+            if (base0 + 2 * AW * PW * UNR < pc) load_kv(base0 + 2 * AW * PW * UNR, kr2, vr2);
 #else
-        if (base0 + AW * PW * UNR < pc) load_kv(base0 + AW * PW * UNR, kr, vr);
+            if (base0 + AW * PW * UNR < pc) load_kv(base0 + AW * PW * UNR, kr, vr);
 #endif
 #if SCORE_BATCH
-        // The round's UNR positions scored together (independent dot products and
-        // shuffles), then folded into the online softmax with one rescale.
-        float sc[UNR][QB_MAX];
-        bool ok[UNR];
-#pragma unroll
-        for (int u = 0; u < UNR; u++) {
-            ok[u] = base0 + u * AW * PW + grp < pc;
-            float kf[8];
-            unpack_bf16x8(kn_r[u], kf);
-#pragma unroll
-            for (int j = 0; j < QB_MAX; j++) {
-                float d = 0.f;
-#pragma unroll
-                for (int i = 0; i < 8; i++) d = fmaf(qv[j][i], kf[i], d);  // qv is 0 for j ≥ qb
-                sc[u][j] = d;
-            }
-        }
-        for (int o = G / 2; o > 0; o >>= 1)
-#pragma unroll
-            for (int u = 0; u < UNR; u++)
-#pragma unroll
-                for (int j = 0; j < QB_MAX; j++)
-                    if (j < qb) sc[u][j] += __shfl_xor_sync(0xffffffffu, sc[u][j], o);
-#pragma unroll
-        for (int j = 0; j < QB_MAX; j++) {
-            if (j >= qb) break;
-            float mn = m[j];
-#pragma unroll
-            for (int u = 0; u < UNR; u++) mn = ok[u] ? fmaxf(mn, sc[u][j]) : mn;
-            if (mn == -INFINITY) continue;  // none of the round's positions is this group's
-            float corr = __expf(m[j] - mn);
-            l[j] *= corr;
-#pragma unroll
-            for (int i = 0; i < 8; i++) acc[j][i] *= corr;
+            // The round's UNR positions scored together (independent dot products and
+            // shuffles), then folded into the online softmax with one rescale.
+            float sc[UNR][QB_MAX];
+            bool ok[UNR];
 #pragma unroll
             for (int u = 0; u < UNR; u++) {
-                if (!ok[u]) continue;
-                float e = __expf(sc[u][j] - mn), vf[8];
-                unpack_bf16x8(vn_r[u], vf);
-                l[j] += e;
+                ok[u] = base0 + u * AW * PW + grp < pc;
+                float kf[8];
+                unpack_bf16x8(kn_r[u], kf);
 #pragma unroll
-                for (int i = 0; i < 8; i++) acc[j][i] = fmaf(e, vf[i], acc[j][i]);
+                for (int j = 0; j < QB_MAX; j++) {
+                    float d = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) d = fmaf(qv[j][i], kf[i], d);  // qv is 0 for j ≥ qb
+                    sc[u][j] = d;
+                }
             }
-            m[j] = mn;
-        }
+            for (int o = G / 2; o > 0; o >>= 1)
+#pragma unroll
+                for (int u = 0; u < UNR; u++)
+#pragma unroll
+                    for (int j = 0; j < QB_MAX; j++)
+                        if (j < qb) sc[u][j] += __shfl_xor_sync(0xffffffffu, sc[u][j], o);
+#pragma unroll
+            for (int j = 0; j < QB_MAX; j++) {
+                if (j >= qb) break;
+                float mn = m[j];
+#pragma unroll
+                for (int u = 0; u < UNR; u++) mn = ok[u] ? fmaxf(mn, sc[u][j]) : mn;
+                if (mn == -INFINITY) continue;  // none of the round's positions is this group's
+                float corr = __expf(m[j] - mn);
+                l[j] *= corr;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[j][i] *= corr;
+#pragma unroll
+                for (int u = 0; u < UNR; u++) {
+                    if (!ok[u]) continue;
+                    float e = __expf(sc[u][j] - mn), vf[8];
+                    unpack_bf16x8(vn_r[u], vf);
+                    l[j] += e;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) acc[j][i] = fmaf(e, vf[i], acc[j][i]);
+                }
+                m[j] = mn;
+            }
 #else
 #pragma unroll
-        for (int u = 0; u < UNR; u++) {
-            int base = base0 + u * AW * PW;
-            if (base >= pc) break;
-            float kf[8], vf[8];
-            unpack_bf16x8(kn_r[u], kf);
-            unpack_bf16x8(vn_r[u], vf);
-            score(kf, vf, base + grp < pc);
-        }
+            for (int u = 0; u < UNR; u++) {
+                int base = base0 + u * AW * PW;
+                if (base >= pc) break;
+                float kf[8], vf[8];
+                unpack_bf16x8(kn_r[u], kf);
+                unpack_bf16x8(vn_r[u], vf);
+                score(kf, vf, base + grp < pc);
+            }
 #endif
-    }
-    // The new position, if it is in this split: scored last by warp 0's lane group 0 (its
-    // k/v were loaded with q), written to the cache by the kv group's first block.
-    if (has_new) {
-        score(kn, vn, grp == 0);
-        if (grp == 0 && h0 % (heads / n_kv) == 0) {
-            long o = kv_row(pos0, table) * width + kvh * hd + gl * 8;
-            uint4 kw;
-            kw.x = (u32)f2bf(kn[0]) | ((u32)f2bf(kn[1]) << 16);
-            kw.y = (u32)f2bf(kn[2]) | ((u32)f2bf(kn[3]) << 16);
-            kw.z = (u32)f2bf(kn[4]) | ((u32)f2bf(kn[5]) << 16);
-            kw.w = (u32)f2bf(kn[6]) | ((u32)f2bf(kn[7]) << 16);
-            *reinterpret_cast<uint4*>(kc + o) = kw;
-            *reinterpret_cast<uint4*>(vc + o) = vnr;
+        }
+        // The new position, if it is in this split: scored last by warp 0's lane group 0 (its
+        // k/v were loaded with q), written to the cache by the kv group's first block.
+        if (has_new) {
+            score(kn, vn, grp == 0);
+            if (grp == 0 && h0 % (heads / n_kv) == 0)
+                store_new_kv(kc, vc, kv_row(pos0, table) * width + kvh * hd + gl * 8, kn, vnr);
         }
     }
     const float *pm = s_pm, *pl = s_pl, *po = s_po;

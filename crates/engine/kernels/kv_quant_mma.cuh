@@ -27,7 +27,7 @@
 // head dim 128), a lane's run of key codes, a row's group parameters and its value codes
 // load as 8-byte words (ncu found the per-word loads L1-bound: 34 loads a step for
 // turbo:k8v3 at head dim 128 against 58). The softmax rescales the accumulators only when
-// a row's running max grows by more than LAZY (e^8: f32 sums cannot overflow), and a step's
+// a row's running max grows by more than e^8 (mma.cuh's softmax_step_lazy), and a step's
 // row addresses come from its one or two block-table entries.
 // Measured on an H100 (8B shape, depth 32768, docs/kv.md): 5.0% (turbo:k8v3), 3.7%
 // (affine:4) and 5.9% (affine:8) faster decode than one word a load, a bf16 key path and
@@ -84,7 +84,6 @@ __device__ __forceinline__ u32 nibbles_f16x2(u32 w) {
     asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"((w & 0x000f000fu) | 0x64006400u), "r"(0x64006400u));
     return d;
 }
-#define LAZY 8.f
 
 // The centroid pair of code k of xa (low) and of xb (high) in a table of float2 entries:
 // the byte offset built from the two fields shifted in place (two shifts and one logic
@@ -291,30 +290,9 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
                 sc[T][j] = base + 8 * T + 2 * c4 + j < p1 ? sc[T][j] * C.scale : -INFINITY;
         }
         // Online softmax per query head (the 4 lanes of a row hold its 16 positions).
-        float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // The sums stay relative to m until a score passes it by LAZY: then every row of
-        // the warp takes its new max (a row that did not grow keeps its m: corr 1).
-        const bool grow = mx > m + LAZY;  // (m = -inf: any score)
-        if (__any_sync(0xffffffffu, grow)) {
-            const float mn = grow ? mx : m;
-            const float corr = m == -INFINITY ? 0.f : __expf(m - mn);
-            l *= corr;
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                oacc[t][0] *= corr;
-                oacc[t][1] *= corr;
-            }
-            m = mn;
-        }
-        float pr[2][2];
-#pragma unroll
-        for (int T = 0; T < 2; T++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) pr[T][j] = m == -INFINITY ? 0.f : __expf(sc[T][j] - m);
-        l += pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
-        const u32 pa[4] = {pack_bf16x2(pr[0][0], pr[0][1]), 0u, pack_bf16x2(pr[1][0], pr[1][1]), 0u};
+        u32 pa0, pa2;
+        softmax_step_lazy(sc, m, l, oacc, pa0, pa2);
+        const u32 pa[4] = {pa0, 0u, pa2, 0u};
         // Values: each position's scale (and affine bias), then an MMA per 8 dims.
         float vs[4], vb[4];
 #pragma unroll

@@ -72,6 +72,10 @@ impl CudaConfig {
             attention_query_heads: var("FERROLM_ATTN_QB")
                 .and_then(|v| v.parse().ok())
                 .map_or(d.attention_query_heads, |n: usize| n.clamp(1, 4)),
+            attention_mma_positions: var("FERROLM_ATTN_MMA").map_or(d.attention_mma_positions, |v| match v.as_str() {
+                "off" => usize::MAX,
+                n => n.parse().unwrap_or(d.attention_mma_positions),
+            }),
             attention_min_chunk: var("FERROLM_ATTN_CHUNK")
                 .and_then(|v| v.parse().ok())
                 .map_or(d.attention_min_chunk, |n: usize| n.clamp(16, 4096)),

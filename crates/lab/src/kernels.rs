@@ -8,12 +8,10 @@
 //! already.
 
 use ferrolm::backend::cuda::kernels::KernelFile;
-use ferrolm::backend::cuda::nvrtc;
 use std::sync::OnceLock;
 
 const MBARRIER: &str = include_str!("../kernels/mbarrier.cuh");
 const MBARRIER_INCLUDE: &str = "#include \"mbarrier.cuh\"";
-const ATTN_MMA: &str = include_str!("../kernels/attn_mma.cuh");
 
 /// kernels/sync_probe.cu: grid and cluster barriers, and the PDL release pair.
 pub fn sync_probe() -> &'static KernelFile {
@@ -44,65 +42,6 @@ pub fn bgemv_mma() -> &'static KernelFile {
     &F
 }
 
-/// The engine's attention_decode.cuh with kernels/attn_mma.cuh spliced in: the decode
-/// attention over the bf16 cache on the tensor cores in the builds of 2-4 query heads a
-/// block (`FERROLM_ATTN_QB=4`). As a `FERROLM_KERNEL_DIR` file: `kernel_dir attn-mma DIR`.
-pub fn attn_mma_header() -> &'static str {
-    static S: OnceLock<String> = OnceLock::new();
-    S.get_or_init(|| {
-        let (_, engine) =
-            nvrtc::HEADERS.iter().find(|(n, _)| *n == "attention_decode.cuh").expect("the engine's header");
-        let attend = "template <class Wait>\n__device__ __forceinline__ void attend(";
-        let first_loads = "    if (first < pc) load_kv(first, kr, vr);";
-        let rope_q = "            rope.apply(qv[j], G, interleaved);\n";
-        let main_loop = "    for (int base0 = first; base0 < pc; base0 += AW * PW * UNR) {";
-        let merge = "    const float *pm = s_pm, *pl = s_pl, *po = s_po;";
-        replace_each(
-            engine,
-            &[
-                (attend, format!("{ATTN_MMA}\n{attend}")),
-                (first_loads, "    if (!ATT_MMA_ON && first < pc) load_kv(first, kr, vr);".into()),
-                (rope_q, format!("{rope_q}            ATT_MMA_Q(j);\n")),
-                (main_loop, format!("    if (ATT_MMA_ON) {{\n        ATT_MMA_BODY;\n    }} else {{\n{main_loop}")),
-                (merge, format!("    }}\n{merge}")),
-            ],
-        )
-    })
-}
-
-/// The engine's attention_decode.cu with its blocks-per-SM bound at `blocks` instead of 3
-/// (the tensor-core loop at head dim 128 spills under the bound of 3: 168 registers; 206
-/// under 2, none).
-pub fn attn_mma_kernel(blocks: u32) -> String {
-    let src = ferrolm::backend::cuda::kernels::file("attention_decode.cu").src;
-    replace_each(src, &[("__launch_bounds__(128, 3)", format!("__launch_bounds__(128, {blocks})"))])
-}
-
-/// `attention_decode.cu` (the engine's, or `attn_mma_kernel`'s) with `attn_mma_header()`
-/// in place of its include, as one source for NVRTC.
-fn over_attn_mma_header(cu: &str) -> String {
-    replace_each(cu, &[("#include \"attention_decode.cuh\"", attn_mma_header().to_string())])
-}
-
-/// The engine's attention_decode.cu over `attn_mma_header()`.
-pub fn attn_mma() -> &'static KernelFile {
-    static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| {
-        let src = over_attn_mma_header(ferrolm::backend::cuda::kernels::file("attention_decode.cu").src);
-        KernelFile { name: "attn_mma.cu", src: Box::leak(src.into_boxed_str()) }
-    })
-}
-
-/// `src` with each (anchor, text) pair's anchor, which must occur exactly once, replaced.
-fn replace_each(src: &str, pairs: &[(&str, String)]) -> String {
-    let mut out = src.to_string();
-    for (anchor, text) in pairs {
-        assert_eq!(out.matches(anchor).count(), 1, "the anchor {anchor:?} occurs once");
-        out = out.replacen(anchor, text, 1);
-    }
-    out
-}
-
 /// kernels/stream_probe.cu with mbarrier.cuh spliced in.
 pub fn stream_probe() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
@@ -114,7 +53,8 @@ pub fn stream_probe() -> &'static KernelFile {
 
 /// `src` with its `#include "mbarrier.cuh"` line replaced by the header's text.
 fn splice(src: &str) -> String {
-    replace_each(src, &[(MBARRIER_INCLUDE, MBARRIER.to_string())])
+    assert_eq!(src.matches(MBARRIER_INCLUDE).count(), 1, "one {MBARRIER_INCLUDE:?} line");
+    src.replacen(MBARRIER_INCLUDE, MBARRIER, 1)
 }
 
 /// Every kernel file of the lab.
@@ -211,32 +151,6 @@ mod tests {
             for tt in [1, 2, 4] {
                 assert_cubin("bgemv_mma", f.name, f.src, "sm_90", &[d.clone(), vec![format!("TT={tt}")]].concat());
             }
-        }
-    }
-
-    /// The bf16 decode attention with the tensor-core loop spliced in compiles in every build
-    /// the host asks for (1-4 query heads a block, deep caches' scoring, the register cap).
-    #[test]
-    fn the_tensor_core_decode_attention_compiles_in_every_build() {
-        if !nvrtc::available() {
-            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
-            return;
-        }
-        let f = attn_mma();
-        assert!(f.src.contains("attend_mma_bf16(kc, vc") && f.src.contains("ATT_MMA_Q(j);"), "spliced");
-        use ferrolm::backend::cuda::kernels::attention_decode_defines;
-        for qb in 1..=4 {
-            for (deep, capped) in [(false, false), (true, false), (true, true)] {
-                assert_cubin(f.name, f.name, f.src, "sm_90", &attention_decode_defines(qb, deep, capped));
-            }
-        }
-        // Two blocks an SM; both phases' loads at a step's start, or the values a step ahead.
-        let two = over_attn_mma_header(&attn_mma_kernel(2));
-        assert!(two.contains("__launch_bounds__(128, 2)"));
-        assert_cubin("attn_mma, 2 blocks", f.name, &two, "sm_90", &attention_decode_defines(4, true, false));
-        for (mode, what) in [(0, "eager loads"), (2, "values a step ahead")] {
-            let src = format!("#define ATT_MMA_SPLIT_LOADS {mode}\n{two}");
-            assert_cubin(what, f.name, &src, "sm_90", &attention_decode_defines(4, true, false));
         }
     }
 

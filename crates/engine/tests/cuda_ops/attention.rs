@@ -3,7 +3,7 @@
 
 use super::{bf, check, cpu, gpu, Rng};
 use ferrolm::backend::cpu::Cpu;
-use ferrolm::backend::cuda::Cuda;
+use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::{Attend, Backend, Rope};
 use ferrolm::config::RopeStyle;
 use ferrolm::kv::{blocks_for, InOrder};
@@ -107,10 +107,20 @@ fn attention_matches_cpu_prefill_and_decode() {
 }
 
 /// RoPE + cache write + attention (one launch each on CUDA for a single token) against the
-/// CPU's rope, rope, attention, over prefill and decode steps.
+/// CPU's rope, rope, attention, over prefill and decode steps: with the defaults (one query
+/// head a decode block at these depths), then with a GQA group's heads a block at every
+/// depth (the tensor cores at head dims 64 and 128, CUDA cores at the others).
 #[test]
 fn rope_attention_matches_cpu() {
-    let (g, c) = (gpu(), Cpu);
+    let grouped = CudaConfig { attention_query_heads: 4, attention_mma_positions: 0, ..CudaConfig::default() };
+    let grouped = Cuda::with_config(0, grouped).unwrap();
+    for (name, g) in [("one head a block", gpu()), ("a group's heads a block", &grouped)] {
+        rope_attention_cases(name, g);
+    }
+}
+
+fn rope_attention_cases(name: &str, g: &Cuda) {
+    let c = Cpu;
     let mut r = Rng::seeded();
     let (short, tail): (&[usize], &[usize]) = (&[300, 1, 1, 200, 1, 1], &[1; 12]);
     // Caches over 1 024 positions split into single blocks merged through global memory by
@@ -144,7 +154,8 @@ fn rope_attention_matches_cpu() {
         for &m in steps {
             let (got, want) =
                 rope_attention_both(g, &mut r, (&mut kvg, &mut kvc), (heads, n_kv, hd), &rope, (m, pos), attend);
-            let what = format!("rope_attention {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos} {attend:?}");
+            let what =
+                format!("rope_attention ({name}) {heads}/{n_kv}x{hd} {style:?} cache {cache} m{m} pos{pos} {attend:?}");
             check(&what, &got, &want, 1e-2);
             pos += m;
         }

@@ -240,7 +240,7 @@ fn config_switches_keep_decode_correct() {
         ("bf16 x (no XQ)", CudaConfig { gemv_int16_x: false, ..d.clone() }, false),
         ("no K slices", CudaConfig { gemv_k_slices: false, ..d.clone() }, false),
         ("no attention clusters", CudaConfig { attention_clusters: false, ..d.clone() }, false),
-        ("GQA heads per block ≤ 4", CudaConfig { attention_query_heads: 4, ..d.clone() }, false),
+        ("GQA heads a block (tensor cores)", CudaConfig { attention_mma_positions: 0, ..d.clone() }, false),
         ("no PDL", CudaConfig { pdl: false, ..d.clone() }, true),
         ("unfused decode GLU", CudaConfig { decode_fused_glu: false, ..d.clone() }, false),
         ("prefill GLU switched", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }, false),

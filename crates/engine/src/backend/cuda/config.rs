@@ -50,9 +50,16 @@ pub struct CudaConfig {
     /// Decode attention over short caches merges its splits through a thread-block
     /// cluster's shared memory (sm_90+); off: through global memory. `FERROLM_ATTN_CLUSTER`.
     pub attention_clusters: bool,
-    /// Most query heads of a GQA group one decode attention block serves (1 to 4).
-    /// `FERROLM_ATTN_QB`.
+    /// Most query heads of a GQA group one decode attention block serves (1 to 4) below
+    /// `attention_mma_positions`; at head dims 64 and 128 more than one runs on the tensor
+    /// cores (attention_decode_mma.cuh). `FERROLM_ATTN_QB`.
     pub attention_query_heads: usize,
+    /// Decode attention over a cache of at least this many positions, at head dims 64 and
+    /// 128, serves up to 4 query heads of a GQA group a block on the tensor cores, each K/V
+    /// row read once (attention_decode_mma.cuh); shorter caches take
+    /// `attention_query_heads`. 8B shape on an H100: 1.15x decode at depth 32768, 1.03x at
+    /// 16384, 0.95x at 8192 (docs/kv.md). `usize::MAX`: never. `FERROLM_ATTN_MMA`.
+    pub attention_mma_positions: usize,
     /// Smallest split, in cached positions, of the serving calls' attention (attention.cu's
     /// attention_split): a row's span is cut into at most `attention_max_splits` splits of
     /// this size doubled until they cover it; over a quantized cache (kv_quant.cu), chunks
@@ -95,6 +102,7 @@ impl Default for CudaConfig {
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,
+            attention_mma_positions: 16384,
             attention_min_chunk: 64,
             attention_max_splits: 16,
             feed_steps: true,

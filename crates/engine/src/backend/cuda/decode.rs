@@ -320,12 +320,15 @@ impl Cuda {
             return self.attention_cached_from(q_rot, (1, heads), kv, layer, attend, out);
         }
         let n_kv = kv.width / kv.head_dim;
-        // Query heads per block: one by default. Up to 4 of a GQA group per block read each
-        // K/V row once for all of them, but give each lane 4× the scoring chain on a quarter
-        // of the blocks: one head per block measured faster at 2K, 8K and 16K cached (the
-        // group's blocks read the same rows at about the same time, from L2).
+        // Query heads per block: one on CUDA cores by default, where up to 4 of a GQA group
+        // per block (each K/V row read once for all of them) give each lane 4× the scoring
+        // chain on a quarter of the blocks and measured slower. Deep caches at head dims 64
+        // and 128 take the group's heads a block on the tensor cores: faster from ~16K
+        // cached; below, a quarter of the one-head grid leaves SMs idle.
         let group = heads / n_kv;
-        let qb = (1..=self.cfg.attention_query_heads).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
+        let mma = matches!(kv.head_dim, 64 | 128) && kv.max_seq() >= self.cfg.attention_mma_positions;
+        let most = if mma { 4 } else { self.cfg.attention_query_heads };
+        let qb = (1..=most).rev().find(|d| group.is_multiple_of(*d)).unwrap_or(1);
         // Deep caches score a round's positions together (SCORE_BATCH): faster at 8K cached,
         // slower at 512. Beside a q/k/v GEMV of at least half the SMs' blocks, a deep cache's
         // kernel is the register-capped one (ATT_CAP): twice its blocks fit beside q/k/v's.

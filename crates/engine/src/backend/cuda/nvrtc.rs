@@ -18,6 +18,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("gemm_small.cuh", include_str!("../../../kernels/gemm_small.cuh")),
     ("trace.cuh", include_str!("../../../kernels/trace.cuh")),
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
+    ("attention_decode_mma.cuh", include_str!("../../../kernels/attention_decode_mma.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
     ("kv_encode.cuh", include_str!("../../../kernels/kv_encode.cuh")),
     ("kv_quant_mma.cuh", include_str!("../../../kernels/kv_quant_mma.cuh")),

@@ -1,14 +1,10 @@
-// The lab's decode attention over the bf16 cache on the tensor cores: spliced into the
-// engine's attention_decode.cuh (crates/lab/src/kernels.rs, `attn_mma_header`), taken by
-// the builds of 2-4 query heads a block (QB_MAX > 1, `FERROLM_ATTN_QB=4`) at head dims 64
-// and 128. Written for issue 30's "bf16 at 1.3x llama.cpp's f16 at depth 32768": the
-// engine's kernel gives each query head its own block (QB_MAX = 1), so each K/V row of a
-// GQA group crosses L2 once per head, and each lane's scoring is a CUDA-core chain
-// (docs/kv.md, "Speed": ~84 µs a layer at 32768 where ~61 would meet the target).
-//
-// Here a block takes a GQA group's qb ≤ 4 heads as the rows of mma.m16n8k16 products
-// (bf16 in, f32 accumulate), as kv_quant_mma.cuh does over quantized rows, so each row is
-// read once: per warp, 16 positions a step,
+// Decode attention over the bf16 cache on the tensor cores, for attention_decode.cuh's
+// builds of 2-4 query heads a block (QB_MAX > 1) at head dims 64 and 128: the host takes it
+// for caches of at least `CudaConfig::attention_mma_positions` (decode.rs). The one-head
+// blocks read each K/V row of a GQA group once per head (through L2) with a CUDA-core
+// scoring chain a lane; here a block takes a group's qb ≤ 4 heads as the rows of
+// mma.m16n8k16 products (bf16 in, f32 accumulate), as kv_quant_mma.cuh does over quantized
+// rows, so each row is read once: per warp, 16 positions a step,
 //   scores S = Q·Kᵀ per 8-position tile: A = q (rotated, bf16-exact; the softmax scale is
 //   applied to the f32 scores), B = the key rows as loaded: lane (g4, c4) takes position g4
 //   of the tile and the hd/4 dims [c4·hd/4, (c4+1)·hd/4) (k-step s: dims c4·hd/4 + 4s + 0..3
@@ -17,23 +13,21 @@
 //   B = the value rows: lane (g4, c4) takes positions 2c4, 2c4+1, 8+2c4, 9+2c4 and the hd/8
 //   dims [g4·hd/8, (g4+1)·hd/8) (n-tile t's column g4: dim g4·hd/8 + t), a B register
 //   being two positions' halves of one word (a byte permute).
-// 16 B a load, every byte of the step's rows loaded once by the warp (8 KB at hd 128). The
-// new position is written to the cache first by each block whose split holds it (the same
-// bytes from every block of its group) and attended from there. Each warp's partial (max,
-// sum, unnormalized output) goes into lane group 1's state of the engine's CUDA-core
-// layout, so the engine's merge (groups in order, then splits) runs unchanged.
+// 16 B a load, every byte of the step's rows loaded once by the warp (8 KB at hd 128), all
+// at the step's start. The new position is written to the cache first by the block whose
+// split holds it and attended from there. Each warp's partial (max, sum, unnormalized
+// output) goes into lane group 1's state of attend's CUDA-core layout, so its merge (groups
+// in order, then splits) runs unchanged. Two blocks an SM (attention_decode.cu's bound for
+// QB_MAX > 1: 206 registers, no spills).
+// Measured on an H100, 8B shape (docs/kv.md, "Speed"): decode 1.15x the one-head blocks at
+// depth 32768 (235.8 against 204.1 tok/s), 1.03x at 16384, 0.95x at 8192, 0.92x at 1024
+// (there a group's blocks are a quarter of the one-head grid: too few to fill the GPU).
+// Variants measured and not taken (perf.md): three blocks an SM (register-bound at 168,
+// local memory in the loop: 218.9), the value rows loaded after the scores' MMAs or a whole
+// step ahead (231.1-235.0, 231.8).
 // Not bit-identical to the CUDA-core loop (other sum orders, bf16 probabilities): within
-// the parity bars against the CPU. Fixed orders: deterministic.
-
+// the parity bars against the CPU. Fixed orders, a function of the row alone: deterministic.
 #include "mma.cuh"
-
-// 1: each step's value rows are loaded at its start and the next step's key rows after
-// its scores, so each phase's loads are in flight under the other phase's math with the
-// same registers. 2: the value rows a whole step ahead (one more buffer of them: 16
-// registers at head dim 64, 32 at 128). 0: both at the step's start.
-#ifndef ATT_MMA_SPLIT_LOADS
-#define ATT_MMA_SPLIT_LOADS 1
-#endif
 
 // Whether this build and head dim take the tensor cores (block-uniform).
 #define ATT_MMA_ON (QB_MAX > 1 && (hd == 64 || hd == 128))
@@ -47,19 +41,6 @@ __device__ __forceinline__ bf16_t* att_mma_q() {
     if (ATT_MMA_ON && warp == 0 && grp == 0) {                                          \
         _Pragma("unroll") for (int i = 0; i < 8; i++) att_mma_q()[(j) * hd + gl * 8 + i] = f2bf(qv[j][i]); \
     }
-
-// c += a·b, m16n8k16 (bf16 in, f32 accumulate) where rows 8-15 of a are zero (the query
-// heads fill rows 0-3): the accumulators of rows 8-15 stay zero, so they enter as a zero
-// and leave into dead registers instead of living across the loop (32 registers of the
-// value sums at head dim 128). a1 = a3 = 0.
-__device__ __forceinline__ void mma_bf16_top(float (&c)[2], u32 a0, u32 a2, u32 b0, u32 b1) {
-    float d2, d3;
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %5}, {%7, %8}, "
-        "{%0, %1, %9, %9};\n"
-        : "+f"(c[0]), "+f"(c[1]), "=f"(d2), "=f"(d3)
-        : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1), "f"(0.f));
-}
 
 // A warp's partial per query head, [heads][hd] then max and sum per head.
 constexpr int ATT_MMA_PART = QB_MAX * 128 + 2 * QB_MAX;
@@ -115,28 +96,14 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
             for (int u = 0; u < VU; u++) vr[i][u] = r[u];
         }
     };
-    uint4 kr[2][KU], vr[4][VU];
     int base = p0 + 16 * warp, e[2] = {0, 0};
     if (base < p1) entries(base, e);
-#if ATT_MMA_SPLIT_LOADS
-    if (base < p1) load_k(base, e, kr);
-#endif
-#if ATT_MMA_SPLIT_LOADS == 2
-    if (base < p1) load_v(base, e, vr);
-#endif
     for (; base < p1; base += 64) {
-        const bool more = base + 64 < p1;
         int en[2] = {e[0], e[1]};
-        if (more) entries(base + 64, en);
-#if ATT_MMA_SPLIT_LOADS == 2
-        uint4 vn[4][VU];
-        if (more) load_v(base + 64, en, vn);  // the next step's values under this whole step
-#elif ATT_MMA_SPLIT_LOADS
-        load_v(base, e, vr);  // in flight under the scores' math (the keys came a phase ahead)
-#else
+        if (base + 64 < p1) entries(base + 64, en);
+        uint4 kr[2][KU], vr[4][VU];
         load_k(base, e, kr);
         load_v(base, e, vr);
-#endif
         // Scores: sc[T][j], position base + 8T + 2c4 + j, query head g4.
         float sc[2][2];
 #pragma unroll
@@ -148,33 +115,8 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
 #pragma unroll
             for (int j = 0; j < 2; j++) sc[T][j] = base + 8 * T + 2 * c4 + j < p1 ? c[j] * scale : -INFINITY;
         }
-        // Online softmax per query head (its 4 lanes hold the step's 16 positions), the sums
-        // rescaled only when a score passes the running max by e^8 (f32 cannot overflow).
-        float mx = fmaxf(fmaxf(sc[0][0], sc[0][1]), fmaxf(sc[1][0], sc[1][1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const bool grow = mx > m + 8.f;
-        if (__any_sync(0xffffffffu, grow)) {
-            const float mn = grow ? mx : m;
-            const float corr = m == -INFINITY ? 0.f : __expf(m - mn);
-            l *= corr;
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                oacc[t][0] *= corr;
-                oacc[t][1] *= corr;
-            }
-            m = mn;
-        }
-        float pr[2][2];
-#pragma unroll
-        for (int T = 0; T < 2; T++)
-#pragma unroll
-            for (int j = 0; j < 2; j++) pr[T][j] = m == -INFINITY ? 0.f : __expf(sc[T][j] - m);
-        l += pr[0][0] + pr[0][1] + pr[1][0] + pr[1][1];
-        const u32 pa0 = pack_bf16x2(pr[0][0], pr[0][1]), pa2 = pack_bf16x2(pr[1][0], pr[1][1]);
-#if ATT_MMA_SPLIT_LOADS
-        if (more) load_k(base + 64, en, kr);  // the next step's keys under the value math
-#endif
+        u32 pa0, pa2;
+        softmax_step_lazy(sc, m, l, oacc, pa0, pa2);
         const u32* v0 = reinterpret_cast<const u32*>(vr[0]);
         const u32* v1 = reinterpret_cast<const u32*>(vr[1]);
         const u32* v2 = reinterpret_cast<const u32*>(vr[2]);
@@ -186,12 +128,6 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
         }
         e[0] = en[0];
         e[1] = en[1];
-#if ATT_MMA_SPLIT_LOADS == 2
-#pragma unroll
-        for (int i = 0; i < 4; i++)
-#pragma unroll
-            for (int u = 0; u < VU; u++) vr[i][u] = vn[i][u];
-#endif
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -220,16 +156,7 @@ __device__ __forceinline__ void attend_mma_bf16(bf16_t* __restrict__ kc, bf16_t*
                                                 int p1, float scale, int grp, int gl, float (&m)[QB_MAX],
                                                 float (&l)[QB_MAX], float (&acc)[QB_MAX][8]) {
     __shared__ float s_part[AW * ATT_MMA_PART];
-    if (has_new && grp == 0) {
-        long o = kv_row(pos0, table) * width + kvh * hd + gl * 8;
-        uint4 kw;
-        kw.x = (u32)f2bf(kn[0]) | ((u32)f2bf(kn[1]) << 16);
-        kw.y = (u32)f2bf(kn[2]) | ((u32)f2bf(kn[3]) << 16);
-        kw.z = (u32)f2bf(kn[4]) | ((u32)f2bf(kn[5]) << 16);
-        kw.w = (u32)f2bf(kn[6]) | ((u32)f2bf(kn[7]) << 16);
-        *reinterpret_cast<uint4*>(kc + o) = kw;
-        *reinterpret_cast<uint4*>(vc + o) = vnr;
-    }
+    if (has_new && grp == 0) store_new_kv(kc, vc, kv_row(pos0, table) * width + kvh * hd + gl * 8, kn, vnr);
     ATT_SYNC();
     if (hd == 64) attend_mma_bf16_hd<64>(kc, vc, table, kvh, width, qb, p0, p1, scale, s_part);
     else attend_mma_bf16_hd<128>(kc, vc, table, kvh, width, qb, p0, p1, scale, s_part);
@@ -243,5 +170,3 @@ __device__ __forceinline__ void attend_mma_bf16(bf16_t* __restrict__ kc, bf16_t*
         for (int i = 0; i < 8; i++) acc[j][i] = mine ? o[j * hd + gl * 8 + i] : 0.f;
     }
 }
-#define ATT_MMA_BODY                                                                                            \
-    attend_mma_bf16(kc, vc, table, has_new, kn, vnr, pos0, kvh, width, hd, qb, p0, p1, scale, grp, gl, m, l, acc)
