@@ -18,7 +18,7 @@
 // split holds it and attended from there. Each warp's partial (max, sum, unnormalized
 // output) goes into lane group 1's state of attend's CUDA-core layout, so its merge (groups
 // in order, then splits) runs unchanged. Two blocks an SM (attention_decode.cu's bound for
-// QB_MAX > 1: 206 registers, no spills).
+// QB_MAX > 1: 217 registers at QB 4, no spills).
 // Measured on an H100, 8B shape (docs/kv.md, "Speed"): decode 1.15x the one-head blocks at
 // depth 32768 (235.8 against 204.1 tok/s), 1.03x at 16384, 0.95x at 8192, 0.92x at 1024
 // (there a group's blocks are a quarter of the one-head grid: too few to fill the GPU).
