@@ -33,6 +33,7 @@ for ((i = 0; i < rounds; i++)); do
     j=$(run "$v" ${BENCH_ARGS:---repeats 3} 2>/dev/null) || j='{}'
     dec[$v]+="$(tps decode_tps) "
     pre[$v]+="$(tps prefill_tps) "
+    echo "round $((i + 1)) $v: decode $(tps decode_tps)"  # as it goes: a timeout keeps what ran
   done
 done
 for v in "${variants[@]}"; do
