@@ -20,12 +20,16 @@
 //     mma.sync's the bits are gemm.cu's (the lab's check says whether they are).
 // Accumulator layout (m64nN, f32): warp w of a warpgroup holds rows 16w + lane/4 (d[4j],
 // d[4j+1], columns 8j + 2·(lane%4) + {0,1}) and 16w + lane/4 + 8 (d[4j+2], d[4j+3]).
-// Launch: grid (⌈rows/128⌉, ⌈m/128⌉), block 256, dynamic shared memory WG_SMEM bytes
-// (past 48 KiB: the function's attribute must allow it). cols a multiple of 64.
+// qgemm_wg_if keeps one step's MMAs in flight across the next step (the ring then runs a
+// step shorter ahead); qgemm_wg_ws moves the loads and the dequantization to a third
+// warpgroup, the producer, and hands stages over by mbarriers (its comment below).
+// Launch: grid (⌈rows/128⌉, ⌈m/128⌉), block 256 (qgemm_wg_ws: 384), dynamic shared memory
+// WG_SMEM bytes (past 48 KiB: the function's attribute must allow it). cols a multiple of 64.
 #include "common.cuh"
 #include "affine.cuh"
 #include "mma.cuh"
 #include "qgemm.cuh"
+#include "mbarrier.cuh"
 
 typedef unsigned long long u64;
 typedef unsigned char u8;
@@ -39,14 +43,11 @@ typedef unsigned char u8;
 #define WG_TILE (128 * 128)               // bytes of one 128-row tile
 #define WG_STAGE (2 * WG_TILE)            // x tile, then w tile
 #define WG_SMEM (STAGES * WG_STAGE + 1024)  // + alignment slack
-#define SEG 32                            // weight values per thread per step
-#define SEG_WORDS (SEG * BITS / 32)
-#define SEG_G (GROUP < SEG ? GROUP : SEG)
-#define SEG_NG (SEG / SEG_G)
+#define SEG 32                            // weight values per thread per step (256 threads)
 
 static_assert(WG_BN * WG_BK == 256 * SEG, "one segment per thread per step");
 static_assert(CHUNK_K % WG_BK == 0, "whole steps per chunk");
-static_assert(STAGES >= 3, "w is stored two steps before its use");
+static_assert(STAGES >= 3, "two stages ahead of the MMAs, or one with a step in flight");
 
 // Byte offset of 16-byte chunk c of row r in a swizzled tile.
 __device__ __forceinline__ u32 swz(int r, int c) { return (u32)(r * 128 + ((c ^ (r & 7)) << 4)); }
@@ -60,6 +61,7 @@ __device__ __forceinline__ u64 wg_desc(u32 addr) {
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -92,50 +94,80 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 a, u64 b) {
         : "l"(a), "l"(b));
 }
 
-// One thread's weight segment of a step as loaded (dequantized one iteration later).
+// One thread's weight segment of a step, N values of one row, as loaded (dequantized one
+// iteration later). Whole values in each 32-bit word (BITS 2, 4 or 8, the GPU's widths).
+static_assert(32 % BITS == 0, "values within 32-bit words");
+template <int N>
 struct Seg {
-    u32 q[SEG_WORDS];
-    float s[SEG_NG], b[SEG_NG];
+    static constexpr int WORDS = N * BITS / 32, G = GROUP < N ? GROUP : N, NG = N / G;
+    u32 q[WORDS];
+    float s[NG], b[NG];
 };
 
-__device__ __forceinline__ void load_seg(Seg& sg, const u32* __restrict__ wrow, const scale_t* __restrict__ srow,
+template <int N>
+__device__ __forceinline__ void load_seg(Seg<N>& sg, const u32* __restrict__ wrow, const scale_t* __restrict__ srow,
                                          const scale_t* __restrict__ brow, int k, bool ok) {
     const u32* p = wrow + k / (32 / BITS);
-#if SEG_WORDS == 2
-    const uint2 v = ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
-    sg.q[0] = v.x, sg.q[1] = v.y;
-#else
+    if constexpr (Seg<N>::WORDS == 2) {
+        const uint2 v = ok ? *reinterpret_cast<const uint2*>(p) : make_uint2(0u, 0u);
+        sg.q[0] = v.x, sg.q[1] = v.y;
+    } else {
 #pragma unroll
-    for (int u = 0; u < SEG_WORDS / 4; u++) {
-        const uint4 v = ok ? *reinterpret_cast<const uint4*>(p + 4 * u) : make_uint4(0u, 0u, 0u, 0u);
-        sg.q[4 * u] = v.x, sg.q[4 * u + 1] = v.y, sg.q[4 * u + 2] = v.z, sg.q[4 * u + 3] = v.w;
+        for (int u = 0; u < Seg<N>::WORDS / 4; u++) {
+            const uint4 v = ok ? *reinterpret_cast<const uint4*>(p + 4 * u) : make_uint4(0u, 0u, 0u, 0u);
+            sg.q[4 * u] = v.x, sg.q[4 * u + 1] = v.y, sg.q[4 * u + 2] = v.z, sg.q[4 * u + 3] = v.w;
+        }
     }
-#endif
 #pragma unroll
-    for (int i = 0; i < SEG_NG; i++) {
-        const int g = (k + i * SEG_G) / GROUP;
+    for (int i = 0; i < Seg<N>::NG; i++) {
+        const int g = (k + i * Seg<N>::G) / GROUP;
         sg.s[i] = ok ? s2f(srow[g]) : 0.f;
         sg.b[i] = ok ? s2f(brow[g]) : 0.f;
     }
 }
 
 // Dequantize a segment (values k0.. of tile row r) into the swizzled w tile at `tile`.
-__device__ __forceinline__ void store_seg(const Seg& sg, u8* tile, int r, int k0) {
-    u32 p[SEG / 2];
+template <int N>
+__device__ __forceinline__ void store_seg(const Seg<N>& sg, u8* tile, int r, int k0) {
+    u32 p[N / 2];
 #pragma unroll
-    for (int j = 0; j < SEG / 2; j++) {
+    for (int j = 0; j < N / 2; j++) {
         const int v0 = 2 * j, v1 = 2 * j + 1;
         const u32 q0 = (sg.q[(v0 * BITS) / 32] >> ((v0 * BITS) % 32)) & MASK;
         const u32 q1 = (sg.q[(v1 * BITS) / 32] >> ((v1 * BITS) % 32)) & MASK;
-        const int g = v0 / SEG_G;
+        const int g = v0 / Seg<N>::G;
         p[j] = dequant_pair(q0, q1, sg.s[g], sg.b[g]);
     }
 #pragma unroll
-    for (int i = 0; i < SEG / 8; i++)
+    for (int i = 0; i < N / 8; i++)
         *reinterpret_cast<uint4*>(tile + swz(r, k0 / 8 + i)) = make_uint4(p[4 * i], p[4 * i + 1], p[4 * i + 2], p[4 * i + 3]);
 }
 
+// A warpgroup's f32 totals into out [m, rows]: this thread's tokens t_lane and t_lane + 8.
 template <bool OUT_F32>
+__device__ __forceinline__ void store_out(const float (&tot)[64], void* __restrict__ out, int rows, int m, int r0,
+                                          int t_lane, int lane) {
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int t = t_lane + 8 * h, r = r0 + 8 * j + 2 * (lane & 3);
+            if (t >= m) continue;
+            const float v0 = tot[4 * j + 2 * h], v1 = tot[4 * j + 2 * h + 1];
+            if constexpr (OUT_F32) {
+                float* po = reinterpret_cast<float*>(out) + (size_t)t * rows + r;
+                if (r < rows) po[0] = v0;
+                if (r + 1 < rows) po[1] = v1;
+            } else {
+                bf16_t* po = reinterpret_cast<bf16_t*>(out) + (size_t)t * rows + r;
+                if (r < rows) po[0] = f2bf(v0);
+                if (r + 1 < rows) po[1] = f2bf(v1);
+            }
+        }
+    }
+}
+
+template <bool OUT_F32, bool IN_FLIGHT>
 __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const scale_t* __restrict__ ws,
                                               const scale_t* __restrict__ wb, const bf16_t* __restrict__ x,
                                               void* __restrict__ out, int rows, int cols, int m) {
@@ -170,11 +202,15 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
 
-    // Prologue: steps 0 .. STAGES-2 in their stages (one copy group each), step STAGES-1's
-    // weights in registers.
-    Seg sg;
+    // The ring runs P steps ahead: STAGES - 1 where each step's MMAs are waited for before
+    // the next step; STAGES - 2 where one step's group stays in flight (IN_FLIGHT), since a
+    // stage is then free only two steps after its use. Prologue: steps 0 .. P-1 in their
+    // stages (one copy group each), step P's weights in registers.
+    constexpr int P = IN_FLIGHT ? STAGES - 2 : STAGES - 1;
+    static_assert(P >= 1, "a step ahead at least");
+    Seg<SEG> sg;
 #pragma unroll
-    for (int st = 0; st < STAGES - 1; st++) {
+    for (int st = 0; st < P; st++) {
         if (st < nk) {
             load_x(st, st);
             load_seg(sg, wrow, srow, brow, st * WG_BK + seg_k, row_ok);
@@ -182,64 +218,185 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
         }
         cp_async_commit();
     }
-    if (STAGES - 1 < nk) load_seg(sg, wrow, srow, brow, (STAGES - 1) * WG_BK + seg_k, row_ok);
+    if (P < nk) load_seg(sg, wrow, srow, brow, P * WG_BK + seg_k, row_ok);
 
-    for (int s = 0; s < nk; s++) {
-        const int st = s % STAGES;
-        cp_async_wait<STAGES - 2>();  // step s's copies (groups of later steps may be in flight)
-        fence_async_smem();           // this thread's tile writes, visible to the tensor cores
-        __syncthreads();
-        const u32 xa = smem_u32(x_tile(st)) + wg * 64 * 128, wa = smem_u32(w_tile(st));
-        pin(acc);
-        wg_fence();
+    // A chunk's steps unrolled: the accumulators are touched only by the MMAs between a
+    // chunk's first step and its end, so no control flow merges with a group in flight
+    // (ptxas would wait for it there).
+    constexpr int SPC = CHUNK_K / WG_BK;  // steps a chunk
+    for (int s0 = 0; s0 < nk; s0 += SPC) {
 #pragma unroll
-        for (int kk = 0; kk < WG_BK / 16; kk++) wgmma_m64n128k16(acc, wg_desc(xa + 32 * kk), wg_desc(wa + 32 * kk));
-        wg_commit();
-        // Under the MMAs: step s+STAGES-1's weights (loaded last iteration) into the stage
-        // step s-1 used, its x copies, and step s+STAGES's weights into registers.
-        const int sn = s + STAGES - 1, stn = sn % STAGES;
-        if (sn < nk) {
-            store_seg(sg, w_tile(stn), seg_r, seg_k);
-            load_x(stn, sn);
-        }
-        cp_async_commit();
-        if (sn + 1 < nk) load_seg(sg, wrow, srow, brow, (sn + 1) * WG_BK + seg_k, row_ok);
-        wg_wait0();
-        pin(acc);
-        if ((s + 1) % (CHUNK_K / WG_BK) == 0 || s + 1 == nk) {
+        for (int j = 0; j < SPC; j++) {
+            const int s = s0 + j, st = s % STAGES;
+            if (s < nk) {
+                cp_async_wait<P - 1>();  // step s's copies (groups of later steps may be in flight)
+                fence_async_smem();      // this thread's tile writes, visible to the tensor cores
+                __syncthreads();         // and every warpgroup's MMAs of stage (s + P) % STAGES done
+                const u32 xa = smem_u32(x_tile(st)) + wg * 64 * 128, wa = smem_u32(w_tile(st));
+                pin(acc);
+                wg_fence();
 #pragma unroll
-            for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
-        }
-    }
-
-    const int row_in = 64 * wg + 16 * warp + (lane >> 2);
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const int t = t0 + row_in + 8 * h, r = r0 + 8 * j + 2 * (lane & 3);
-            if (t >= m) continue;
-            const float v0 = tot[4 * j + 2 * h], v1 = tot[4 * j + 2 * h + 1];
-            if constexpr (OUT_F32) {
-                float* po = reinterpret_cast<float*>(out) + (size_t)t * rows + r;
-                if (r < rows) po[0] = v0;
-                if (r + 1 < rows) po[1] = v1;
-            } else {
-                bf16_t* po = reinterpret_cast<bf16_t*>(out) + (size_t)t * rows + r;
-                if (r < rows) po[0] = f2bf(v0);
-                if (r + 1 < rows) po[1] = f2bf(v1);
+                for (int kk = 0; kk < WG_BK / 16; kk++)
+                    wgmma_m64n128k16(acc, wg_desc(xa + 32 * kk), wg_desc(wa + 32 * kk));
+                wg_commit();
+                // Under the MMAs: step s+P's weights (loaded last iteration) into the stage
+                // step s+P-STAGES used, its x copies, and step s+P+1's weights into registers.
+                const int sn = s + P, stn = sn % STAGES;
+                if (sn < nk) {
+                    store_seg(sg, w_tile(stn), seg_r, seg_k);
+                    load_x(stn, sn);
+                }
+                cp_async_commit();
+                if (sn + 1 < nk) load_seg(sg, wrow, srow, brow, (sn + 1) * WG_BK + seg_k, row_ok);
+                if (IN_FLIGHT) wg_wait1();  // step s-1's group (this step's stays in flight)
+                else wg_wait0();
+                pin(acc);
             }
         }
+        wg_wait0();
+        pin(acc);
+#pragma unroll
+        for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
     }
+
+    store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * wg + 16 * warp + (lane >> 2), lane);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 1)
-    qgemm_wg(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* out, int rows, int cols,
-             int m) {
-    qgemm_wg_body<false>(w, s, b, x, out, rows, cols, m);
+// The warp-specialized form (qgemm_wg_ws, 384 threads): warpgroup 0 produces, warpgroups 1
+// and 2 consume. The producer thread p owns tile row p's weights: it loads a step's 64
+// values into registers a step ahead, dequantizes them into the step's stage, copies its
+// share of the x tile (cp.async, STAGES - 2 steps ahead), then, with its copies of the step
+// landed, fences its writes to the async proxy and arrives on the stage's `full` barrier.
+// A consumer warpgroup waits on `full`, issues the step's four wgmma (its 64 tokens, all 128
+// rows), keeps that group in flight while it waits for the previous step's, and then
+// arrives on the previous stage's `empty` barrier, which the producer waits on before it
+// copies into that stage again. The consumers run no dequantization and no block barrier;
+// the chunked sums and the bits are qgemm_wg's.
+#define WS_SEG 64  // weight values per producer thread per step: one tile row
+static_assert(WG_BN * WG_BK == 128 * WS_SEG, "one tile row per producer thread per step");
+
+// Wait for `bar`'s phase of `parity` (the loop in one asm: no C++ control flow around the
+// consumers' in-flight MMAs).
+__device__ __forceinline__ void mbar_wait_asm(unsigned long long* bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred p;\nWAIT_%=:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+        "@!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
 }
-extern "C" __global__ void __launch_bounds__(256, 1)
-    qgemm_wg_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* out, int rows, int cols,
-                 int m) {
-    qgemm_wg_body<true>(w, s, b, x, out, rows, cols, m);
+
+template <bool OUT_F32>
+__device__ __forceinline__ void qgemm_ws_body(const u32* __restrict__ w, const scale_t* __restrict__ ws,
+                                              const scale_t* __restrict__ wb, const bf16_t* __restrict__ x,
+                                              void* __restrict__ out, int rows, int cols, int m) {
+    extern __shared__ u8 smem_raw[];
+    __shared__ unsigned long long full[STAGES], empty[STAGES];
+    u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
+    const int r0 = blockIdx.x * WG_BN, t0 = blockIdx.y * WG_BM, nk = cols / WG_BK;
+    if (tid < STAGES) {
+        mbar_init(&full[tid], 128);   // the producer's threads
+        mbar_init(&empty[tid], 256);  // the consumers' threads
+    }
+    __syncthreads();
+    auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
+    auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
+    constexpr int D = STAGES - 2;  // steps the x copies run ahead
+
+    if (wg == 0) {
+        const bool row_ok = r0 + tid < rows;
+        const int wr = row_ok ? r0 + tid : 0, groups = cols / GROUP;
+        const u32* wrow = w + (size_t)wr * (size_t)(cols / (32 / BITS));
+        const scale_t* srow = ws + (size_t)wr * groups;
+        const scale_t* brow = wb + (size_t)wr * groups;
+        // x copies of step s into stage st: chunk c = tid + 128i is token row c/8, chunk c%8.
+        auto load_x = [&](int st, int s) {
+            const u32 base = smem_u32(x_tile(st));
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const int c = tid + 128 * i, r = c >> 3, ch = c & 7, t = t0 + r;
+                const bool ok = t < m;
+                cp_async16(base + swz(r, ch), ok ? x + (size_t)t * cols + s * WG_BK + ch * 8 : x, ok);
+            }
+        };
+#pragma unroll
+        for (int d = 0; d < D; d++) {
+            if (d < nk) load_x(d, d);
+            cp_async_commit();
+        }
+        Seg<WS_SEG> sg;
+        load_seg(sg, wrow, srow, brow, 0, row_ok);
+        for (int s = 0; s < nk; s++) {
+            const int st = s % STAGES, sx = s + D;
+            if (sx < nk) {
+                // The stage step sx - STAGES used, released by both consumers.
+                if (sx >= STAGES) mbar_wait(&empty[sx % STAGES], (sx / STAGES - 1) & 1);
+                load_x(sx % STAGES, sx);
+            }
+            cp_async_commit();
+            store_seg(sg, w_tile(st), tid, 0);  // (the stage's empty was waited for with its x)
+            if (s + 1 < nk) load_seg(sg, wrow, srow, brow, (s + 1) * WG_BK, row_ok);
+            cp_async_wait<D>();  // this thread's copies of step s
+            fence_async_smem();
+            mbar_arrive(&full[st]);
+        }
+        return;
+    }
+
+    const int cw = wg - 1;
+    float acc[64], tot[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
+    constexpr int SPC = CHUNK_K / WG_BK;  // steps a chunk, unrolled (see qgemm_wg_body)
+    for (int s0 = 0; s0 < nk; s0 += SPC) {
+#pragma unroll
+        for (int j = 0; j < SPC; j++) {
+            const int s = s0 + j, st = s % STAGES;
+            if (s < nk) {
+                mbar_wait_asm(&full[st], (s / STAGES) & 1);
+                const u32 xa = smem_u32(x_tile(st)) + cw * 64 * 128, wa = smem_u32(w_tile(st));
+                pin(acc);
+                wg_fence();
+#pragma unroll
+                for (int kk = 0; kk < WG_BK / 16; kk++)
+                    wgmma_m64n128k16(acc, wg_desc(xa + 32 * kk), wg_desc(wa + 32 * kk));
+                wg_commit();
+                if (j > 0) {
+                    wg_wait1();  // step s-1's group: its stage is free
+                    mbar_arrive(&empty[(s - 1) % STAGES]);
+                }
+            }
+        }
+        wg_wait0();
+        mbar_arrive(&empty[(min(s0 + SPC, nk) - 1) % STAGES]);
+        pin(acc);
+#pragma unroll
+        for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
+    }
+    store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * cw + 16 * warp + (lane >> 2), lane);
+}
+
+#define QGEMM_WG(name, in_flight)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                       \
+        name(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* out, int rows, int cols, \
+             int m) {                                                                                          \
+        qgemm_wg_body<false, in_flight>(w, s, b, x, out, rows, cols, m);                                        \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                       \
+        name##_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* out, int rows,     \
+                   int cols, int m) {                                                                          \
+        qgemm_wg_body<true, in_flight>(w, s, b, x, out, rows, cols, m);                                         \
+    }
+QGEMM_WG(qgemm_wg, false)
+QGEMM_WG(qgemm_wg_if, true)
+extern "C" __global__ void __launch_bounds__(384, 1)
+    qgemm_wg_ws(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* out, int rows, int cols,
+                int m) {
+    qgemm_ws_body<false>(w, s, b, x, out, rows, cols, m);
+}
+extern "C" __global__ void __launch_bounds__(384, 1)
+    qgemm_wg_ws_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* out, int rows,
+                    int cols, int m) {
+    qgemm_ws_body<true>(w, s, b, x, out, rows, cols, m);
 }

@@ -4,8 +4,8 @@
 //! engine's wrapper knows only its own headers.
 //!
 //! `FERROLM_KERNEL_DIR` (the engine's kernel override directory) replaces a file by its
-//! name there: a stream_probe.cu placed in it must have mbarrier.cuh's text spliced in
-//! already.
+//! name there: a stream_probe.cu or qgemm_wgmma.cu placed in it must have mbarrier.cuh's
+//! text spliced in already.
 
 use ferrolm::backend::cuda::kernels::KernelFile;
 use std::sync::OnceLock;
@@ -19,10 +19,15 @@ pub fn sync_probe() -> &'static KernelFile {
     &F
 }
 
-/// kernels/qgemm_wgmma.cu: the quantized GEMM on warpgroup MMA (compiled for sm_90a).
+/// kernels/qgemm_wgmma.cu with mbarrier.cuh spliced in: the quantized GEMM on warpgroup
+/// MMA (compiled for sm_90a), its two forms (all threads producing and consuming, and a
+/// producer warpgroup feeding two consumers).
 pub fn qgemm_wgmma() -> &'static KernelFile {
-    static F: KernelFile = KernelFile { name: "qgemm_wgmma.cu", src: include_str!("../kernels/qgemm_wgmma.cu") };
-    &F
+    static F: OnceLock<KernelFile> = OnceLock::new();
+    F.get_or_init(|| KernelFile {
+        name: "qgemm_wgmma.cu",
+        src: Box::leak(splice(include_str!("../kernels/qgemm_wgmma.cu")).into_boxed_str()),
+    })
 }
 
 /// The engine's gemv.cu with kernels/bgemv.cuh appended: the batched decode GEMV, built
@@ -96,7 +101,9 @@ mod tests {
                 );
             }
         }
-        assert!(stream_probe().src.contains("mbar_wait"), "mbarrier.cuh spliced in");
+        for f in [stream_probe(), qgemm_wgmma()] {
+            assert!(f.src.contains("mbar_wait"), "mbarrier.cuh spliced into {}", f.name);
+        }
     }
 
     /// The batched GEMV compiles at eight tokens a block in every weight format gemv.cu is

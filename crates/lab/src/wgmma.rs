@@ -1,5 +1,5 @@
 //! The lab's quantized GEMM on warpgroup MMA (kernels/qgemm_wgmma.cu, sm_90a): its launch
-//! over the engine's weights and activations, for `timings wgmma`.
+//! over the engine's weights and activations, in each of its forms, for `timings wgmma`.
 
 use crate::kernels;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
@@ -13,9 +13,35 @@ const TILE: usize = 128;
 const STAGES: usize = 4;
 const SMEM: usize = STAGES * 2 * TILE * 128 + 1024;
 
-/// out = x·wᵀ on the wgmma kernel: x bf16 `[m, cols]`, w affine `[rows, cols]` with cols a
-/// multiple of 64, out bf16 or f32 `[m, rows]`.
-pub fn qgemm_wg(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
+/// The kernel's forms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgForm {
+    /// qgemm_wg: two warpgroups, each loading, dequantizing and multiplying; each step's
+    /// MMAs waited for before the next step.
+    Shared,
+    /// qgemm_wg_if: the same with one step's MMAs in flight across the next (the ring a
+    /// step shorter ahead).
+    SharedInFlight,
+    /// qgemm_wg_ws: a producer warpgroup loading and dequantizing for two that multiply.
+    Specialized,
+}
+
+impl WgForm {
+    pub const ALL: [WgForm; 3] = [WgForm::Shared, WgForm::SharedInFlight, WgForm::Specialized];
+
+    /// The kernel's name (bf16 out; `_f32` appended for f32) and its threads a block.
+    fn kernel(self) -> (&'static str, u32) {
+        match self {
+            WgForm::Shared => ("qgemm_wg", 256),
+            WgForm::SharedInFlight => ("qgemm_wg_if", 256),
+            WgForm::Specialized => ("qgemm_wg_ws", 384),
+        }
+    }
+}
+
+/// out = x·wᵀ on the wgmma kernel in `form`: x bf16 `[m, cols]`, w affine `[rows, cols]`
+/// with cols a multiple of 64, out bf16 or f32 `[m, rows]`.
+pub fn qgemm_wg(g: &Cuda, form: WgForm, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
     let CudaMat::Affine { words, scales, biases, defines, rows, cols, .. } = w else {
         return Err(Error::Unsupported("qgemm_wg takes affine weights".into()));
     };
@@ -25,12 +51,13 @@ pub fn qgemm_wg(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result
     if !cols.is_multiple_of(64) {
         return Err(Error::Unsupported(format!("qgemm_wg: cols {cols} not a multiple of 64")));
     }
+    let (base, threads) = form.kernel();
     let (name, o) = match &out.buf {
-        ActBuf::Bf16(o) => ("qgemm_wg", g.arg(o)),
-        ActBuf::F32(o) => ("qgemm_wg_f32", g.arg(o)),
+        ActBuf::Bf16(o) => (base.to_string(), g.arg(o)),
+        ActBuf::F32(o) => (format!("{base}_f32"), g.arg(o)),
     };
     let d = [defines.clone(), vec![format!("STAGES={STAGES}")]].concat();
-    let f = g.function_for_arch(kernels::qgemm_wgmma(), &d, name, "sm_90a")?;
+    let f = g.function_for_arch(kernels::qgemm_wgmma(), &d, &name, "sm_90a")?;
     f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM as i32)
         .map_err(crate::drv("qgemm_wg shared memory"))?;
     let args = [
@@ -44,6 +71,6 @@ pub fn qgemm_wg(g: &Cuda, x: &CudaAct, w: &CudaMat, out: &mut CudaAct) -> Result
         KArg::I32(x.rows as i32),
     ];
     let grid = (rows.div_ceil(TILE) as u32, x.rows.div_ceil(TILE) as u32, 1);
-    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: SMEM as u32 };
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: SMEM as u32 };
     g.launch(&f, cfg, &args, Order::Serial, "qgemm_wg launch")
 }

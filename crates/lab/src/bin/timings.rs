@@ -8,9 +8,9 @@
 //!   flash      flash prefill of 512 rows at depth 0 and 8192 against the split-K attention
 //!   qgemm      the tensor-core GEMM at prefill size (64- and 128-token tiles) against the
 //!              matmul path at the 1B and 8B shapes
-//!   wgmma      the lab's wgmma GEMM (kernels/qgemm_wgmma.cu) at 512 and 4096 tokens on the
-//!              1B and 8B shapes: its bits against the tiled kernel's, its error against
-//!              the CPU, then its time beside the product's GEMM
+//!   wgmma      the lab's wgmma GEMM (kernels/qgemm_wgmma.cu), each of its three forms, at
+//!              512 and 4096 tokens on the 1B and 8B shapes: bits against the tiled
+//!              kernel's, error against the CPU, then time beside the product's GEMM
 //!   few        the few-token GEMM (1 to 64 tokens: the serving engine's calls) against
 //!              the tiled one and the GEMV path at the 1B and 8B shapes, checked for equal
 //!              bits with the tiled kernel
@@ -405,14 +405,16 @@ fn qgemm(lab: &mut Session) -> Result<()> {
     Ok(())
 }
 
-/// The lab's wgmma GEMM (issue 29's 8B prefill): at 2048 × 2048 against the CPU, then at
-/// the 1B and 8B shapes its bits against the product's tiled kernel (the same chunked
-/// arithmetic: equal where wgmma's k16 steps round as mma.sync's) and its time beside the
-/// product's GEMM as configured, at 512 and 4096 tokens (4-bit, group 64, f16 scales, as
-/// `timings qgemm`).
+/// The lab's wgmma GEMM (issue 29's 8B prefill) in each form (all threads loading and
+/// multiplying, with or without a step's MMAs in flight; a producer warpgroup feeding two
+/// consumers): at 2048 × 2048 against the
+/// CPU, then at the 1B and 8B shapes their bits against the product's tiled kernel (the
+/// same chunked arithmetic: equal where wgmma's k16 steps round as mma.sync's) and their
+/// times beside the product's GEMM as configured, at 512 and 4096 tokens (4-bit, group 64,
+/// f16 scales, as `timings qgemm`).
 fn wgmma_gemm(lab: &mut Session) -> Result<()> {
     use ferrolm::backend::cuda::QgemmKernel;
-    use ferrolm_lab::wgmma::qgemm_wg;
+    use ferrolm_lab::wgmma::{qgemm_wg, WgForm};
     let (g, c, r) = (lab.g, Cpu, &mut lab.r);
     let affine = |r: &mut Rng, n: usize, k: usize| {
         AffineTensor::quantize(&r.v(n * k, 0.05), n, k, 4, 64, ScaleDtype::F16).map(Weight::Affine)
@@ -425,36 +427,42 @@ fn wgmma_gemm(lab: &mut Session) -> Result<()> {
         let xg = g.act_from(m, k, &x)?;
         let mut want = c.act(m, n)?;
         c.matmul(&cpu(m, k, x), &CpuMat::new(w), &mut want)?;
-        for f32_out in [false, true] {
-            let mut og = g.act_poisoned(m, n, f32_out)?;
-            qgemm_wg(g, &xg, &wg, &mut og)?;
-            let what = format!("qgemm_wg q4 g64 F16 n{n} k{k} m{m} f32out {f32_out}");
-            lab.checks.check(&what, &g.read_rows(&og, 0)?, &want.data, 1e-2);
+        for form in WgForm::ALL {
+            for f32_out in [false, true] {
+                let mut og = g.act_poisoned(m, n, f32_out)?;
+                qgemm_wg(g, form, &xg, &wg, &mut og)?;
+                let what = format!("qgemm_wg {form:?} q4 g64 F16 n{n} k{k} m{m} f32out {f32_out}");
+                lab.checks.check(&what, &g.read_rows(&og, 0)?, &want.data, 1e-2);
+            }
         }
     }
     for m in [512, 4096] {
         for (n, k) in [(2048, 2048), (8192, 2048), (2048, 8192), (4096, 4096), (14336, 4096), (4096, 14336)] {
             let wg = g.matrix(affine(r, n, k)?)?;
             let xg = g.act_from(m, k, &bf(&r.v(m * k, 1.0)))?;
-            let (mut oa, mut ob) = (g.act_poisoned(m, n, true)?, g.act_poisoned(m, n, true)?);
-            qgemm_wg(g, &xg, &wg, &mut oa)?;
+            let mut ob = g.act_poisoned(m, n, true)?;
             g.qgemm_as(&xg, &wg, &mut ob, QgemmKernel::Tiled)?;
-            let (a, b) = (g.read_rows(&oa, 0)?, g.read_rows(&ob, 0)?);
-            let same = a.iter().zip(&b).filter(|(x, y)| x.to_bits() == y.to_bits()).count();
-            let err = ferrolm_lab::timing::rel_err(&a, &b);
+            let b = g.read_rows(&ob, 0)?;
             let mut og = g.act_poisoned(m, n, false)?;
-            let tw = stream_time(g, 20, &mut || qgemm_wg(g, &xg, &wg, &mut og))? / 1e3;
             let tp = stream_time(g, 20, &mut || g.matmul(&xg, &wg, &mut og))? / 1e3;
             let tf = |t: f64| 2.0 * (m * n * k) as f64 / t / 1e12;
-            println!(
-                "q4 g64 m{m} n{n} k{k}: wgmma {:.1} µs ({:.1} TFLOP/s), product {:.1} µs ({:.1} TFLOP/s), {:.3}x; bits equal to the tiled kernel's {same}/{} (rel. diff {err:.2e})",
-                tw * 1e6,
-                tf(tw),
-                tp * 1e6,
-                tf(tp),
-                tp / tw,
-                a.len()
-            );
+            print!("q4 g64 m{m} n{n} k{k}: product {:.1} µs ({:.1} TFLOP/s)", tp * 1e6, tf(tp));
+            for form in WgForm::ALL {
+                let mut oa = g.act_poisoned(m, n, true)?;
+                qgemm_wg(g, form, &xg, &wg, &mut oa)?;
+                let a = g.read_rows(&oa, 0)?;
+                let same = a.iter().zip(&b).filter(|(x, y)| x.to_bits() == y.to_bits()).count();
+                let err = ferrolm_lab::timing::rel_err(&a, &b);
+                let tw = stream_time(g, 20, &mut || qgemm_wg(g, form, &xg, &wg, &mut og))? / 1e3;
+                print!(
+                    "; {form:?} {:.1} µs ({:.1} TFLOP/s, {:.3}x), bits equal to the tiled kernel's {same}/{} (rel. diff {err:.2e})",
+                    tw * 1e6,
+                    tf(tw),
+                    tp / tw,
+                    a.len()
+                );
+            }
+            println!();
         }
     }
     Ok(())
