@@ -31,7 +31,9 @@
 // row addresses come from its one or two block-table entries.
 // Measured on an H100 (8B shape, depth 32768, docs/kv.md): 5.0% (turbo:k8v3), 3.7%
 // (affine:4) and 5.9% (affine:8) faster decode than one word a load, a bf16 key path and
-// eager rescaling; the wide loads alone were 1% slower.
+// eager rescaling; the wide loads alone were 1% slower. Dropping the value accumulators of
+// rows 8-15: +2.2% (turbo:k8v3); under a 4-blocks-an-SM bound (128 registers) it spilled
+// and lost (0.90x).
 // Not bit-identical to attend_part (other sum orders, roundings of q and of the
 // probabilities): within the parity tests' bars against the CPU, as flash prefill over
 // quantized tiles is. Fixed orders, a function of the row alone: batch-invariant as
@@ -161,9 +163,9 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
         qsum[g] += __shfl_xor_sync(0xffffffffu, qsum[g], 1);
         qsum[g] += __shfl_xor_sync(0xffffffffu, qsum[g], 2);
     }
-    float oacc[NT][4];
+    float oacc[NT][2];
 #pragma unroll
-    for (int t = 0; t < NT; t++) oacc[t][0] = oacc[t][1] = oacc[t][2] = oacc[t][3] = 0.f;
+    for (int t = 0; t < NT; t++) oacc[t][0] = oacc[t][1] = 0.f;
     float m = -INFINITY, l = 0.f;
     const u8* kvbase = store + (long)kvh * L.bytes;
     const int rs = C.n_kv * L.bytes;  // bytes from a store row to the next
@@ -292,8 +294,9 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
         // Online softmax per query head (the 4 lanes of a row hold its 16 positions).
         u32 pa0, pa2;
         softmax_step_lazy(sc, m, l, oacc, pa0, pa2);
-        const u32 pa[4] = {pa0, 0u, pa2, 0u};
-        // Values: each position's scale (and affine bias), then an MMA per 8 dims.
+        // Values: each position's scale (and affine bias), then an MMA per 8 dims (rows 8-15
+        // of P are zero: their accumulators are not kept, 32 registers fewer at head dim 128,
+        // the same bits in rows 0-7).
         float vs[4], vb[4];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
@@ -327,7 +330,7 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
 #endif
                 }
             }
-            mma_bf16(oacc[t], pa, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]));
+            mma_bf16_top(oacc[t], pa0, pa2, pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]));
         }
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
