@@ -94,6 +94,24 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 a, u64 b) {
         : "l"(a), "l"(b));
 }
 
+// A step's four k16 MMAs into acc (the warpgroup's 64 tokens of the x tile at xa, the
+// 128 rows of the w tile at wa), committed as one group.
+__device__ __forceinline__ void issue_step(float (&acc)[64], u32 xa, u32 wa) {
+    pin(acc);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < WG_BK / 16; kk++) wgmma_m64n128k16(acc, wg_desc(xa + 32 * kk), wg_desc(wa + 32 * kk));
+    wg_commit();
+}
+
+// A chunk's end: its MMAs waited for, its sum added to the totals in order, acc restarted.
+__device__ __forceinline__ void drain_chunk(float (&acc)[64], float (&tot)[64]) {
+    wg_wait0();
+    pin(acc);
+#pragma unroll
+    for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
+}
+
 // One thread's weight segment of a step, N values of one row, as loaded (dequantized one
 // iteration later). Whole values in each 32-bit word (BITS 2, 4 or 8, the GPU's widths).
 static_assert(32 % BITS == 0, "values within 32-bit words");
@@ -232,13 +250,7 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
                 cp_async_wait<P - 1>();  // step s's copies (groups of later steps may be in flight)
                 fence_async_smem();      // this thread's tile writes, visible to the tensor cores
                 __syncthreads();         // and every warpgroup's MMAs of stage (s + P) % STAGES done
-                const u32 xa = smem_u32(x_tile(st)) + wg * 64 * 128, wa = smem_u32(w_tile(st));
-                pin(acc);
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < WG_BK / 16; kk++)
-                    wgmma_m64n128k16(acc, wg_desc(xa + 32 * kk), wg_desc(wa + 32 * kk));
-                wg_commit();
+                issue_step(acc, smem_u32(x_tile(st)) + wg * 64 * 128, smem_u32(w_tile(st)));
                 // Under the MMAs: step s+P's weights (loaded last iteration) into the stage
                 // step s+P-STAGES used, its x copies, and step s+P+1's weights into registers.
                 const int sn = s + P, stn = sn % STAGES;
@@ -253,10 +265,7 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
                 pin(acc);
             }
         }
-        wg_wait0();
-        pin(acc);
-#pragma unroll
-        for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
+        drain_chunk(acc, tot);
     }
 
     store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * wg + 16 * warp + (lane >> 2), lane);
@@ -355,24 +364,15 @@ __device__ __forceinline__ void qgemm_ws_body(const u32* __restrict__ w, const s
             const int s = s0 + j, st = s % STAGES;
             if (s < nk) {
                 mbar_wait_asm(&full[st], (s / STAGES) & 1);
-                const u32 xa = smem_u32(x_tile(st)) + cw * 64 * 128, wa = smem_u32(w_tile(st));
-                pin(acc);
-                wg_fence();
-#pragma unroll
-                for (int kk = 0; kk < WG_BK / 16; kk++)
-                    wgmma_m64n128k16(acc, wg_desc(xa + 32 * kk), wg_desc(wa + 32 * kk));
-                wg_commit();
+                issue_step(acc, smem_u32(x_tile(st)) + cw * 64 * 128, smem_u32(w_tile(st)));
                 if (j > 0) {
                     wg_wait1();  // step s-1's group: its stage is free
                     mbar_arrive(&empty[(s - 1) % STAGES]);
                 }
             }
         }
-        wg_wait0();
+        drain_chunk(acc, tot);
         mbar_arrive(&empty[(min(s0 + SPC, nk) - 1) % STAGES]);
-        pin(acc);
-#pragma unroll
-        for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
     }
     store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * cw + 16 * warp + (lane >> 2), lane);
 }
