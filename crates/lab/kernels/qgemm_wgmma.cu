@@ -94,6 +94,20 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 a, u64 b) {
         : "l"(a), "l"(b));
 }
 
+// Step s's x tile (tokens t0.., 64 values) into `tile` by cp.async from THREADS threads:
+// 16-byte chunk c = tid + THREADS·i is token row c/8, chunk c%8 (zero-filled past m).
+template <int THREADS>
+__device__ __forceinline__ void copy_x_tile(u8* tile, const bf16_t* __restrict__ x, int t0, int m, int cols, int s,
+                                            int tid) {
+    const u32 base = smem_u32(tile);
+#pragma unroll
+    for (int i = 0; i < WG_BM * 8 / THREADS; i++) {
+        const int c = tid + THREADS * i, r = c >> 3, ch = c & 7, t = t0 + r;
+        const bool ok = t < m;
+        cp_async16(base + swz(r, ch), ok ? x + (size_t)t * cols + s * WG_BK + ch * 8 : x, ok);
+    }
+}
+
 // A step's four k16 MMAs into acc (the warpgroup's 64 tokens of the x tile at xa, the
 // 128 rows of the w tile at wa), committed as one group.
 __device__ __forceinline__ void issue_step(float (&acc)[64], u32 xa, u32 wa) {
@@ -205,16 +219,7 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
 
     auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
     auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
-    // x copies of step s into stage st: chunk c = tid + 256i is token row c/8, chunk c%8.
-    auto load_x = [&](int st, int s) {
-        const u32 base = smem_u32(x_tile(st));
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int c = tid + 256 * i, r = c >> 3, ch = c & 7, t = t0 + r;
-            const bool ok = t < m;
-            cp_async16(base + swz(r, ch), ok ? x + (size_t)t * cols + s * WG_BK + ch * 8 : x, ok);
-        }
-    };
+    auto load_x = [&](int st, int s) { copy_x_tile<256>(x_tile(st), x, t0, m, cols, s, tid); };
 
     float acc[64], tot[64];
 #pragma unroll
@@ -319,16 +324,7 @@ __device__ __forceinline__ void qgemm_ws_body(const u32* __restrict__ w, const s
         const u32* wrow = w + (size_t)wr * (size_t)(cols / (32 / BITS));
         const scale_t* srow = ws + (size_t)wr * groups;
         const scale_t* brow = wb + (size_t)wr * groups;
-        // x copies of step s into stage st: chunk c = tid + 128i is token row c/8, chunk c%8.
-        auto load_x = [&](int st, int s) {
-            const u32 base = smem_u32(x_tile(st));
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const int c = tid + 128 * i, r = c >> 3, ch = c & 7, t = t0 + r;
-                const bool ok = t < m;
-                cp_async16(base + swz(r, ch), ok ? x + (size_t)t * cols + s * WG_BK + ch * 8 : x, ok);
-            }
-        };
+        auto load_x = [&](int st, int s) { copy_x_tile<128>(x_tile(st), x, t0, m, cols, s, tid); };
 #pragma unroll
         for (int d = 0; d < D; d++) {
             if (d < nk) load_x(d, d);
