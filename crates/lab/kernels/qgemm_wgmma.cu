@@ -278,15 +278,16 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
 
 // The warp-specialized form (qgemm_wg_ws, 384 threads): warpgroup 0 produces, warpgroups 1
 // and 2 consume. The producer thread p owns tile row p's weights: it loads a step's 64
-// values into registers a step ahead, dequantizes them into the step's stage, copies its
-// share of the x tile (cp.async, STAGES - 2 steps ahead), then, with its copies of the step
-// landed, fences its writes to the async proxy and arrives on the stage's `full` barrier.
-// A consumer warpgroup waits on `full`, issues the step's four wgmma (its 64 tokens, all 128
-// rows), keeps that group in flight while it waits for the previous step's, and then
-// arrives on the previous stage's `empty` barrier, which the producer waits on before it
-// copies into that stage again. The consumers run no dequantization and no block barrier;
-// the chunked sums and the bits are qgemm_wg's.
-#define WS_SEG 64  // weight values per producer thread per step: one tile row
+// values into registers WS_AHEAD steps ahead, dequantizes them into the step's stage,
+// copies its share of the x tile (cp.async, STAGES - 2 steps ahead), then, with its copies
+// of the step landed, fences its writes to the async proxy and arrives on the stage's
+// `full` barrier. A consumer warpgroup waits on `full`, issues the step's four wgmma (its
+// 64 tokens, all 128 rows), keeps that group in flight while it waits for the previous
+// step's, and then arrives on the previous stage's `empty` barrier, which the producer
+// waits on before it copies into that stage again. The consumers run no dequantization and
+// no block barrier; the chunked sums and the bits are qgemm_wg's.
+#define WS_SEG 64   // weight values per producer thread per step: one tile row
+#define WS_AHEAD 3  // steps a producer's weight loads run ahead of their dequantization
 static_assert(WG_BN * WG_BK == 128 * WS_SEG, "one tile row per producer thread per step");
 
 // Wait for `bar`'s phase of `parity` (the loop in one asm: no C++ control flow around the
@@ -330,21 +331,29 @@ __device__ __forceinline__ void qgemm_ws_body(const u32* __restrict__ w, const s
             if (d < nk) load_x(d, d);
             cp_async_commit();
         }
-        Seg<WS_SEG> sg;
-        load_seg(sg, wrow, srow, brow, 0, row_ok);
-        for (int s = 0; s < nk; s++) {
-            const int st = s % STAGES, sx = s + D;
-            if (sx < nk) {
-                // The stage step sx - STAGES used, released by both consumers.
-                if (sx >= STAGES) mbar_wait(&empty[sx % STAGES], (sx / STAGES - 1) & 1);
-                load_x(sx % STAGES, sx);
+        // Weights WS_AHEAD steps ahead in registers (a load has that many steps to land:
+        // one step at the MMAs' rate is ~500 cycles, an L2 or HBM load more).
+        Seg<WS_SEG> sg[WS_AHEAD];
+#pragma unroll
+        for (int j = 0; j < WS_AHEAD; j++)
+            if (j < nk) load_seg(sg[j], wrow, srow, brow, j * WG_BK, row_ok);
+        for (int s0 = 0; s0 < nk; s0 += WS_AHEAD) {
+#pragma unroll
+            for (int j = 0; j < WS_AHEAD; j++) {
+                const int s = s0 + j, st = s % STAGES, sx = s + D;
+                if (s >= nk) break;
+                if (sx < nk) {
+                    // The stage step sx - STAGES used, released by both consumers.
+                    if (sx >= STAGES) mbar_wait(&empty[sx % STAGES], (sx / STAGES - 1) & 1);
+                    load_x(sx % STAGES, sx);
+                }
+                cp_async_commit();
+                store_seg(sg[j], w_tile(st), tid, 0);  // (the stage's empty was waited for with its x)
+                if (s + WS_AHEAD < nk) load_seg(sg[j], wrow, srow, brow, (s + WS_AHEAD) * WG_BK, row_ok);
+                cp_async_wait<D>();  // this thread's copies of step s
+                fence_async_smem();
+                mbar_arrive(&full[st]);
             }
-            cp_async_commit();
-            store_seg(sg, w_tile(st), tid, 0);  // (the stage's empty was waited for with its x)
-            if (s + 1 < nk) load_seg(sg, wrow, srow, brow, (s + 1) * WG_BK, row_ok);
-            cp_async_wait<D>();  // this thread's copies of step s
-            fence_async_smem();
-            mbar_arrive(&full[st]);
         }
         return;
     }
