@@ -20,8 +20,8 @@ pub fn sync_probe() -> &'static KernelFile {
 }
 
 /// kernels/qgemm_wgmma.cu with mbarrier.cuh spliced in: the quantized GEMM on warpgroup
-/// MMA (compiled for sm_90a), its two forms (all threads producing and consuming, and a
-/// producer warpgroup feeding two consumers).
+/// MMA (compiled for sm_90a), its kernels with every thread loading and multiplying and
+/// with a producer warpgroup feeding two consumers.
 pub fn qgemm_wgmma() -> &'static KernelFile {
     static F: OnceLock<KernelFile> = OnceLock::new();
     F.get_or_init(|| KernelFile {
@@ -162,7 +162,8 @@ mod tests {
     }
 
     /// The wgmma GEMM compiles for sm_90a in every weight format gemm.cu is compiled in
-    /// (the first format also with its ring at three stages, the fewest it allows).
+    /// (the first format with its ring at three stages, the fewest it allows, the second at
+    /// six, the deep form's).
     #[test]
     fn the_wgmma_gemm_compiles_for_every_weight_format() {
         if !nvrtc::available() {
@@ -173,7 +174,11 @@ mod tests {
         let formats = formats("gemm.cu");
         assert!(formats.len() >= 9, "gemm.cu's formats");
         for (i, d) in formats.iter().enumerate() {
-            let stages = if i == 0 { "STAGES=3" } else { "STAGES=4" };
+            let stages = match i {
+                0 => "STAGES=3",
+                1 => "STAGES=6",
+                _ => "STAGES=4",
+            };
             assert_cubin("qgemm_wgmma", f.name, f.src, "sm_90a", &[d.clone(), vec![stages.to_string()]].concat());
         }
     }
