@@ -2,12 +2,16 @@
 # Instructions per loop iteration of a kernel, without a GPU: FILE compiled here for sm_90
 # with NVRTC (pip nvidia-cuda-nvrtc; scripts/nvrtc-env.sh) at full optimization, its
 # FUNCTION disassembled (cuobjdump + nvdisasm from PyPI, installed into TOOLS on first use),
-# then for each loop (a backward branch) that holds MMAs (HMMA) its length and most frequent
+# then for each loop (a backward branch) that holds MMAs (HMMA, or wgmma's HGMMA) its length and most frequent
 # opcodes. A kernel variant's cost per step before any device time: e.g. kv_quant.cu's
 # attention_q_decode at turbo:k8v3, 1,042 instructions per 16-position step at head dim
 # 128 (docs/kv.md, "Speed").
 #   usage: scripts/lab/sass-loops.sh FILE FUNCTION [DEFINE...]   (DEFINE: NAME=VALUE)
 #   env:   KERNEL_DIR  the directory FILE's includes come from (default: FILE's own)
+#          ARCH        the target (default sm_90; sm_90a for wgmma kernels, e.g. the lab's
+#                      qgemm_wgmma.cu with KERNEL_DIR holding the engine's headers and
+#                      mbarrier.cuh); ptxas's notes (registers, spills, injected wgmma
+#                      waits: C7515/C7517) are printed first
 #          TOOLS       where cuobjdump and nvdisasm go (default ~/.cache/ferrolm/cuda-tools)
 #          SASS        also write the whole disassembly there (to diff two builds' code)
 set -euo pipefail
@@ -27,20 +31,25 @@ source "$here/scripts/nvrtc-env.sh" >/dev/null
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 python3 - "${KERNEL_DIR:-$(dirname "$file")}" "$file" "$tmp/k.cubin" "$@" <<'PY'
-import ctypes, glob, os, site, sys
+import ctypes, glob, os, re, site, sys
 inc, src, out, *defines = sys.argv[1:]
 lib = next(l for d in site.getsitepackages() for l in sorted(glob.glob(os.path.join(d, "nvidia", "*", "lib", "libnvrtc.so.*"))))
 n = ctypes.CDLL(lib)
 prog = ctypes.c_void_p()
 assert n.nvrtcCreateProgram(ctypes.byref(prog), open(src).read().encode(), b"k.cu", 0, None, None) == 0
-opts = [b"-arch=sm_90", b"-std=c++17", ("-I" + inc).encode()] + [("-D" + d).encode() for d in defines]
+arch = os.environ.get("ARCH", "sm_90")
+opts = [("-arch=" + arch).encode(), b"-std=c++17", ("-I" + inc).encode(), b"--ptxas-options=-v"]
+opts += [("-D" + d).encode() for d in defines]
 r = n.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
 size = ctypes.c_size_t()
+n.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+log = ctypes.create_string_buffer(size.value)
+n.nvrtcGetProgramLog(prog, log)
 if r:
-    n.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-    log = ctypes.create_string_buffer(size.value)
-    n.nvrtcGetProgramLog(prog, log)
     sys.exit(log.value.decode())
+for line in log.value.decode().splitlines():
+    if re.search(r"Compiling entry|registers|spill|C75", line):
+        print(line)
 n.nvrtcGetCUBINSize(prog, ctypes.byref(size))
 cubin = ctypes.create_string_buffer(size.value)
 n.nvrtcGetCUBIN(prog, cubin)
@@ -63,7 +72,8 @@ for i, (a, text) in enumerate(ins):
     if start is None or start >= i:
         continue
     ops = collections.Counter(re.sub(r'^@!?U?P\w+\s+', '', t).split()[0].split('.')[0] for _, t in ins[start:i + 1])
-    if ops["HMMA"]:
+    mmas = ops["HMMA"] + ops["HGMMA"]
+    if mmas:
         top = ", ".join(f"{k} {v}" for k, v in ops.most_common(16))
-        print(f"loop at {ins[start][0]:#x}: {i + 1 - start} instructions, {ops['HMMA']} HMMA: {top}")
+        print(f"loop at {ins[start][0]:#x}: {i + 1 - start} instructions, {mmas} MMAs: {top}")
 PY
