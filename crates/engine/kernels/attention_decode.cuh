@@ -213,7 +213,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         }
     };
     if (ATT_MMA_ON) {
-        attend_mma_bf16(kc, vc, table, has_new, kn, vnr, pos0, kvh, width, hd, qb, p0, p1, scale, grp, gl, m, l, acc);
+        attend_mma_bf16(kc, vc, table, has_new, kn, vnr, pos0, kvh, width, hd, qb, p0, p1, scale, grp, gl);
     } else {
         // Each round's K/V loads go out KV_AHEAD rounds before it is scored (KV_AHEAD + 1 rounds
         // in registers), so a split pays at most one DRAM latency after the release, not one per
@@ -354,6 +354,9 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         ATT_SYNC();
     } else {
 #endif
+    if (ATT_MMA_ON) {
+        merge_mma_warps(qb, hd, s_pm, s_pl, s_po);
+    } else {
 #pragma unroll
     for (int j = 0; j < QB_MAX; j++) {
         if (j >= qb) break;
@@ -388,6 +391,7 @@ __device__ __forceinline__ void attend(const bf16_t* __restrict__ q, const bf16_
         }
     }
     ATT_SYNC();
+    }
     if (cs > 1) {
         // The cluster's splits merged by its rank 0 in rank order, reading the others'
         // partials from their shared memory (no global round trip, no fence), into s_m /

@@ -15,13 +15,16 @@
 //   being two positions' halves of one word (a byte permute).
 // 16 B a load, every byte of the step's rows loaded once by the warp (8 KB at hd 128), all
 // at the step's start. The new position is written to the cache first by the block whose
-// split holds it and attended from there. Each warp's partial (max, sum, unnormalized
-// output) goes into lane group 1's state of attend's CUDA-core layout, so its merge (groups
-// in order, then splits) runs unchanged. Two blocks an SM (attention_decode.cu's bound for
-// QB_MAX > 1: 217 registers at QB 4, no spills).
+// split holds it and attended from there. Steps start 16-aligned, so a step's rows lie in
+// one block of the table (one entry a step, no second-block select per row). Each warp's
+// partial (max, sum, unnormalized output) goes to shared memory and the split's partial is
+// their merge in warp order (merge_mma_warps), straight into the cross-split merge's input.
+// Two blocks an SM (attention_decode.cu's bound for QB_MAX > 1: 206 registers, no spills).
 // Measured on an H100, 8B shape (docs/kv.md, "Speed"): decode 1.15x the one-head blocks at
 // depth 32768 (235.8 against 204.1 tok/s), 1.03x at 16384, 0.95x at 8192, 0.92x at 1024
 // (there a group's blocks are a quarter of the one-head grid: too few to fill the GPU).
+// The aligned steps with the direct merge: +2.6% at 32768 (244.7 against 238.5; the direct
+// merge alone 243.0, SASS 346 instructions a step against 389).
 // Variants measured and not taken (perf.md): three blocks an SM (register-bound at 168,
 // local memory in the loop: 218.9), the value rows loaded after the scores' MMAs or a whole
 // step ahead (231.1-235.0, 231.8).
@@ -67,20 +70,14 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
     float m = -INFINITY, l = 0.f;
     const bf16_t* kb = kc + (long)kvh * HD + c4 * (HD / 4);
     const bf16_t* vb = vc + (long)kvh * HD + g4 * (HD / 8);
-    // A step's 16 positions lie in one or two blocks of the table: its entries e (loaded a
-    // step ahead, so a row load never waits on the table), and the row of the step's
-    // position off from them (positions past p1 read the last one's row; their scores
-    // are masked).
-    auto entries = [&](int base, int(&e)[2]) {
-        const int q0 = base % KV_BLOCK, last = min(15, p1 - 1 - base);
-        e[0] = table[base / KV_BLOCK];
-        e[1] = q0 + last >= KV_BLOCK ? table[base / KV_BLOCK + 1] : e[0];
+    // Steps start 16-aligned (positions before p0 are loaded and masked), so a step's 16
+    // rows lie in one block of the table: one entry a step, loaded a step ahead (a row load
+    // never waits on the table); positions past p1 read the last one's row (masked).
+    static_assert(KV_BLOCK % 16 == 0, "a 16-aligned step within one block");
+    auto row = [&](int base, int e, int off) {
+        return ((long)e * KV_BLOCK + base % KV_BLOCK + min(off, p1 - 1 - base)) * width;
     };
-    auto row = [&](int base, const int(&e)[2], int off) {
-        const int q = base % KV_BLOCK + min(off, p1 - 1 - base);
-        return (q < KV_BLOCK ? (long)e[0] * KV_BLOCK + q : (long)e[1] * KV_BLOCK + q - KV_BLOCK) * width;
-    };
-    auto load_k = [&](int base, const int(&e)[2], uint4(&kr)[2][KU]) {
+    auto load_k = [&](int base, int e, uint4(&kr)[2][KU]) {
 #pragma unroll
         for (int T = 0; T < 2; T++) {
             const uint4* r = reinterpret_cast<const uint4*>(kb + row(base, e, 8 * T + g4));
@@ -88,7 +85,7 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
             for (int u = 0; u < KU; u++) kr[T][u] = r[u];
         }
     };
-    auto load_v = [&](int base, const int(&e)[2], uint4(&vr)[4][VU]) {
+    auto load_v = [&](int base, int e, uint4(&vr)[4][VU]) {
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const uint4* r = reinterpret_cast<const uint4*>(vb + row(base, e, (i / 2) * 8 + 2 * c4 + i % 2));
@@ -96,11 +93,10 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
             for (int u = 0; u < VU; u++) vr[i][u] = r[u];
         }
     };
-    int base = p0 + 16 * warp, e[2] = {0, 0};
-    if (base < p1) entries(base, e);
+    int base = (p0 & ~15) + 16 * warp;
+    int e = base < p1 ? table[base / KV_BLOCK] : 0;
     for (; base < p1; base += 64) {
-        int en[2] = {e[0], e[1]};
-        if (base + 64 < p1) entries(base + 64, en);
+        const int en = base + 64 < p1 ? table[(base + 64) / KV_BLOCK] : e;
         uint4 kr[2][KU], vr[4][VU];
         load_k(base, e, kr);
         load_v(base, e, vr);
@@ -113,7 +109,10 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
 #pragma unroll
             for (int s = 0; s < KS; s++) mma_bf16_top(c, qa[s][0], qa[s][1], w[2 * s], w[2 * s + 1]);
 #pragma unroll
-            for (int j = 0; j < 2; j++) sc[T][j] = base + 8 * T + 2 * c4 + j < p1 ? c[j] * scale : -INFINITY;
+            for (int j = 0; j < 2; j++) {
+                const int p = base + 8 * T + 2 * c4 + j;
+                sc[T][j] = p >= p0 && p < p1 ? c[j] * scale : -INFINITY;
+            }
         }
         u32 pa0, pa2;
         softmax_step_lazy(sc, m, l, oacc, pa0, pa2);
@@ -126,8 +125,7 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
             const u32 sel = t % 2 ? 0x7632u : 0x5410u;  // the high or the low halves of two words
             mma_bf16_top(oacc[t], pa0, pa2, __byte_perm(v0[t / 2], v1[t / 2], sel), __byte_perm(v2[t / 2], v3[t / 2], sel));
         }
-        e[0] = en[0];
-        e[1] = en[1];
+        e = en;
     }
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -146,27 +144,51 @@ __device__ __forceinline__ void attend_mma_bf16_hd(const bf16_t* kc, const bf16_
     __syncwarp();
 }
 
+// A warp's partials, [warp][ATT_MMA_PART] (block-wide: attend_mma_bf16 writes, merge_mma_warps reads).
+__device__ __forceinline__ float* att_mma_part() {
+    __shared__ float s[AW * ATT_MMA_PART];
+    return s;
+}
+
 // The tensor-core form of attend's loop over [p0, p1) (the new position included): first
 // the new position's k/v into the cache (lane group 0 of warp 0 where has_new), one block
-// barrier (q in shared memory, the new row written), then each warp's partial into lane
-// group 1's state (m, l, acc), every other lane group's state emptied.
+// barrier (q in shared memory, the new row written), then each warp's partial into
+// att_mma_part().
 __device__ __forceinline__ void attend_mma_bf16(bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                                                 const int* __restrict__ table, bool has_new, const float (&kn)[8],
                                                 uint4 vnr, int pos0, int kvh, int width, int hd, int qb, int p0,
-                                                int p1, float scale, int grp, int gl, float (&m)[QB_MAX],
-                                                float (&l)[QB_MAX], float (&acc)[QB_MAX][8]) {
-    __shared__ float s_part[AW * ATT_MMA_PART];
+                                                int p1, float scale, int grp, int gl) {
     if (has_new && grp == 0) store_new_kv(kc, vc, kv_row(pos0, table) * width + kvh * hd + gl * 8, kn, vnr);
     ATT_SYNC();
-    if (hd == 64) attend_mma_bf16_hd<64>(kc, vc, table, kvh, width, qb, p0, p1, scale, s_part);
-    else attend_mma_bf16_hd<128>(kc, vc, table, kvh, width, qb, p0, p1, scale, s_part);
-    const float* o = s_part + (threadIdx.x >> 5) * ATT_MMA_PART;
+    if (hd == 64) attend_mma_bf16_hd<64>(kc, vc, table, kvh, width, qb, p0, p1, scale, att_mma_part());
+    else attend_mma_bf16_hd<128>(kc, vc, table, kvh, width, qb, p0, p1, scale, att_mma_part());
+}
+
+// The split's partial per query head from the AW warps' (attend's s_pm / s_pl / s_po), merged
+// in warp order: the sums the CUDA-core layout's group merge gave (its other lane groups
+// were empty, adding exact zeros), without the round trip through that layout.
+__device__ __forceinline__ void merge_mma_warps(int qb, int hd, float* __restrict__ s_pm, float* __restrict__ s_pl,
+                                                float* __restrict__ s_po) {
+    const float* part = att_mma_part();
+    ATT_SYNC();  // every warp's partial written
+    for (int t = threadIdx.x; t < qb * hd; t += AW * 32) {
+        const int j = t / hd, d = t % hd;
+        float M = -INFINITY;
 #pragma unroll
-    for (int j = 0; j < QB_MAX; j++) {
-        const bool mine = grp == 1 && j < qb;
-        m[j] = mine ? o[QB_MAX * 128 + 2 * j] : -INFINITY;
-        l[j] = mine ? o[QB_MAX * 128 + 2 * j + 1] : 0.f;
+        for (int w = 0; w < AW; w++) M = fmaxf(M, part[w * ATT_MMA_PART + QB_MAX * 128 + 2 * j]);
+        float L = 0.f, o = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; i++) acc[j][i] = mine ? o[j * hd + gl * 8 + i] : 0.f;
+        for (int w = 0; w < AW; w++) {
+            const float* pw = part + w * ATT_MMA_PART;
+            const float wt = partial_weight(pw[QB_MAX * 128 + 2 * j], M);
+            L += pw[QB_MAX * 128 + 2 * j + 1] * wt;
+            o += pw[j * hd + d] * wt;
+        }
+        s_po[t] = o;
+        if (d == 0) {
+            s_pm[j] = M;
+            s_pl[j] = L;
+        }
     }
+    ATT_SYNC();
 }

@@ -27,13 +27,14 @@
 // head dim 128), a lane's run of key codes, a row's group parameters and its value codes
 // load as 8-byte words (ncu found the per-word loads L1-bound: 34 loads a step for
 // turbo:k8v3 at head dim 128 against 58). The softmax rescales the accumulators only when
-// a row's running max grows by more than e^8 (mma.cuh's softmax_step_lazy), and a step's
-// row addresses come from its one or two block-table entries.
+// a row's running max grows by more than e^8 (mma.cuh's softmax_step_lazy), and steps
+// start 16-aligned so a step's rows come from one block-table entry.
 // Measured on an H100 (8B shape, depth 32768, docs/kv.md): 5.0% (turbo:k8v3), 3.7%
 // (affine:4) and 5.9% (affine:8) faster decode than one word a load, a bf16 key path and
 // eager rescaling; the wide loads alone were 1% slower. Dropping the value accumulators of
 // rows 8-15: +2.2% (turbo:k8v3); under a 4-blocks-an-SM bound (128 registers) it spilled
-// and lost (0.90x).
+// and lost (0.90x). The 16-aligned steps: +0.8% (282.1 against 279.9, 744 SASS
+// instructions a step against 777).
 // Not bit-identical to attend_part (other sum orders, roundings of q and of the
 // probabilities): within the parity tests' bars against the CPU, as flash prefill over
 // quantized tiles is. Fixed orders, a function of the row alone: batch-invariant as
@@ -169,19 +170,16 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
     float m = -INFINITY, l = 0.f;
     const u8* kvbase = store + (long)kvh * L.bytes;
     const int rs = C.n_kv * L.bytes;  // bytes from a store row to the next
-    for (int base = p0 + 16 * warp; base < p1; base += 64) {
+    // Steps start 16-aligned (positions before p0 are read and masked), so a step's 16 rows
+    // lie in one block of the table: one entry a step; positions past p1 read the last one's
+    // row (masked).
+    static_assert(KV_BLOCK % 16 == 0, "a 16-aligned step within one block");
+    for (int base = (p0 & ~15) + 16 * warp; base < p1; base += 64) {
         // The rows: the keys' position g4 of each tile, and the 4 positions whose scores
         // (and values) this lane holds: 2c4, 2c4 + 1, 8 + 2c4, 9 + 2c4.
-        // The step's 16 positions lie in one block of the table or two: their rows from those
-        // entries (positions past p1 read the last one's row; their scores are masked).
-        const int last = min(15, p1 - 1 - base), q0 = base % KV_BLOCK;
-        const u8* blk0 = kvbase + (long)table[base / KV_BLOCK] * KV_BLOCK * rs;
-        const u8* blk1 = q0 + last >= KV_BLOCK ? kvbase + (long)table[base / KV_BLOCK + 1] * KV_BLOCK * rs : blk0;
-        const u8* blk1b = blk1 - KV_BLOCK * rs;  // (positions q ≥ KV_BLOCK of the step's first block)
-        auto row_of = [&](int off) {
-            const int q = q0 + min(off, last);
-            return (q < KV_BLOCK ? blk0 : blk1b) + q * rs;
-        };
+        const int last = min(15, p1 - 1 - base);
+        const u8* blk = kvbase + ((long)table[base / KV_BLOCK] * KV_BLOCK + base % KV_BLOCK) * rs;
+        auto row_of = [&](int off) { return blk + min(off, last) * rs; };
         const u8* krow[2] = {row_of(g4), row_of(8 + g4)};
         const u8* prow[4] = {row_of(2 * c4), row_of(2 * c4 + 1), row_of(8 + 2 * c4), row_of(9 + 2 * c4)};
         Codes8<KBITS> kc[2][NG][CPT / 8];
@@ -289,7 +287,10 @@ __device__ __forceinline__ void attend_mma(const QCall& C, const bf16_t* qrow, c
             }
 #pragma unroll
             for (int j = 0; j < 2; j++)
-                sc[T][j] = base + 8 * T + 2 * c4 + j < p1 ? sc[T][j] * C.scale : -INFINITY;
+            {
+                const int p = base + 8 * T + 2 * c4 + j;
+                sc[T][j] = p >= p0 && p < p1 ? sc[T][j] * C.scale : -INFINITY;
+            }
         }
         // Online softmax per query head (the 4 lanes of a row hold its 16 positions).
         u32 pa0, pa2;
