@@ -1,8 +1,7 @@
 // mbarrier and bulk-copy (TMA) helpers for kernels that stream global memory into shared
-// memory by the copy engine or hand stages between warpgroups: the stream probe
-// (stream_probe.cu) and the wgmma GEMM (qgemm_wgmma.cu), which have this text spliced in
-// where they include it (crates/lab/src/kernels.rs: the engine's NVRTC wrapper knows only
-// the engine's headers).
+// memory by the copy engine: the stream probe (stream_probe.cu), which has this text
+// spliced in where it includes it (crates/lab/src/kernels.rs: the engine's NVRTC wrapper
+// knows only the engine's headers).
 #pragma once
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }

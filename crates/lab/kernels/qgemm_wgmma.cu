@@ -21,15 +21,16 @@
 // Accumulator layout (m64nN, f32): warp w of a warpgroup holds rows 16w + lane/4 (d[4j],
 // d[4j+1], columns 8j + 2·(lane%4) + {0,1}) and 16w + lane/4 + 8 (d[4j+2], d[4j+3]).
 // qgemm_wg_if keeps one step's MMAs in flight across the next step (the ring then runs a
-// step shorter ahead); qgemm_wg_ws moves the loads and the dequantization to a third
-// warpgroup, the producer, and hands stages over by mbarriers (its comment below).
-// Launch: grid (⌈rows/128⌉, ⌈m/128⌉), block 256 (qgemm_wg_ws: 384), dynamic shared memory
+// step shorter ahead): within 1.5% of qgemm_wg (H100, docs/perf.md's prefill ceiling). A
+// warp-specialized form (a producer warpgroup loading and dequantizing for two consumers,
+// stages handed over by mbarriers) measured slower than both and is gone (perf.md's
+// "Designs measured and not taken").
+// Launch: grid (⌈rows/128⌉, ⌈m/128⌉), block 256, dynamic shared memory
 // WG_SMEM bytes (past 48 KiB: the function's attribute must allow it). cols a multiple of 64.
 #include "common.cuh"
 #include "affine.cuh"
 #include "mma.cuh"
 #include "qgemm.cuh"
-#include "mbarrier.cuh"
 
 typedef unsigned long long u64;
 typedef unsigned char u8;
@@ -276,112 +277,6 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
     store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * wg + 16 * warp + (lane >> 2), lane);
 }
 
-// The warp-specialized form (qgemm_wg_ws, 384 threads): warpgroup 0 produces, warpgroups 1
-// and 2 consume. The producer thread p owns tile row p's weights: it loads a step's 64
-// values into registers WS_AHEAD steps ahead, dequantizes them into the step's stage,
-// copies its share of the x tile (cp.async, STAGES - 2 steps ahead), then, with its copies
-// of the step landed, fences its writes to the async proxy and arrives on the stage's
-// `full` barrier. A consumer warpgroup waits on `full`, issues the step's four wgmma (its
-// 64 tokens, all 128 rows), keeps that group in flight while it waits for the previous
-// step's, and then arrives on the previous stage's `empty` barrier, which the producer
-// waits on before it copies into that stage again. The consumers run no dequantization and
-// no block barrier; the chunked sums and the bits are qgemm_wg's.
-#define WS_SEG 64   // weight values per producer thread per step: one tile row
-#define WS_AHEAD 3  // steps a producer's weight loads run ahead of their dequantization
-static_assert(WG_BN * WG_BK == 128 * WS_SEG, "one tile row per producer thread per step");
-
-// Wait for `bar`'s phase of `parity` (the loop in one asm: no C++ control flow around the
-// consumers' in-flight MMAs).
-__device__ __forceinline__ void mbar_wait_asm(unsigned long long* bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-
-template <bool OUT_F32>
-__device__ __forceinline__ void qgemm_ws_body(const u32* __restrict__ w, const scale_t* __restrict__ ws,
-                                              const scale_t* __restrict__ wb, const bf16_t* __restrict__ x,
-                                              void* __restrict__ out, int rows, int cols, int m) {
-    extern __shared__ u8 smem_raw[];
-    __shared__ unsigned long long full[STAGES], empty[STAGES];
-    u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
-    const int r0 = blockIdx.x * WG_BN, t0 = blockIdx.y * WG_BM, nk = cols / WG_BK;
-    if (tid < STAGES) {
-        mbar_init(&full[tid], 128);   // the producer's threads
-        mbar_init(&empty[tid], 256);  // the consumers' threads
-    }
-    __syncthreads();
-    auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
-    auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
-    constexpr int D = STAGES - 2;  // steps the x copies run ahead
-
-    if (wg == 0) {
-        const bool row_ok = r0 + tid < rows;
-        const int wr = row_ok ? r0 + tid : 0, groups = cols / GROUP;
-        const u32* wrow = w + (size_t)wr * (size_t)(cols / (32 / BITS));
-        const scale_t* srow = ws + (size_t)wr * groups;
-        const scale_t* brow = wb + (size_t)wr * groups;
-        auto load_x = [&](int st, int s) { copy_x_tile<128>(x_tile(st), x, t0, m, cols, s, tid); };
-#pragma unroll
-        for (int d = 0; d < D; d++) {
-            if (d < nk) load_x(d, d);
-            cp_async_commit();
-        }
-        // Weights WS_AHEAD steps ahead in registers (a load has that many steps to land:
-        // one step at the MMAs' rate is ~500 cycles, an L2 or HBM load more).
-        Seg<WS_SEG> sg[WS_AHEAD];
-#pragma unroll
-        for (int j = 0; j < WS_AHEAD; j++)
-            if (j < nk) load_seg(sg[j], wrow, srow, brow, j * WG_BK, row_ok);
-        for (int s0 = 0; s0 < nk; s0 += WS_AHEAD) {
-#pragma unroll
-            for (int j = 0; j < WS_AHEAD; j++) {
-                const int s = s0 + j, st = s % STAGES, sx = s + D;
-                if (s >= nk) break;
-                if (sx < nk) {
-                    // The stage step sx - STAGES used, released by both consumers.
-                    if (sx >= STAGES) mbar_wait(&empty[sx % STAGES], (sx / STAGES - 1) & 1);
-                    load_x(sx % STAGES, sx);
-                }
-                cp_async_commit();
-                store_seg(sg[j], w_tile(st), tid, 0);  // (the stage's empty was waited for with its x)
-                if (s + WS_AHEAD < nk) load_seg(sg[j], wrow, srow, brow, (s + WS_AHEAD) * WG_BK, row_ok);
-                cp_async_wait<D>();  // this thread's copies of step s
-                fence_async_smem();
-                mbar_arrive(&full[st]);
-            }
-        }
-        return;
-    }
-
-    const int cw = wg - 1;
-    float acc[64], tot[64];
-#pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
-    constexpr int SPC = CHUNK_K / WG_BK;  // steps a chunk, unrolled (see qgemm_wg_body)
-    for (int s0 = 0; s0 < nk; s0 += SPC) {
-#pragma unroll
-        for (int j = 0; j < SPC; j++) {
-            const int s = s0 + j, st = s % STAGES;
-            if (s < nk) {
-                mbar_wait_asm(&full[st], (s / STAGES) & 1);
-                issue_step(acc, smem_u32(x_tile(st)) + cw * 64 * 128, smem_u32(w_tile(st)));
-                if (j > 0) {
-                    wg_wait1();  // step s-1's group: its stage is free
-                    mbar_arrive(&empty[(s - 1) % STAGES]);
-                }
-            }
-        }
-        drain_chunk(acc, tot);
-        mbar_arrive(&empty[(min(s0 + SPC, nk) - 1) % STAGES]);
-    }
-    store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * cw + 16 * warp + (lane >> 2), lane);
-}
-
 #define QGEMM_WG(name, in_flight)                                                                              \
     extern "C" __global__ void __launch_bounds__(256, 1)                                                       \
         name(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* out, int rows, int cols, \
@@ -395,13 +290,3 @@ __device__ __forceinline__ void qgemm_ws_body(const u32* __restrict__ w, const s
     }
 QGEMM_WG(qgemm_wg, false)
 QGEMM_WG(qgemm_wg_if, true)
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_ws(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, bf16_t* out, int rows, int cols,
-                int m) {
-    qgemm_ws_body<false>(w, s, b, x, out, rows, cols, m);
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_ws_f32(const u32* w, const scale_t* s, const scale_t* b, const bf16_t* x, float* out, int rows,
-                    int cols, int m) {
-    qgemm_ws_body<true>(w, s, b, x, out, rows, cols, m);
-}

@@ -4,8 +4,8 @@
 //! engine's wrapper knows only its own headers.
 //!
 //! `FERROLM_KERNEL_DIR` (the engine's kernel override directory) replaces a file by its
-//! name there: a stream_probe.cu or qgemm_wgmma.cu placed in it must have mbarrier.cuh's
-//! text spliced in already.
+//! name there: a stream_probe.cu placed in it must have mbarrier.cuh's text spliced in
+//! already.
 
 use ferrolm::backend::cuda::kernels::KernelFile;
 use std::sync::OnceLock;
@@ -19,15 +19,11 @@ pub fn sync_probe() -> &'static KernelFile {
     &F
 }
 
-/// kernels/qgemm_wgmma.cu with mbarrier.cuh spliced in: the quantized GEMM on warpgroup
-/// MMA (compiled for sm_90a), its kernels with every thread loading and multiplying and
-/// with a producer warpgroup feeding two consumers.
+/// kernels/qgemm_wgmma.cu: the quantized GEMM on warpgroup MMA (compiled for sm_90a), every
+/// thread loading, dequantizing and multiplying.
 pub fn qgemm_wgmma() -> &'static KernelFile {
-    static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| KernelFile {
-        name: "qgemm_wgmma.cu",
-        src: Box::leak(splice(include_str!("../kernels/qgemm_wgmma.cu")).into_boxed_str()),
-    })
+    static F: KernelFile = KernelFile { name: "qgemm_wgmma.cu", src: include_str!("../kernels/qgemm_wgmma.cu") };
+    &F
 }
 
 /// The engine's gemv.cu with kernels/bgemv.cuh appended: the batched decode GEMV, built
@@ -101,9 +97,7 @@ mod tests {
                 );
             }
         }
-        for f in [stream_probe(), qgemm_wgmma()] {
-            assert!(f.src.contains("mbar_wait"), "mbarrier.cuh spliced into {}", f.name);
-        }
+        assert!(stream_probe().src.contains("mbar_wait"), "mbarrier.cuh spliced into stream_probe.cu");
     }
 
     /// The batched GEMV compiles at eight tokens a block in every weight format gemv.cu is
@@ -162,8 +156,8 @@ mod tests {
     }
 
     /// The wgmma GEMM compiles for sm_90a in every weight format gemm.cu is compiled in
-    /// (the first format with its ring at three stages, the fewest it allows, the second at
-    /// six, the deep form's).
+    /// (the first format with its ring at three stages, the fewest it allows, the others at
+    /// the four `timings wgmma` runs).
     #[test]
     fn the_wgmma_gemm_compiles_for_every_weight_format() {
         if !nvrtc::available() {
@@ -174,11 +168,7 @@ mod tests {
         let formats = formats("gemm.cu");
         assert!(formats.len() >= 9, "gemm.cu's formats");
         for (i, d) in formats.iter().enumerate() {
-            let stages = match i {
-                0 => "STAGES=3",
-                1 => "STAGES=6",
-                _ => "STAGES=4",
-            };
+            let stages = if i == 0 { "STAGES=3" } else { "STAGES=4" };
             assert_cubin("qgemm_wgmma", f.name, f.src, "sm_90a", &[d.clone(), vec![stages.to_string()]].concat());
         }
     }

@@ -19,26 +19,22 @@ pub enum WgForm {
     /// qgemm_wg_if: the same with one step's MMAs in flight across the next (the ring a
     /// step shorter ahead).
     SharedInFlight,
-    /// qgemm_wg_ws: a producer warpgroup loading and dequantizing for two that multiply.
-    Specialized,
-    /// qgemm_wg_ws with a ring of 6 stages (x copies 4 steps ahead instead of 2).
-    SpecializedDeep,
 }
 
 impl WgForm {
-    pub const ALL: [WgForm; 4] = [WgForm::Shared, WgForm::SharedInFlight, WgForm::Specialized, WgForm::SpecializedDeep];
+    pub const ALL: [WgForm; 2] = [WgForm::Shared, WgForm::SharedInFlight];
 
-    /// The kernel's name (bf16 out; `_f32` appended for f32), its threads a block and its
-    /// ring's stages (STAGES).
-    fn kernel(self) -> (&'static str, u32, usize) {
+    /// The kernel's name (bf16 out; `_f32` appended for f32).
+    fn kernel(self) -> &'static str {
         match self {
-            WgForm::Shared => ("qgemm_wg", 256, 4),
-            WgForm::SharedInFlight => ("qgemm_wg_if", 256, 4),
-            WgForm::Specialized => ("qgemm_wg_ws", 384, 4),
-            WgForm::SpecializedDeep => ("qgemm_wg_ws", 384, 6),
+            WgForm::Shared => "qgemm_wg",
+            WgForm::SharedInFlight => "qgemm_wg_if",
         }
     }
 }
+
+/// The ring's stages (the kernel's STAGES).
+const STAGES: usize = 4;
 
 /// Dynamic shared memory for a ring of `stages`: a 32 KiB x and w tile pair a stage, plus
 /// 1 KiB to align the tiles (the kernel's WG_SMEM).
@@ -58,13 +54,13 @@ pub fn qgemm_wg(g: &Cuda, form: WgForm, x: &CudaAct, w: &CudaMat, out: &mut Cuda
     if !cols.is_multiple_of(64) {
         return Err(Error::Unsupported(format!("qgemm_wg: cols {cols} not a multiple of 64")));
     }
-    let (base, threads, stages) = form.kernel();
-    let smem = smem_bytes(stages);
+    let base = form.kernel();
+    let smem = smem_bytes(STAGES);
     let (name, o) = match &out.buf {
         ActBuf::Bf16(o) => (base.to_string(), g.arg(o)),
         ActBuf::F32(o) => (format!("{base}_f32"), g.arg(o)),
     };
-    let d = [defines.clone(), vec![format!("STAGES={stages}")]].concat();
+    let d = [defines.clone(), vec![format!("STAGES={STAGES}")]].concat();
     let f = g.function_for_arch(kernels::qgemm_wgmma(), &d, &name, "sm_90a")?;
     f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
         .map_err(crate::drv("qgemm_wg shared memory"))?;
@@ -79,6 +75,6 @@ pub fn qgemm_wg(g: &Cuda, form: WgForm, x: &CudaAct, w: &CudaMat, out: &mut Cuda
         KArg::I32(x.rows as i32),
     ];
     let grid = (rows.div_ceil(TILE) as u32, x.rows.div_ceil(TILE) as u32, 1);
-    let cfg = LaunchConfig { grid_dim: grid, block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
     g.launch(&f, cfg, &args, Order::Serial, "qgemm_wg launch")
 }

@@ -8,7 +8,7 @@
 //!   flash      flash prefill of 512 rows at depth 0 and 8192 against the split-K attention
 //!   qgemm      the tensor-core GEMM at prefill size (64- and 128-token tiles) against the
 //!              matmul path at the 1B and 8B shapes
-//!   wgmma      the lab's wgmma GEMM (kernels/qgemm_wgmma.cu), each of its four forms, at
+//!   wgmma      the lab's wgmma GEMM (kernels/qgemm_wgmma.cu), each of its two forms, at
 //!              512 and 4096 tokens on the 1B and 8B shapes: bits against the tiled
 //!              kernel's, error against the CPU, then time beside the product's GEMM
 //!   few        the few-token GEMM (1 to 64 tokens: the serving engine's calls) against
@@ -406,8 +406,7 @@ fn qgemm(lab: &mut Session) -> Result<()> {
 }
 
 /// The lab's wgmma GEMM (issue 29's 8B prefill) in each form (all threads loading and
-/// multiplying, with or without a step's MMAs in flight; a producer warpgroup feeding two
-/// consumers, through 4 or 6 stages): at 2048 × 2048 against the CPU, then at the 1B and
+/// multiplying, with or without a step's MMAs in flight): at 2048 × 2048 against the CPU, then at the 1B and
 /// 8B shapes their bits against the product's tiled kernel (the same chunked arithmetic:
 /// equal where wgmma's k16 steps round as mma.sync's) and their times beside the product's
 /// GEMM as configured, at 512 and 4096 tokens (4-bit, group 64, f16 scales, as `timings
