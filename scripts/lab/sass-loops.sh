@@ -9,9 +9,9 @@
 #   usage: scripts/lab/sass-loops.sh FILE FUNCTION [DEFINE...]   (DEFINE: NAME=VALUE)
 #   env:   KERNEL_DIR  the directory FILE's includes come from (default: FILE's own)
 #          ARCH        the target (default sm_90; sm_90a for wgmma kernels, e.g. the lab's
-#                      qgemm_wgmma.cu with KERNEL_DIR holding the engine's headers and
-#                      mbarrier.cuh); ptxas's notes (registers, spills, injected wgmma
-#                      waits: C7515/C7517) are printed first
+#                      qgemm_wgmma.cu with KERNEL_DIR holding the engine's headers); ptxas's
+#                      notes (registers, spills, injected wgmma waits: C7515/C7517) are
+#                      printed first
 #          TOOLS       where cuobjdump and nvdisasm go (default ~/.cache/ferrolm/cuda-tools)
 #          SASS        also write the whole disassembly there (to diff two builds' code)
 set -euo pipefail

@@ -43,8 +43,9 @@
 // GEMV block (134 registers × 256 threads) instead of one, so more start before q/k/v ends.
 // 1B at depth 8192 1 598 against 1 573 tok/s; SmolLM2 (a 960-row q/k/v) 1 396 against
 // 1 407, and the short cache's kernel capped the same way lost 1% (H200, docs/perf-log.md).
-// Two or more heads a block: 2 blocks an SM (the tensor-core build takes 217 registers; under
-// the 3-block bound it spilled into local memory every step: 0.93x at the 8B's 32768).
+// Two or more heads a block: 2 blocks an SM (the deep-cache grouped build takes 220
+// registers; under the 3-block bound it spilled into local memory every step: 0.93x at the
+// 8B's 32768).
 #if ATT_CAP
 #define ATT_BOUNDS __maxnreg__(112)
 #elif QB_MAX > 1

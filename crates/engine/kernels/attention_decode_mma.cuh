@@ -19,7 +19,8 @@
 // one block of the table (one entry a step, no second-block select per row). Each warp's
 // partial (max, sum, unnormalized output) goes to shared memory and the split's partial is
 // their merge in warp order (merge_mma_warps), straight into the cross-split merge's input.
-// Two blocks an SM (attention_decode.cu's bound for QB_MAX > 1: 206 registers, no spills).
+// Two blocks an SM (attention_decode.cu's bound for QB_MAX > 1: 220 registers in the
+// deep-cache build, no spills).
 // Measured on an H100, 8B shape (docs/kv.md, "Speed"): decode 1.15x the one-head blocks at
 // depth 32768 (235.8 against 204.1 tok/s), 1.03x at 16384, 0.95x at 8192, 0.92x at 1024
 // (there a group's blocks are a quarter of the one-head grid: too few to fill the GPU).

@@ -157,7 +157,7 @@ mod tests {
 
     /// The wgmma GEMM compiles for sm_90a in every weight format gemm.cu is compiled in
     /// (the first format with its ring at three stages, the fewest it allows, the others at
-    /// the four `timings wgmma` runs).
+    /// four, as `timings wgmma` runs it).
     #[test]
     fn the_wgmma_gemm_compiles_for_every_weight_format() {
         if !nvrtc::available() {

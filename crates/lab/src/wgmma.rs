@@ -33,14 +33,10 @@ impl WgForm {
     }
 }
 
-/// The ring's stages (the kernel's STAGES).
+/// The ring's stages (the kernel's STAGES) and its dynamic shared memory: a 32 KiB x and w
+/// tile pair a stage, plus 1 KiB to align the tiles (the kernel's WG_SMEM).
 const STAGES: usize = 4;
-
-/// Dynamic shared memory for a ring of `stages`: a 32 KiB x and w tile pair a stage, plus
-/// 1 KiB to align the tiles (the kernel's WG_SMEM).
-fn smem_bytes(stages: usize) -> usize {
-    stages * 2 * TILE * 128 + 1024
-}
+const SMEM: usize = STAGES * 2 * TILE * 128 + 1024;
 
 /// out = x·wᵀ on the wgmma kernel in `form`: x bf16 `[m, cols]`, w affine `[rows, cols]`
 /// with cols a multiple of 64, out bf16 or f32 `[m, rows]`.
@@ -55,14 +51,13 @@ pub fn qgemm_wg(g: &Cuda, form: WgForm, x: &CudaAct, w: &CudaMat, out: &mut Cuda
         return Err(Error::Unsupported(format!("qgemm_wg: cols {cols} not a multiple of 64")));
     }
     let base = form.kernel();
-    let smem = smem_bytes(STAGES);
     let (name, o) = match &out.buf {
         ActBuf::Bf16(o) => (base.to_string(), g.arg(o)),
         ActBuf::F32(o) => (format!("{base}_f32"), g.arg(o)),
     };
     let d = [defines.clone(), vec![format!("STAGES={STAGES}")]].concat();
     let f = g.function_for_arch(kernels::qgemm_wgmma(), &d, &name, "sm_90a")?;
-    f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+    f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM as i32)
         .map_err(crate::drv("qgemm_wg shared memory"))?;
     let args = [
         g.arg(words),
@@ -75,6 +70,6 @@ pub fn qgemm_wg(g: &Cuda, form: WgForm, x: &CudaAct, w: &CudaMat, out: &mut Cuda
         KArg::I32(x.rows as i32),
     ];
     let grid = (rows.div_ceil(TILE) as u32, x.rows.div_ceil(TILE) as u32, 1);
-    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: smem as u32 };
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: SMEM as u32 };
     g.launch(&f, cfg, &args, Order::Serial, "qgemm_wg launch")
 }
