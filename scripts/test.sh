@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 scripts/fetch-test-models.sh
 # NVRTC for the kernel compile test.
 source scripts/nvrtc-env.sh
+# The tests need no debug info (release builds have debug = 1, Cargo.toml): without
+# it a fresh build of every test target took 297 s here against 331 s, and its target
+# directory 664 MiB against 2.6 GiB.
+export CARGO_PROFILE_RELEASE_DEBUG=0
 # Every build here has one feature set, so the engine compiles once: `cuda-tests` only adds
 # the GPU test target (required-features), which must compile here and runs only on a GPU
 # (scripts/gpu-check.sh). So the run names every other test target (from cargo metadata,
