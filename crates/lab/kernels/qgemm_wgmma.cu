@@ -95,15 +95,14 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 a, u64 b) {
         : "l"(a), "l"(b));
 }
 
-// Step s's x tile (tokens t0.., 64 values) into `tile` by cp.async from THREADS threads:
-// 16-byte chunk c = tid + THREADS·i is token row c/8, chunk c%8 (zero-filled past m).
-template <int THREADS>
+// Step s's x tile (tokens t0.., 64 values) into `tile` by cp.async from the block's 256
+// threads: 16-byte chunk c = tid + 256·i is token row c/8, chunk c%8 (zero-filled past m).
 __device__ __forceinline__ void copy_x_tile(u8* tile, const bf16_t* __restrict__ x, int t0, int m, int cols, int s,
                                             int tid) {
     const u32 base = smem_u32(tile);
 #pragma unroll
-    for (int i = 0; i < WG_BM * 8 / THREADS; i++) {
-        const int c = tid + THREADS * i, r = c >> 3, ch = c & 7, t = t0 + r;
+    for (int i = 0; i < WG_BM * 8 / 256; i++) {
+        const int c = tid + 256 * i, r = c >> 3, ch = c & 7, t = t0 + r;
         const bool ok = t < m;
         cp_async16(base + swz(r, ch), ok ? x + (size_t)t * cols + s * WG_BK + ch * 8 : x, ok);
     }
@@ -220,7 +219,7 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
 
     auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
     auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
-    auto load_x = [&](int st, int s) { copy_x_tile<256>(x_tile(st), x, t0, m, cols, s, tid); };
+    auto load_x = [&](int st, int s) { copy_x_tile(x_tile(st), x, t0, m, cols, s, tid); };
 
     float acc[64], tot[64];
 #pragma unroll

@@ -406,11 +406,11 @@ fn qgemm(lab: &mut Session) -> Result<()> {
 }
 
 /// The lab's wgmma GEMM (issue 29's 8B prefill) in each form (all threads loading and
-/// multiplying, with or without a step's MMAs in flight): at 2048 × 2048 against the CPU, then at the 1B and
-/// 8B shapes their bits against the product's tiled kernel (the same chunked arithmetic:
-/// equal where wgmma's k16 steps round as mma.sync's) and their times beside the product's
-/// GEMM as configured, at 512 and 4096 tokens (4-bit, group 64, f16 scales, as `timings
-/// qgemm`).
+/// multiplying, with or without a step's MMAs in flight): at 2048 × 2048 against the CPU,
+/// then at the 1B and 8B shapes their bits against the product's tiled kernel (the same
+/// chunked arithmetic: equal where wgmma's k16 steps round as mma.sync's) and their times
+/// beside the product's GEMM as configured, at 512 and 4096 tokens (4-bit, group 64, f16
+/// scales, as `timings qgemm`).
 fn wgmma_gemm(lab: &mut Session) -> Result<()> {
     use ferrolm::backend::cuda::QgemmKernel;
     use ferrolm_lab::wgmma::{qgemm_wg, WgForm};
