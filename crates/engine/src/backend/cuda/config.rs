@@ -44,6 +44,12 @@ pub struct CudaConfig {
     /// as kv_encode, attention_q and attention_merge_q, which it runs when off. turbo:k8v3
     /// on the 8B shape +1.8% at depth 1024, +2.3% at 8192 (docs/kv.md). `FERROLM_KVQ_FUSED`.
     pub fused_quant_decode: bool,
+    /// A fused quantized decode step over a cache of at most this many positions runs as
+    /// one thread-block cluster per KV group (at most 8 parts: its splits capped at 8 / the
+    /// query heads a block serves) whose first blocks merge the group's heads after a
+    /// cluster barrier, instead of the attention_merge_q launch: the same bits for the same
+    /// parts. 0: never. Off until measured (perf-log.md Session 47). `FERROLM_KVQ_CLUSTER`.
+    pub quant_decode_cluster_positions: usize,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
     pub head_argmax: bool,
@@ -99,6 +105,7 @@ impl Default for CudaConfig {
             gemm_wide_tiles: true,
             flash_quant_prefill: true,
             fused_quant_decode: true,
+            quant_decode_cluster_positions: 0,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

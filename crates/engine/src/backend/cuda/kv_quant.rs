@@ -9,7 +9,8 @@
 //! the merge, and prefill with `CudaConfig::flash_quant_prefill` (the default) runs flash
 //! attention over dequantized tiles (flash.rs), then `unrotate_rows`.
 
-use super::decode::QkNorm;
+use super::context::Order;
+use super::decode::{QkNorm, ATTN_CLUSTER_MAX};
 use super::device::Cuda;
 use super::driver::KArg;
 use super::kernels;
@@ -204,7 +205,7 @@ impl Cuda {
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(&f, c, &args, super::context::Order::Overlap, "kv_encode launch")
+        self.launch(&f, c, &args, Order::Overlap, "kv_encode launch")
     }
 
     /// TurboQuant's value rotation undone on every head of `x` (flash prefill's output).
@@ -217,7 +218,7 @@ impl Cuda {
             block_dim: (hd as u32, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(&f, c, &args, super::context::Order::Serial, "unrotate_rows launch")
+        self.launch(&f, c, &args, Order::Serial, "unrotate_rows launch")
     }
 
     /// attention_q's most splits of a row: as many as make one wave of a sequence's blocks
@@ -232,7 +233,9 @@ impl Cuda {
 
     /// A decode row over a quantized store in two launches: kv_quant.cu's attention_q_decode
     /// (the q/k norms and RoPE, the new row's encoding and attention: kv_encode's and
-    /// attention_q's work and partials), then attention_merge_q. q, k, v unrotated.
+    /// attention_q's work and partials), then attention_merge_q; or, over a short cache
+    /// (`quant_decode_cluster_positions`), the first launched as clusters that merge in
+    /// place of the second. q, k, v unrotated.
     pub(crate) fn attention_decode_quant(
         &self,
         q: &CudaAct,
@@ -249,7 +252,14 @@ impl Cuda {
         let (f, qk) = self.quant_function(kv, layer, "attention_q_decode")?;
         let qb = quant_heads_per_block(heads, n_kv);
         let (min_chunk, _) = attention_chunking(&self.cfg);
-        let most = self.quant_max_splits(&f, heads);
+        // A short cache's KV group in one cluster (`quant_decode_cluster_positions`): at
+        // most ATTN_CLUSTER_MAX parts, merged in the kernel.
+        let clustered =
+            self.clusters && self.steps.call_splits() == 0 && kv.max_seq() <= self.cfg.quant_decode_cluster_positions;
+        let most = match clustered {
+            true => self.quant_max_splits(&f, heads).min(ATTN_CLUSTER_MAX / qb),
+            false => self.quant_max_splits(&f, heads),
+        };
         // attention_cached_from's splits and scratch for one row.
         let splits = match self.steps.call_splits() {
             0 => quant_row_splits(kv.max_seq(), min_chunk, qb, most),
@@ -288,15 +298,23 @@ impl Cuda {
             KArg::F32(hadamard_scale(hd)),
         ];
         args.extend(qk.head_args(self, layer));
+        args.push(match clustered {
+            true => out.arg(self),
+            false => KArg::Ptr(0),
+        });
         let grid = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         // Scratch sized [heads, splits], the merge's as attention_cached_from's.
-        self.launch(&f, grid, &args, super::context::Order::Overlap, "attention_q_decode launch")?;
+        if clustered {
+            let order = Order::OverlapClustered(splits as u32);
+            return self.launch(&f, grid, &args, order, "attention_q_decode launch");
+        }
+        self.launch(&f, grid, &args, Order::Overlap, "attention_q_decode launch")?;
         let (merge, extra) = self.quant_merge(kv, layer)?;
-        self.merge_splits(&merge, [ml, acc], out, (1, heads, hd, splits), Some(extra), super::context::Order::Overlap)
+        self.merge_splits(&merge, [ml, acc], out, (1, heads, hd, splits), Some(extra), Order::Overlap)
     }
 
     /// attention_merge_q for `layer` and its arguments after attention_merge's: the store's
