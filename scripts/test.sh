@@ -53,6 +53,7 @@ cargo test --workspace --release "${features[@]}" --doc
 echo "kernels_compile (run in the background):"
 kc_status=0
 wait "$kc_pid" || kc_status=$?
+trap - EXIT
 cat "$kc_log"
 rm -f "$kc_log"
 [[ $kc_status == 0 ]] || { echo "scripts/test.sh: kernels_compile failed ($kc_status)" >&2; exit 1; }

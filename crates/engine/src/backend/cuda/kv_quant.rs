@@ -256,10 +256,10 @@ impl Cuda {
         // most ATTN_CLUSTER_MAX parts, merged in the kernel.
         let clustered =
             self.clusters && self.steps.call_splits() == 0 && kv.max_seq() <= self.cfg.quant_decode_cluster_positions;
-        let most = match clustered {
-            true => self.quant_max_splits(&f, heads).min(ATTN_CLUSTER_MAX / qb),
-            false => self.quant_max_splits(&f, heads),
-        };
+        let mut most = self.quant_max_splits(&f, heads);
+        if clustered {
+            most = most.min(ATTN_CLUSTER_MAX / qb);
+        }
         // attention_cached_from's splits and scratch for one row.
         let splits = match self.steps.call_splits() {
             0 => quant_row_splits(kv.max_seq(), min_chunk, qb, most),
