@@ -219,14 +219,19 @@ fn fused_quantized_decode_is_the_three_kernels_bit_for_bit() {
 
 /// The cluster form (`quant_decode_cluster_positions`: each KV group's parts one cluster,
 /// its first blocks merging in place of attention_merge_q) is the three kernels bit for bit
-/// over the same parts (at most 2 splits, so a group's parts fit one cluster of 8), in the
-/// same cases as the fused decode above.
+/// over the same parts, in the same cases as the fused decode above: clusters of 8 (at most
+/// 2 splits of 4 heads) and the non-portable 16 (at most 4 splits, parts of 16 positions
+/// so that the cases' short caches fill them).
 #[test]
 fn clustered_quantized_decode_is_the_three_kernels_bit_for_bit() {
-    let cfg = CudaConfig { attention_max_splits: 2, ..CudaConfig::default() };
-    let clustered = Cuda::with_config(0, CudaConfig { quant_decode_cluster_positions: 4096, ..cfg.clone() }).unwrap();
-    let split = Cuda::with_config(0, CudaConfig { fused_quant_decode: false, ..cfg }).unwrap();
-    fused_decode_matches(&clustered, &split, "the clustered decode");
+    for (blocks, most, chunk) in [(8, 2, 64), (16, 4, 16)] {
+        let cfg = CudaConfig { attention_max_splits: most, attention_min_chunk: chunk, ..CudaConfig::default() };
+        let clustered =
+            CudaConfig { quant_decode_cluster_positions: 4096, quant_decode_cluster_blocks: blocks, ..cfg.clone() };
+        let clustered = Cuda::with_config(0, clustered).unwrap();
+        let split = Cuda::with_config(0, CudaConfig { fused_quant_decode: false, ..cfg }).unwrap();
+        fused_decode_matches(&clustered, &split, &format!("the decode in clusters of {blocks}"));
+    }
 }
 
 /// Decode rows through `fused`'s attention_q_decode against `split`'s three kernels: every

@@ -45,11 +45,17 @@ pub struct CudaConfig {
     /// on the 8B shape +1.8% at depth 1024, +2.3% at 8192 (docs/kv.md). `FERROLM_KVQ_FUSED`.
     pub fused_quant_decode: bool,
     /// A fused quantized decode step over a cache of at most this many positions runs as
-    /// one thread-block cluster per KV group (at most 8 parts: its splits capped at 8 / the
-    /// query heads a block serves) whose first blocks merge the group's heads after a
-    /// cluster barrier, instead of the attention_merge_q launch: the same bits for the same
-    /// parts. 0: never. Off until measured (perf-log.md Session 47). `FERROLM_KVQ_CLUSTER`.
+    /// one thread-block cluster per KV group (at most `quant_decode_cluster_blocks` parts:
+    /// its splits capped at that / the query heads a block serves) whose first blocks merge
+    /// the group's heads after a cluster barrier, instead of the attention_merge_q launch:
+    /// the same bits for the same parts. 0: never. 8B shape on an H100, turbo:k8v3 / affine:4
+    /// against 0: +1.7% / +1.1% at depth 1024, +7.2-8.7% / +4.9% at 2048, +5.3% / +3.4% at
+    /// 4096, -1.8% / -1.0% at 6144, -3.7% / -5.7% at 8192 (capacities of depth + 192; docs/kv.md).
+    /// `FERROLM_KVQ_CLUSTER`.
     pub quant_decode_cluster_positions: usize,
+    /// The most blocks (parts) of such a cluster: 8, the portable size, or 16, which Hopper
+    /// allows as a non-portable size. `FERROLM_KVQ_CLUSTER_BLOCKS`.
+    pub quant_decode_cluster_blocks: usize,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
     pub head_argmax: bool,
@@ -105,7 +111,8 @@ impl Default for CudaConfig {
             gemm_wide_tiles: true,
             flash_quant_prefill: true,
             fused_quant_decode: true,
-            quant_decode_cluster_positions: 0,
+            quant_decode_cluster_positions: 5120,
+            quant_decode_cluster_blocks: 8,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

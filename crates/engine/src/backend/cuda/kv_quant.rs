@@ -12,7 +12,7 @@
 use super::context::Order;
 use super::decode::{QkNorm, ATTN_CLUSTER_MAX};
 use super::device::Cuda;
-use super::driver::KArg;
+use super::driver::{drv, KArg};
 use super::kernels;
 use super::prefill::{attention_chunking, quant_heads_per_block, quant_row_splits, window_arg};
 use super::tensors::{CudaAct, CudaKv};
@@ -22,6 +22,7 @@ use crate::kv::rows::RowCodec;
 use crate::kv::scheme::KvScheme;
 use crate::kv::{turboquant as tq, KvBlocks, BLOCK};
 use crate::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
 /// Head dims kv_quant.cu takes (a lane's dims stay within one group).
@@ -253,12 +254,17 @@ impl Cuda {
         let qb = quant_heads_per_block(heads, n_kv);
         let (min_chunk, _) = attention_chunking(&self.cfg);
         // A short cache's KV group in one cluster (`quant_decode_cluster_positions`): at
-        // most ATTN_CLUSTER_MAX parts, merged in the kernel.
+        // most `quant_decode_cluster_blocks` parts, merged in the kernel.
         let clustered =
             self.clusters && self.steps.call_splits() == 0 && kv.max_seq() <= self.cfg.quant_decode_cluster_positions;
         let mut most = self.quant_max_splits(&f, heads);
         if clustered {
-            most = most.min(ATTN_CLUSTER_MAX / qb);
+            let blocks = self.cfg.quant_decode_cluster_blocks.max(ATTN_CLUSTER_MAX);
+            if blocks > ATTN_CLUSTER_MAX {
+                f.set_attribute(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
+                    .map_err(drv("attention_q_decode's non-portable cluster size"))?;
+            }
+            most = most.min(blocks / qb);
         }
         // attention_cached_from's splits and scratch for one row.
         let splits = match self.steps.call_splits() {
