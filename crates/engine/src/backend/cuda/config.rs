@@ -48,9 +48,10 @@ pub struct CudaConfig {
     /// one thread-block cluster per KV group (at most `quant_decode_cluster_blocks` parts:
     /// its splits capped at that / the query heads a block serves) whose first blocks merge
     /// the group's heads after a cluster barrier, instead of the attention_merge_q launch:
-    /// the same bits for the same parts. 0: never. 8B shape on an H100, turbo:k8v3 / affine:4
-    /// against 0: +1.7% / +1.1% at depth 1024, +7.2-8.7% / +4.9% at 2048, +5.3% / +3.4% at
-    /// 4096, -1.8% / -1.0% at 6144, -3.7% / -5.7% at 8192 (capacities of depth + 192; docs/kv.md).
+    /// the same bits for the same parts. 0: never (the default). 8B shape, H100, turbo:k8v3
+    /// at depth 1024: 399.5 tok/s against 410.3 for the unclustered kernels as they are now;
+    /// against a build whose unclustered path ran ~4% slower, +1.7% at 1024, +7-9% at 2048,
+    /// +5% at 4096 (+6% more with 16 blocks), -2% at 6144, -4% at 8192 (docs/kv.md).
     /// `FERROLM_KVQ_CLUSTER`.
     pub quant_decode_cluster_positions: usize,
     /// The most blocks (parts) of such a cluster: 8, the portable size, or 16, which Hopper
@@ -111,7 +112,7 @@ impl Default for CudaConfig {
             gemm_wide_tiles: true,
             flash_quant_prefill: true,
             fused_quant_decode: true,
-            quant_decode_cluster_positions: 5120,
+            quant_decode_cluster_positions: 0,
             quant_decode_cluster_blocks: 8,
             head_argmax: true,
             attention_clusters: true,
