@@ -41,7 +41,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --profile gpu -p ferrolm-cli
 exe=$(cargo test --profile gpu -p ferrolm-engine --features cuda-tests --test cuda_parity --no-run --message-format=json 2>/dev/null |
-  python3 -c 'import json,sys; print([j["executable"] for j in map(json.loads, sys.stdin) if j.get("executable") and "cuda_parity" in j["executable"]][-1])')
+  python3 scripts/test-exe.py cuda_parity)
 mkdir -p gpu-bin/m1 gpu-bin/m2
 cp "${CARGO_TARGET_DIR:-target}"/gpu/ferrolm gpu-bin/ferrolm
 cp "$exe" gpu-bin/cuda_parity

@@ -33,13 +33,7 @@ mapfile -t tests <<< "$listed"
 # the end, single-threaded model loads), so together they take less wall time than in turn
 # (the whole script 748 s against 792 s here, the build present; perf-log.md Session 47).
 kc_bin=$(cargo test --workspace --release "${features[@]}" --lib --bins "${tests[@]}" --no-run \
-  --message-format=json | python3 -c '
-import json, sys
-exe = [j["executable"] for j in map(json.loads, sys.stdin)
-       if j.get("executable") and j.get("target", {}).get("name") == "kernels_compile"]
-if len(exe) != 1:
-    sys.exit(f"scripts/test.sh: {len(exe)} kernels_compile test binaries")
-print(exe[0])')
+  --message-format=json | python3 scripts/test-exe.py kernels_compile)
 kc_log=$(mktemp)
 (cd crates/engine && "$kc_bin") >"$kc_log" 2>&1 &
 kc_pid=$!
