@@ -284,14 +284,24 @@ struct QCall {
     const u8* store;
     const bf16_t *hk, *hv;
     long head_row0;
-    int heads, n_kv, hd, qb, min_chunk, max_splits, window;
+    int heads, n_kv, hd, qb, min_chunk, max_splits, sqrt_k, window;
     float scale;
 };
+
+// ⌈k·√span⌉ exactly (the smallest c with c² ≥ k²·span), 0 for k = 0: prefill.rs's
+// quant_row_splits repeats it in integers to size the grid.
+__device__ __forceinline__ int sqrt_chunk(int k, int span) {
+    if (k <= 0) return 0;
+    long t = (long)k * k * span, c = (long)ceilf(sqrtf((float)t));
+    while (c * c < t) c++;
+    while (c > 1 && (c - 1) * (c - 1) >= t) c--;
+    return (int)c;
+}
 
 // Part z's positions [p0, p1) of a row of len positions (attention_q's chunk rule).
 __device__ __forceinline__ void part_range(const QCall& C, int len, int z, int& p0, int& p1) {
     int start = C.window > 0 ? max(0, len - C.window) : 0, span = len - start;
-    int chunk = max(C.min_chunk * C.qb, (span + C.max_splits - 1) / C.max_splits);
+    int chunk = max(max(C.min_chunk * C.qb, (span + C.max_splits - 1) / C.max_splits), sqrt_chunk(C.sqrt_k, span));
     int part = (chunk + C.qb - 1) / C.qb, c0 = start + (z / C.qb) * chunk;
     p0 = c0 + (z % C.qb) * part;
     p1 = min(min(len, c0 + chunk), p0 + part);
@@ -391,9 +401,11 @@ __device__ void attend_part(const QCall& C, const bf16_t* qrow, const int* table
 
 // attention.cu's attention_split over quantized rows for qb ≤ QH query heads of one KV group
 // per block: grid (heads / qb, m, splits · qb), block 128. A row's span is cut into at most
-// max_splits splits of max(min_chunk · qb, ⌈span / max_splits⌉) positions (a function of the
-// row's own span: batch-invariant; the host sets max_splits so that a sequence's blocks make
-// one wave, kv_quant.rs), each cut into qb parts of at least min_chunk, z = s·qb + part;
+// max_splits splits of max(min_chunk · qb, ⌈span / max_splits⌉, ⌈sqrt_k·√span⌉) positions (a
+// function of the row's own span: batch-invariant; the host sets max_splits so that a
+// sequence's blocks make one wave, kv_quant.rs; sqrt_k keeps short and middling spans to
+// fewer, longer splits, since a split costs its partials and their merge), each cut into qb
+// parts of at least min_chunk, z = s·qb + part;
 // each query head's partials are its splits · qb parts. (8B shape, turbo:k8v3 at depth
 // 1024: parts of at least 64 positions 443.8 tok/s, at least 16 408.5.) A lane group of hd/8
 // lanes takes one position (each lane 8 dims, within one quantization group), QR positions per
@@ -411,8 +423,8 @@ __device__ void attend_part(const QCall& C, const bf16_t* qrow, const int* table
 extern "C" __global__ void __launch_bounds__(128)
     attention_q(const bf16_t* __restrict__ q, const u8* __restrict__ store, const u32* __restrict__ tab,
                 float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
-                const int* __restrict__ pos, int min_chunk, int max_splits, float scale, int window,
-                const int* __restrict__ tables, const int* __restrict__ row_tab, int qb,
+                const int* __restrict__ pos, int min_chunk, int max_splits, int sqrt_k, float scale,
+                int window, const int* __restrict__ tables, const int* __restrict__ row_tab, int qb,
                 const bf16_t* __restrict__ head_k, const bf16_t* __restrict__ head_v, int head_row0) {
     __shared__ float s_cent[TURBO ? 256 : 1];
     pdl_trigger();
@@ -422,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(128)
     __syncthreads();
 #endif
     pdl_wait();  // the table is the store's own; q, the rows, positions and tables may be new
-    QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, window, scale};
+    QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, sqrt_k, window, scale};
     long row0 = (long)t * heads + h0;
     attend_part_mma(C, q + row0 * hd, tables + row_tab[t], pos[t] + 1, h0, blockIdx.z, gridDim.z, row0, part_ml,
                     part_acc, s_cent);
@@ -498,11 +510,11 @@ __device__ __forceinline__ float merge_head_cg(const float* part_ml, const float
         const u32 *__restrict__ tab, const float *__restrict__ inv_freq, float linear, int interleaved,           \
         const float *__restrict__ qn, const float *__restrict__ kn, float eps, float *__restrict__ part_ml,        \
         float *__restrict__ part_acc, int heads, int n_kv, int hd, const int *__restrict__ pos, int min_chunk,     \
-        int max_splits, float scale, int window, const int *__restrict__ table, int qb, float had_scale,           \
-        bf16_t *head_k, bf16_t *head_v, int head_row0
+        int max_splits, int sqrt_k, float scale, int window, const int *__restrict__ table, int qb,                \
+        float had_scale, bf16_t *head_k, bf16_t *head_v, int head_row0
 #define Q_DECODE_ARGS                                                                                            \
     q, k, v, store, tab, inv_freq, linear, interleaved, qn, kn, eps, part_ml, part_acc, heads, n_kv, hd, pos,      \
-        min_chunk, max_splits, scale, window, table, qb, had_scale, head_k, head_v, head_row0
+        min_chunk, max_splits, sqrt_k, scale, window, table, qb, had_scale, head_k, head_v, head_row0
 template <bool CLUSTER>
 __device__ __forceinline__ void q_decode(Q_DECODE_PARAMS, bf16_t* __restrict__ out) {
     __shared__ float s_x[(QH + 1) * 128], s_red[(QH + 1) * 32], s_gp[2 * HD_MAX / 32];
@@ -516,7 +528,7 @@ __device__ __forceinline__ void q_decode(Q_DECODE_PARAMS, bf16_t* __restrict__ o
 #endif
     pdl_wait();
     const int p = pos[0], kvh = h0 / (heads / n_kv);
-    QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, window, scale};
+    QCall C = {store, head_k, head_v, head_row0, heads, n_kv, hd, qb, min_chunk, max_splits, sqrt_k, window, scale};
     int p0, p1;
     part_range(C, p + 1, z, p0, p1);
     if (p0 >= p1) {

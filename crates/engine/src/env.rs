@@ -88,6 +88,9 @@ impl CudaConfig {
             attention_max_splits: var("FERROLM_ATTN_SPLITS")
                 .and_then(|v| v.parse().ok())
                 .map_or(d.attention_max_splits, |n: usize| n.clamp(1, 64)),
+            quant_split_sqrt: var("FERROLM_KVQ_SPLIT_SQRT")
+                .and_then(|v| v.parse().ok())
+                .map_or(d.quant_split_sqrt, |n: usize| n.min(1024)),
             feed_steps: on_unless_zero("FERROLM_CUDA_FEED", d.feed_steps),
             call_graphs: on_unless_zero("FERROLM_CALL_GRAPHS", d.call_graphs),
             device_top_k: on_unless_zero("FERROLM_CUDA_TOPK", d.device_top_k),

@@ -79,6 +79,11 @@ pub struct CudaConfig {
     /// of ⌈span / most⌉, at least this size per query head a block serves.
     /// `FERROLM_ATTN_CHUNK`.
     pub attention_min_chunk: usize,
+    /// Over a quantized cache (kv_quant.cu's attention_q and attention_q_decode, decode and
+    /// serving calls) a row's split is also at least ⌈this · √span⌉ positions: a split costs
+    /// its partials and their merge, so short and middling spans take fewer, longer splits,
+    /// while deep ones still take one wave's. 0: no such floor. `FERROLM_KVQ_SPLIT_SQRT`.
+    pub quant_split_sqrt: usize,
     /// Most splits a row's attention in a serving call takes (over a quantized cache, at
     /// most one wave's: kv_quant.rs `quant_max_splits`). `FERROLM_ATTN_SPLITS`.
     pub attention_max_splits: usize,
@@ -120,6 +125,7 @@ impl Default for CudaConfig {
             attention_mma_positions: 16384,
             attention_min_chunk: 64,
             attention_max_splits: 16,
+            quant_split_sqrt: 12,
             feed_steps: true,
             call_graphs: true,
             device_top_k: true,

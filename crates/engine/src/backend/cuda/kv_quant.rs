@@ -269,7 +269,7 @@ impl Cuda {
         }
         // attention_cached_from's splits and scratch for one row.
         let splits = match self.steps.call_splits() {
-            0 => quant_row_splits(kv.max_seq(), min_chunk, qb, most),
+            0 => quant_row_splits(kv.max_seq(), min_chunk, qb, most, self.cfg.quant_split_sqrt),
             n => n,
         } * qb;
         let [ml, acc, _] = self.scratch.attention(self, heads, splits, hd)?;
@@ -297,6 +297,7 @@ impl Cuda {
             self.steps.pos(self, "attention")?,
             KArg::I32(min_chunk as i32),
             KArg::I32(most as i32),
+            KArg::I32(self.cfg.quant_split_sqrt as i32),
             KArg::F32(attend.scale),
             KArg::I32(window_arg(attend)?),
             // One sequence: its table at offset 0.

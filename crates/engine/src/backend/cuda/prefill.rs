@@ -153,7 +153,7 @@ impl Cuda {
         // The splits that cover every row of up to `span` positions (the quantized kernels'
         // chunk rule cuts fewer than attention.cu's).
         let splits_for = |span: usize| match kv.quant {
-            Some(_) => quant_row_splits(span, min_chunk, qb, max_splits) * qb,
+            Some(_) => quant_row_splits(span, min_chunk, qb, max_splits, self.cfg.quant_split_sqrt) * qb,
             None => attention_splits(span, &self.cfg),
         };
         let capturing = self.ctx.capturing.load(std::sync::atomic::Ordering::Relaxed);
@@ -187,11 +187,11 @@ impl Cuda {
             pos,
             KArg::I32(min_chunk as i32),
             KArg::I32(max_splits as i32),
-            KArg::F32(attend.scale),
-            KArg::I32(window_arg(attend)?),
-            tables[0],
-            tables[1],
         ];
+        if head.is_some() {
+            args.push(KArg::I32(self.cfg.quant_split_sqrt as i32));
+        }
+        args.extend([KArg::F32(attend.scale), KArg::I32(window_arg(attend)?), tables[0], tables[1]]);
         if let Some(head) = head {
             args.push(KArg::I32(qb as i32));
             args.extend(head);
@@ -289,11 +289,16 @@ pub(crate) fn quant_heads_per_block(heads: usize, n_kv: usize) -> usize {
 }
 
 /// Splits of kv_quant.cu's attention_q (each cut into qb parts) that cover every row of up
-/// to `span` positions: a row's chunk is max(min_chunk · qb, ⌈its span / most⌉), so it
-/// needs at most ⌈span / (min_chunk · qb)⌉ splits while that chunk holds and at most
-/// `most` once the other does.
-pub(crate) fn quant_row_splits(span: usize, min_chunk: usize, qb: usize, most: usize) -> usize {
-    span.div_ceil(min_chunk * qb).clamp(1, most.max(1))
+/// to `span` positions: a row's chunk is max(min_chunk · qb, ⌈its span / most⌉, ⌈k·√its
+/// span⌉) (k = `CudaConfig::quant_split_sqrt`), so it needs at most ⌈span / (min_chunk ·
+/// qb)⌉ splits while the first holds, at most `most` once the second does, and at most
+/// ⌈√span / k⌉ (the smallest n with n²k² ≥ span) while the third does.
+pub(crate) fn quant_row_splits(span: usize, min_chunk: usize, qb: usize, most: usize, k: usize) -> usize {
+    let by_sqrt = match k {
+        0 => usize::MAX,
+        k => (1..).find(|n| n * n * k * k >= span).unwrap_or(1),
+    };
+    span.div_ceil(min_chunk * qb).min(by_sqrt).clamp(1, most.max(1))
 }
 
 /// The configuration's (smallest chunk, most splits), at least 1 each: the kernel's
@@ -318,29 +323,55 @@ mod tests {
     use super::super::CudaConfig;
     use super::{attention_splits, quant_row_splits};
 
+    /// kv_quant.cu's sqrt_chunk: ⌈k·√span⌉, the smallest c with c² ≥ k²·span (0 for k = 0).
+    fn sqrt_chunk(k: usize, span: usize) -> usize {
+        let t = k * k * span;
+        let mut c = (t as f64).sqrt().ceil() as usize;
+        while c * c < t {
+            c += 1;
+        }
+        while c > 1 && (c - 1) * (c - 1) >= t {
+            c -= 1;
+        }
+        c
+    }
+
     /// kv_quant.cu's part_range: the splits a row of `span` positions uses.
-    fn quant_need(span: usize, min_chunk: usize, qb: usize, most: usize) -> usize {
-        span.div_ceil((min_chunk * qb).max(span.div_ceil(most)))
+    fn quant_need(span: usize, min_chunk: usize, qb: usize, most: usize, k: usize) -> usize {
+        span.div_ceil((min_chunk * qb).max(span.div_ceil(most)).max(sqrt_chunk(k, span)))
     }
 
     #[test]
     fn a_rows_quantized_splits_cover_every_shorter_row() {
-        for min_chunk in [16, 64, 256] {
+        for (min_chunk, k) in [16, 64, 256].into_iter().flat_map(|c| [0, 1, 7, 12, 20].map(move |k| (c, k))) {
             for (qb, most) in (1..=4).flat_map(|q| (1..=16).map(move |m| (q, m))) {
-                let mut tight = false;
-                for end in (1..3000).step_by(7) {
-                    let splits = quant_row_splits(end, min_chunk, qb, most);
+                let (mut need, mut tight) = (0, false);
+                for end in 1..6000 {
+                    need = need.max(quant_need(end, min_chunk, qb, most, k));
+                    let splits = quant_row_splits(end, min_chunk, qb, most, k);
                     assert!(splits <= most);
-                    let need = (1..=end).map(|s| quant_need(s, min_chunk, qb, most)).max().unwrap();
                     assert!(
                         need <= splits,
-                        "min chunk {min_chunk}, qb {qb}, most {most}: span {end} needs {need}, {splits} launched"
+                        "min chunk {min_chunk}, k {k}, qb {qb}, most {most}: span {end} needs {need}, {splits} launched"
                     );
+                    // At most one split more than the longest row needs (⌈√span / k⌉ can
+                    // exceed ⌈span / ⌈k·√span⌉⌉ by one).
+                    assert!(splits <= need + 1, "span {end}: {splits} launched where {need} do");
                     tight |= need == splits;
                 }
-                assert!(tight, "min chunk {min_chunk}, qb {qb}, most {most}: the bound is never reached");
+                assert!(tight, "min chunk {min_chunk}, k {k}, qb {qb}, most {most}: the bound is never reached");
             }
         }
+    }
+
+    #[test]
+    fn the_square_root_floor_keeps_short_spans_to_few_splits() {
+        // The 8B shape's quantized decode (4 query heads a block, one wave 12 splits) at the
+        // default k: 3 splits at depth 1024, 6 at 4096, 12 from ~20,000 positions on.
+        let k = CudaConfig::default().quant_split_sqrt;
+        let splits = |span| quant_row_splits(span, 64, 4, 12, k);
+        assert_eq!((splits(1216), splits(4288), splits(32960)), (3, 6, 12));
+        assert_eq!(quant_row_splits(4288, 64, 4, 12, 0), 12);
     }
 
     /// attention.cu's chunk of a row with `span` positions.
