@@ -458,36 +458,7 @@ __device__ __forceinline__ float unrotate(float* s_o, float x, int hd, const u32
     return tab[d / 32] >> (d % 32) & 1 ? -s_o[d] : s_o[d];
 }
 
-// The cluster form's merge: output dim d (< hd) of one query head from its splits'
-// partials at slots base..base + splits - 1, as attention_merge_q computes it (the same
-// bits), every thread of the block calling it (unrotate's barriers; threads from hd on load
-// nothing). The partials are read through L2 (ld.global.cg): other blocks of the cluster
-// wrote them during the kernel. attention_merge_q keeps its own copy of this loop, reading
-// through the read-only cache (its second pass then hits L1): the merge kernel built on
-// this function (L2 loads, 64-bit slot arithmetic) cost the 8B shape's decode ~4% at depth
-// 1024 (H100, perf-log.md Session 48).
-__device__ __forceinline__ float merge_head_cg(const float* part_ml, const float* part_acc, long base, int splits,
-                                               int hd, float* s_o, const u32* __restrict__ tab, float had_scale) {
-    const int d = threadIdx.x;
-    float M = -INFINITY;
-    for (int s = 0; s < splits; s++) M = fmaxf(M, __ldcg(part_ml + 2 * (base + s)));
-    float Lsum = 0.f, o = 0.f;
-    for (int s = 0; s < splits; s++) {
-        float m = __ldcg(part_ml + 2 * (base + s));
-        if (m == -INFINITY) continue;
-        float w = __expf(m - M);
-        Lsum += __ldcg(part_ml + 2 * (base + s) + 1) * w;
-        if (d < hd) o += __ldcg(part_acc + (base + s) * hd + d) * w;
-    }
-    o = Lsum > 0.f ? o / Lsum : 0.f;
-#if TURBO
-    o = unrotate(s_o, o, hd, tab, had_scale);
-#endif
-    return o;
-}
-
-// One decode row's kv_encode and attention_q in one launch (attention_merge_q follows, or
-// the cluster form below merges in place):
+// One decode row's kv_encode and attention_q in one launch (attention_merge_q follows):
 // the same partials, so the same output bits as the three kernels. grid (heads / qb, 1,
 // splits · qb), block 128, hd ≤ 128. A block whose part is empty (past the row's span: the
 // grid covers the whole store, since a captured step replays at later positions) only
@@ -498,25 +469,16 @@ __device__ __forceinline__ float merge_head_cg(const float* part_ml, const float
 // position's raw rows; store, head_k and head_v are written here, so they are not restrict
 // (no non-coherent loads of them). The merge folded in as well (the last block of a KV
 // group merging its partials) measured slower: one block's merge of 4 heads took ~26 µs
-// against the merge kernel's ~10 (docs/kv.md). attention_q_decode_cluster (the host's
-// cluster form, for caches short enough that a KV group's parts fit one cluster) is the
-// same kernel launched as one cluster per KV group, whose first qb blocks merge the group's
-// heads in parallel after a cluster barrier, so no merge launch follows. Two entry points
-// rather than one testing a null `out` at run time: the one kernel holding both forms ran
-// the unclustered form ~4% slower at depth 1024 (8B shape, H100, perf-log.md Session 48,
-// with the merge kernel's L2 loads).
-#define Q_DECODE_PARAMS                                                                                          \
-    const bf16_t *__restrict__ q, const bf16_t *__restrict__ k, const bf16_t *__restrict__ v, u8 *store,         \
-        const u32 *__restrict__ tab, const float *__restrict__ inv_freq, float linear, int interleaved,           \
-        const float *__restrict__ qn, const float *__restrict__ kn, float eps, float *__restrict__ part_ml,        \
-        float *__restrict__ part_acc, int heads, int n_kv, int hd, const int *__restrict__ pos, int min_chunk,     \
-        int max_splits, int sqrt_k, float scale, int window, const int *__restrict__ table, int qb,                \
-        float had_scale, bf16_t *head_k, bf16_t *head_v, int head_row0
-#define Q_DECODE_ARGS                                                                                            \
-    q, k, v, store, tab, inv_freq, linear, interleaved, qn, kn, eps, part_ml, part_acc, heads, n_kv, hd, pos,      \
-        min_chunk, max_splits, sqrt_k, scale, window, table, qb, had_scale, head_k, head_v, head_row0
-template <bool CLUSTER>
-__device__ __forceinline__ void q_decode(Q_DECODE_PARAMS, bf16_t* __restrict__ out) {
+// against the merge kernel's ~10 (docs/kv.md); so did one cluster per KV group merging
+// after a cluster barrier (docs/perf.md's table of designs not taken).
+extern "C" __global__ void __launch_bounds__(128)
+    attention_q_decode(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
+                       u8* store, const u32* __restrict__ tab, const float* __restrict__ inv_freq, float linear,
+                       int interleaved, const float* __restrict__ qn, const float* __restrict__ kn, float eps,
+                       float* __restrict__ part_ml, float* __restrict__ part_acc, int heads, int n_kv, int hd,
+                       const int* __restrict__ pos, int min_chunk, int max_splits, int sqrt_k, float scale,
+                       int window, const int* __restrict__ table, int qb, float had_scale, bf16_t* head_k,
+                       bf16_t* head_v, int head_row0) {
     __shared__ float s_x[(QH + 1) * 128], s_red[(QH + 1) * 32], s_gp[2 * HD_MAX / 32];
     __shared__ u8 s_code[HD_MAX];
     __shared__ bf16_t s_q[QH * 128];
@@ -552,25 +514,6 @@ __device__ __forceinline__ void q_decode(Q_DECODE_PARAMS, bf16_t* __restrict__ o
         __syncthreads();  // s_q whole before any thread reads it: each reads every thread's dims
         attend_part_mma(C, s_q, table, p + 1, h0, z, zs, h0, part_ml, part_acc, s_cent);
     }
-    if (CLUSTER) {
-        // Launched as one cluster of the zs blocks of this KV group: once every block's
-        // partials are written (the barrier's release and acquire order them), block z < qb
-        // merges query head h0 + z as attention_merge_q does (the same bits), in place of
-        // that launch.
-        cluster_sync();
-        if (z < qb) {
-            long h = h0 + z;
-            float o = merge_head_cg(part_ml, part_acc, h * zs, zs, hd, s_x, tab, had_scale);
-            if (d < hd) out[h * hd + d] = f2bf(o);
-        }
-    }
-}
-extern "C" __global__ void __launch_bounds__(128) attention_q_decode(Q_DECODE_PARAMS) {
-    q_decode<false>(Q_DECODE_ARGS, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(128)
-    attention_q_decode_cluster(Q_DECODE_PARAMS, bf16_t* __restrict__ out) {
-    q_decode<true>(Q_DECODE_ARGS, out);
 }
 
 // attention.cu's attention_merge, then (turbo) the values' inverse rotation in f32 before

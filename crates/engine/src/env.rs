@@ -68,12 +68,6 @@ impl CudaConfig {
             gemm_wide_tiles: var("FERROLM_GEMM_WIDE").map_or(d.gemm_wide_tiles, |v| v == "1"),
             flash_quant_prefill: var("FERROLM_FLASH_KVQ").map_or(d.flash_quant_prefill, |v| v == "1"),
             fused_quant_decode: on_unless_zero("FERROLM_KVQ_FUSED", d.fused_quant_decode),
-            quant_decode_cluster_positions: var("FERROLM_KVQ_CLUSTER")
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(d.quant_decode_cluster_positions),
-            quant_decode_cluster_blocks: var("FERROLM_KVQ_CLUSTER_BLOCKS")
-                .and_then(|v| v.parse().ok())
-                .map_or(d.quant_decode_cluster_blocks, |n: usize| if n >= 16 { 16 } else { 8 }),
             attention_clusters: on_unless_zero("FERROLM_ATTN_CLUSTER", d.attention_clusters),
             attention_query_heads: var("FERROLM_ATTN_QB")
                 .and_then(|v| v.parse().ok())

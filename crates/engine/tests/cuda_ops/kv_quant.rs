@@ -213,30 +213,8 @@ fn rope_attention_gpu(
 /// query heads a block), causal and sliding, with bf16 head blocks (--kv-start) and without.
 #[test]
 fn fused_quantized_decode_is_the_three_kernels_bit_for_bit() {
+    let fused = gpu();
     let split = Cuda::with_config(0, CudaConfig { fused_quant_decode: false, ..CudaConfig::default() }).unwrap();
-    fused_decode_matches(gpu(), &split, "the fused decode");
-}
-
-/// The cluster form (`quant_decode_cluster_positions`: each KV group's parts one cluster,
-/// its first blocks merging in place of attention_merge_q) is the three kernels bit for bit
-/// over the same parts, in the same cases as the fused decode above: clusters of 8 (at most
-/// 2 splits of 4 heads) and the non-portable 16 (at most 4 splits, parts of 16 positions
-/// so that the cases' short caches fill them).
-#[test]
-fn clustered_quantized_decode_is_the_three_kernels_bit_for_bit() {
-    for (blocks, most, chunk) in [(8, 2, 64), (16, 4, 16)] {
-        let cfg = CudaConfig { attention_max_splits: most, attention_min_chunk: chunk, ..CudaConfig::default() };
-        let clustered =
-            CudaConfig { quant_decode_cluster_positions: 4096, quant_decode_cluster_blocks: blocks, ..cfg.clone() };
-        let clustered = Cuda::with_config(0, clustered).unwrap();
-        let split = Cuda::with_config(0, CudaConfig { fused_quant_decode: false, ..cfg }).unwrap();
-        fused_decode_matches(&clustered, &split, &format!("the decode in clusters of {blocks}"));
-    }
-}
-
-/// Decode rows through `fused`'s attention_q_decode against `split`'s three kernels: every
-/// output and every byte of the rows written, bit for bit (the cases above).
-fn fused_decode_matches(fused: &Cuda, split: &Cuda, form: &str) {
     let mut r = Rng::seeded();
     let window = |w: usize, scale: f32| Attend { scale, window: Some(w) };
     let cases = [
@@ -260,10 +238,10 @@ fn fused_decode_matches(fused: &Cuda, split: &Cuda, form: &str) {
                     (bf(&r.v(m * heads * hd, 1.0)), bf(&r.v(m * n_kv * hd, 1.0)), bf(&r.v(m * n_kv * hd, 1.0)));
                 let shape = (heads, n_kv, hd);
                 let a = rope_attention_gpu(fused, &mut kf, shape, (&rope, attend), (m, pos), (&q, &k, &v));
-                let b = rope_attention_gpu(split, &mut ks, shape, (&rope, attend), (m, pos), (&q, &k, &v));
+                let b = rope_attention_gpu(&split, &mut ks, shape, (&rope, attend), (m, pos), (&q, &k, &v));
                 let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 let what = format!("{s} {heads}/{n_kv}x{hd} head blocks {head_blocks} {attend:?} m{m} pos{pos}");
-                assert!(bits(&a) == bits(&b), "{what}: {form}'s output differs from the three kernels'");
+                assert!(bits(&a) == bits(&b), "{what}: the fused decode's output differs from the three kernels'");
                 pos += m;
             }
             let rows: Vec<usize> =
@@ -271,7 +249,7 @@ fn fused_decode_matches(fused: &Cuda, split: &Cuda, form: &str) {
             let (mut a, mut b) = (vec![], vec![]);
             fused.kv_export(&kf, 1, &rows, &mut a).unwrap();
             split.kv_export(&ks, 1, &rows, &mut b).unwrap();
-            assert!(a == b, "{s} {heads}/{n_kv}x{hd}: {form}'s rows differ from kv_encode's");
+            assert!(a == b, "{s} {heads}/{n_kv}x{hd}: the fused decode's rows differ from kv_encode's");
         }
     }
 }

@@ -44,19 +44,6 @@ pub struct CudaConfig {
     /// as kv_encode, attention_q and attention_merge_q, which it runs when off. turbo:k8v3
     /// on the 8B shape +1.8% at depth 1024, +2.3% at 8192 (docs/kv.md). `FERROLM_KVQ_FUSED`.
     pub fused_quant_decode: bool,
-    /// A fused quantized decode step over a cache of at most this many positions runs as
-    /// one thread-block cluster per KV group (at most `quant_decode_cluster_blocks` parts:
-    /// its splits capped at that / the query heads a block serves) whose first blocks merge
-    /// the group's heads after a cluster barrier, instead of the attention_merge_q launch:
-    /// the same bits for the same parts. 0: never (the default). 8B shape, H100, turbo:k8v3
-    /// at depth 1024: 399.5 tok/s against 410.3 for the unclustered kernels as they are now;
-    /// against a build whose unclustered path ran ~4% slower, +1.7% at 1024, +7-9% at 2048,
-    /// +5% at 4096 (+6% more with 16 blocks), -2% at 6144, -4% at 8192 (docs/kv.md).
-    /// `FERROLM_KVQ_CLUSTER`.
-    pub quant_decode_cluster_positions: usize,
-    /// The most blocks (parts) of such a cluster: 8, the portable size, or 16, which Hopper
-    /// allows as a non-portable size. `FERROLM_KVQ_CLUSTER_BLOCKS`.
-    pub quant_decode_cluster_blocks: usize,
     /// A greedy step's head GEMV finds the argmax as it stores the logits, instead of a
     /// separate argmax launch. `FERROLM_HEAD_ARGMAX`.
     pub head_argmax: bool,
@@ -117,8 +104,6 @@ impl Default for CudaConfig {
             gemm_wide_tiles: true,
             flash_quant_prefill: true,
             fused_quant_decode: true,
-            quant_decode_cluster_positions: 0,
-            quant_decode_cluster_blocks: 8,
             head_argmax: true,
             attention_clusters: true,
             attention_query_heads: 1,

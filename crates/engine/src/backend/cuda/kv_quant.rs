@@ -10,9 +10,9 @@
 //! attention over dequantized tiles (flash.rs), then `unrotate_rows`.
 
 use super::context::Order;
-use super::decode::{QkNorm, ATTN_CLUSTER_MAX};
+use super::decode::QkNorm;
 use super::device::Cuda;
-use super::driver::{drv, KArg};
+use super::driver::KArg;
 use super::kernels;
 use super::prefill::{attention_chunking, quant_heads_per_block, quant_row_splits, window_arg};
 use super::tensors::{CudaAct, CudaKv};
@@ -22,7 +22,6 @@ use crate::kv::rows::RowCodec;
 use crate::kv::scheme::KvScheme;
 use crate::kv::{turboquant as tq, KvBlocks, BLOCK};
 use crate::{Error, Result};
-use cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
 /// Head dims kv_quant.cu takes (a lane's dims stay within one group).
@@ -234,9 +233,7 @@ impl Cuda {
 
     /// A decode row over a quantized store in two launches: kv_quant.cu's attention_q_decode
     /// (the q/k norms and RoPE, the new row's encoding and attention: kv_encode's and
-    /// attention_q's work and partials), then attention_merge_q; or, over a short cache
-    /// (`quant_decode_cluster_positions`), attention_q_decode_cluster alone: the same kernel
-    /// launched as clusters that merge in place of the second. q, k, v unrotated.
+    /// attention_q's work and partials), then attention_merge_q. q, k, v unrotated.
     pub(crate) fn attention_decode_quant(
         &self,
         q: &CudaAct,
@@ -250,23 +247,10 @@ impl Cuda {
         if hd > FUSED_HEAD_DIM_MAX {
             return Err(Error::Invalid(format!("attention_q_decode takes head dims up to 128, not {hd}")));
         }
-        // A short cache's KV group in one cluster (`quant_decode_cluster_positions`): at
-        // most `quant_decode_cluster_blocks` parts, merged in the kernel.
-        let clustered =
-            self.clusters && self.steps.call_splits() == 0 && kv.max_seq() <= self.cfg.quant_decode_cluster_positions;
-        let name = if clustered { "attention_q_decode_cluster" } else { "attention_q_decode" };
-        let (f, qk) = self.quant_function(kv, layer, name)?;
+        let (f, qk) = self.quant_function(kv, layer, "attention_q_decode")?;
         let qb = quant_heads_per_block(heads, n_kv);
         let (min_chunk, _) = attention_chunking(&self.cfg);
-        let mut most = self.quant_max_splits(&f, heads);
-        if clustered {
-            let blocks = self.cfg.quant_decode_cluster_blocks.max(ATTN_CLUSTER_MAX);
-            if blocks > ATTN_CLUSTER_MAX {
-                f.set_attribute(CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)
-                    .map_err(drv("attention_q_decode_cluster's non-portable cluster size"))?;
-            }
-            most = most.min(blocks / qb);
-        }
+        let most = self.quant_max_splits(&f, heads);
         // attention_cached_from's splits and scratch for one row.
         let splits = match self.steps.call_splits() {
             0 => quant_row_splits(kv.max_seq(), min_chunk, qb, most, self.cfg.quant_split_sqrt),
@@ -306,19 +290,12 @@ impl Cuda {
             KArg::F32(hadamard_scale(hd)),
         ];
         args.extend(qk.head_args(self, layer));
-        if clustered {
-            args.push(out.arg(self));
-        }
         let grid = LaunchConfig {
             grid_dim: ((heads / qb) as u32, 1, splits as u32),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         // Scratch sized [heads, splits], the merge's as attention_cached_from's.
-        if clustered {
-            let order = Order::OverlapClustered(splits as u32);
-            return self.launch(&f, grid, &args, order, "attention_q_decode_cluster launch");
-        }
         self.launch(&f, grid, &args, Order::Overlap, "attention_q_decode launch")?;
         let (merge, extra) = self.quant_merge(kv, layer)?;
         self.merge_splits(&merge, [ml, acc], out, (1, heads, hd, splits), Some(extra), Order::Overlap)
