@@ -9,7 +9,8 @@
 #   env:   BENCH_ARGS (default "--repeats 3"): the timed runs' bench arguments
 # A run that fails counts as 0 tok/s (its stderr is not kept; the warm-up's is shown).
 # The variants compile on first use (NVRTC), outside the timed runs: one untimed
-# `bench --gen-tokens 8` per variant first.
+# `bench --repeats 1 --gen-tokens 8` per variant first, with BENCH_ARGS' other arguments (its
+# --kv and --depth: the kernels the timed runs take).
 set -uo pipefail
 bin=$1 model=$2 rounds=$3
 shift 3
@@ -22,8 +23,16 @@ run() {  # variant, then bench arguments
   elif [[ $v != builtin ]]; then settings=("FERROLM_KERNEL_DIR=$v"); fi
   env "${settings[@]}" "$bin/ferrolm" bench --device cuda --json --model "$model" "$@"
 }
+read -ra timed <<<"${BENCH_ARGS:-}"
+warm=()
+for ((k = 0; k < ${#timed[@]}; k++)); do
+  case ${timed[k]} in
+    --repeats | --gen-tokens) k=$((k + 1)) ;;
+    *) warm+=("${timed[k]}") ;;
+  esac
+done
 for v in "${variants[@]}"; do
-  run "$v" --repeats 1 --gen-tokens 8 >/dev/null 2>/tmp/gpu-ab.err || { echo "warm-up of $v failed:"; tail -3 /tmp/gpu-ab.err; }
+  run "$v" "${warm[@]}" --repeats 1 --gen-tokens 8 >/dev/null 2>/tmp/gpu-ab.err || { echo "warm-up of $v failed:"; tail -3 /tmp/gpu-ab.err; }
 done
 declare -A dec pre
 tps() { python3 -c 'import json,sys; j=json.loads(sys.argv[1] or "{}"); print(round(j.get(sys.argv[2], 0), 1))' "$j" "$1"; }
