@@ -223,6 +223,45 @@ fn queue_bound_cancellation_deadline_and_shutdown() {
 /// preempted, recomputed, and still generate what each does alone.
 #[test]
 fn prefix_hits_and_preemption_give_the_cold_tokens() {
+    prefix_hits_and_preemption(None);
+}
+
+/// The same with generated rows planned apart from prompt rows (what a backend whose
+/// generated rows take the decode step's arithmetic needs; the CPU's rows all take one, so
+/// the tokens cannot change): a preempted request recomputes its generated tokens one a
+/// step, and a prompt holding an earlier request's reply finds only that request's prompt
+/// blocks, where without it the reply's blocks are found too.
+#[test]
+fn generated_rows_apart_plan_and_key_their_blocks_apart() {
+    prefix_hits_and_preemption(Some(true));
+    let tok = tokenizer();
+    let model = load().unwrap();
+    let a = tok.encode("The river flows north through three towns, each with its own bridge and market.         The first town is the oldest and the second the largest; the third sits where the river meets         the sea, and ferries cross twice a day in summer.", true).unwrap();
+    let block = ferrolm::kv::BLOCK;
+    // Enough generated tokens to fill the block the prompt ends in, and one more.
+    let n = 2 * block - a.len() % block;
+    for apart in [false, true] {
+        let e = engine(EngineConfig { generated_rows_apart: Some(apart), ..Default::default() });
+        let (s, rx) = sink();
+        e.submit(greedy(a.clone(), n), s).unwrap();
+        let (reply, _) = collect(&rx);
+        let mut b = a.clone();
+        b.extend(&reply);
+        b.extend(tok.encode(" And then?", false).unwrap());
+        let (s, rx) = sink();
+        e.submit(greedy(b.clone(), 4), s).unwrap();
+        let cached = match rx.recv().unwrap() {
+            Event::Started { cached_tokens, .. } => cached_tokens,
+            other => panic!("{other:?}"),
+        };
+        let computed = (a.len() + n - 1) / block * block; // the reply's last token is not
+        let want = if apart { a.len() / block * block } else { computed };
+        assert_eq!(cached, want, "generated rows apart: {apart}");
+        assert_eq!(collect(&rx).0, alone(&model, &b, 4), "generated rows apart: {apart}");
+    }
+}
+
+fn prefix_hits_and_preemption(generated_rows_apart: Option<bool>) {
     let tok = tokenizer();
     let model = load().unwrap();
     let base = "You are a helpful assistant. Answer briefly and precisely, in plain words, without \
@@ -235,7 +274,7 @@ fn prefix_hits_and_preemption_give_the_cold_tokens() {
     let common = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
     assert!(common >= 64, "{common} shared tokens");
     let want_b = alone(&model, &b, 8);
-    let e = engine(EngineConfig::default());
+    let e = engine(EngineConfig { generated_rows_apart, ..Default::default() });
     let (s, rx) = sink();
     e.submit(greedy(a, 8), s).unwrap();
     collect(&rx);
@@ -250,7 +289,8 @@ fn prefix_hits_and_preemption_give_the_cold_tokens() {
     drop(e);
     // Ten blocks for four requests that grow to three blocks each.
     let block = ferrolm::kv::block_bytes(&model.cfg, &ferrolm::kv::scheme::KvScheme::Bf16).0;
-    let e = engine(EngineConfig { max_batch: 4, kv_memory: Some(10 * block), ..Default::default() });
+    let e =
+        engine(EngineConfig { max_batch: 4, kv_memory: Some(10 * block), generated_rows_apart, ..Default::default() });
     let ps: Vec<Vec<u32>> = prompts(&tok).into_iter().take(4).collect();
     let rxs: Vec<_> = ps
         .iter()

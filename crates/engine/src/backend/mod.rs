@@ -258,6 +258,16 @@ pub trait Backend: Sync {
     fn call_rows(&self, _m: usize) -> Option<usize> {
         None
     }
+    /// Whether a serving call's generated rows (each request's tokens after its prompt) take
+    /// an arithmetic of their own, the decode step's, while prompt rows take the serving
+    /// GEMMs': a row's kind, never its neighbours, then picks its arithmetic, so batch
+    /// invariance holds, and the engine plans for it (`serving`: a generated row is a
+    /// request's only row in a step, prefix-cache blocks holding generated rows serve only
+    /// their own request). No backend does yet: the CUDA backend's batched decode kernels
+    /// are the missing part (docs/perf.md, "One stream through the server").
+    fn generated_rows_apart(&self) -> bool {
+        false
+    }
     /// An identity of `kv` for `forward_call`'s key (a captured call bakes in its buffers).
     fn store_id(&self, _kv: &Self::Kv) -> u64 {
         0

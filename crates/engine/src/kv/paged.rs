@@ -22,7 +22,7 @@ pub const NO_BLOCK: u32 = u32::MAX;
 pub struct Exhausted;
 
 /// One sequence's tables.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct SeqKv {
     pub full: Vec<u32>,
     /// Empty when the model has no sliding layers.
@@ -33,6 +33,29 @@ pub struct SeqKv {
     pub cached: usize,
     /// Chain hash after each full block published so far.
     hashes: Vec<u64>,
+    /// The first position computed as a generated row where those rows take an arithmetic
+    /// of their own (`start_from`); `usize::MAX`: none.
+    generated_from: usize,
+}
+
+impl Default for SeqKv {
+    /// An empty sequence whose rows all take the prompt's arithmetic.
+    fn default() -> Self {
+        SeqKv { full: vec![], sliding: vec![], len: 0, cached: 0, hashes: vec![], generated_from: usize::MAX }
+    }
+}
+
+/// The parent a block ending at `end` is published and found under: the prefix's hash, or,
+/// for a block reaching past `generated_from`, that hash joined with `generated_from`. A
+/// generated row's keys and values differ from what a prompt row computes for the same token
+/// where generated rows take an arithmetic of their own, so such blocks serve only
+/// sequences that generated from the same position (the same request readmitted after a
+/// preemption), never a prompt that contains those tokens.
+fn keyed(parent: u64, end: usize, generated_from: usize) -> u64 {
+    match end > generated_from {
+        true => super::blocks::chain_hash(!parent, &[generated_from as u32, (generated_from >> 32) as u32]),
+        false => parent,
+    }
 }
 
 impl SeqKv {
@@ -110,12 +133,19 @@ impl PagedKv {
     /// A sequence for `prompt`, holding the longest cached prefix of whole blocks that
     /// leaves at least its last token to compute (whose logits the caller needs).
     pub fn start(&mut self, prompt: &[u32]) -> SeqKv {
+        self.start_from(prompt, usize::MAX)
+    }
+
+    /// `start` for a sequence whose positions from `generated_from` on are (or will be)
+    /// computed as generated rows in an arithmetic of their own: blocks reaching past it
+    /// are published and found under keys that carry it (`keyed`).
+    pub fn start_from(&mut self, tokens: &[u32], generated_from: usize) -> SeqKv {
         let b = self.block;
-        let mut s = SeqKv::default();
+        let mut s = SeqKv { generated_from, ..SeqKv::default() };
         let mut parent = 0;
-        for (i, chunk) in prompt[..prompt.len().saturating_sub(1)].chunks_exact(b).enumerate() {
+        for (i, chunk) in tokens[..tokens.len().saturating_sub(1)].chunks_exact(b).enumerate() {
             let (pool, offset) = self.pool(i);
-            let Some((blk, h)) = pool.lookup(parent, chunk) else { break };
+            let Some((blk, h)) = pool.lookup(keyed(parent, (i + 1) * b, generated_from), chunk) else { break };
             s.full.push(blk + offset);
             s.hashes.push(h);
             parent = h;
@@ -125,8 +155,9 @@ impl PagedKv {
             while !s.full.is_empty() {
                 let k = s.full.len();
                 let first = (k * b).saturating_sub(*window) / b;
+                let parent = |i: usize| keyed(if i == 0 { 0 } else { s.hashes[i - 1] }, (i + 1) * b, generated_from);
                 let found: Option<Vec<u32>> = (first..k)
-                    .map(|i| pool.lookup(if i == 0 { 0 } else { s.hashes[i - 1] }, &prompt[i * b..(i + 1) * b]))
+                    .map(|i| pool.lookup(parent(i), &tokens[i * b..(i + 1) * b]))
                     .map(|f| f.map(|(blk, _)| blk))
                     .collect();
                 if let Some(found) = found {
@@ -191,7 +222,7 @@ impl PagedKv {
         s.len = upto;
         while s.hashes.len() < upto / b {
             let i = s.hashes.len();
-            let parent = if i == 0 { 0 } else { s.hashes[i - 1] };
+            let parent = keyed(if i == 0 { 0 } else { s.hashes[i - 1] }, (i + 1) * b, s.generated_from);
             let chunk = &tokens[i * b..(i + 1) * b];
             let (pool, offset) = self.pool(i);
             let h = pool.publish(s.full[i] - offset, parent, chunk);
@@ -264,6 +295,31 @@ mod tests {
         assert_eq!(kv.full.used(), 0);
         // Cached after everyone left, until the space is needed.
         assert_eq!(kv.start(&b).cached, 12);
+    }
+
+    /// Blocks a sequence filled past its `generated_from` are published under keys that
+    /// carry it: the sequence readmitted finds them, a prompt of the same tokens (or another
+    /// boundary) finds only the blocks before it, with and without sliding layers.
+    #[test]
+    fn blocks_past_the_generated_rows_start_serve_only_that_start() {
+        for sliding in [None, Some((16, 6))] {
+            let mut kv = PagedKv::new(4, 16, sliding);
+            let t: Vec<u32> = (0..14).collect();
+            // 6 prompt positions, then generated ones: block 0 (0..4) plain, 1 and 2 keyed.
+            let mut s = kv.start_from(&t[..6], 6);
+            while s.len < t.len() {
+                let upto = (s.len + 3).min(t.len());
+                kv.reserve(&mut s, upto).unwrap();
+                kv.commit(&mut s, &t, upto);
+            }
+            kv.free(s);
+            for (from, cached) in [(6, 12), (usize::MAX, 4), (10, 4), (4, 4), (3, 0)] {
+                let s = kv.start_from(&t, from);
+                assert_eq!(s.cached, cached, "generated from {from}, sliding {sliding:?}");
+                kv.free(s);
+            }
+            assert_eq!(kv.start(&t).cached, 4);
+        }
     }
 
     #[test]

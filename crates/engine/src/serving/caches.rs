@@ -72,9 +72,12 @@ impl<B: Backend> Caches<B> {
 
     /// A place for a request holding `tokens` (its prompt, or prompt and generated tokens
     /// after a preemption), starting from the longest cached prefix, if there is room now
-    /// for all of it and the first generated position.
-    pub(super) fn admit(&mut self, tokens: &[u32]) -> Option<SeqKv> {
-        self.paged.can_take(0, (tokens.len() + 1).div_ceil(BLOCK)).then(|| self.paged.start(tokens))
+    /// for all of it and the first generated position. `generated_from`: where its
+    /// generated rows start when they take an arithmetic of their own (`usize::MAX`
+    /// otherwise: paged.rs `start_from`).
+    pub(super) fn admit(&mut self, tokens: &[u32], generated_from: usize) -> Option<SeqKv> {
+        let fits = self.paged.can_take(0, (tokens.len() + 1).div_ceil(BLOCK));
+        fits.then(|| self.paged.start_from(tokens, generated_from))
     }
 
     /// Positions of `tokens` the prefix cache holds now (whole blocks; at least the last

@@ -34,6 +34,10 @@ pub struct EngineConfig {
     pub request_timeout: Option<Duration>,
     /// Keep the prefix cache on disk too (serving/disk.rs), across restarts.
     pub prefix_cache_dir: Option<PrefixCacheDir>,
+    /// Plan generated rows apart from prompt rows (`Backend::generated_rows_apart`); None:
+    /// as the backend says. On a backend whose rows all take one arithmetic it changes only
+    /// the plan (the tests run the planning both ways).
+    pub generated_rows_apart: Option<bool>,
 }
 
 /// The prefix cache's directory, and the model's fingerprint (kv::file::model_fingerprint)
@@ -53,6 +57,7 @@ impl Default for EngineConfig {
             kv_memory: None,
             request_timeout: Some(Duration::from_secs(600)),
             prefix_cache_dir: None,
+            generated_rows_apart: None,
         }
     }
 }

@@ -56,9 +56,17 @@ impl<B: Backend> Worker<'_, B> {
     /// The step's rows: (request, rows) with every decoding request's one row first, then
     /// prefill chunks in admission order while the row budget lasts (one at least), each
     /// with its blocks reserved. When blocks run out the youngest request is preempted.
+    /// With generated rows apart (`rows_apart`) a request past its prompt (decoding, or
+    /// recomputing its generated tokens after a preemption) takes one generated row a step,
+    /// and a prompt chunk stops at the prompt's end.
     fn plan(&mut self) -> Vec<(usize, usize)> {
         let mut plan: Vec<(usize, usize)> = vec![];
-        let decoding = |s: &Seq| s.pending() == 1 && s.generated > 0;
+        let apart = self.rows_apart;
+        let written = |s: &Seq| s.place.as_ref().map_or(0, |p| p.len);
+        let decoding = |s: &Seq| match apart {
+            true => written(s) >= s.prompt_len,
+            false => s.pending() == 1 && s.generated > 0,
+        };
         for (i, s) in self.running.iter().enumerate() {
             if decoding(s) {
                 plan.push((i, 1));
@@ -69,7 +77,11 @@ impl<B: Backend> Worker<'_, B> {
             if decoding(s) || (used >= self.step_rows && !plan.is_empty()) {
                 continue;
             }
-            let rows = s.pending().min(self.step_rows.saturating_sub(used).max(1));
+            let prompt_left = match apart {
+                true => s.prompt_len - written(s),
+                false => usize::MAX,
+            };
+            let rows = s.pending().min(prompt_left).min(self.step_rows.saturating_sub(used).max(1));
             plan.push((i, rows));
             used += rows;
         }

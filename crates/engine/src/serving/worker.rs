@@ -22,7 +22,7 @@ pub(super) struct Seq {
     sampler: Sampler,
     /// Prompt, then the generated tokens.
     pub(super) history: Vec<u32>,
-    prompt_len: usize,
+    pub(super) prompt_len: usize,
     /// Most tokens it may generate.
     max_tokens: usize,
     pub(super) generated: usize,
@@ -76,6 +76,9 @@ pub(super) struct Worker<'m, B: Backend> {
     pub(super) caches: Caches<B>,
     /// Most rows one step computes (decode rows always fit; prefill chunks fill the rest).
     pub(super) step_rows: usize,
+    /// Generated rows are planned apart from prompt rows (`Backend::generated_rows_apart`):
+    /// one a request a step, and prefix-cache blocks holding them keyed by where they start.
+    pub(super) rows_apart: bool,
     /// Set by a shutdown: running requests still going then fail.
     deadline: Option<Instant>,
     /// The prefix cache on disk, when there is one (disk.rs).
@@ -93,6 +96,7 @@ impl<'m, B: Backend> Worker<'m, B> {
         let caches = Caches::new(model, cfg.kv_memory.unwrap_or(0), cfg.max_batch, step_rows)?;
         let scheme = model.kv_scheme().to_string();
         let disk = cfg.prefix_cache_dir.clone().map(|d| DiskPrefixes::open(d, &scheme)).transpose()?;
+        let rows_apart = cfg.generated_rows_apart.unwrap_or_else(|| model.backend.generated_rows_apart());
         Ok(Worker {
             model,
             cfg,
@@ -103,6 +107,7 @@ impl<'m, B: Backend> Worker<'m, B> {
             preempted: VecDeque::new(),
             caches,
             step_rows,
+            rows_apart,
             deadline: None,
             disk,
         })
@@ -234,7 +239,7 @@ impl<'m, B: Backend> Worker<'m, B> {
     fn admit(&mut self) {
         while self.running.len() < self.cfg.max_batch {
             let Some(s) = self.preempted.front() else { break };
-            let Some(place) = self.caches.admit(&s.history) else { return };
+            let Some(place) = self.caches.admit(&s.history, self.generated_from(s.prompt_len)) else { return };
             let mut s = self.preempted.pop_front().expect("front exists");
             s.place = Some(place);
             self.running.push(s);
@@ -254,7 +259,7 @@ impl<'m, B: Backend> Worker<'m, B> {
                 self.fail_job(job, Failure::new(FailureKind::TooLarge, msg));
                 continue;
             }
-            let Some(place) = self.caches.admit(&job.req.prompt) else { break };
+            let Some(place) = self.caches.admit(&job.req.prompt, self.generated_from(prompt_len)) else { break };
             let job = self.waiting.pop_front().expect("front exists");
             self.shared.waiting.fetch_sub(1, Relaxed);
             let cached = place.len;
@@ -269,6 +274,16 @@ impl<'m, B: Backend> Worker<'m, B> {
                 place: Some(place),
                 job,
             });
+        }
+    }
+
+    /// Where a request's generated rows start, for its prefix-cache keys: after its prompt
+    /// when they take an arithmetic of their own, else nowhere (`usize::MAX`).
+    fn generated_from(&self, prompt_len: usize) -> usize {
+        if self.rows_apart {
+            prompt_len
+        } else {
+            usize::MAX
         }
     }
 
