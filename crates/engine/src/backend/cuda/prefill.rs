@@ -367,7 +367,7 @@ mod tests {
     #[test]
     fn the_square_root_floor_keeps_short_spans_to_few_splits() {
         // The 8B shape's quantized decode (4 query heads a block, one wave 12 splits) at the
-        // default k: 3 splits at depth 1024, 6 at 4096, 12 from ~20,000 positions on.
+        // default k: 3 splits at depth 1024, 6 at 4096, 12 from ~17,500 positions on.
         let k = CudaConfig::default().quant_split_sqrt;
         let splits = |span| quant_row_splits(span, 64, 4, 12, k);
         assert_eq!((splits(1216), splits(4288), splits(32960)), (3, 6, 12));
