@@ -22,7 +22,8 @@ pub struct ServeArgs {
     /// Port to listen on (0: any free port, printed at start).
     #[arg(long, default_value_t = 8080)]
     port: u16,
-    /// Requests generating at once (each holds a KV cache).
+    /// Requests generating at once (each holds a KV cache). 1 on CUDA: each token through
+    /// the decode step's kernels, the fastest single stream.
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
     /// Requests waiting for a place; more are answered 429 with Retry-After.
@@ -111,7 +112,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         kv_memory: a.kv_memory,
         request_timeout: (a.request_timeout > 0).then(|| Duration::from_secs(a.request_timeout)),
         prefix_cache_dir: a.prefix_cache_dir.clone().map(|dir| PrefixCacheDir { dir, fingerprint }),
-        generated_rows_apart: None,
+        generated_rows_apart: ferrolm::env::generated_rows_apart(),
     };
     // The model is built on the engine's thread, which keeps it (and a device context).
     let n = load::rank_count(&a.model)?;

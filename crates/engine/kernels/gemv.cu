@@ -62,6 +62,9 @@
 #ifndef XQ
 #define XQ 1                          // x as int16 + DP2A (else bf16 x + f32 FMA); see below
 #endif
+#ifndef NT
+#define NT 0                          // batched: NT tokens a block (blockIdx.y: which); 0: one
+#endif
 
 #if BITS == 8
 #define MAGIC_Y 0x3F800000u
@@ -415,6 +418,20 @@ struct KernelSync {
     __device__ __forceinline__ int next_step(int b) const { return b + gridDim.x; }
 };
 
+// Batched (NT > 0): token t of this block is blockIdx.y·NT + t, its x, output rows (and
+// staged image, pending post-norm) at that token's place in [tokens, …] arrays; one token
+// (NT = 0): 0, at the arrays' start. Each token is staged in shared memory on its own
+// (x_image uint4 each) and meets each weight tile in registers in turn, its lane sums in
+// the one-token order and its warp's tree, so its outputs are the one-token kernel's bits.
+__device__ __forceinline__ int tok_at(int t) { return NT > 0 ? blockIdx.y * NT + t : 0; }
+__device__ __forceinline__ int x_image(int cols) {
+#if XQ
+    return (staged_bytes(cols) + 15) / 16;
+#else
+    return (2 * cols + 15) / 16;
+#endif
+}
+
 // OUT: 0 bf16 store, 1 f32 store, 2 f32 add, 3 SwiGLU (bf16 store of silu(mat0)·mat1).
 // OUT_K 6 and 7 are OUT_K 3 and 4 with GeGLU (gelu(mat0)·mat1) for SwiGLU.
 // KS > 1 (not SwiGLU): the KS warps of a row group split each row's chunks into KS
@@ -429,12 +446,15 @@ struct KernelSync {
 // keeps its warp's best row as the rows are stored, and the blocks' bests meet as
 // argmax_finish says, instead of a separate argmax launch reading the logits back.
 // POST: x has a pending post-norm add (x_stage.cuh's PostNorm), folded into the staging.
+// NT > 0 (batched): the block computes tokens blockIdx.y·NT … + NT - 1 (see tok_at).
 template <int R, bool NORM, int OUT_K, class Sync = KernelSync, int KS = 1, bool PRE = false, bool POST = false>
 __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, const float* nw, float eps, int cols,
                                      Sync sync = Sync{}, ArgmaxSink am = {}, PostNorm post = {}) {
     constexpr int OUT = OUT_K == 4 || OUT_K >= 6 ? 3 : OUT_K == 5 ? 1 : OUT_K;
     constexpr bool STAGE = OUT_K == 4 || OUT_K == 7, ARGMAX = OUT_K == 5, GELU = OUT_K >= 6;
+    constexpr int TB = NT > 0 ? NT : 1;  // tokens this block computes
     static_assert(!ARGMAX || KS == 1, "the argmax rows are whole rows");
+    static_assert(!ARGMAX || NT == 0, "the argmax sink is one token's");
     static_assert(!(STAGE || PRE) || XQ, "staged x is the int16 (XQ) layout");
     extern __shared__ uint4 xs[];
     if (PDL_EARLY) sync.trigger();
@@ -458,6 +478,7 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     int kc = cols / VPC / KS, cb = ks * kc;  // this warp's K slice: chunks cb … cb + kc - 1
     Shape sh{cols / VPC, cols / GROUP, (size_t)cols / (32 / BITS) / 4, cb + kc};
     int tiles = (kc + 32 * U - 1) / (32 * U);  // tiles per row step (uniform per warp)
+    const int img = x_image(cols);  // uint4 of one token's x in shared memory
     // Persistent blocks: x is staged once per block (for a 128K-row head, staging it per
     // 16 rows would read as many bytes from L2 as the weights themselves). Each block walks
     // the steps `sync` deals it; each step is `tiles` tiles per warp.
@@ -471,24 +492,40 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
     // OUT 2 adds into the residual: lane r < R reads its row's x now, beside the x staging,
     // and the next step's while this one computes, so the store at a step's end is not an
     // L2 round trip (a read-modify-write by lane 0 was). This warp alone writes its rows.
-    auto residual = [&](const Mat& m, int first) {
-        return OUT == 2 && ks == 0 && lane < R && first + lane < m.rows ? reinterpret_cast<const float*>(m.o)[first + lane] : 0.f;
+    auto residual = [&](const Mat& m, int first, int t) {
+        const float* o = reinterpret_cast<const float*>(m.o);
+        if constexpr (NT > 0) o += (size_t)tok_at(t) * m.rows;
+        return OUT == 2 && ks == 0 && lane < R && first + lane < m.rows ? o[first + lane] : 0.f;
     };
-    float resid = residual(a, row0);
+    float resid[TB];
+#pragma unroll
+    for (int t = 0; t < TB; t++) resid[t] = residual(a, row0, t);
     // NORM: the norm's factor 1/rms is applied to the row sums (store_rows), not to x as it
     // is staged, so quantizing x does not wait for the block's sum of squares.
-    float oscale = 1.f;
+    float oscale[TB];
+#pragma unroll
+    for (int t = 0; t < TB; t++) {
+        if (t > 0) BLOCK_SYNC();  // the token before's staging has read its reductions
+        const size_t k = tok_at(t);
+        oscale[t] = 1.f;
 #if XQ
-    if constexpr (PRE) copy_staged(xs, x, cols);
-    else
+        if constexpr (PRE) copy_staged(xs + t * img, static_cast<const char*>(x) + k * staged_bytes(cols), cols);
+        else
 #endif
-        oscale = stage_x<NORM, true, POST>(xs, x, nw, eps, cols, gains, post);
-    __shared__ float stage_vals[STAGE ? 2 : 1][STAGE ? NW * R : 1];  // stage_step's, by step parity
-    float acc[2][R];
+        {
+            const void* xt = static_cast<const char*>(x) + k * cols * (NORM ? 4 : 2);
+            const PostNorm pt{post.y + k * cols, post.w, post.out + k * cols};
+            oscale[t] = stage_x<NORM, true, POST>(xs + t * img, xt, nw, eps, cols, gains, pt);
+        }
+    }
+    __shared__ float stage_vals[STAGE ? 2 : 1][STAGE ? TB : 1][STAGE ? NW * R : 1];  // stage_step's, by step parity
+    float acc[TB][2][R];
 #pragma unroll
-    for (int m = 0; m < 2; m++)
+    for (int t = 0; t < TB; t++)
 #pragma unroll
-        for (int r = 0; r < R; r++) acc[m][r] = 0.f;
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int r = 0; r < R; r++) acc[t][m][r] = 0.f;
     int parity = 0;  // ks_merge's buffer
     while (true) {
         // The tile after this one (the next step's first when this is a step's last).
@@ -500,38 +537,58 @@ __device__ __forceinline__ void gemv(Mat m0, Mat m1, Mat m2, const void* x, cons
             if (nb < steps) locate<R, OUT, KS>(nb, b0, b1, m0, m1, m2, na, nrow0);
         }
         T cur = next;
-        float nresid = nit == 0 && nb < steps ? residual(na, nrow0) : resid;
+        float nresid[TB];
+#pragma unroll
+        for (int t = 0; t < TB; t++) nresid[t] = nit == 0 && nb < steps ? residual(na, nrow0, t) : resid[t];
         // Or the next kernel may start once every block is on its last tile (its blocks take
         // the places ours free, and load their weights while we finish). Starting it at
         // once measured faster (1B decode 1 351 vs 1 309 tok/s, perf.md).
         if (!PDL_EARLY && nb >= steps) sync.trigger();
         if (PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, cb + lane + nit * 32 * U, sh);
-        cur.dot(xs, cb + lane + it * 32 * U, sh, acc);
+        // Each token's x meets the tile's weights in turn, with that token's own sums.
+#pragma unroll
+        for (int t = 0; t < TB; t++) cur.dot(xs + t * img, cb + lane + it * 32 * U, sh, acc[t]);
         if (!PIPE && nb < steps) next.fill(TileFromGlobal{na, m1, sh}, nrow0, cb + lane + nit * 32 * U, sh);
-        if (nit == 0) {  // step done: reduce and store this warp's rows
-            if (KS > 1) ks_merge<R, KS>(acc, ks, lane, parity ^= 1);
+        if (nit == 0) {  // step done: reduce and store this warp's rows, token by token
+            if (KS > 1) {
+#pragma unroll
+                for (int t = 0; t < TB; t++) ks_merge<R, KS>(acc[t], ks, lane, parity ^= 1);
+            }
             if (STAGE) parity ^= 1;
-            float* vals = STAGE ? stage_vals[parity] + (threadIdx.x >> 5) * R : nullptr;
-            if (ks == 0) store_rows<R, OUT, GELU>(a, row0, acc, resid, lane, vals, oscale);
+#pragma unroll
+            for (int t = 0; t < TB; t++) {
+                float* vals = STAGE ? stage_vals[parity][t] + (threadIdx.x >> 5) * R : nullptr;
+                Mat at = a;
+                at.o = static_cast<char*>(a.o) + (size_t)tok_at(t) * a.rows * (OUT == 1 || OUT == 2 ? 4 : 2);
+                if (ks == 0) store_rows<R, OUT, GELU>(at, row0, acc[t], resid[t], lane, vals, oscale[t]);
+            }
             if constexpr (ARGMAX) {  // store_rows left every row's sum in every lane
 #pragma unroll
                 for (int r = 0; r < R; r++)
-                    if (row0 + r < a.rows) best_of(best, best_i, acc[0][r], row0 + r);
+                    if (row0 + r < a.rows) best_of(best, best_i, acc[0][0][r], row0 + r);
             }
 #if XQ
-            if constexpr (STAGE) stage_step<R>(stage_vals[parity], row0 - (threadIdx.x >> 5) * R, static_cast<uint4*>(m2.o), m0.rows);
+            if constexpr (STAGE) {
+#pragma unroll
+                for (int t = 0; t < TB; t++)
+                    stage_step<R>(stage_vals[parity][t], row0 - (threadIdx.x >> 5) * R,
+                                  static_cast<uint4*>(m2.o) + (size_t)tok_at(t) * staged_bytes(m0.rows) / 16, m0.rows);
+            }
 #endif
 #pragma unroll
-            for (int m = 0; m < 2; m++)
+            for (int t = 0; t < TB; t++)
 #pragma unroll
-                for (int r = 0; r < R; r++) acc[m][r] = 0.f;
+                for (int m = 0; m < 2; m++)
+#pragma unroll
+                    for (int r = 0; r < R; r++) acc[t][m][r] = 0.f;
         }
         if (nb >= steps) break;
         b = nb;
         it = nit;
         a = na;
         row0 = nrow0;
-        resid = nresid;
+#pragma unroll
+        for (int t = 0; t < TB; t++) resid[t] = nresid[t];
     }
     if constexpr (ARGMAX) argmax_finish(best, best_i, am);
 }
@@ -592,7 +649,9 @@ GEMV_POST_KERNELS(1)
 GEMV_POST_KERNELS(2)
 GEMV_POST_KERNELS(4)
 GEMV_KS_KERNELS
+#if NT == 0
 GEMV_ARGMAX_KERNELS
+#endif
 #if XQ && NW >= 8  // a SwiGLU block step (NW·4 rows) must be whole 32-value x blocks
 GEMV_STAGED_KERNELS
 #endif

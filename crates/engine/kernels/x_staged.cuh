@@ -65,8 +65,9 @@ __device__ __forceinline__ void copy_staged(uint4* xs, const void* img, int cols
     gemv<R, false, 2, KernelSync, KS, true>(Mat{w0, s0, b0, o0, n0}, Mat{w1, s1, b1, o1, n1},                 \
                                             Mat{w2, s2, b2, o2, n2}, x, nw, eps, cols)
 // gemv_nz_r4 at ≤ 128 registers, so two 8-warp blocks fit per SM as gemv_ns_r4's do (the
-// staging took it to 143 registers uncapped); 2-bit weights would spill there: no cap.
-#define NZ_MIN_BLOCKS (BITS == 2 ? 1 : 16 / NW)
+// staging took it to 143 registers uncapped); 2-bit weights, or several tokens a block
+// (NT), would spill there: no cap.
+#define NZ_MIN_BLOCKS (BITS == 2 || NT > 0 ? 1 : 16 / NW)
 #define GEMV_STAGED_KERNELS                                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * NW, NZ_MIN_BLOCKS) gemv_nz_r4(GEMV_ARGS) { GEMV_CALL(4, true, 4, 1); } \
     extern "C" __global__ void __launch_bounds__(32 * NW, NZ_MIN_BLOCKS) gemv_ny_r4(GEMV_ARGS) { GEMV_CALL(4, true, 7, 1); } \

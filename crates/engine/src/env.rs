@@ -51,6 +51,12 @@ pub fn feed_steps() -> usize {
     })
 }
 
+/// `FERROLM_ROWS_APART`: the serving engine plans generated rows apart from prompt rows
+/// (1) or not (0); unset: as the backend says (`EngineConfig::generated_rows_apart`).
+pub fn generated_rows_apart() -> Option<bool> {
+    var("FERROLM_ROWS_APART").map(|v| v != "0")
+}
+
 impl CudaConfig {
     /// The defaults, with each knob docs/knobs.md lists overridden where its variable is
     /// set.
@@ -85,6 +91,9 @@ impl CudaConfig {
             quant_split_sqrt: var("FERROLM_KVQ_SPLIT_SQRT")
                 .and_then(|v| v.parse().ok())
                 .map_or(d.quant_split_sqrt, |n: usize| n.min(1024)),
+            gemv_batch_tokens: var("FERROLM_GEMV_BATCH")
+                .and_then(|v| v.parse().ok())
+                .map_or(d.gemv_batch_tokens, |n: usize| n.clamp(1, 8).next_power_of_two()),
             feed_steps: on_unless_zero("FERROLM_CUDA_FEED", d.feed_steps),
             call_graphs: on_unless_zero("FERROLM_CALL_GRAPHS", d.call_graphs),
             device_top_k: on_unless_zero("FERROLM_CUDA_TOPK", d.device_top_k),

@@ -22,6 +22,8 @@ mod attention;
 mod batching;
 #[path = "cuda_ops/decode.rs"]
 mod decode;
+#[path = "cuda_ops/decode_rows.rs"]
+mod decode_rows;
 #[path = "cuda_ops/flash.rs"]
 mod flash;
 #[path = "cuda_ops/gemm.rs"]

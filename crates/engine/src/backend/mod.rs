@@ -243,6 +243,12 @@ pub trait Backend: Sync {
     fn begin(&self, _tokens: &[u32], _spans: &[Span<'_>], _invariant: bool) -> Result<()> {
         Ok(())
     }
+    /// `begin` for a call of generated rows (each a sequence's one row past its prompt,
+    /// `generated_rows_apart`): invariant too, each row computed as the backend's decode
+    /// step computes one token, whatever the call's other rows.
+    fn begin_generated(&self, tokens: &[u32], spans: &[Span<'_>]) -> Result<()> {
+        self.begin(tokens, spans, true)
+    }
     /// Run one decode step `f`. A backend may capture it the first time under `key` and
     /// replay the capture afterwards (CUDA graphs); `f` must then launch the same work with
     /// the same buffers every time, only the staged token, position and block tables
@@ -258,13 +264,15 @@ pub trait Backend: Sync {
     fn call_rows(&self, _m: usize) -> Option<usize> {
         None
     }
-    /// Whether a serving call's generated rows (each request's tokens after its prompt) take
-    /// an arithmetic of their own, the decode step's, while prompt rows take the serving
-    /// GEMMs': a row's kind, never its neighbours, then picks its arithmetic, so batch
-    /// invariance holds, and the engine plans for it (`serving`: a generated row is a
-    /// request's only row in a step, prefix-cache blocks holding generated rows serve only
-    /// their own request). No backend does yet: the CUDA backend's batched decode kernels
-    /// are the missing part (docs/perf.md, "One stream through the server").
+    /// Whether a serving call's generated rows (each request's tokens after its prompt) can
+    /// take an arithmetic of their own, the decode step's, while prompt rows take the
+    /// serving GEMMs': a row's kind, never its neighbours, then picks its arithmetic, so
+    /// batch invariance holds, and the engine plans for it where it takes this
+    /// (`EngineConfig::generated_rows_apart`: a generated row is a request's only row in a
+    /// step, prefix-cache blocks holding generated rows serve only their own request,
+    /// `Decoder::forward_generated_out` computes them). CUDA can: its decode step's kernels,
+    /// batched over a call's rows, give each row its one-row bits, so one stream through the
+    /// server runs the bench's decode kernels.
     fn generated_rows_apart(&self) -> bool {
         false
     }

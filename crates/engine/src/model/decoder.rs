@@ -280,7 +280,7 @@ impl<B: Backend> Decoder<B> {
             Logits::Hidden(li) => li.min(self.layers.len()),
             _ => self.layers.len(),
         };
-        self.run_layers(tokens, spans, kv, stop, w)?;
+        self.run_layers((tokens, spans), kv, stop, w, m == 1)?;
         // Only the rows whose logits are wanted go through the final norm and the head:
         // every row, or the sequence's last.
         let rows = match which {
@@ -313,23 +313,25 @@ impl<B: Backend> Decoder<B> {
         Ok(None)
     }
 
-    /// The embedding and the first `stop` layers over the call's rows, into w.x.
+    /// The embedding and the first `stop` layers over the call's rows, into w.x: with
+    /// `decode` (one token, or a generated call's rows; w with the spare residual) through
+    /// the backend's decode step.
     fn run_layers(
         &self,
-        tokens: &[u32],
-        spans: &[Span<'_>],
+        (tokens, spans): (&[u32], &[Span<'_>]),
         kv: &mut B::Kv,
         stop: usize,
         w: &mut Work<B>,
+        decode: bool,
     ) -> Result<()> {
-        let (b, c, m) = (&self.backend, &self.cfg, tokens.len());
+        let (b, c) = (&self.backend, &self.cfg);
         b.embed(&self.embed, tokens, c.embed_scale, &mut w.x)?;
         let layers = self.layer_list(stop);
         let (x, spare, mut s) = w.scratch();
-        match (m, spare) {
-            // One token: the backend's decode step, the same math as layer_ops (CUDA:
+        match (decode, spare) {
+            // The backend's decode step, the same math as layer_ops (CUDA:
             // backend/cuda/decode.rs).
-            (1, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, spans, s.reborrow()),
+            (true, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, spans, s.reborrow()),
             _ => {
                 for l in &layers {
                     layer_ops(b, &l.weights, x, kv, l.index, spans, l.rope, l.shape, s.reborrow())?;
@@ -453,12 +455,13 @@ impl<B: Backend> Work<B> {
         (x, spare.as_mut(), s)
     }
 
-    /// `decode`: the one-row decode path's buffers (with the spare residual).
+    /// `decode`: the decode path's buffers (with the spare residual): one row, or a
+    /// generated call's rows.
     fn new(b: &B, c: &ModelConfig, m: usize, decode: bool) -> Result<Self> {
         let (d, qd, kvd) = (c.hidden, c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim);
         Ok(Work {
             x: b.act_f32(m, d)?,
-            spare: if decode { Some(b.act_f32(1, d)?) } else { None },
+            spare: if decode { Some(b.act_f32(m, d)?) } else { None },
             xn: b.act(m, d)?,
             q: b.act_as(m, qd, Width::Heads)?,
             k: b.act_as(m, kvd, Width::KvHeads)?,

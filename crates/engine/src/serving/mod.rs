@@ -34,9 +34,10 @@ pub struct EngineConfig {
     pub request_timeout: Option<Duration>,
     /// Keep the prefix cache on disk too (serving/disk.rs), across restarts.
     pub prefix_cache_dir: Option<PrefixCacheDir>,
-    /// Plan generated rows apart from prompt rows (`Backend::generated_rows_apart`); None:
-    /// as the backend says. On a backend whose rows all take one arithmetic it changes only
-    /// the plan (the tests run the planning both ways).
+    /// Plan generated rows apart from prompt rows and compute them in calls of their own
+    /// (`Backend::generated_rows_apart`); None: where the backend can and `max_batch` is 1
+    /// (the only case they are faster yet). On a backend whose rows all take one arithmetic
+    /// it changes only the plan (the tests run the planning both ways).
     pub generated_rows_apart: Option<bool>,
 }
 

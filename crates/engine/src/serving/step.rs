@@ -18,7 +18,7 @@ impl<B: Backend> Worker<'_, B> {
             return None;
         }
         let t = std::time::Instant::now();
-        let outs = forward(self.model, &mut self.caches, &self.running, &plan);
+        let outs = forward(self.model, &mut self.caches, &self.running, &plan, self.rows_apart);
         let forward_nanos = t.elapsed().as_nanos() as u64;
         let outs = match outs {
             Ok(l) => l,
@@ -110,24 +110,45 @@ impl<B: Backend> Worker<'_, B> {
     }
 }
 
-/// Run the plan in one forward call: what each request's last planned row gives, in plan
-/// order: its logits where it samples from them, else (a plain greedy request, or a prompt
-/// chunk that is not its last) the argmax the device found.
+/// Run the plan: what each request's last planned row gives, in plan order: its logits
+/// where it samples from them, else (a plain greedy request, or a prompt chunk that is not
+/// its last) the argmax the device found. One forward call, or with generated rows apart
+/// (`apart`) two: the prompt rows', and the generated rows' (`forward_generated_out`).
 fn forward<B: Backend>(
     model: &crate::model::Decoder<B>,
     caches: &mut Caches<B>,
     running: &[Seq],
     plan: &[(usize, usize)],
+    apart: bool,
 ) -> Result<Vec<RowOut>> {
-    let mut tokens = Vec::with_capacity(plan.iter().map(|p| p.1).sum());
-    let mut spans = Vec::with_capacity(plan.len());
-    let mut logits = Vec::with_capacity(plan.len());
-    for &(i, rows) in plan {
+    let generated = |&(i, _): &(usize, usize)| {
         let s = &running[i];
-        let kv = s.place.as_ref().expect("planned requests hold a place");
-        tokens.extend_from_slice(&s.history[kv.len..kv.len + rows]);
-        spans.push(kv.span(rows));
-        logits.push(kv.len + rows == s.history.len() && s.wants_logits());
+        apart && s.place.as_ref().is_some_and(|p| p.len >= s.prompt_len)
+    };
+    let (gen, prompt): (Vec<usize>, Vec<usize>) = (0..plan.len()).partition(|&k| generated(&plan[k]));
+    let mut outs: Vec<Option<RowOut>> = vec![None; plan.len()];
+    for (part, gen_call) in [(prompt, false), (gen, true)] {
+        if part.is_empty() {
+            continue;
+        }
+        let mut tokens = Vec::with_capacity(part.iter().map(|&k| plan[k].1).sum());
+        let mut spans = Vec::with_capacity(part.len());
+        let mut logits = Vec::with_capacity(part.len());
+        for &k in &part {
+            let (i, rows) = plan[k];
+            let s = &running[i];
+            let kv = s.place.as_ref().expect("planned requests hold a place");
+            tokens.extend_from_slice(&s.history[kv.len..kv.len + rows]);
+            spans.push(kv.span(rows));
+            logits.push(kv.len + rows == s.history.len() && s.wants_logits());
+        }
+        let got = match gen_call {
+            true => model.forward_generated_out(&tokens, &spans, &mut caches.store, &logits)?,
+            false => model.forward_spans_out(&tokens, &spans, &mut caches.store, &logits)?,
+        };
+        for (k, o) in part.into_iter().zip(got) {
+            outs[k] = Some(o);
+        }
     }
-    model.forward_spans_out(&tokens, &spans, &mut caches.store, &logits)
+    Ok(outs.into_iter().map(|o| o.expect("every planned request is in one call")).collect())
 }

@@ -85,6 +85,14 @@ pub(super) struct Worker<'m, B: Backend> {
     disk: Option<DiskPrefixes>,
 }
 
+/// Whether generated rows go apart by default: where the backend computes them so and
+/// the engine runs one request at a time. The batched decode kernels beat the serving
+/// GEMMs only at one row so far (H200, 1B shape: one stream 1,512.7 against 593.6 tok/s;
+/// 8 streams 3,119.4 against 3,625.1, 32 streams 4,911.3 against 7,842.3; docs/perf.md).
+fn default_rows_apart<B: Backend>(model: &Decoder<B>, cfg: &EngineConfig) -> bool {
+    model.backend.generated_rows_apart() && cfg.max_batch <= 1
+}
+
 impl<'m, B: Backend> Worker<'m, B> {
     pub(super) fn new(
         model: &'m Decoder<B>,
@@ -96,7 +104,7 @@ impl<'m, B: Backend> Worker<'m, B> {
         let caches = Caches::new(model, cfg.kv_memory.unwrap_or(0), cfg.max_batch, step_rows)?;
         let scheme = model.kv_scheme().to_string();
         let disk = cfg.prefix_cache_dir.clone().map(|d| DiskPrefixes::open(d, &scheme)).transpose()?;
-        let rows_apart = cfg.generated_rows_apart.unwrap_or_else(|| model.backend.generated_rows_apart());
+        let rows_apart = cfg.generated_rows_apart.unwrap_or_else(|| default_rows_apart(model, &cfg));
         Ok(Worker {
             model,
             cfg,

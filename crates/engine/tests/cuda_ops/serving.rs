@@ -1,6 +1,7 @@
 //! The serving engine on CUDA: 16 greedy requests running together give each the tokens it
 //! gets running alone (calls of every padded size, captured and replayed, rows asking for
-//! logits and rows asking only for their argmax).
+//! logits and rows asking only for their argmax), with generated rows in calls of their own
+//! (the decode kernels, batched) and with every row in one call.
 
 use super::smollm2_cuda;
 use ferrolm::backend::cuda::CudaConfig;
@@ -48,15 +49,22 @@ fn sixteen_requests_together_give_what_each_gives_alone() {
     let reqs = |ps: &[Vec<u32>]| -> Vec<Request> {
         ps.iter().enumerate().map(|(i, p)| request(p.clone(), i % 5 == 0)).collect()
     };
-    let e = Engine::start(
-        || Ok(smollm2_cuda(CudaConfig::default())),
-        EngineConfig { max_batch: 16, kv_memory: Some(256 << 20), ..Default::default() },
-    )
-    .unwrap();
-    let together = run(&e, reqs(&prompts));
-    for (i, p) in prompts.iter().enumerate() {
-        let alone = run(&e, vec![request(p.clone(), i % 5 == 0)]);
-        assert_eq!(together[i], alone[0], "request {i}: together and alone differ");
+    for apart in [true, false] {
+        let e = Engine::start(
+            || Ok(smollm2_cuda(CudaConfig::default())),
+            EngineConfig {
+                max_batch: 16,
+                kv_memory: Some(256 << 20),
+                generated_rows_apart: Some(apart),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let together = run(&e, reqs(&prompts));
+        for (i, p) in prompts.iter().enumerate() {
+            let alone = run(&e, vec![request(p.clone(), i % 5 == 0)]);
+            assert_eq!(together[i], alone[0], "request {i} (rows apart: {apart}): together and alone differ");
+        }
+        assert!(together.iter().all(|t| t.len() == 24));
     }
-    assert!(together.iter().all(|t| t.len() == 24));
 }

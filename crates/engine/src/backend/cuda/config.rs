@@ -76,6 +76,11 @@ pub struct CudaConfig {
     /// Most splits a row's attention in a serving call takes (over a quantized cache, at
     /// most one wave's: kv_quant.rs `quant_max_splits`). `FERROLM_ATTN_SPLITS`.
     pub attention_max_splits: usize,
+    /// Most tokens a batched decode GEMV block computes (gemv.cu's NT, a power of two):
+    /// each weight tile, once in registers, meets that many tokens' x; fewer where they do
+    /// not divide the tokens or their x would not fit the block's shared memory. Not yet
+    /// measured. `FERROLM_GEMV_BATCH`.
+    pub gemv_batch_tokens: usize,
     /// Greedy decode steps feed their token to the next step on the device, so the host
     /// never holds the GPU back. `FERROLM_CUDA_FEED`.
     pub feed_steps: bool,
@@ -113,6 +118,7 @@ impl Default for CudaConfig {
             attention_min_chunk: 64,
             attention_max_splits: 16,
             quant_split_sqrt: 12,
+            gemv_batch_tokens: 8,
             feed_steps: true,
             call_graphs: true,
             device_top_k: true,

@@ -235,7 +235,8 @@ impl Cuda {
         if ffn < 16 * 32 * WARPS {
             return Ok(false);
         }
-        let image = self.scratch.staged_x(self, x_staging(ffn, int16_x).1)?;
+        // One image a row (a generated call's rows: gemv_tokens).
+        let image = self.scratch.staged_x(self, x_staging(ffn, int16_x).1 * x.rows)?;
         let gate_up = [gate, up];
         let norm_in = GemvIn::Norm(x, norm, eps);
         if !self.gemv(norm_in, &gate_up, &mut [&mut *out, u], GemvOut::Glu(act), GemvExtra::StageInto(image))? {
@@ -308,6 +309,9 @@ impl Cuda {
                     kv.head_dim
                 )));
             }
+        }
+        if self.steps.generated() {
+            return self.attention_decode_rows(q, (k, v), kv, layer, (rope, attend, qk_norm), out);
         }
         let heads = q.cols / kv.head_dim;
         if kv.quant.is_some() {

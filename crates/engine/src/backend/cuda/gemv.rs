@@ -2,6 +2,8 @@
 //! one launch (q/k/v), the RMSNorm folded into the load of its input, SwiGLU or GeGLU of
 //! gate and up in one launch, the residual add in the store, x staged once per persistent block as
 //! int16 for DP2A. Each kernel is named by input, output and rows per warp (`kernel`).
+//! Its batched form (`gemv_tokens`: the same kernels compiled with NT tokens a block) gives
+//! each of several tokens exactly the bits the one-token launch gives it alone.
 
 use super::device::Cuda;
 use super::driver::KArg;
@@ -9,6 +11,7 @@ use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaMat};
 use crate::config::Activation;
 use crate::{Error, Result};
+use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig};
 
 /// How the GEMV reads its input.
@@ -58,6 +61,11 @@ pub(crate) const ARGMAX_FUSED_BLOCKS_PER_SM: usize = 8;
 /// Largest input width whose bf16 copy fits the 48 KB of shared memory a launch gets
 /// without opting in.
 const MAX_COLS: usize = 24 * 1024;
+
+/// Most shared memory a batched GEMV block stages its tokens' x in (opted in past 48 KB;
+/// every sm_80+ GPU allows a block 99 KB or more): fewer tokens a block where they would
+/// not fit.
+const BATCH_SMEM_MAX: usize = 96 * 1024;
 
 /// 16-byte weight loads per lane per tile (LIF in gemv.cu; half per matrix for SwiGLU).
 const LOADS: usize = 8;
@@ -202,25 +210,73 @@ impl Cuda {
         mode: GemvOut,
         extra: GemvExtra,
     ) -> Result<bool> {
-        // An invariant call's rows go through the GEMM whatever their count.
+        // An invariant call's rows go through the GEMM whatever their count, but a generated
+        // call's through the decode GEMV, batched over its rows (`gemv_tokens`).
+        if self.steps.generated() {
+            let tokens = outs.first().map_or(1, |o| o.rows);
+            return self.gemv_tokens(input, mats, outs, mode, extra, tokens);
+        }
         if self.steps.invariant() {
             return Ok(false);
         }
-        let Some((f, args, blocks, smem)) = self.gemv_plan(input, mats, outs, mode, extra)? else { return Ok(false) };
+        self.gemv_tokens(input, mats, outs, mode, extra, 1)
+    }
+
+    /// `gemv` over `tokens` rows (every input and output `[tokens, …]`; a staged image
+    /// input holds `tokens` images), each row's outputs the bits `gemv` gives that row
+    /// alone, whatever `tokens` is: one token runs `gemv`'s kernels, more run them compiled
+    /// with NT tokens a block (gemv.cu), NT the most of `CudaConfig::gemv_batch_tokens`
+    /// that divides `tokens` and whose x fits a block's shared memory. Ok(false) where
+    /// `gemv` has no kernel, and for the head's argmax form (one token's).
+    pub(crate) fn gemv_tokens(
+        &self,
+        input: GemvIn,
+        mats: &[&CudaMat],
+        outs: &mut [&mut CudaAct],
+        mode: GemvOut,
+        extra: GemvExtra,
+        tokens: usize,
+    ) -> Result<bool> {
+        if tokens > 1 && matches!(extra, GemvExtra::Argmax(_)) {
+            return Ok(false);
+        }
+        let Some(p) = self.gemv_plan(input, mats, outs, mode, extra, tokens)? else { return Ok(false) };
         let threads = 32 * WARPS as u32;
-        let blocks = blocks.min(self.gemv_grid(&f, threads, smem));
+        if p.smem > 48 * 1024 {
+            p.f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, p.smem as i32)
+                .map_err(super::driver::drv("batched GEMV shared memory"))?;
+        }
+        let groups = tokens / p.nt.max(1);
+        // Persistent blocks, one wave of them shared among the token groups.
+        let blocks = p.blocks.min(self.gemv_grid(&p.f, threads, p.smem).div_ceil(groups).max(1));
         if matches!(extra, GemvExtra::Argmax(_)) && blocks > ARGMAX_FUSED_BLOCKS_PER_SM * self.sms {
             return Err(Error::Invalid(format!("CUDA head argmax: {blocks} blocks for its partials' scratch")));
         }
-        let c =
-            LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem as u32 };
-        self.launch(&f, c, &args, super::context::Order::Overlap, "decode GEMV launch")?;
+        let c = LaunchConfig {
+            grid_dim: (blocks as u32, groups as u32, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: p.smem as u32,
+        };
+        self.launch(&p.f, c, &p.args, super::context::Order::Overlap, "decode GEMV launch")?;
         Ok(true)
     }
 
-    /// The kernel, its arguments, the row blocks and the shared memory of a `gemv` call;
-    /// None where no kernel covers it.
-    #[allow(clippy::type_complexity)]
+    /// Tokens a block of a batched GEMV over `tokens` rows of `cols` inputs stages (gemv.cu's
+    /// NT): the most of `gemv_batch_tokens` (a power of two) dividing `tokens` whose images
+    /// fit `BATCH_SMEM_MAX`; 0 for one token (the one-token kernels).
+    fn gemv_block_tokens(&self, tokens: usize, image: usize) -> usize {
+        if tokens <= 1 {
+            return 0;
+        }
+        let mut nt = self.cfg.gemv_batch_tokens.max(1).next_power_of_two();
+        while nt > 1 && (!tokens.is_multiple_of(nt) || nt * image > BATCH_SMEM_MAX) {
+            nt /= 2;
+        }
+        nt
+    }
+
+    /// The kernel, its arguments, the row blocks and the shared memory of a `gemv_launch`
+    /// over `tokens` rows; None where no kernel covers it.
     fn gemv_plan(
         &self,
         input: GemvIn,
@@ -228,14 +284,15 @@ impl Cuda {
         outs: &mut [&mut CudaAct],
         mode: GemvOut,
         extra: GemvExtra,
-    ) -> Result<Option<(CudaFunction, Vec<KArg>, usize, usize)>> {
+        tokens: usize,
+    ) -> Result<Option<GemvPlan>> {
         let int16_x = self.cfg.gemv_int16_x;
         let (cols_in, xp, in_ok) = match input {
-            GemvIn::Bf16(x) => (x.cols, x.arg(self), x.rows == 1 && !x.is_f32()),
-            GemvIn::Norm(x, ..) => (x.cols, x.arg(self), x.rows == 1 && x.is_f32()),
+            GemvIn::Bf16(x) => (x.cols, x.arg(self), x.rows == tokens && !x.is_f32()),
+            GemvIn::Norm(x, ..) => (x.cols, x.arg(self), x.rows == tokens && x.is_f32()),
             GemvIn::Staged { image, cols } => (cols, image, staged_x_fits(cols, int16_x)),
             GemvIn::Post((x, y, post), out, ..) => {
-                let same = |a: &CudaAct| a.rows == 1 && a.cols == x.cols;
+                let same = |a: &CudaAct| a.rows == tokens && a.cols == x.cols;
                 let ok = same(x) && same(y) && same(out) && x.is_f32() && out.is_f32() && !y.is_f32();
                 (x.cols, x.arg(self), ok && post.len() == x.cols && x.cols <= POST_MAX_COLS)
             }
@@ -251,7 +308,7 @@ impl Cuda {
                 (mode, &o.buf),
                 (GemvOut::Add, ActBuf::F32(_)) | (GemvOut::Store, _) | (GemvOut::Glu(_), ActBuf::Bf16(_))
             );
-            if d != defines || *cols != cols_in || o.rows != 1 || !out_ok {
+            if d != defines || *cols != cols_in || o.rows != tokens || !out_ok {
                 return Ok(None);
             }
             if !glu && o.cols != *rows {
@@ -296,8 +353,12 @@ impl Cuda {
         if matches!(input, GemvIn::Staged { .. }) && !xq {
             return Ok(None);
         }
+        let nt = self.gemv_block_tokens(tokens, smem.next_multiple_of(16));
         let mut gd = defines.to_vec();
         gd.push(format!("XQ={}", u8::from(xq)));
+        if nt > 0 {
+            gd.push(format!("NT={nt}"));
+        }
         let f = self.function(kernels::file("gemv.cu"), &gd, name)?;
         // Arguments: (w, scales, biases, out, rows) × 3, then x, gains, eps, cols. Unused
         // matrix slots repeat the first with 0 rows; a staging SwiGLU takes its image as
@@ -328,8 +389,20 @@ impl Cuda {
         if let GemvExtra::Argmax(sink) = extra {
             args.extend(sink);
         }
-        Ok(Some((f, args, blocks, smem)))
+        // A batched block's token images start on 16-byte boundaries (gemv.cu's x_image).
+        let smem = if nt > 0 { nt * smem.next_multiple_of(16) } else { smem };
+        Ok(Some(GemvPlan { f, args, blocks, smem, nt }))
     }
+}
+
+/// A GEMV launch's kernel, arguments, row blocks, shared memory and tokens a block (0: the
+/// one-token kernels).
+struct GemvPlan {
+    f: CudaFunction,
+    args: Vec<KArg>,
+    blocks: usize,
+    smem: usize,
+    nt: usize,
 }
 
 #[cfg(test)]

@@ -122,9 +122,19 @@ pub fn all_variants() -> Vec<(&'static KernelFile, Vec<String>)> {
                     d.push(xq.into());
                     v.push((file("gemv.cu"), d));
                 }
+                // The batched GEMV (gemv.rs `gemv_tokens`) at 8 tokens a block in every
+                // format; the default format's at 1, 2 and 4 too, below.
+                v.push((
+                    file("gemv.cu"),
+                    [affine_defines(bits, group, s), vec!["XQ=1".into(), "NT=8".into()]].concat(),
+                ));
                 v.push((file("gemm.cu"), affine_defines(bits, group, s)));
             }
         }
+    }
+    for nt in [1, 2, 4] {
+        let d = [affine_defines(4, 64, ScaleDtype::BF16), vec!["XQ=1".into(), format!("NT={nt}")]].concat();
+        v.push((file("gemv.cu"), d));
     }
     // The traced builds of the decode kernels (`CudaConfig::trace`, trace.rs): one each, so they
     // compile.

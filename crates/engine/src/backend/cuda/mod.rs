@@ -11,7 +11,8 @@
 //!   stores and their kernels' launches);
 //! - scratch, steps: buffers kept for captured graphs; staging, graph capture and replay;
 //! - device: `Cuda`, the above put together;
-//! - gemv, decode: the decode GEMV and the decode step (decode.rs reads top to bottom);
+//! - gemv, decode, decode_rows: the decode GEMV and the decode step (decode.rs reads top to
+//!   bottom), and a generated call's rows through the same kernels, batched;
 //! - prefill, gemm, flash, elementwise, sampling: the other phases' ops;
 //! - ops: `Backend for Cuda`.
 
@@ -22,6 +23,7 @@
 mod config;
 mod context;
 mod decode;
+mod decode_rows;
 mod device;
 mod driver;
 mod elementwise;

@@ -68,7 +68,14 @@ impl Backend for Cuda {
         kv.import(self, layer, rows, data)
     }
     fn begin(&self, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
-        self.steps.begin(self, tokens, spans, invariant)
+        self.steps.begin(self, tokens, spans, (invariant, false))
+    }
+    fn begin_generated(&self, tokens: &[u32], spans: &[Span<'_>]) -> Result<()> {
+        self.steps.begin(self, tokens, spans, (true, true))
+    }
+    /// Generated rows take the decode step's kernels, batched (decode_rows.rs).
+    fn generated_rows_apart(&self) -> bool {
+        true
     }
     fn step(&self, key: u64, tokens: &[u32], spans: &[Span<'_>], f: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         one_sequence(spans)?;
@@ -179,8 +186,10 @@ impl Backend for Cuda {
         out: &mut CudaAct,
     ) -> Result<()> {
         match q.rows {
-            // RoPE and the cache write happen inside (q and k stay unrotated).
+            // RoPE and the cache write happen inside (q and k stay unrotated); a generated
+            // call's rows take it batched (decode_rows.rs).
             1 if !self.steps.invariant() => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
+            _ if self.steps.generated() => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
             _ => self.prefill_attention(q, (k, v), kv, layer, rope, n_heads, attend, out),
         }
     }

@@ -23,8 +23,8 @@ pub(crate) struct Scratch {
     rope_freqs: Mutex<Vec<(Vec<f32>, CudaSlice<f32>)>>,
     argmax: Mutex<Option<ArgmaxScratch>>,
     top_k: Mutex<Option<TopKScratch>>,
-    /// By (heads·splits, head_dim).
-    attention: Mutex<HashMap<(usize, usize), AttnScratch>>,
+    /// By (heads, splits, head_dim).
+    attention: Mutex<HashMap<(usize, usize, usize), AttnScratch>>,
     /// The staged x images (x_staged.cuh) by byte size.
     staged_x: Mutex<HashMap<usize, CudaSlice<u8>>>,
 }
@@ -69,10 +69,11 @@ impl Scratch {
     /// Decode attention's scratch for `heads` heads of `splits` splits each.
     pub(crate) fn attention(&self, ctx: &Context, heads: usize, splits: usize, head_dim: usize) -> Result<[KArg; 3]> {
         let mut m = self.attention.lock().unwrap_or_else(|e| e.into_inner());
-        let key = (heads * splits, head_dim);
+        let key = (heads, splits, head_dim);
         if let std::collections::hash_map::Entry::Vacant(e) = m.entry(key) {
             let what = "allocating attention scratch";
-            e.insert((ctx.zeros(2 * key.0, what)?, ctx.zeros(key.0 * head_dim, what)?, ctx.zeros(heads, what)?));
+            let n = heads * splits;
+            e.insert((ctx.zeros(2 * n, what)?, ctx.zeros(n * head_dim, what)?, ctx.zeros(heads, what)?));
         }
         let (ml, acc, done) = &m[&key];
         Ok([ctx.arg(ml), ctx.arg(acc), ctx.arg(done)])

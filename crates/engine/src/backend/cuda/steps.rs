@@ -80,6 +80,9 @@ pub(crate) struct Steps {
     /// The call under way is invariant (`Backend::begin`; a call of several sequences is):
     /// no one-row GEMV, fused decode attention or flash.
     invariant: AtomicBool,
+    /// The invariant call under way computes generated rows (`Backend::begin_generated`):
+    /// its GEMVs and attention take the decode step's kernels, batched over its rows.
+    generated: AtomicBool,
     /// Attention splits of the engine call under way (`call`): fixed per captured graph, so
     /// the split kernels take this count and kept scratch. 0 outside such calls.
     call_splits: AtomicUsize,
@@ -110,6 +113,11 @@ impl Steps {
 
     pub(crate) fn invariant(&self) -> bool {
         self.invariant.load(Relaxed)
+    }
+
+    /// Whether the call under way computes generated rows (`generated` above).
+    pub(crate) fn generated(&self) -> bool {
+        self.generated.load(Relaxed)
     }
 
     /// The engine call's attention splits (`call`), 0 outside one.
@@ -303,12 +311,20 @@ impl Steps {
 
     /// `Backend::begin`: stage and copy this call's tokens and position, unless a fed step's
     /// are on the device already or a capture (whose `step` staged them) only needs the copies.
-    pub(crate) fn begin(&self, ctx: &Context, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
+    /// `Backend::begin` (`generated`: `Backend::begin_generated`, an invariant call too).
+    pub(crate) fn begin(
+        &self,
+        ctx: &Context,
+        tokens: &[u32],
+        spans: &[Span<'_>],
+        (invariant, generated): (bool, bool),
+    ) -> Result<()> {
         if self.feeding.load(Relaxed) {
             return Ok(());
         }
         if !ctx.capturing.load(Relaxed) {
-            self.invariant.store(invariant || spans.len() > 1, Relaxed);
+            self.invariant.store(invariant || generated || spans.len() > 1, Relaxed);
+            self.generated.store(generated, Relaxed);
             self.stage(ctx, tokens, spans, false)?;
         }
         self.upload_staged(ctx)
@@ -326,6 +342,7 @@ impl Steps {
     ) -> Result<()> {
         // Stage first: a new staging buffer drops stale graphs before we look one up.
         self.invariant.store(false, Relaxed);
+        self.generated.store(false, Relaxed);
         self.stage(ctx, tokens, spans, false)?;
         self.replay_or_capture(ctx, key, f)
     }
@@ -389,6 +406,7 @@ impl Steps {
         // The host's token sits at the span's first position (one row: the run's first).
         let first = Span { rows: 1, ..*span };
         self.invariant.store(false, Relaxed);
+        self.generated.store(false, Relaxed);
         self.stage(ctx, t, &[first], token.is_none())?;
         match token {
             Some(_) => self.upload_staged(ctx)?,

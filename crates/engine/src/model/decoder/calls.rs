@@ -2,7 +2,9 @@
 //! batching), each sequence's last row through the head. A row's logits do not depend on
 //! the call's other rows (the backends compute rows independently), so a backend may pad a
 //! call to a size it captured (`Backend::call_rows`) and replay it (`forward_call`); the
-//! buffers such a call uses are kept here per padded size.
+//! buffers such a call uses are kept here per padded size. A call of generated rows
+//! (`forward_generated_out`: one row a sequence, each past its prompt) runs them through
+//! the backend's decode step (`Backend::begin_generated`, `decode_layers`).
 
 use super::{Decoder, Work};
 use crate::backend::Backend;
@@ -26,6 +28,8 @@ pub(crate) struct CallWork<B: Backend> {
     id: u64,
     rows: usize,
     heads: usize,
+    /// A generated call's (its work has the decode step's spare residual).
+    generated: bool,
     work: Work<B>,
     tail: B::Act,   // [heads, d] f32
     normed: B::Act, // [heads, d]
@@ -34,14 +38,15 @@ pub(crate) struct CallWork<B: Backend> {
 }
 
 impl<B: Backend> CallWork<B> {
-    fn new(model: &Decoder<B>, rows: usize, heads: usize) -> Result<Self> {
+    fn new(model: &Decoder<B>, (rows, heads): (usize, usize), generated: bool) -> Result<Self> {
         static NEXT_ID: AtomicU64 = AtomicU64::new(1);
         let (b, d) = (&model.backend, model.cfg.hidden);
         Ok(CallWork {
             id: NEXT_ID.fetch_add(1, Relaxed),
             rows,
             heads,
-            work: Work::new(b, &model.cfg, rows, false)?,
+            generated,
+            work: Work::new(b, &model.cfg, rows, generated)?,
             tail: b.act_f32(heads, d)?,
             normed: b.act(heads, d)?,
             logits: b.act_f32_as(heads, model.logits_width, crate::backend::Width::Vocab)?,
@@ -74,6 +79,33 @@ impl<B: Backend> Decoder<B> {
         store: &mut B::Kv,
         logits: &[bool],
     ) -> Result<Vec<RowOut>> {
+        self.call_out(tokens, spans, store, logits, false)
+    }
+
+    /// `forward_spans_out` over generated rows: one row a span, each a sequence's row past
+    /// its prompt, computed as the backend's decode step computes one token (the same bits
+    /// in any call; `Backend::generated_rows_apart`).
+    pub fn forward_generated_out(
+        &self,
+        tokens: &[u32],
+        spans: &[Span<'_>],
+        store: &mut B::Kv,
+        logits: &[bool],
+    ) -> Result<Vec<RowOut>> {
+        if spans.iter().any(|s| s.rows != 1) {
+            return Err(crate::Error::Invalid("a generated call of spans other than one row".into()));
+        }
+        self.call_out(tokens, spans, store, logits, true)
+    }
+
+    fn call_out(
+        &self,
+        tokens: &[u32],
+        spans: &[Span<'_>],
+        store: &mut B::Kv,
+        logits: &[bool],
+        generated: bool,
+    ) -> Result<Vec<RowOut>> {
         let b = &self.backend;
         if logits.len() != spans.len() {
             return Err(crate::Error::Invalid(format!("{} spans, {} outputs asked", spans.len(), logits.len())));
@@ -93,11 +125,11 @@ impl<B: Backend> Decoder<B> {
             false => tokens,
         };
         let mut w = match captured {
-            Some(_) => self.take_call_work(rows, heads)?,
-            None => CallWork::new(self, rows, heads)?,
+            Some(_) => self.take_call_work((rows, heads), generated)?,
+            None => CallWork::new(self, (rows, heads), generated)?,
         };
         let key = (w.id, b.store_id(store));
-        let r = b.forward_call(key, tokens, spans, &mut || self.call_body(tokens, spans, store, &mut w));
+        let r = b.forward_call(key, tokens, spans, &mut || self.call_body((tokens, spans), store, &mut w));
         let read = |w: &CallWork<B>| -> Result<(Vec<f32>, Vec<f32>)> {
             let ids = b.read_rows(&w.argmax, 0)?;
             let rows = match logits.contains(&true) {
@@ -120,24 +152,28 @@ impl<B: Backend> Decoder<B> {
             .collect())
     }
 
-    /// What `forward_spans` launches: begin the call (invariant), the layers, then each
-    /// span's last row through the final norm and the head, and the logits' argmax.
-    fn call_body(&self, tokens: &[u32], spans: &[Span<'_>], kv: &mut B::Kv, w: &mut CallWork<B>) -> Result<()> {
+    /// What `forward_spans` launches: begin the call (invariant, or generated), the layers,
+    /// then each span's last row through the final norm and the head, and the logits'
+    /// argmax.
+    fn call_body(&self, (tokens, spans): (&[u32], &[Span<'_>]), kv: &mut B::Kv, w: &mut CallWork<B>) -> Result<()> {
         let b = &self.backend;
-        b.begin(tokens, spans, true)?;
-        self.run_layers(tokens, spans, kv, self.layers.len(), &mut w.work)?;
+        match w.generated {
+            true => b.begin_generated(tokens, spans)?,
+            false => b.begin(tokens, spans, true)?,
+        }
+        self.run_layers((tokens, spans), kv, self.layers.len(), &mut w.work, w.generated)?;
         b.gather_last_rows(&w.work.x, spans, &mut w.tail)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         b.norm_matmul_many(&w.tail, &self.norm, self.cfg.rms_eps, &mut w.normed, &[head], &mut [&mut w.logits])?;
         b.argmax_rows(&w.logits, &mut w.argmax)
     }
 
-    /// Kept buffers of this size, or new ones.
-    fn take_call_work(&self, rows: usize, heads: usize) -> Result<CallWork<B>> {
+    /// Kept buffers of this size and kind, or new ones.
+    fn take_call_work(&self, (rows, heads): (usize, usize), generated: bool) -> Result<CallWork<B>> {
         let mut pool = self.call_work.lock().unwrap_or_else(|e| e.into_inner());
-        match pool.iter().position(|w| (w.rows, w.heads) == (rows, heads)) {
+        match pool.iter().position(|w| (w.rows, w.heads, w.generated) == (rows, heads, generated)) {
             Some(i) => Ok(pool.swap_remove(i)),
-            None => CallWork::new(self, rows, heads),
+            None => CallWork::new(self, (rows, heads), generated),
         }
     }
 }

@@ -1,0 +1,84 @@
+//! A generated call's rows (`Backend::begin_generated`: each a sequence's one row past its
+//! prompt) through the decode step's kernels, batched over the rows so that each row gets
+//! the bits it gets alone: the GEMVs as gemv.rs's `gemv_tokens` (each weight tile meets
+//! every row's x in registers), attention as attention_decode.cu's attention_decode_rows
+//! (each row at its own position, through its own block table, its splits a function of
+//! its own span). A call of one row is the bench's decode step but for attention's splits,
+//! which there follow the session's cache size.
+
+use super::decode::QkNorm;
+use super::device::Cuda;
+use super::driver::KArg;
+use super::kernels;
+use super::tensors::{CudaAct, CudaKv};
+use crate::backend::{Attend, Rope};
+use crate::config::RopeStyle;
+use crate::{Error, Result};
+use cudarc::driver::LaunchConfig;
+
+impl Cuda {
+    /// attention_decode for each of q's rows (a generated call's), at the staged positions
+    /// and block tables: the q/k norms, RoPE of q and the new k, the cache write, attention
+    /// and the split merge. A quantized store takes its serving path instead (kv_encode, then
+    /// the split-K attention), invariant as well.
+    pub(crate) fn attention_decode_rows(
+        &self,
+        q: &CudaAct,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &mut CudaKv,
+        layer: usize,
+        (rope, attend, qk_norm): (&Rope, Attend, Option<QkNorm>),
+        out: &mut CudaAct,
+    ) -> Result<()> {
+        let (hd, rows) = (kv.head_dim, q.rows);
+        let heads = q.cols / hd;
+        if k.rows != rows || v.rows != rows || out.rows != rows {
+            return Err(Error::Invalid(format!("CUDA decode attention over {rows} rows: k, v or out of other rows")));
+        }
+        if kv.quant.is_some() {
+            let q_rot = out.arg(self);
+            self.kv_encode(Some((q.arg(self), q_rot)), (k, v), kv, layer, Some(rope), qk_norm, heads)?;
+            return self.attention_cached_from(q_rot, (rows, heads), kv, layer, attend, out);
+        }
+        let n_kv = kv.width / hd;
+        let defines = kernels::attention_decode_defines(1, false, false);
+        let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode_rows")?;
+        let (min_chunk, most) = super::prefill::attention_chunking(&self.cfg);
+        let freqs = self.scratch.rope_freqs(self, rope)?;
+        // Per row: [heads, most] partials and one done counter per head.
+        let [ml, acc, done] = self.scratch.attention(self, heads * rows, most, hd)?;
+        let pos = self.steps.pos(self, "attention")?;
+        let [tables, row_tab] = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
+        // attention_decode's arguments up to the position; then the smallest split where
+        // attention_decode takes its chunk and cluster size, and the row tables.
+        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
+        args.extend([
+            freqs,
+            KArg::F32(rope.linear),
+            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            ml,
+            acc,
+            out.arg(self),
+            done,
+            KArg::I32(heads as i32),
+            KArg::I32(n_kv as i32),
+            KArg::I32(hd as i32),
+            KArg::I32(1),
+            pos,
+            KArg::I32(min_chunk as i32),
+            KArg::F32(attend.scale),
+            KArg::I32(super::prefill::window_arg(attend)?),
+        ]);
+        match qk_norm {
+            Some(([qn, kn], eps)) => args.extend([self.arg(qn), self.arg(kn), KArg::F32(eps)]),
+            None => args.extend([KArg::Ptr(0), KArg::Ptr(0), KArg::F32(0.0)]),
+        }
+        args.extend([tables, row_tab]);
+        let c = LaunchConfig {
+            grid_dim: (heads as u32, rows as u32, most as u32),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.launch(&f, c, &args, super::context::Order::Overlap, "attention_decode_rows launch")
+    }
+}
