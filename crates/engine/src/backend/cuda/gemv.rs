@@ -247,8 +247,9 @@ impl Cuda {
                 .map_err(super::driver::drv("batched GEMV shared memory"))?;
         }
         let groups = tokens / p.nt.max(1);
-        // Persistent blocks, one wave of them shared among the token groups.
-        let blocks = p.blocks.min(self.gemv_grid(&p.f, threads, p.smem).div_ceil(groups).max(1));
+        // Persistent blocks, one wave of them shared among the token groups (rounded down:
+        // a block past the wave would run after it, alone).
+        let blocks = p.blocks.min((self.gemv_grid(&p.f, threads, p.smem) / groups).max(1));
         if matches!(extra, GemvExtra::Argmax(_)) && blocks > ARGMAX_FUSED_BLOCKS_PER_SM * self.sms {
             return Err(Error::Invalid(format!("CUDA head argmax: {blocks} blocks for its partials' scratch")));
         }

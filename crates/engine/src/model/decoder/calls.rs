@@ -164,6 +164,12 @@ impl<B: Backend> Decoder<B> {
         self.run_layers((tokens, spans), kv, self.layers.len(), &mut w.work, w.generated)?;
         b.gather_last_rows(&w.work.x, spans, &mut w.tail)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        if w.generated && w.heads == 1 {
+            // One generated row: the decode step's head, which may find the argmax as it
+            // stores the logits (CUDA: the same logits and token as the two launches below).
+            let (normed, logits, argmax) = (&mut w.normed, &mut w.logits, &mut w.argmax);
+            return b.norm_head_argmax(&w.tail, (&self.norm, self.cfg.rms_eps), normed, head, logits, argmax, false);
+        }
         b.norm_matmul_many(&w.tail, &self.norm, self.cfg.rms_eps, &mut w.normed, &[head], &mut [&mut w.logits])?;
         b.argmax_rows(&w.logits, &mut w.argmax)
     }
