@@ -143,9 +143,6 @@ impl<B: Backend, C: Collective<B>> Backend for Sharded<B, C> {
     fn begin(&self, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
         self.each(|_, b| b.begin(tokens, spans, invariant))
     }
-    fn begin_generated(&self, tokens: &[u32], spans: &[Span<'_>]) -> Result<()> {
-        self.each(|_, b| b.begin_generated(tokens, spans))
-    }
     fn embed(&self, table: &Self::Mat, tokens: &[u32], scale: f32, out: &mut Self::Act) -> Result<()> {
         let tables: Vec<&B::Mat> = table.parts.iter().collect();
         let firsts: Vec<usize> = match table.kind {
