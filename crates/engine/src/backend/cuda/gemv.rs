@@ -228,7 +228,7 @@ impl Cuda {
     /// with NT tokens a block (gemv.cu), NT the most of `CudaConfig::gemv_batch_tokens`
     /// that divides `tokens` and whose x fits a block's shared memory. Ok(false) where
     /// `gemv` has no kernel, and for the head's argmax form (one token's).
-    pub(crate) fn gemv_tokens(
+    fn gemv_tokens(
         &self,
         input: GemvIn,
         mats: &[&CudaMat],
