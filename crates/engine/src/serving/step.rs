@@ -62,9 +62,8 @@ impl<B: Backend> Worker<'_, B> {
     fn plan(&mut self) -> Vec<(usize, usize)> {
         let mut plan: Vec<(usize, usize)> = vec![];
         let apart = self.rows_apart;
-        let written = |s: &Seq| s.place.as_ref().map_or(0, |p| p.len);
         let decoding = |s: &Seq| match apart {
-            true => written(s) >= s.prompt_len,
+            true => s.past_prompt(),
             false => s.pending() == 1 && s.generated > 0,
         };
         for (i, s) in self.running.iter().enumerate() {
@@ -78,7 +77,7 @@ impl<B: Backend> Worker<'_, B> {
                 continue;
             }
             let prompt_left = match apart {
-                true => s.prompt_len - written(s),
+                true => s.prompt_len - s.written(),
                 false => usize::MAX,
             };
             let rows = s.pending().min(prompt_left).min(self.step_rows.saturating_sub(used).max(1));
@@ -121,11 +120,8 @@ fn forward<B: Backend>(
     plan: &[(usize, usize)],
     apart: bool,
 ) -> Result<Vec<RowOut>> {
-    let generated = |&(i, _): &(usize, usize)| {
-        let s = &running[i];
-        apart && s.place.as_ref().is_some_and(|p| p.len >= s.prompt_len)
-    };
-    let (gen, prompt): (Vec<usize>, Vec<usize>) = (0..plan.len()).partition(|&k| generated(&plan[k]));
+    let (gen, prompt): (Vec<usize>, Vec<usize>) =
+        (0..plan.len()).partition(|&k| apart && running[plan[k].0].past_prompt());
     let mut outs: Vec<Option<RowOut>> = vec![None; plan.len()];
     for (part, gen_call) in [(prompt, false), (gen, true)] {
         if part.is_empty() {

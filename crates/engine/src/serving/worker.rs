@@ -35,9 +35,19 @@ pub(super) struct Seq {
 }
 
 impl Seq {
+    /// Positions its KV cache holds.
+    pub(super) fn written(&self) -> usize {
+        self.place.as_ref().map_or(0, |p| p.len)
+    }
+
     /// Positions to compute before its next token can be sampled.
     pub(super) fn pending(&self) -> usize {
-        self.history.len() - self.place.as_ref().map_or(0, |p| p.len)
+        self.history.len() - self.written()
+    }
+
+    /// Whether its cache holds its whole prompt: its rows from here on are generated rows.
+    pub(super) fn past_prompt(&self) -> bool {
+        self.written() >= self.prompt_len
     }
 
     /// Whether its next token needs the logits: it samples, penalizes or reports

@@ -185,12 +185,11 @@ impl Backend for Cuda {
         attend: Attend,
         out: &mut CudaAct,
     ) -> Result<()> {
-        match q.rows {
-            // RoPE and the cache write happen inside (q and k stay unrotated); a generated
-            // call's rows take it batched (decode_rows.rs).
-            1 if !self.steps.invariant() => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
-            _ if self.steps.generated() => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
-            _ => self.prefill_attention(q, (k, v), kv, layer, rope, n_heads, attend, out),
+        // One row outside an invariant call, or a generated call's rows (batched:
+        // decode_rows.rs): RoPE and the cache write happen inside (q and k stay unrotated).
+        match (q.rows == 1 && !self.steps.invariant()) || self.steps.generated() {
+            true => self.attention_decode(q, (k, v), kv, layer, (rope, attend, None), out),
+            false => self.prefill_attention(q, (k, v), kv, layer, rope, n_heads, attend, out),
         }
     }
     /// One row: the norm folded into the decode GEMV (gemv_nb / gemv_nf).
