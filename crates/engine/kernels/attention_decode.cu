@@ -68,32 +68,38 @@ extern "C" __global__ void ATT_BOUNDS
 }
 
 // Decode attention for several rows at once, one a sequence (the serving engine's generated
-// rows): grid (heads / QB, rows, most splits), block 128, no clusters. Row y attends at its
-// own position pos[y] (< 0: a padding row, nothing done) through its own block table
-// (tables + row_tab[y]); its q/k/v/out rows, partials and done counters are row y's. Its
-// positions [0, pos] are cut into splits of min_chunk, doubled until at most gridDim.z
-// cover them, as the serving calls' split-K attention cuts a span (attention.cu): a
-// function of the row alone, so a row's bits are the same in any batch; blocks past the
-// row's splits exit at once.
+// rows): grid (heads / QB, rows, most splits), block 128, clusters of cs blocks along z
+// (cs = 1: none; most a multiple of cs). Row y attends at its own position pos[y] (< 0: a
+// padding row, nothing done) through its own block table (tables + row_tab[y]); its
+// q/k/v/out rows, partials and done counters are row y's. Its positions [0, pos] are cut
+// into splits of min_chunk, doubled until at most cs of them cover the row (with clusters,
+// one cluster merging in shared memory, as attention_decode's short caches do), past
+// 2·min_chunk until at most gridDim.z do (several clusters then merge through global
+// memory); without clusters until at most gridDim.z do, as the serving calls' split-K
+// attention cuts a span (attention.cu). A function of the row alone, so a row's bits are
+// the same in any batch. Blocks past the row's splits (rounded up to whole clusters) exit
+// at once; a cluster's blocks past them take empty splits.
 extern "C" __global__ void ATT_BOUNDS
     attention_decode_rows(const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_new,
                           const bf16_t* __restrict__ v_new, bf16_t* __restrict__ kc, bf16_t* __restrict__ vc,
                           const float* __restrict__ inv_freq, float linear, int interleaved,
                           float* __restrict__ part_ml, float* __restrict__ part_acc, bf16_t* __restrict__ out,
                           int* __restrict__ done, int heads, int n_kv, int hd, int qb, const int* __restrict__ pos,
-                          int min_chunk, float scale, int window, const float* __restrict__ qn,
+                          int min_chunk, int cs, float scale, int window, const float* __restrict__ qn,
                           const float* __restrict__ kn, float eps, const int* __restrict__ tables,
                           const int* __restrict__ row_tab) {
     TRACE_KERNEL();
     pdl_trigger();
     const int y = blockIdx.y, pos0 = pos[y], most = gridDim.z;
     if (pos0 < 0) return;
+    const int first_most = cs > 1 ? cs : most;
     int chunk = min_chunk;
-    while ((pos0 + chunk) / chunk > most) chunk *= 2;  // ⌈(pos0 + 1) / chunk⌉ splits
-    const int splits = (pos0 + chunk) / chunk;
+    // ⌈(pos0 + 1) / chunk⌉ splits
+    while ((pos0 + chunk) / chunk > (chunk < 2 * min_chunk ? first_most : most)) chunk *= 2;
+    const int splits = ((pos0 + chunk) / chunk + cs - 1) / cs * cs;
     if ((int)blockIdx.z >= splits) return;
     const size_t qo = (size_t)y * heads * hd, ko = (size_t)y * n_kv * hd, slots = (size_t)y * heads * most;
     attend(q + qo, k_new + ko, v_new + ko, kc, vc, inv_freq, linear, interleaved, part_ml + 2 * slots,
-           part_acc + slots * hd, out + qo, done + (size_t)y * gridDim.x, heads, n_kv, hd, qb, pos0, chunk, 1,
+           part_acc + slots * hd, out + qo, done + (size_t)y * gridDim.x, heads, n_kv, hd, qb, pos0, chunk, cs,
            blockIdx.x, blockIdx.z, splits, scale, window, qn, kn, eps, tables + row_tab[y], [] { pdl_wait(); });
 }

@@ -246,7 +246,7 @@ impl<'m, B: Backend> Session<'m, B> {
         let span = crate::kv::Span { rows: n, pos0: pos, full: &full, sliding: &sliding };
         // The token value matters only to the host staging of a given token (a fed step's
         // embedding reads the device's copy); its count sets the step's shape.
-        b.step_fed(key, token, &[span], &mut || {
+        b.step_fed(key, token, &[span], false, &mut || {
             (0..n).try_for_each(|i| {
                 model.forward_argmax(&[token.unwrap_or(0)], pos + i, kv, &mut *logits, &mut *argmax, true)
             })

@@ -191,6 +191,13 @@ impl Metrics {
         let _ = writeln!(out, "ferrolm_kv_cache_info{{scheme=\"{}\"}} 1", s.kv_scheme);
         header(&mut out, "ferrolm_engine_steps_total", "counter", "Engine steps run.");
         let _ = writeln!(out, "ferrolm_engine_steps_total {}", s.steps);
+        header(
+            &mut out,
+            "ferrolm_engine_fed_tokens_total",
+            "counter",
+            "Generated tokens from fed runs (a lone greedy request's calls queued ahead on the device).",
+        );
+        let _ = writeln!(out, "ferrolm_engine_fed_tokens_total {}", s.fed_tokens);
         let seconds = [
             ("ferrolm_engine_step_seconds_total", "Seconds the engine's steps took.", s.step_seconds),
             (

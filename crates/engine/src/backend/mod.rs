@@ -306,12 +306,14 @@ pub trait Backend: Sync {
     /// `argmax_fed`, which feeds the next), without waiting for them. The first one's input
     /// is `token` at the span's pos0 when given (the host's), else the previous fed step's
     /// argmax at the position after it. The span's tables hold the blocks of every step
-    /// queued.
+    /// queued. `generated`: the steps are generated calls' (`begin_generated`: a serving
+    /// engine's one-row calls, each step the bits such a call gives), else a session's.
     fn step_fed(
         &self,
         _key: u64,
         _token: Option<u32>,
         _spans: &[Span<'_>],
+        _generated: bool,
         _f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         Err(crate::Error::Invalid(format!("the {} backend does not feed decode steps", self.name())))

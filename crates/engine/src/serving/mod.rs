@@ -7,6 +7,7 @@
 
 mod caches;
 mod disk;
+mod fed;
 mod step;
 mod worker;
 
@@ -39,6 +40,10 @@ pub struct EngineConfig {
     /// (the only case they are faster yet). On a backend whose rows all take one arithmetic
     /// it changes only the plan (the tests run the planning both ways).
     pub generated_rows_apart: Option<bool>,
+    /// Generated calls one fed run queues for a lone greedy request (serving/fed.rs:
+    /// where generated rows go apart and the backend feeds steps, at most
+    /// `backend::FEED_STEPS_MAX`); 0: none, every token a planned step's.
+    pub fed_steps: usize,
 }
 
 /// The prefix cache's directory, and the model's fingerprint (kv::file::model_fingerprint)
@@ -59,6 +64,7 @@ impl Default for EngineConfig {
             request_timeout: Some(Duration::from_secs(600)),
             prefix_cache_dir: None,
             generated_rows_apart: None,
+            fed_steps: 8,
         }
     }
 }
@@ -220,6 +226,9 @@ pub struct Stats {
     pub steps: u64,
     pub step_seconds: f64,
     pub forward_seconds: f64,
+    /// Generated tokens that came from fed runs (serving/fed.rs: a lone greedy request's
+    /// calls queued on the device ahead of the host).
+    pub fed_tokens: u64,
 }
 
 /// Shared between the engine thread and its handles.
@@ -240,6 +249,7 @@ struct Shared {
     steps: AtomicU64,
     step_nanos: AtomicU64,
     forward_nanos: AtomicU64,
+    fed_tokens: AtomicU64,
     closed: AtomicBool,
     /// Mean seconds a request has run, for Busy's retry_after (f64 bits).
     mean_secs: AtomicU64,
@@ -419,6 +429,7 @@ impl Engine {
             forward_seconds: forward_nanos as f64 * 1e-9,
             steps: s.steps.load(Acquire),
             step_seconds: s.step_nanos.load(Acquire) as f64 * 1e-9,
+            fed_tokens: s.fed_tokens.load(Relaxed),
         }
     }
 

@@ -2,6 +2,7 @@
 //! call(s), then a token for every request whose pending positions are all computed.
 
 use super::caches::Caches;
+use super::fed::StepCost;
 use super::worker::{End, Seq, Worker};
 use super::{Failure, FailureKind};
 use crate::backend::Backend;
@@ -9,17 +10,16 @@ use crate::model::RowOut;
 use crate::Result;
 
 impl<B: Backend> Worker<'_, B> {
-    /// One step over the running requests; those that end leave. False when there was
-    /// nothing to compute.
-    /// One step; the nanoseconds of its forward call, or None when nothing was planned.
-    pub(super) fn step(&mut self) -> Option<u64> {
+    /// One step over the running requests; those that end leave. Its forward call's
+    /// nanoseconds, or None when nothing was planned.
+    pub(super) fn step(&mut self) -> Option<StepCost> {
         let plan = self.plan();
         if plan.is_empty() {
             return None;
         }
         let t = std::time::Instant::now();
         let outs = forward(self.model, &mut self.caches, &self.running, &plan, self.rows_apart);
-        let forward_nanos = t.elapsed().as_nanos() as u64;
+        let cost = StepCost { nanos: t.elapsed().as_nanos() as u64, steps: 1 };
         let outs = match outs {
             Ok(l) => l,
             Err(e) => {
@@ -30,7 +30,7 @@ impl<B: Backend> Worker<'_, B> {
                     let s = self.running.remove(i);
                     self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
                 }
-                return Some(forward_nanos);
+                return Some(cost);
             }
         };
         let mut ended = vec![];
@@ -50,7 +50,7 @@ impl<B: Backend> Worker<'_, B> {
             let s = self.running.remove(i);
             self.end(s, end);
         }
-        Some(forward_nanos)
+        Some(cost)
     }
 
     /// The step's rows: (request, rows) with every decoding request's one row first, then

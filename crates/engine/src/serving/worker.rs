@@ -5,6 +5,7 @@
 
 use super::caches::Caches;
 use super::disk::DiskPrefixes;
+use super::fed::FedRun;
 use super::{EngineConfig, Event, Failure, FailureKind, Finish, Job, Msg, Shared, Usage};
 use crate::backend::Backend;
 use crate::kv::paged::SeqKv;
@@ -24,7 +25,7 @@ pub(super) struct Seq {
     pub(super) history: Vec<u32>,
     pub(super) prompt_len: usize,
     /// Most tokens it may generate.
-    max_tokens: usize,
+    pub(super) max_tokens: usize,
     pub(super) generated: usize,
     /// Prompt tokens found in the prefix cache when it was first admitted.
     cached: usize,
@@ -93,6 +94,10 @@ pub(super) struct Worker<'m, B: Backend> {
     deadline: Option<Instant>,
     /// The prefix cache on disk, when there is one (disk.rs).
     disk: Option<DiskPrefixes>,
+    /// Generated calls a fed run queues (fed.rs; `EngineConfig::fed_steps`), and the run
+    /// queued and not read yet.
+    pub(super) fed_steps: usize,
+    pub(super) fed: Option<FedRun>,
 }
 
 /// Whether generated rows go apart by default: where the backend computes them so and
@@ -115,6 +120,7 @@ impl<'m, B: Backend> Worker<'m, B> {
         let scheme = model.kv_scheme().to_string();
         let disk = cfg.prefix_cache_dir.clone().map(|d| DiskPrefixes::open(d, &scheme)).transpose()?;
         let rows_apart = cfg.generated_rows_apart.unwrap_or_else(|| default_rows_apart(model, &cfg));
+        let fed_steps = cfg.fed_steps.min(crate::backend::FEED_STEPS_MAX);
         Ok(Worker {
             model,
             cfg,
@@ -128,6 +134,8 @@ impl<'m, B: Backend> Worker<'m, B> {
             rows_apart,
             deadline: None,
             disk,
+            fed_steps,
+            fed: None,
         })
     }
 
@@ -139,15 +147,15 @@ impl<'m, B: Backend> Worker<'m, B> {
             let t = Instant::now();
             self.expire();
             self.admit();
-            let forward_nanos = self.step();
+            let cost = self.fed_round().or_else(|| self.step());
             self.publish();
-            if let Some(f) = forward_nanos {
+            if let Some(c) = cost {
                 // The step's counters before its forward time (Release; `stats` loads the
                 // forward time first, Acquire), so a reader never sees more forward time than
                 // step time.
-                self.shared.steps.fetch_add(1, Release);
+                self.shared.steps.fetch_add(c.steps as u64, Release);
                 self.shared.step_nanos.fetch_add(t.elapsed().as_nanos() as u64, Release);
-                self.shared.forward_nanos.fetch_add(f, Release);
+                self.shared.forward_nanos.fetch_add(c.nanos, Release);
             }
             if self.deadline.is_some() && self.running.is_empty() && self.preempted.is_empty() {
                 break;

@@ -5,7 +5,7 @@
 
 use super::models::smollm2;
 use super::smollm2_cuda;
-use ferrolm::backend::cuda::CudaConfig;
+use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::backend::Backend;
 use ferrolm::kv::paged::{PagedKv, SeqKv};
 use ferrolm::kv::{KvBlocks, Span, BLOCK};
@@ -232,14 +232,16 @@ fn run_generated<B: Backend>(
 }
 
 /// Generated rows (the decode step's kernels, batched: `Backend::begin_generated`) give a
-/// sequence the same logits bits alone as in calls of 2 to 6 rows (padded or not, replayed
-/// or launched), over cached spans of one to several attention splits; and agree with the
-/// CPU's.
+/// sequence the same logits bits alone as in calls of 2 to 7 rows (padded or not, replayed
+/// or launched), over cached spans of one to several attention splits (one cluster of them
+/// or two); and agree with the CPU's.
 #[test]
 fn generated_rows_give_the_same_bits_alone_and_batched() {
     let (mc, mg, tok) = smollm2();
     let launched = smollm2_cuda(CudaConfig { call_graphs: false, ..CudaConfig::default() });
     let long = "The quick brown fox jumps over the lazy dog. ".repeat(10);
+    // ~500 tokens: its rows cross 512 positions, from one cluster of splits to two.
+    let longer = "Pack my box with five dozen liquor jugs. ".repeat(50);
     let texts = [
         "The capital of France is",
         "def fibonacci(n):\n    if n < 2:",
@@ -247,9 +249,12 @@ fn generated_rows_give_the_same_bits_alone_and_batched() {
         "1, 2, 3, 4, 5, 6, 7, 8, 9,",
         "Once upon a time",
         "SELECT name FROM users WHERE",
+        longer.as_str(),
     ];
     let prompts: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t, true).unwrap()).collect();
     let steps = 24;
+    let spans: Vec<(usize, usize)> = prompts.iter().map(|p| (p.len(), p.len() + steps)).collect();
+    assert!(spans.iter().any(|&(a, b)| a < 512 && b > 512), "a row crosses 512 positions: {spans:?}");
     let alone = run_generated(&mg, &prompts, steps, |step, i| step / steps == i);
     let together = |step: usize, i: usize| !(step + i).is_multiple_of(4);
     for (model, what) in [(&mg, "replayed"), (&launched, "launched")] {
@@ -267,4 +272,70 @@ fn generated_rows_give_the_same_bits_alone_and_batched() {
         n += 1;
     }
     assert!(agree * 10 >= n * 9, "argmax agrees with the CPU's at {agree} of {n} generated rows");
+}
+
+/// Each prompt read in one call, then `steps` greedy tokens from one-row generated calls:
+/// one call a token (`fed` empty), or fed runs of those lengths in turn
+/// (`queue_generated_fed`, each run queued before the one before it is read, as the
+/// serving engine does). The tokens, and every layer's K/V rows of the whole sequence.
+fn greedy_generated(model: &Decoder<Cuda>, prompt: &[u32], steps: usize, fed: &[usize]) -> (Vec<u32>, Vec<u8>) {
+    let b = &model.backend;
+    let blocks = KvBlocks { full: 32, sliding: 0, head: 0 };
+    let mut store = b.kv_store(&model.cfg, blocks).unwrap();
+    let mut paged = PagedKv::new(BLOCK, blocks.full, None);
+    let mut s = SeqKv::default();
+    paged.reserve(&mut s, prompt.len() + steps).unwrap();
+    let first = model.forward_spans_out(prompt, &[s.span(prompt.len())], &mut store, &[false]).unwrap();
+    let RowOut::Token(first) = first[0] else { panic!("an argmax was asked") };
+    let mut tokens = vec![first];
+    let pos0 = prompt.len();
+    if fed.is_empty() {
+        for pos in pos0..pos0 + steps - 1 {
+            let span = Span { rows: 1, pos0: pos, full: &s.full, sliding: &s.sliding };
+            let out = model.forward_generated_out(&tokens[tokens.len() - 1..], &[span], &mut store, &[false]).unwrap();
+            let RowOut::Token(t) = out[0] else { panic!("an argmax was asked") };
+            tokens.push(t);
+        }
+    } else {
+        let mut runs = vec![];
+        let mut pos = pos0;
+        for (k, &n) in fed.iter().cycle().enumerate() {
+            let n = n.min(pos0 + steps - 1 - pos);
+            if n == 0 {
+                break;
+            }
+            let span = Span { rows: n, pos0: pos, full: &s.full, sliding: &s.sliding };
+            let token = (k == 0).then_some(first);
+            model.queue_generated_fed(token, span, &mut store, k % 2).unwrap();
+            runs.push(k % 2);
+            pos += n;
+            if runs.len() == 2 {
+                tokens.extend(b.take_read(runs.remove(0)).unwrap());
+            }
+        }
+        for slot in runs {
+            tokens.extend(b.take_read(slot).unwrap());
+        }
+    }
+    let kv = ferrolm::kv::persist::export_payload(model, &store, (&s.full, &s.sliding), pos0 + steps - 1).unwrap();
+    (tokens, kv)
+}
+
+/// Fed runs of generated calls (the serving engine's one stream) choose the tokens one
+/// generated call a token chooses and write the same K/V bits, over runs of several
+/// lengths and a cache past one attention split.
+#[test]
+fn fed_generated_calls_give_what_generated_calls_give() {
+    let (_, mg, tok) = smollm2();
+    let long = "The quick brown fox jumps over the lazy dog. ".repeat(10);
+    for text in ["The capital of France is", long.as_str()] {
+        let prompt = tok.encode(text, true).unwrap();
+        let steps = 40;
+        let (want, want_kv) = greedy_generated(&mg, &prompt, steps, &[]);
+        for fed in [&[8usize][..], &[1], &[5, 3, 16]] {
+            let (got, got_kv) = greedy_generated(&mg, &prompt, steps, fed);
+            assert_eq!(got, want, "fed runs of {fed:?} after {} prompt tokens", prompt.len());
+            assert!(got_kv == want_kv, "fed runs of {fed:?}: the K/V rows differ");
+        }
+    }
 }

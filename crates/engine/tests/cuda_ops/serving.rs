@@ -1,7 +1,8 @@
 //! The serving engine on CUDA: 16 greedy requests running together give each the tokens it
 //! gets running alone (calls of every padded size, captured and replayed, rows asking for
 //! logits and rows asking only for their argmax), with generated rows in calls of their own
-//! (the decode kernels, batched) and with every row in one call.
+//! (the decode kernels, batched) and with every row in one call; a lone greedy request's
+//! fed runs give it the tokens it gets token by token.
 
 use super::smollm2_cuda;
 use ferrolm::backend::cuda::CudaConfig;
@@ -15,8 +16,19 @@ fn request(prompt: Vec<u32>, logprobs: bool) -> Request {
     Request { prompt, max_tokens: Some(24), sampler, logprobs: logprobs.then_some(2), stop_tokens: vec![] }
 }
 
-/// Submit the requests at once; each one's tokens.
+/// Submit the requests at once; each one's tokens (each ends by its length).
 fn run(e: &Engine, reqs: Vec<Request>) -> Vec<Vec<u32>> {
+    run_ended(e, reqs)
+        .into_iter()
+        .map(|(ids, end)| {
+            assert!(matches!(end, Finish::Length), "ended by {end:?}");
+            ids
+        })
+        .collect()
+}
+
+/// Submit the requests at once; each one's tokens and how it finished.
+fn run_ended(e: &Engine, reqs: Vec<Request>) -> Vec<(Vec<u32>, Finish)> {
     let rxs: Vec<_> = reqs
         .into_iter()
         .map(|r| {
@@ -32,7 +44,7 @@ fn run(e: &Engine, reqs: Vec<Request>) -> Vec<Vec<u32>> {
                 match rx.recv_timeout(Duration::from_secs(120)).expect("an event within 2 minutes") {
                     Event::Token { id, .. } => ids.push(id),
                     Event::Started { .. } => {}
-                    Event::Finished { reason: Finish::Length, .. } => return ids,
+                    Event::Finished { reason, .. } => return (ids, reason),
                     other => panic!("ended with {other:?}"),
                 }
             }
@@ -66,5 +78,44 @@ fn sixteen_requests_together_give_what_each_gives_alone() {
             assert_eq!(together[i], alone[0], "request {i} (rows apart: {apart}): together and alone differ");
         }
         assert!(together.iter().all(|t| t.len() == 24));
+    }
+}
+
+/// A lone greedy request decodes in fed runs (serving/fed.rs) to the tokens and the end it
+/// gets with one planned step a token: runs that do not divide max_tokens, a stop token
+/// inside a run (the run queued after it dropped unread), and the next request after it.
+#[test]
+fn fed_runs_give_a_lone_request_its_tokens() {
+    let tok = ferrolm::formats::load_with_tokenizer(&ferrolm::hub::default_model().unwrap(), false).unwrap().1;
+    let engine = |fed_steps| {
+        let cfg = EngineConfig {
+            max_batch: 1,
+            kv_memory: Some(64 << 20),
+            generated_rows_apart: Some(true),
+            fed_steps,
+            ..Default::default()
+        };
+        Engine::start(|| Ok(smollm2_cuda(CudaConfig::default())), cfg).unwrap()
+    };
+    let prompts = ["The capital of France is", "Once upon a time"].map(|t| tok.encode(t, true).unwrap());
+    let req =
+        |p: &[u32], stop: Vec<u32>| Request { max_tokens: Some(29), stop_tokens: stop, ..request(p.to_vec(), false) };
+    let planned = engine(0);
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| run(&planned, vec![req(p, vec![])]).remove(0)).collect();
+    assert_eq!(planned.stats().fed_tokens, 0);
+    // A stop token first chosen inside the second run of 8.
+    let stop = want[0][11];
+    let cut = want[0].iter().position(|&t| t == stop).unwrap();
+    for fed_steps in [8, 3] {
+        let e = engine(fed_steps);
+        for (p, w) in prompts.iter().zip(&want) {
+            assert_eq!(&run(&e, vec![req(p, vec![])])[0], w, "fed runs of {fed_steps}");
+        }
+        let (ids, end) = run_ended(&e, vec![req(&prompts[0], vec![stop])]).remove(0);
+        assert!(matches!(end, Finish::Stop) && ids == want[0][..cut], "fed runs of {fed_steps}: {end:?} after {ids:?}");
+        assert_eq!(&run(&e, vec![req(&prompts[1], vec![])])[0], &want[1], "fed runs of {fed_steps}, after a stop");
+        // Every token after each request's first came from fed runs.
+        let fed = e.stats().fed_tokens as usize;
+        assert_eq!(fed, 2 * 28 + cut + 28, "fed runs of {fed_steps}");
     }
 }

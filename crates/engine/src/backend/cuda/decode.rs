@@ -33,7 +33,7 @@ const DECODE_CHUNK: usize = 64;
 /// Most splits attention_decode.cu's merge holds (SPLITS_MAX there).
 const DECODE_SPLITS_MAX: usize = 1024;
 /// Most blocks of a decode attention cluster (8: the portable cluster size).
-const ATTN_CLUSTER_MAX: usize = 8;
+pub(crate) const ATTN_CLUSTER_MAX: usize = 8;
 
 /// A post-norm add carried into the next launch: the residual is `x + rmsnorm(o)·gain`
 /// with o the scratch output of the last GEMV (decode_layers).

@@ -3,8 +3,9 @@
 //! the bits it gets alone: the GEMVs as gemv.rs's `gemv_tokens` (each weight tile meets
 //! every row's x in registers), attention as attention_decode.cu's attention_decode_rows
 //! (each row at its own position, through its own block table, its splits a function of
-//! its own span). A call of one row is the bench's decode step but for attention's splits,
-//! which there follow the session's cache size.
+//! its own span, merged in a cluster as the bench's short caches are). A call of one row is
+//! the bench's decode step but for attention's splits, which there follow the session's
+//! cache size.
 
 use super::decode::QkNorm;
 use super::device::Cuda;
@@ -44,13 +45,21 @@ impl Cuda {
         let defines = kernels::attention_decode_defines(1, false, false);
         let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode_rows")?;
         let (min_chunk, most) = super::prefill::attention_chunking(&self.cfg);
+        // A cluster of splits merging in shared memory covers a row of up to cs · 2 ·
+        // min_chunk positions (attention_decode's short caches merge so).
+        let cs = match self.clusters && self.cfg.attention_clusters {
+            true => super::decode::ATTN_CLUSTER_MAX,
+            false => 1,
+        };
+        let most = most.next_multiple_of(cs);
         let freqs = self.scratch.rope_freqs(self, rope)?;
         // Per row: [heads, most] partials and one done counter per head.
         let [ml, acc, done] = self.scratch.attention(self, heads * rows, most, hd)?;
         let pos = self.steps.pos(self, "attention")?;
         let [tables, row_tab] = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
-        // attention_decode's arguments up to the position; then the smallest split where
-        // attention_decode takes its chunk and cluster size, and the row tables.
+        // attention_decode's arguments up to the position; then the smallest split and the
+        // cluster size where attention_decode takes its chunk and cluster size, and the row
+        // tables.
         let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
         args.extend([
             freqs,
@@ -66,6 +75,7 @@ impl Cuda {
             KArg::I32(1),
             pos,
             KArg::I32(min_chunk as i32),
+            KArg::I32(cs as i32),
             KArg::F32(attend.scale),
             KArg::I32(super::prefill::window_arg(attend)?),
         ]);
@@ -79,6 +89,10 @@ impl Cuda {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        self.launch(&f, c, &args, super::context::Order::Overlap, "attention_decode_rows launch")
+        let order = match cs {
+            1 => super::context::Order::Overlap,
+            _ => super::context::Order::OverlapClustered(cs as u32),
+        };
+        self.launch(&f, c, &args, order, "attention_decode_rows launch")
     }
 }

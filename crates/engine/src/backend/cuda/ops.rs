@@ -110,10 +110,11 @@ impl Backend for Cuda {
         key: u64,
         token: Option<u32>,
         spans: &[Span<'_>],
+        generated: bool,
         f: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
         let s = one_sequence(spans)?;
-        self.steps.step_fed(self, key, token, s, f)
+        self.steps.step_fed(self, (key, generated), token, s, f)
     }
     fn queue_read(&self, _x: &CudaAct, pos: usize, n: usize, slot: usize) -> Result<()> {
         self.steps.queue_read(self, pos, n, slot)

@@ -385,11 +385,11 @@ impl Steps {
         self.graphs.lock().unwrap_or_else(|e| e.into_inner()).remove(&key);
     }
 
-    /// `Backend::step_fed`.
+    /// `Backend::step_fed` (`generated`: the steps are generated calls', invariant).
     pub(crate) fn step_fed(
         &self,
         ctx: &Context,
-        key: u64,
+        (key, generated): (u64, bool),
         token: Option<u32>,
         span: &Span<'_>,
         f: &mut dyn FnMut() -> Result<()>,
@@ -405,8 +405,9 @@ impl Steps {
         };
         // The host's token sits at the span's first position (one row: the run's first).
         let first = Span { rows: 1, ..*span };
-        self.invariant.store(false, Relaxed);
-        self.generated.store(false, Relaxed);
+        // Set here: `begin` returns at once while a fed step is queued.
+        self.invariant.store(generated, Relaxed);
+        self.generated.store(generated, Relaxed);
         self.stage(ctx, t, &[first], token.is_none())?;
         match token {
             Some(_) => self.upload_staged(ctx)?,

@@ -12,6 +12,10 @@ use crate::kv::Span;
 use crate::Result;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
+/// Keys of fed runs of generated calls (`queue_generated_fed`): apart from sessions'
+/// (`Session::key`) and from engine calls' (the CUDA backend's own tag, bit 63).
+const FED_KEY: u64 = 1 << 62;
+
 /// What a serving call gives a sequence: its last row's logits, or only their argmax (a
 /// greedy request without log-probabilities or penalties needs nothing else, and the
 /// device finds it: one value read back instead of the vocabulary's).
@@ -129,7 +133,7 @@ impl<B: Backend> Decoder<B> {
             None => CallWork::new(self, (rows, heads), generated)?,
         };
         let key = (w.id, b.store_id(store));
-        let r = b.forward_call(key, tokens, spans, &mut || self.call_body((tokens, spans), store, &mut w));
+        let r = b.forward_call(key, tokens, spans, &mut || self.call_body((tokens, spans), store, &mut w, false));
         let read = |w: &CallWork<B>| -> Result<(Vec<f32>, Vec<f32>)> {
             let ids = b.read_rows(&w.argmax, 0)?;
             let rows = match logits.contains(&true) {
@@ -154,8 +158,14 @@ impl<B: Backend> Decoder<B> {
 
     /// What `forward_spans` launches: begin the call (invariant, or generated), the layers,
     /// then each span's last row through the final norm and the head, and the logits'
-    /// argmax.
-    fn call_body(&self, (tokens, spans): (&[u32], &[Span<'_>]), kv: &mut B::Kv, w: &mut CallWork<B>) -> Result<()> {
+    /// argmax (with `feed`, a one-row generated call's, made the next fed step's input).
+    fn call_body(
+        &self,
+        (tokens, spans): (&[u32], &[Span<'_>]),
+        kv: &mut B::Kv,
+        w: &mut CallWork<B>,
+        feed: bool,
+    ) -> Result<()> {
         let b = &self.backend;
         match w.generated {
             true => b.begin_generated(tokens, spans)?,
@@ -168,10 +178,49 @@ impl<B: Backend> Decoder<B> {
             // One generated row: the decode step's head, which may find the argmax as it
             // stores the logits (CUDA: the same logits and token as the two launches below).
             let (normed, logits, argmax) = (&mut w.normed, &mut w.logits, &mut w.argmax);
-            return b.norm_head_argmax(&w.tail, (&self.norm, self.cfg.rms_eps), normed, head, logits, argmax, false);
+            return b.norm_head_argmax(&w.tail, (&self.norm, self.cfg.rms_eps), normed, head, logits, argmax, feed);
+        }
+        if feed {
+            return Err(crate::Error::Invalid("a fed call of several rows".into()));
         }
         b.norm_matmul_many(&w.tail, &self.norm, self.cfg.rms_eps, &mut w.normed, &[head], &mut [&mut w.logits])?;
         b.argmax_rows(&w.logits, &mut w.argmax)
+    }
+
+    /// Queue `span.rows` one-row generated calls of one sequence at positions `span.pos0..`,
+    /// fed on the device (`Backend::step_fed`): the first one's input is `token`, or (None)
+    /// the argmax of the fed call queued last, each later one's the argmax of the call
+    /// before it. Each call is `forward_generated_out`'s for that row (the same bits); their
+    /// argmaxes are read back through `Backend::take_read(slot)`. The span's tables hold
+    /// the blocks of every call queued.
+    pub fn queue_generated_fed(
+        &self,
+        token: Option<u32>,
+        span: Span<'_>,
+        store: &mut B::Kv,
+        slot: usize,
+    ) -> Result<()> {
+        let (b, n) = (&self.backend, span.rows);
+        if n == 0 || n > crate::backend::FEED_STEPS_MAX {
+            return Err(crate::Error::Invalid(format!("a fed run of {n} calls")));
+        }
+        if let Some(t) = token.filter(|&t| t as usize >= self.cfg.vocab) {
+            return Err(crate::Error::Invalid(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab)));
+        }
+        self.check_spans(n, &[span], b.kv_blocks(store))?;
+        let mut w = self.take_call_work((1, 1), true)?;
+        // A captured run bakes in these buffers, the store's and its length.
+        let key = FED_KEY | (b.store_id(store) & 0xffff) << 36 | (w.id & 0xff_ffff) << 8 | n as u64;
+        let token_in = [token.unwrap_or(0)];
+        let r = b.step_fed(key, token, &[span], true, &mut || {
+            (0..n).try_for_each(|i| {
+                let row = Span { rows: 1, pos0: span.pos0 + i, ..span };
+                self.call_body((&token_in, &[row]), store, &mut w, true)
+            })
+        });
+        let r = r.and_then(|()| b.queue_read(&w.argmax, span.pos0, n, slot));
+        self.call_work.lock().unwrap_or_else(|e| e.into_inner()).push(w);
+        r
     }
 
     /// Kept buffers of this size and kind, or new ones.
