@@ -113,7 +113,7 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         request_timeout: (a.request_timeout > 0).then(|| Duration::from_secs(a.request_timeout)),
         prefix_cache_dir: a.prefix_cache_dir.clone().map(|dir| PrefixCacheDir { dir, fingerprint }),
         generated_rows_apart: ferrolm::env::generated_rows_apart(),
-        fed_steps: ferrolm::env::feed_steps(),
+        fed_steps: ferrolm::env::serve_feed_steps(),
     };
     // The model is built on the engine's thread, which keeps it (and a device context).
     let n = load::rank_count(&a.model)?;

@@ -42,7 +42,9 @@ pub struct EngineConfig {
     pub generated_rows_apart: Option<bool>,
     /// Generated calls one fed run queues for a lone greedy request (serving/fed.rs:
     /// where generated rows go apart and the backend feeds steps, at most
-    /// `backend::FEED_STEPS_MAX`); 0: none, every token a planned step's.
+    /// `backend::FEED_STEPS_MAX`); 0: none, every token a planned step's. 1 by default:
+    /// runs of 8 measured no faster (H100, 1B shape: 2,083.9 against 2,091.9 tok/s at one
+    /// stream) and would hand tokens out 8 at a time.
     pub fed_steps: usize,
 }
 
@@ -64,7 +66,7 @@ impl Default for EngineConfig {
             request_timeout: Some(Duration::from_secs(600)),
             prefix_cache_dir: None,
             generated_rows_apart: None,
-            fed_steps: 8,
+            fed_steps: 1,
         }
     }
 }

@@ -106,7 +106,7 @@ fn fed_runs_give_a_lone_request_its_tokens() {
     // A stop token first chosen inside the second run of 8.
     let stop = want[0][11];
     let cut = want[0].iter().position(|&t| t == stop).unwrap();
-    for fed_steps in [8, 3] {
+    for fed_steps in [1, 8, 3] {
         let e = engine(fed_steps);
         for (p, w) in prompts.iter().zip(&want) {
             assert_eq!(&run(&e, vec![req(p, vec![])])[0], w, "fed runs of {fed_steps}");
