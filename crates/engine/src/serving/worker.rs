@@ -1,7 +1,8 @@
 //! The engine thread: admits waiting requests while the batch and the KV cache have room,
 //! then runs one step per round over every running request together (continuous
 //! batching): each decoding request's next token and prefill chunks of the others, up to
-//! a step's row budget, in one forward call.
+//! a step's row budget, in one forward call. A greedy request running alone past its
+//! prompt takes fed runs instead (fed.rs).
 
 use super::caches::Caches;
 use super::disk::DiskPrefixes;
