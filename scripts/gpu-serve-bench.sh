@@ -47,16 +47,18 @@ fi
 python3 - "$out" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-print("| server | streams | output tok/s | TTFT p50 s | ITL p50 ms | errors | engine step / forward ms |")
-print("|---|---|---|---|---|---|---|")
+print("| server | streams | output tok/s | TTFT p50 s | ITL p50 ms | ITL mean ms | errors | engine step / forward ms |")
+print("|---|---|---|---|---|---|---|---|")
 for name in ("ferrolm", "llama"):
     path = os.path.join(out, f"serve-{name}.json")
     if not os.path.exists(path):
         continue
     for lv in json.load(open(path))["levels"]:
         ttft, itl, eng = lv["ttft_s"]["p50"], lv["itl_s"]["p50"], lv.get("engine")
+        mean = lv.get("itl_mean_s")
         eng = f"{eng['step_ms']:.2f} / {eng['forward_ms']:.2f}" if eng else "–"
         print(f"| {name} | {lv['concurrency']} | {lv['output_tokens_per_s']:.1f} | "
-              f"{ttft if ttft is None else round(ttft, 3)} | {itl if itl is None else round(itl * 1e3, 2)} | {lv['errors']} | {eng} |")
+              f"{ttft if ttft is None else round(ttft, 3)} | {itl if itl is None else round(itl * 1e3, 2)} | "
+              f"{mean if mean is None else round(mean * 1e3, 3)} | {lv['errors']} | {eng} |")
 PY
 exit $status
