@@ -187,14 +187,21 @@ impl<B: Backend> Decoder<B> {
     /// not cover its tokens or whose tables do not hold every block it writes or attends
     /// (an error, never an out-of-range index in a kernel).
     fn check_call(&self, tokens: &[u32], spans: &[Span<'_>], blocks: KvBlocks) -> Result<()> {
-        let (c, m) = (&self.cfg, tokens.len());
+        let m = tokens.len();
         if m == 0 {
             return Err(Error::Invalid("forward: no tokens".into()));
         }
-        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({})", c.vocab)));
-        }
+        self.check_vocab(tokens)?;
         self.check_spans(m, spans, blocks)
+    }
+
+    /// Refuse a token outside the vocabulary.
+    fn check_vocab(&self, tokens: &[u32]) -> Result<()> {
+        let vocab = self.cfg.vocab;
+        match tokens.iter().find(|&&t| t as usize >= vocab) {
+            Some(&t) => Err(Error::Invalid(format!("token id {t} is outside the vocabulary ({vocab})"))),
+            None => Ok(()),
+        }
     }
 
     /// Refuse spans that do not cover a call's m rows, or whose tables do not hold every

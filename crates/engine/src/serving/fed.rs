@@ -51,7 +51,7 @@ impl<B: Backend> Worker<'_, B> {
                     Ok(Some(r)) => r,
                     Ok(None) => return None,
                     Err(e) => {
-                        self.fail_running(i, e);
+                        self.fail_running(i, &e);
                         return cost(0);
                     }
                 }
@@ -62,7 +62,7 @@ impl<B: Backend> Worker<'_, B> {
             match self.queue_run(i, Some(&cur)) {
                 Ok(next) => self.fed = next,
                 Err(e) => {
-                    self.fail_running(i, e);
+                    self.fail_running(i, &e);
                     return cost(0);
                 }
             }
@@ -71,8 +71,8 @@ impl<B: Backend> Worker<'_, B> {
         cost(steps)
     }
 
-    /// Request i fails on a device error.
-    fn fail_running(&mut self, i: usize, e: crate::Error) {
+    /// Running request i fails on a device error (and so does its fed run, if any).
+    pub(super) fn fail_running(&mut self, i: usize, e: &crate::Error) {
         self.fed = None;
         let s = self.running.remove(i);
         self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
@@ -124,7 +124,7 @@ impl<B: Backend> Worker<'_, B> {
         let tokens = match tokens {
             Ok(t) => t,
             Err(e) => {
-                self.fail_running(i, e);
+                self.fail_running(i, &e);
                 return 0;
             }
         };

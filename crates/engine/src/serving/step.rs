@@ -3,8 +3,7 @@
 
 use super::caches::Caches;
 use super::fed::StepCost;
-use super::worker::{End, Seq, Worker};
-use super::{Failure, FailureKind};
+use super::worker::{Seq, Worker};
 use crate::backend::Backend;
 use crate::model::RowOut;
 use crate::Result;
@@ -27,8 +26,7 @@ impl<B: Backend> Worker<'_, B> {
                 let mut idx: Vec<usize> = plan.iter().map(|&(i, _)| i).collect();
                 idx.sort_unstable_by_key(|&i| std::cmp::Reverse(i));
                 for i in idx {
-                    let s = self.running.remove(i);
-                    self.end(s, End::Failed(Failure::new(FailureKind::Internal, e.to_string())));
+                    self.fail_running(i, &e);
                 }
                 return Some(cost);
             }

@@ -204,9 +204,7 @@ impl<B: Backend> Decoder<B> {
         if n == 0 || n > crate::backend::FEED_STEPS_MAX {
             return Err(crate::Error::Invalid(format!("a fed run of {n} calls")));
         }
-        if let Some(t) = token.filter(|&t| t as usize >= self.cfg.vocab) {
-            return Err(crate::Error::Invalid(format!("token id {t} is outside the vocabulary ({})", self.cfg.vocab)));
-        }
+        self.check_vocab(token.as_slice())?;
         self.check_spans(n, &[span], b.kv_blocks(store))?;
         let mut w = self.take_call_work((1, 1), true)?;
         // A captured run bakes in these buffers, the store's and its length.
