@@ -35,6 +35,16 @@ const DECODE_SPLITS_MAX: usize = 1024;
 /// Most blocks of a decode attention cluster (8: the portable cluster size).
 pub(crate) const ATTN_CLUSTER_MAX: usize = 8;
 
+/// How attention_decode splits a head's positions: query heads, heads a block, positions
+/// per split (the smallest split for attention_decode_rows) and the cluster size.
+#[derive(Clone, Copy)]
+pub(crate) struct DecodeSplit {
+    pub heads: usize,
+    pub qb: usize,
+    pub chunk: usize,
+    pub cluster: usize,
+}
+
 /// A post-norm add carried into the next launch: the residual is `x + rmsnorm(o)·gain`
 /// with o the scratch output of the last GEMV (decode_layers).
 type Pending<'a> = Option<&'a CudaSlice<f32>>;
@@ -359,32 +369,10 @@ impl Cuda {
             }
             false => (1, splits, chunk),
         };
-        let freqs = self.scratch.rope_freqs(self, rope)?;
-        let [ml, acc, done] = self.scratch.attention(self, heads, splits, kv.head_dim)?;
-        let pos = self.steps.pos(self, "attention")?;
-        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
-        args.extend([
-            freqs,
-            KArg::F32(rope.linear),
-            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
-            ml,
-            acc,
-            out.arg(self),
-            done,
-            KArg::I32(heads as i32),
-            KArg::I32(n_kv as i32),
-            KArg::I32(kv.head_dim as i32),
-            KArg::I32(qb as i32),
-            pos,
-            KArg::I32(chunk as i32),
-            KArg::I32(cs as i32),
-            KArg::F32(attend.scale),
-            KArg::I32(super::prefill::window_arg(attend)?),
-        ]);
-        match qk_norm {
-            Some(([qn, kn], eps)) => args.extend([self.arg(qn), self.arg(kn), KArg::F32(eps)]),
-            None => args.extend([KArg::Ptr(0), KArg::Ptr(0), KArg::F32(0.0)]),
-        }
+        let scratch = self.scratch.attention(self, heads, splits, kv.head_dim)?;
+        let split = DecodeSplit { heads, qb, chunk, cluster: cs };
+        let mut args =
+            self.attention_decode_args(q, (k, v), kv, layer, (rope, attend, qk_norm), out, scratch, split)?;
         // One sequence: its table at offset 0.
         args.push(self.steps.tables(self, kv.sliding(layer)?, "attention")?[0]);
         let c = LaunchConfig {
@@ -396,6 +384,49 @@ impl Cuda {
         // (one counter per block column) zeroed at allocation and reset by the kernel.
         let order = if cs > 1 { Order::OverlapClustered(cs as u32) } else { Order::Overlap };
         self.launch(&f, c, &args, order, "attention_decode launch")
+    }
+
+    /// attention_decode's and attention_decode_rows' arguments up to the block tables: q,
+    /// k, v and the caches, RoPE, the split scratch and output, the head counts, the
+    /// positions, the split and cluster sizes, the scale and window, and the q/k norms.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn attention_decode_args(
+        &self,
+        q: &CudaAct,
+        (k, v): (&CudaAct, &CudaAct),
+        kv: &CudaKv,
+        layer: usize,
+        (rope, attend, qk_norm): (&Rope, Attend, Option<QkNorm>),
+        out: &CudaAct,
+        [ml, acc, done]: [KArg; 3],
+        split: DecodeSplit,
+    ) -> Result<Vec<KArg>> {
+        let freqs = self.scratch.rope_freqs(self, rope)?;
+        let pos = self.steps.pos(self, "attention")?;
+        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
+        args.extend([
+            freqs,
+            KArg::F32(rope.linear),
+            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
+            ml,
+            acc,
+            out.arg(self),
+            done,
+            KArg::I32(split.heads as i32),
+            KArg::I32((kv.width / kv.head_dim) as i32),
+            KArg::I32(kv.head_dim as i32),
+            KArg::I32(split.qb as i32),
+            pos,
+            KArg::I32(split.chunk as i32),
+            KArg::I32(split.cluster as i32),
+            KArg::F32(attend.scale),
+            KArg::I32(super::prefill::window_arg(attend)?),
+        ]);
+        match qk_norm {
+            Some(([qn, kn], eps)) => args.extend([self.arg(qn), self.arg(kn), KArg::F32(eps)]),
+            None => args.extend([KArg::Ptr(0), KArg::Ptr(0), KArg::F32(0.0)]),
+        }
+        Ok(args)
     }
 
     /// q, k, v and layer's K and V caches: the first arguments of rope_kv and

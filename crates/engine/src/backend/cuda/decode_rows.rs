@@ -7,13 +7,11 @@
 //! the bench's decode step but for attention's splits, which there follow the session's
 //! cache size.
 
-use super::decode::QkNorm;
+use super::decode::{DecodeSplit, QkNorm};
 use super::device::Cuda;
-use super::driver::KArg;
 use super::kernels;
 use super::tensors::{CudaAct, CudaKv};
 use crate::backend::{Attend, Rope};
-use crate::config::RopeStyle;
 use crate::{Error, Result};
 use cudarc::driver::LaunchConfig;
 
@@ -41,7 +39,6 @@ impl Cuda {
             self.kv_encode(Some((q.arg(self), q_rot)), (k, v), kv, layer, Some(rope), qk_norm, heads)?;
             return self.attention_cached_from(q_rot, (rows, heads), kv, layer, attend, out);
         }
-        let n_kv = kv.width / hd;
         let defines = kernels::attention_decode_defines(1, false, false);
         let f = self.function(kernels::file("attention_decode.cu"), &defines, "attention_decode_rows")?;
         let (min_chunk, most) = super::prefill::attention_chunking(&self.cfg);
@@ -52,37 +49,14 @@ impl Cuda {
             false => 1,
         };
         let most = most.next_multiple_of(cs);
-        let freqs = self.scratch.rope_freqs(self, rope)?;
         // Per row: [heads, most] partials and one done counter per head.
-        let [ml, acc, done] = self.scratch.attention(self, heads * rows, most, hd)?;
-        let pos = self.steps.pos(self, "attention")?;
+        let scratch = self.scratch.attention(self, heads * rows, most, hd)?;
         let [tables, row_tab] = self.steps.tables(self, kv.sliding(layer)?, "attention")?;
-        // attention_decode's arguments up to the position; then the smallest split and the
-        // cluster size where attention_decode takes its chunk and cluster size, and the row
-        // tables.
-        let mut args = self.qkv_cache_args(q, (k, v), kv, layer).to_vec();
-        args.extend([
-            freqs,
-            KArg::F32(rope.linear),
-            KArg::I32(i32::from(rope.style == RopeStyle::Interleaved)),
-            ml,
-            acc,
-            out.arg(self),
-            done,
-            KArg::I32(heads as i32),
-            KArg::I32(n_kv as i32),
-            KArg::I32(hd as i32),
-            KArg::I32(1),
-            pos,
-            KArg::I32(min_chunk as i32),
-            KArg::I32(cs as i32),
-            KArg::F32(attend.scale),
-            KArg::I32(super::prefill::window_arg(attend)?),
-        ]);
-        match qk_norm {
-            Some(([qn, kn], eps)) => args.extend([self.arg(qn), self.arg(kn), KArg::F32(eps)]),
-            None => args.extend([KArg::Ptr(0), KArg::Ptr(0), KArg::F32(0.0)]),
-        }
+        // attention_decode's arguments with the smallest split and the cluster size where
+        // attention_decode takes its chunk and cluster size; then the row tables.
+        let split = DecodeSplit { heads, qb: 1, chunk: min_chunk, cluster: cs };
+        let mut args =
+            self.attention_decode_args(q, (k, v), kv, layer, (rope, attend, qk_norm), out, scratch, split)?;
         args.extend([tables, row_tab]);
         let c = LaunchConfig {
             grid_dim: (heads as u32, rows as u32, most as u32),
