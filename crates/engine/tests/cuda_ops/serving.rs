@@ -2,10 +2,11 @@
 //! gets running alone (calls of every padded size, captured and replayed, rows asking for
 //! logits and rows asking only for their argmax), with generated rows in calls of their own
 //! (the decode kernels, batched) and with every row in one call; a lone greedy request's
-//! fed runs give it the tokens it gets token by token.
+//! fed runs give it the tokens it gets token by token, Gemma 3's past its sliding window too.
 
 use super::smollm2_cuda;
-use ferrolm::backend::cuda::CudaConfig;
+use ferrolm::backend::cuda::{Cuda, CudaConfig};
+use ferrolm::model::Decoder;
 use ferrolm::sample::SamplerConfig;
 use ferrolm::serving::{Engine, EngineConfig, Event, Finish, Request};
 use std::sync::mpsc;
@@ -81,33 +82,40 @@ fn sixteen_requests_together_give_what_each_gives_alone() {
     }
 }
 
+/// An engine of one request at a time with rows apart and fed runs of `fed_steps` (0: one
+/// planned step a token).
+fn fed_engine(load: fn() -> Decoder<Cuda>, fed_steps: usize) -> Engine {
+    let cfg = EngineConfig {
+        max_batch: 1,
+        kv_memory: Some(64 << 20),
+        generated_rows_apart: Some(true),
+        fed_steps,
+        ..Default::default()
+    };
+    Engine::start(move || Ok(load()), cfg).unwrap()
+}
+
+fn smollm2_default() -> Decoder<Cuda> {
+    smollm2_cuda(CudaConfig::default())
+}
+
 /// A lone greedy request decodes in fed runs (serving/fed.rs) to the tokens and the end it
 /// gets with one planned step a token: runs that do not divide max_tokens, a stop token
 /// inside a run (the run queued after it dropped unread), and the next request after it.
 #[test]
 fn fed_runs_give_a_lone_request_its_tokens() {
     let tok = ferrolm::formats::load_with_tokenizer(&ferrolm::hub::default_model().unwrap(), false).unwrap().1;
-    let engine = |fed_steps| {
-        let cfg = EngineConfig {
-            max_batch: 1,
-            kv_memory: Some(64 << 20),
-            generated_rows_apart: Some(true),
-            fed_steps,
-            ..Default::default()
-        };
-        Engine::start(|| Ok(smollm2_cuda(CudaConfig::default())), cfg).unwrap()
-    };
     let prompts = ["The capital of France is", "Once upon a time"].map(|t| tok.encode(t, true).unwrap());
     let req =
         |p: &[u32], stop: Vec<u32>| Request { max_tokens: Some(29), stop_tokens: stop, ..request(p.to_vec(), false) };
-    let planned = engine(0);
+    let planned = fed_engine(smollm2_default, 0);
     let want: Vec<Vec<u32>> = prompts.iter().map(|p| run(&planned, vec![req(p, vec![])]).remove(0)).collect();
     assert_eq!(planned.stats().fed_tokens, 0);
     // A stop token first chosen inside the second run of 8.
     let stop = want[0][11];
     let cut = want[0].iter().position(|&t| t == stop).unwrap();
     for fed_steps in [1, 8, 3] {
-        let e = engine(fed_steps);
+        let e = fed_engine(smollm2_default, fed_steps);
         for (p, w) in prompts.iter().zip(&want) {
             assert_eq!(&run(&e, vec![req(p, vec![])])[0], w, "fed runs of {fed_steps}");
         }
@@ -117,5 +125,31 @@ fn fed_runs_give_a_lone_request_its_tokens() {
         // Every token after each request's first came from fed runs.
         let fed = e.stats().fed_tokens as usize;
         assert_eq!(fed, 2 * 28 + cut + 28, "fed runs of {fed_steps}");
+    }
+}
+
+fn gemma3() -> Decoder<Cuda> {
+    let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
+    Decoder::load(Cuda::with_config(0, CudaConfig::default()).unwrap(), &mut b).unwrap()
+}
+
+/// Gemma 3 270M's fed runs cross its sliding layers' 512-position window: a request whose
+/// prompt ends a few positions short of it decodes past it in fed runs (the window's blocks
+/// released while a run is queued) to the tokens one planned step a token gives.
+#[test]
+fn fed_runs_cross_gemmas_sliding_window() {
+    let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let tok = ferrolm::formats::load_with_tokenizer(&path, false).unwrap().1;
+    let text = "The river ran past the mill, and the miller counted the sacks. ".repeat(60);
+    let mut prompt = tok.encode(&text, true).unwrap();
+    prompt.truncate(500);
+    assert_eq!(prompt.len(), 500, "a prompt of 500 tokens");
+    let req = Request { max_tokens: Some(40), ..request(prompt, false) };
+    let want = run(&fed_engine(gemma3, 0), vec![req.clone()]).remove(0);
+    for fed_steps in [1, 8] {
+        let e = fed_engine(gemma3, fed_steps);
+        assert_eq!(run(&e, vec![req.clone()])[0], want, "Gemma 3, fed runs of {fed_steps}");
+        assert_eq!(e.stats().fed_tokens, 39, "Gemma 3, fed runs of {fed_steps}");
     }
 }
