@@ -15,8 +15,9 @@
 //! the other widths go 16 values at a time: one byte shuffle gives each lane the two bytes
 //! holding its value, one multiply-high shifts it down, a mask keeps BITS bits.
 //!
-//! Each unpacked weight block serves up to four x rows (prefill, batched decode), and a
-//! product's arithmetic does not depend on how many rows share it.
+//! Each unpacked weight block serves up to four x rows (prefill, batched decode; eight
+//! where AVX-512 gives the registers: `rows_vnni`), and a product's arithmetic does not
+//! depend on how many rows share it.
 //!
 //! Where the time goes (2-core x86-64, Gemma 3 270M decode): the 180 MiB 8-bit head streams
 //! at near memory bandwidth and takes about half the step; the 5-bit layers are bound by
@@ -219,6 +220,46 @@ pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
     w: &Mat<S>,
     x: &QuantX,
     sums: &[f32],
+    rows: (usize, usize),
+    sc: &mut Scratch,
+    out: *mut f32,
+    n: usize,
+) {
+    rows_tiled::<BITS, S, 4>(w, x, sums, rows, sc, out, n)
+}
+
+/// `rows` where the CPU has AVX-512 (F, VL, BW) and VNNI: the same 256-bit kernels, whose
+/// 32 vector registers hold eight x rows' accumulators a tile (whole-row sums; at sixteen
+/// registers eight rows spilled and lost) and whose VNNI instruction fuses each pair of
+/// multiply-adds with their sum. The integer sums are exact and every row's f32 operations
+/// are `rows`' in the same order, so the outputs are `rows`' bits (qdot_tests.rs). Its
+/// gain is measured in docs/perf.md ("Serving on the CPU").
+///
+/// # Safety
+/// As `rows`, and the CPU supports AVX-512 F, VL, BW and VNNI.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn rows_vnni<const BITS: u32, S: ScaleSrc>(
+    w: &Mat<S>,
+    x: &QuantX,
+    sums: &[f32],
+    rows: (usize, usize),
+    sc: &mut Scratch,
+    out: *mut f32,
+    n: usize,
+) {
+    rows_tiled::<BITS, S, 8>(w, x, sums, rows, sc, out, n)
+}
+
+/// `rows`' body with tiles of up to `MAX` x rows (4, or 8 for whole-row sums).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn rows_tiled<const BITS: u32, S: ScaleSrc, const MAX: usize>(
+    w: &Mat<S>,
+    x: &QuantX,
+    sums: &[f32],
     (r0, r1): (usize, usize),
     sc: &mut Scratch,
     out: *mut f32,
@@ -230,8 +271,8 @@ pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
     let ss = w.scales.get(r0 * gpr, (r1 - r0) * gpr, &mut sc.s);
     let bs = w.biases.get(r0 * gpr, (r1 - r0) * gpr, &mut sc.b);
     let units = k / g.min(XB);
-    sc.f.resize(4 * units.next_multiple_of(8), 0.0);
-    sc.bt.resize(4 * gpr.next_multiple_of(8), 0.0);
+    sc.f.resize(MAX * units.next_multiple_of(8), 0.0);
+    sc.bt.resize(MAX * gpr.next_multiple_of(8), 0.0);
     let last = w.bytes.len() / rb - 1;
     let (shuf, mul) = unpack_consts(BITS);
     let (shuf, mul) = (_mm256_loadu_si256(shuf.as_ptr().cast()), _mm256_loadu_si256(mul.as_ptr().cast()));
@@ -247,6 +288,13 @@ pub unsafe fn rows<const BITS: u32, S: ScaleSrc>(
         }
         let row = RowJob { p, shuf, mul, s, b, sums, gpr, out: out.add(r), n, unit: w.unit, accumulate: w.accumulate };
         let mut t = 0;
+        // Eight-row tiles only for whole-row sums: the units' path gathers four rows' totals.
+        if MAX == 8 && w.unit == x.cols && !w.accumulate {
+            while t + 8 <= x.rows {
+                tile::<BITS, 8>(&row, x, t, (&mut sc.f, &mut sc.bt));
+                t += 8;
+            }
+        }
         while t + 4 <= x.rows {
             tile::<BITS, 4>(&row, x, t, (&mut sc.f, &mut sc.bt));
             t += 4;
@@ -355,6 +403,7 @@ unsafe fn tile_as<const BITS: u32, const R: usize, const K: u8>(
     (sh, (f, bt)): (Shape, (&mut [f32], &mut [f32])),
 ) {
     let t0 = sh.t0;
+    debug_assert!(R <= 4 || (row.unit == x.cols && !row.accumulate), "eight-row tiles sum whole rows");
     // A row summed whole (every matrix but the output projections) stores its one sum
     // directly: through the units loop it decoded SmolLM2 about 10% slower.
     if row.unit == x.cols && !row.accumulate {

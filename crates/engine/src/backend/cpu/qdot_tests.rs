@@ -99,3 +99,74 @@ fn non_finite_x_poisons_the_output() {
         assert!(got.iter().all(|v| v.is_nan()), "{bad}: {got:?}");
     }
 }
+
+/// `rows_vnni` (eight-row tiles, VNNI) gives `rows`' bits, and either gives each x row of a
+/// batch the bits that row gets alone: every width and group, whole-row sums and sums unit
+/// by unit (tensor parallelism's), 1 to 19 x rows. Skipped where AVX-512 VNNI is absent.
+#[test]
+fn the_vnni_rows_give_the_avx2_rows_bits() {
+    use super::super::simd::has_avx512_vnni;
+    use crate::quant::affine::Scales;
+    if !has_avx512_vnni() {
+        eprintln!("skipped: no AVX-512 VNNI");
+        return;
+    }
+    let (n, k) = (5, 256);
+    let mut seed = 7u64;
+    for bits in [2, 3, 4, 5, 6, 8] {
+        for group in [16, 32, 64, 128] {
+            let w: Vec<f32> = (0..n * k).map(|_| 0.3 + lcg(&mut seed)).collect();
+            let a = AffineTensor::quantize(&w, n, k, bits, group, ScaleDtype::F16).unwrap();
+            let (Scales::F16(s), Scales::F16(b)) = (&a.scales, &a.biases) else { unreachable!("F16 asked") };
+            let x: Vec<f32> = (0..19).flat_map(|_| activations(k, &mut seed)).collect();
+            let qx = QuantX::new(&x, k, Layouts::of(bits, group));
+            let sums = qx.group_sums(group);
+            for (unit, accumulate) in [(k, false), (k / 2, true)] {
+                let m = Mat {
+                    bytes: bytemuck::cast_slice(&a.packed),
+                    cols: k,
+                    group,
+                    scales: F16Src(bytemuck::cast_slice(s)),
+                    biases: F16Src(bytemuck::cast_slice(b)),
+                    unit,
+                    accumulate,
+                };
+                let run = |vnni: bool, x_rows: usize| {
+                    let xr = QuantX::new(&x[..x_rows * k], k, Layouts::of(bits, group));
+                    let mut out = vec![0.25f32; x_rows * n];
+                    let mut sc = Scratch::default();
+                    let o = out.as_mut_ptr();
+                    macro_rules! by_bits {
+                        ($rows:ident) => {
+                            match bits {
+                                2 => $rows::<2, _>(&m, &xr, &sums, (0, n), &mut sc, o, n),
+                                3 => $rows::<3, _>(&m, &xr, &sums, (0, n), &mut sc, o, n),
+                                4 => $rows::<4, _>(&m, &xr, &sums, (0, n), &mut sc, o, n),
+                                5 => $rows::<5, _>(&m, &xr, &sums, (0, n), &mut sc, o, n),
+                                6 => $rows::<6, _>(&m, &xr, &sums, (0, n), &mut sc, o, n),
+                                _ => $rows::<8, _>(&m, &xr, &sums, (0, n), &mut sc, o, n),
+                            }
+                        };
+                    }
+                    // SAFETY: AVX2 and AVX-512 VNNI checked above; out is [rows, n].
+                    unsafe {
+                        if vnni {
+                            by_bits!(rows_vnni)
+                        } else {
+                            by_bits!(rows)
+                        }
+                    }
+                    out
+                };
+                let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                let (all_vnni, all_avx2) = (run(true, 19), run(false, 19));
+                let what = format!("bits {bits} g{group} unit {unit}");
+                assert_eq!(bits_of(&all_vnni), bits_of(&all_avx2), "{what}: VNNI and AVX2 rows differ");
+                for rows in [1, 7, 8, 9, 16] {
+                    let part = run(true, rows);
+                    assert_eq!(bits_of(&part), bits_of(&all_vnni[..rows * n]), "{what}: {rows} rows against 19");
+                }
+            }
+        }
+    }
+}

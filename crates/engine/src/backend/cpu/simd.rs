@@ -23,6 +23,26 @@ pub fn has_avx2() -> bool {
     })
 }
 
+/// AVX-512 F, VL, BW and VNNI beside AVX2 (qdot.rs's `rows_vnni`).
+pub fn has_avx512_vnni() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            has_avx2()
+                && is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            false
+        }
+    })
+}
+
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) unsafe fn hsum(v: __m256) -> f32 {
