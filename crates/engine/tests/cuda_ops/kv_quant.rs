@@ -178,7 +178,7 @@ fn models_with_quantized_kv_cost_what_they_cost_on_the_cpu() {
     let (mc, mg, _) = super::smollm2();
     let golden = include_str!("../goldens/smollm2_hf.json");
     quantized_cost_matches("SmolLM2", mc, mg, golden, &["affine:8", "affine:4", "turbo:k8v3", "turbo:k4v2"]);
-    let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let path = super::models::gemma3_path();
     let (mut a, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
     let mc = Decoder::load(Cpu, &mut a).unwrap();
     let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();

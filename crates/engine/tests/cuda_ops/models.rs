@@ -16,6 +16,11 @@ pub fn smollm2() -> (Decoder<Cpu>, Decoder<Cuda>, Tokenizer) {
     (Decoder::load(Cpu, &mut a).unwrap(), smollm2_cuda(CudaConfig::from_env()), tok)
 }
 
+/// Gemma 3 270M (Q4_K_M) in the test models' directory.
+pub fn gemma3_path() -> std::path::PathBuf {
+    ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf")
+}
+
 /// Positions left for one-token decode steps at the end of the longest text read twice:
 /// past 1,056 positions Gemma's sliding layers give blocks back on the CPU and wrap their
 /// rings on CUDA.
@@ -131,7 +136,7 @@ fn smollm2_cuda_agrees_with_cpu() {
 /// 128-token tiles.
 #[test]
 fn gemma3_cuda_agrees_with_cpu() {
-    let path = ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf");
+    let path = gemma3_path();
     let (mut a, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
     let mc = Decoder::load(Cpu, &mut a).unwrap();
     let want = CpuReference::new("Gemma 3 270M", &mc, &tok, include_str!("../goldens/gemma3_hf.json"));

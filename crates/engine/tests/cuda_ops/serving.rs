@@ -4,6 +4,7 @@
 //! (the decode kernels, batched) and with every row in one call; a lone greedy request's
 //! fed runs give it the tokens it gets token by token, Gemma 3's past its sliding window too.
 
+use super::models::gemma3_path;
 use super::smollm2_cuda;
 use ferrolm::backend::cuda::{Cuda, CudaConfig};
 use ferrolm::model::Decoder;
@@ -126,10 +127,6 @@ fn fed_runs_give_a_lone_request_its_tokens() {
         let fed = e.stats().fed_tokens as usize;
         assert_eq!(fed, 2 * 28 + cut + 28, "fed runs of {fed_steps}");
     }
-}
-
-fn gemma3_path() -> std::path::PathBuf {
-    ferrolm::env::test_models_dir().join("gemma-3-270m-q4_k_m.gguf")
 }
 
 fn gemma3() -> Decoder<Cuda> {
