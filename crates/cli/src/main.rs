@@ -123,8 +123,8 @@ fn main() {
         }
         t => t.unwrap_or(0),
     };
-    // The server's engine runs on a thread of its own, outside any pool: its parallel
-    // regions go to rayon's global pool, sized here instead.
+    // The server's engine runs on a thread of its own, which joins a pool the global
+    // pool's size (serving/mod.rs): the global pool is sized here instead.
     let pool = match &cli.cmd {
         Cmd::Serve(_) => rayon::ThreadPoolBuilder::new().num_threads(threads).build_global().map(|_| None),
         _ => rayon::ThreadPoolBuilder::new().num_threads(threads).build().map(Some),

@@ -304,6 +304,14 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name("ferrolm-engine".into())
             .spawn(move || {
+                // The engine thread is the first worker of a pool of its own, as large as
+                // the global one: its parallel regions (the CPU backend's, ~150 a step) then
+                // start inside a pool instead of waking one from outside, ~10 µs each on few
+                // cores. Without the pool they go to the global one, slower but correct.
+                let _pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(rayon::current_num_threads())
+                    .use_current_thread()
+                    .build();
                 let model = match load() {
                     Ok(m) => m,
                     Err(e) => {

@@ -111,10 +111,11 @@ fn main() {
     }
 }
 
-/// A random rows × cols matrix in the 1B's format, on the device and as the CPU's weight.
-fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> Result<(CudaMat, CpuMat)> {
+/// A random rows × cols matrix in the 1B's format: on the device, as the CPU's matrix, and
+/// the weight itself.
+fn mat(g: &Cuda, r: &mut Rng, rows: usize, cols: usize) -> Result<(CudaMat, CpuMat, Weight)> {
     let w = Weight::Affine(AffineTensor::quantize(&r.v(rows * cols, 0.05), rows, cols, 4, 64, ScaleDtype::BF16)?);
-    Ok((g.matrix(w.clone())?, CpuMat::new(w)))
+    Ok((g.matrix(w.clone())?, CpuMat::new(w.clone()), w))
 }
 
 /// `n` device copies of `w` (layers of a decode step).
@@ -151,13 +152,13 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
     for (i, (a, b)) in og.iter().zip(&oc).enumerate() {
         checks.check(&format!("1B norm→qkv[{i}]"), &g.read_rows(a, 0)?, &b.data, 1e-2);
     }
-    let (cq, ck, cv) = (copies(g, &wq.1, n)?, copies(g, &wk.1, n)?, copies(g, &wv.1, n)?);
+    let (cq, ck, cv) = (copies(g, &wq.2, n)?, copies(g, &wk.2, n)?, copies(g, &wv.2, n)?);
     let us = graph_time(g, 48, &mut |i| {
         let [a, b, e] = &mut og[..] else { unreachable!() };
         let j = i % n;
         g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&cq[j], &ck[j], &cv[j]], &mut [a, b, e])
     })?;
-    report("1B norm→q/k/v 2048+512+512×2048", us, bytes(&[&wq.1, &wk.1, &wv.1]));
+    report("1B norm→q/k/v 2048+512+512×2048", us, bytes(&[&wq.2, &wk.2, &wv.2]));
 
     // o: GEMV + residual add
     let wo = mat(g, r, d, d)?;
@@ -171,9 +172,9 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
     // The added part (the residual itself is exact).
     let delta = |v: Vec<f32>| v.iter().zip(&x).map(|(a, b)| a - b).collect::<Vec<f32>>();
     checks.check("1B o + residual", &delta(g.read_rows(&rg, 0)?), &delta(rc.data), 1e-2);
-    let co = copies(g, &wo.1, n)?;
+    let co = copies(g, &wo.2, n)?;
     let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &co[i % n], &mut rg, &mut tmp))?;
-    report("1B o 2048×2048 + add", us, bytes(&[&wo.1]));
+    report("1B o 2048×2048 + add", us, bytes(&[&wo.2]));
 
     // norm → gate/up → SwiGLU (one launch)
     let (wg, wu) = (mat(g, r, f, d)?, mat(g, r, f, d)?);
@@ -182,12 +183,12 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
     let (mut gc, mut uc, mut sc) = (c.act(1, f)?, c.act(1, f)?, c.act(1, f)?);
     c.norm_glu(&xc, (&norm, 1e-5), &mut xnc, (&wg.1, &wu.1), Activation::Silu, &mut gc, &mut uc, &mut sc)?;
     checks.check("1B norm→gate/up→SwiGLU", &g.read_rows(&sg, 0)?, &sc.data, 1e-2);
-    let (cg, cu) = (copies(g, &wg.1, n)?, copies(g, &wu.1, n)?);
+    let (cg, cu) = (copies(g, &wg.2, n)?, copies(g, &wu.2, n)?);
     let us = graph_time(g, 48, &mut |i| {
         let j = i % n;
         g.norm_glu(&xg, (&ng, 1e-5), &mut xn, (&cg[j], &cu[j]), Activation::Silu, &mut gg, &mut ug, &mut sg)
     })?;
-    report("1B norm→gate/up 2×8192×2048 →SwiGLU", us, bytes(&[&wg.1, &wu.1]));
+    report("1B norm→gate/up 2×8192×2048 →SwiGLU", us, bytes(&[&wg.2, &wu.2]));
 
     // down: GEMV + residual add
     let wd = mat(g, r, d, f)?;
@@ -198,9 +199,9 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
     let mut rc = xc.clone();
     c.matmul_add(&cpu(1, f, y), &wd.1, &mut rc, &mut tmpc)?;
     checks.check("1B down + residual", &delta(g.read_rows(&rg, 0)?), &delta(rc.data), 1e-2);
-    let cd = copies(g, &wd.1, n)?;
+    let cd = copies(g, &wd.2, n)?;
     let us = graph_time(g, 48, &mut |i| g.matmul_add(&yg, &cd[i % n], &mut rg, &mut tmp))?;
-    report("1B down 2048×8192 + add", us, bytes(&[&wd.1]));
+    report("1B down 2048×8192 + add", us, bytes(&[&wd.2]));
 
     // A whole layer as the decode step runs it (norm→q/k/v, attention over 512 cached
     // positions with RoPE, o + add, norm→gate/up→SwiGLU, down + add), over `n` layers.
@@ -233,7 +234,7 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
             g.norm_glu(&resid, (&ng, 1e-5), &mut xn, (&cg[j], &cu[j]), Activation::Silu, &mut gg, &mut ug, &mut sg)?;
             g.matmul_add(&sg, &cd[j], &mut resid, &mut tmp)
         })?;
-        let layer_bytes = bytes(&[&wq.1, &wk.1, &wv.1, &wo.1, &wg.1, &wu.1, &wd.1]);
+        let layer_bytes = bytes(&[&wq.2, &wk.2, &wv.2, &wo.2, &wg.2, &wu.2, &wd.2]);
         report("1B whole layer (5 launches, 512 cached)", us, layer_bytes);
     }
 
@@ -245,7 +246,7 @@ fn gemvs_at_1b_shapes(lab: &mut Session) -> Result<()> {
     c.norm_matmul_many(&xc, &norm, 1e-5, &mut xnc, &[&wh.1], &mut [&mut hc])?;
     checks.check("1B norm→head", &g.read_rows(&hg, 0)?, &hc.data, 1e-2);
     let us = graph_time(g, 20, &mut |_| g.norm_matmul_many(&xg, &ng, 1e-5, &mut xn, &[&wh.0], &mut [&mut hg]))?;
-    report("1B norm→head 128256×2048", us, bytes(&[&wh.1]));
+    report("1B norm→head 128256×2048", us, bytes(&[&wh.2]));
     Ok(())
 }
 
@@ -477,7 +478,7 @@ fn few_token_gemm(lab: &mut Session) -> Result<()> {
     let shapes = [("1B q/o", 2048, 2048), ("1B gate", 8192, 2048), ("1B down", 2048, 8192)];
     let shapes_8b = [("8B q/o", 4096, 4096), ("8B gate", 14336, 4096), ("8B down", 4096, 14336)];
     for (name, rows, cols) in shapes.into_iter().chain(shapes_8b) {
-        let (wg, w) = mat(g, r, rows, cols)?;
+        let (wg, _, w) = mat(g, r, rows, cols)?;
         let co = copies(g, &w, n)?;
         for m in [1, 4, 16, 32, 64] {
             let xg = g.act_from(m, cols, &bf(&r.v(m * cols, 1.0)))?;
@@ -531,7 +532,7 @@ fn batched_gemv(lab: &mut Session) -> Result<()> {
         ("8B down", 4096, 14336),
     ];
     for (name, rows, cols) in shapes {
-        let (wg, w) = mat(g, r, rows, cols)?;
+        let (wg, _, w) = mat(g, r, rows, cols)?;
         let m = 5;
         let xv = bf(&r.v(m * cols, 1.0));
         let xg5 = g.act_from(m, cols, &xv)?;

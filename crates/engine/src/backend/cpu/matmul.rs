@@ -1,8 +1,10 @@
 //! Quantized and dense matrix products on the CPU: out[m, n] = x[m, k] · W[n, k]ᵀ.
 //!
 //! Where the time goes: decode is bound by unpacking weights, so with AVX2 x is quantized
-//! once per call to int16 and the products are integer dots (qdot.rs), each unpacked
-//! weight block serving up to four activation rows. Without AVX2, or for a row width that
+//! once per call to int16 and the products are integer dots: 4- and 8-bit matrices with
+//! groups of 32 or more in octet layout, eight weight rows a vector (octets.rs,
+//! qdot_octets.rs), the others row-major, each unpacked weight block serving up to four
+//! activation rows (qdot.rs). Without AVX2, or for a row width that
 //! is not a multiple of 32, a weight row is unpacked once into an f32 scratch and reused
 //! for every activation row, four at a time. Either way a row's product does not depend on
 //! how many rows the call has (batch invariance). The affine form is folded once per
@@ -11,7 +13,9 @@
 //! fork/join per region costs as much as a small matmul. Weights are never dequantized as a
 //! whole.
 
+use super::octets::Octets;
 use super::qdot::{self, QuantX};
+use super::qdot_octets;
 use super::simd;
 use crate::quant::affine::{get_q, AffineTensor, Scales};
 use crate::quant::{DenseTensor, Weight};
@@ -19,6 +23,7 @@ use rayon::prelude::*;
 
 /// Output rows per rayon task: big enough to amortize scheduling, small enough to balance.
 const ROWS_PER_TASK: usize = 32;
+const _: () = assert!(ROWS_PER_TASK.is_multiple_of(super::octets::OCT));
 
 /// Disjoint writes into outputs from parallel tasks.
 #[derive(Clone, Copy)]
@@ -54,21 +59,28 @@ impl Out {
     }
 }
 
-/// A matrix as the CPU's products take it: the weight, and the columns each product sums
-/// as one unit before adding the unit's sum to the row's, unit after unit. A matrix cut
-/// at unit boundaries (tensor parallelism's output projections) then gives the same sums
-/// part after part (`matmul_continue`).
+/// A matrix as the CPU's products take it: the weight (affine 4- and 8-bit ones in octet
+/// layout where the CPU has AVX2: octets.rs), and the columns each product sums as one
+/// unit before adding the unit's sum to the row's, unit after unit. A matrix cut at unit
+/// boundaries (tensor parallelism's output projections) then gives the same sums part
+/// after part (`matmul_continue`).
 #[derive(Clone, Debug)]
 pub struct CpuMat {
-    pub w: Weight,
+    store: Store,
     pub unit: usize,
+}
+
+#[derive(Clone, Debug)]
+enum Store {
+    Weight(Weight),
+    Octets(Octets),
 }
 
 impl CpuMat {
     /// Each product one sum over the whole row.
     pub fn new(w: Weight) -> CpuMat {
         let unit = w.cols();
-        CpuMat { w, unit }
+        CpuMat::with_unit(w, unit)
     }
 
     /// Products summed in units of `unit` columns where the weight can be cut there (see
@@ -79,40 +91,82 @@ impl CpuMat {
             true => unit,
             false => cols,
         };
-        CpuMat { w, unit }
+        CpuMat::with_unit(w, unit)
+    }
+
+    fn with_unit(w: Weight, unit: usize) -> CpuMat {
+        let store = match w {
+            Weight::Affine(a) if simd::has_avx2() && Octets::takes(&a) => Store::Octets(Octets::from_affine(&a)),
+            w => Store::Weight(w),
+        };
+        CpuMat { store, unit }
+    }
+
+    pub fn rows(&self) -> usize {
+        match &self.store {
+            Store::Weight(w) => w.rows(),
+            Store::Octets(o) => o.rows,
+        }
+    }
+
+    pub fn cols(&self) -> usize {
+        match &self.store {
+            Store::Weight(w) => w.cols(),
+            Store::Octets(o) => o.cols,
+        }
+    }
+
+    /// Row r as f32 (dequantized as `Weight::row_f32` does).
+    pub fn row_f32(&self, r: usize, out: &mut [f32]) {
+        match &self.store {
+            Store::Weight(w) => w.row_f32(r, out),
+            Store::Octets(o) => o.row_f32(r, out),
+        }
     }
 }
 
-impl std::ops::Deref for CpuMat {
-    type Target = Weight;
-    fn deref(&self) -> &Weight {
-        &self.w
-    }
-}
-
+/// out = x · wᵀ, w in the layout `CpuMat::new` gives it (tests and probes).
 pub fn matmul(x: &[f32], m: usize, w: &Weight, out: &mut [f32]) {
-    products(x, m, &[(w, w.cols())], &mut [out], false);
+    products(x, m, &[&CpuMat::new(w.clone())], &mut [out], false);
 }
 
 /// out_i = x · w_iᵀ for every i, in one parallel region.
 pub fn matmul_many(x: &[f32], m: usize, ws: &[&CpuMat], outs: &mut [&mut [f32]]) {
-    let ws: Vec<(&Weight, usize)> = ws.iter().map(|w| (&w.w, w.unit)).collect();
-    products(x, m, &ws, outs, false);
+    products(x, m, ws, outs, false);
 }
 
 /// out += x · wᵀ where each product continues out's value unit by unit: ((out + u₀) + u₁)…,
 /// so a matrix cut between ranks at unit boundaries, each rank continuing the one before,
 /// sums exactly as the whole matrix does.
 pub fn matmul_continue(x: &[f32], m: usize, w: &CpuMat, out: &mut [f32]) {
-    products(x, m, &[(&w.w, w.unit)], &mut [out], true);
+    products(x, m, &[w], &mut [out], true);
 }
 
-/// out_i = x · w_iᵀ (or, `accumulate`, out_i + x · w_iᵀ) for matrices (weight, unit).
-fn products(x: &[f32], m: usize, ws: &[(&Weight, usize)], outs: &mut [&mut [f32]], accumulate: bool) {
+/// Which product a matrix takes.
+enum Path<'a> {
+    Octets(&'a Octets),
+    Int(&'a AffineTensor),
+    Affine(&'a AffineTensor),
+    Dense(&'a DenseTensor),
+}
+
+impl CpuMat {
+    fn path(&self) -> Path<'_> {
+        match &self.store {
+            Store::Octets(o) => Path::Octets(o),
+            Store::Weight(Weight::Affine(a)) if simd::has_avx2() && qdot_ok(a) => Path::Int(a),
+            Store::Weight(Weight::Affine(a)) => Path::Affine(a),
+            Store::Weight(Weight::Dense(d)) => Path::Dense(d),
+        }
+    }
+}
+
+/// out_i = x · w_iᵀ (or, `accumulate`, out_i + x · w_iᵀ) for every matrix.
+fn products(x: &[f32], m: usize, ws: &[&CpuMat], outs: &mut [&mut [f32]], accumulate: bool) {
     assert_eq!(ws.len(), outs.len());
     let mut tasks = Vec::new();
     let mut ptrs = Vec::with_capacity(ws.len());
-    for (wi, ((w, _), out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
+    for (wi, (w, out)) in ws.iter().zip(outs.iter_mut()).enumerate() {
         let (n, k) = (w.rows(), w.cols());
         assert_eq!(x.len(), m * k, "matmul: x is not [{m}, {k}]");
         assert_eq!(out.len(), m * n, "matmul: out is not [{m}, {n}]");
@@ -122,33 +176,90 @@ fn products(x: &[f32], m: usize, ws: &[(&Weight, usize)], outs: &mut [&mut [f32]
     if m == 0 {
         return;
     }
-    // x quantized once for every matrix the integer dot takes.
-    let int = |a: &AffineTensor| simd::has_avx2() && qdot_ok(a);
-    let affine = || ws.iter().filter_map(|(w, _)| if let Weight::Affine(a) = w { Some(a) } else { None });
-    let qx = affine().any(int).then(|| {
-        let lay =
-            affine().filter(|a| int(a)).fold(qdot::Layouts::default(), |l, a| l.or(qdot::Layouts::of(a.bits, a.group)));
+    let paths: Vec<Path> = ws.iter().map(|w| w.path()).collect();
+    // x quantized once for every matrix the integer dots take, in the block layouts the
+    // row-major ones read.
+    let int = paths.iter().any(|p| matches!(p, Path::Octets(_) | Path::Int(_)));
+    let qx = int.then(|| {
+        let lay = paths.iter().fold(qdot::Layouts::default(), |l, p| match p {
+            Path::Int(a) => l.or(qdot::Layouts::of(a.bits, a.group)),
+            _ => l,
+        });
         QuantX::new(x, x.len() / m, lay)
     });
-    // Σx per group (of the quantized x for the integer dot).
-    let sums: Vec<Option<Vec<f32>>> = ws
-        .iter()
-        .map(|(w, _)| match (w, &qx) {
-            (Weight::Affine(a), Some(q)) if int(a) => Some(q.group_sums(a.group)),
-            (Weight::Affine(a), _) => Some(x.chunks_exact(a.group).map(|c| c.iter().sum()).collect()),
-            (Weight::Dense(_), _) => None,
-        })
-        .collect();
+    // Σx per group (of the quantized x for the integer dots), once per group size: the
+    // matrices of a call (q/k/v, gate/up) mostly share theirs.
+    let mut sums: Vec<Vec<f32>> = Vec::new();
+    let mut sums_of: Vec<usize> = Vec::with_capacity(paths.len());
+    let mut made: Vec<(bool, usize)> = Vec::new();
+    for p in &paths {
+        let key = match p {
+            Path::Octets(o) => (true, o.group),
+            Path::Int(a) => (true, a.group),
+            Path::Affine(a) => (false, a.group),
+            Path::Dense(_) => (false, 0),
+        };
+        let i = made.iter().position(|&m| m == key).unwrap_or_else(|| {
+            sums.push(match (key, &qx) {
+                ((true, g), Some(q)) => q.group_sums(g),
+                ((false, g), _) if g > 0 => x.chunks_exact(g).map(|c| c.iter().sum()).collect(),
+                _ => Vec::new(),
+            });
+            made.push(key);
+            made.len() - 1
+        });
+        sums_of.push(i);
+    }
     // Scratch per rayon job, not per task (the head's 8192 tasks would allocate per task).
     tasks.par_iter().for_each_init(qdot::Scratch::default, |sc, &(wi, r0, r1)| {
-        let out = Out { ptr: ptrs[wi], unit: ws[wi].1, accumulate };
-        let s = sums[wi].as_deref().unwrap_or(&[]);
-        match (ws[wi].0, &qx) {
-            (Weight::Affine(a), Some(q)) if int(a) => int_rows(a, q, s, r0, r1, sc, out),
-            (Weight::Affine(a), _) => affine_rows(a, x, s, m, r0, r1, out),
-            (Weight::Dense(d), _) => dense_rows(d, x, m, r0, r1, out),
+        let out = Out { ptr: ptrs[wi], unit: ws[wi].unit, accumulate };
+        let s = &sums[sums_of[wi]];
+        match (&paths[wi], &qx) {
+            (Path::Octets(o), Some(q)) => octet_rows(o, q, s, r0, r1, out),
+            (Path::Int(a), Some(q)) => int_rows(a, q, s, r0, r1, sc, out),
+            (Path::Affine(a), _) => affine_rows(a, x, s, m, r0, r1, out),
+            (Path::Dense(d), _) => dense_rows(d, x, m, r0, r1, out),
+            _ => unreachable!("x is quantized for every integer path"),
         }
     });
+}
+
+/// Columns r0..r1 of the product through the octet kernels (qdot_octets.rs).
+fn octet_rows(o: &Octets, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, out: Out) {
+    use qdot_octets::{Bf16Lanes, F16Lanes, F32Lanes, OctMat};
+    let (ptr, n) = (out.ptr.0, o.rows);
+    macro_rules! run {
+        ($lanes:expr, $s:expr, $b:expr) => {{
+            let (scales, biases) = ($lanes($s), $lanes($b));
+            let w = OctMat {
+                q: &o.q,
+                cols: o.cols,
+                group: o.group,
+                scales,
+                biases,
+                unit: out.unit,
+                accumulate: out.accumulate,
+            };
+            // SAFETY: Octets exist only where has_avx2 held (CpuMat::with_unit), VNNI's
+            // form only where has_avx512_vnni holds; the tensor's lengths were checked when
+            // it was built; out is [m, n] and this task alone writes its columns r0..r1,
+            // from an octet's first row (ROWS_PER_TASK is a multiple of 8).
+            unsafe {
+                match (o.bits, simd::has_avx512_vnni()) {
+                    (4, true) => qdot_octets::octet_rows_vnni::<4, _>(&w, qx, sums, (r0, r1), ptr, n),
+                    (4, false) => qdot_octets::octet_rows::<4, _>(&w, qx, sums, (r0, r1), ptr, n),
+                    (_, true) => qdot_octets::octet_rows_vnni::<8, _>(&w, qx, sums, (r0, r1), ptr, n),
+                    (_, false) => qdot_octets::octet_rows::<8, _>(&w, qx, sums, (r0, r1), ptr, n),
+                }
+            }
+        }};
+    }
+    match (&o.scales, &o.biases) {
+        (Scales::F16(s), Scales::F16(b)) => run!(F16Lanes, bytemuck::cast_slice(s), bytemuck::cast_slice(b)),
+        (Scales::BF16(s), Scales::BF16(b)) => run!(Bf16Lanes, bytemuck::cast_slice(s), bytemuck::cast_slice(b)),
+        (Scales::F32(s), Scales::F32(b)) => run!(F32Lanes, s, b),
+        _ => unreachable!("Octets::takes admits one scale dtype"),
+    }
 }
 
 /// Whether the integer decode dot takes this matrix: rows of whole 32-value blocks, scales
@@ -321,24 +432,31 @@ mod tests {
 
     #[test]
     fn quantized_matmul_matches_dequantized_reference() {
-        let (n, k) = (37, 256);
+        let k = 256;
         let mut seed = 12345u32;
         let mut rnd = || {
             seed = seed.wrapping_mul(1664525).wrapping_add(1013904223);
             (seed >> 8) as f32 / (1 << 24) as f32 - 0.5
         };
-        let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
-        for bits in [2, 3, 4, 5, 6, 8] {
-            for group in [32, 64, 128] {
-                for dtype in [ScaleDtype::BF16, ScaleDtype::F16, ScaleDtype::F32] {
-                    for m in [1, 3, 6] {
-                        let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
-                        let q = AffineTensor::quantize(&w, n, k, bits, group, dtype).unwrap();
-                        let want = reference(&x, m, &q.dequantize(), n, k);
-                        let mut got = vec![f32::NAN; m * n];
-                        matmul(&x, m, &Weight::Affine(q), &mut got);
-                        for (a, b) in got.iter().zip(&want) {
-                            assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()), "bits {bits} g {group} m {m}: {a} vs {b}");
+        // 4- and 8-bit matrices with groups of 32 or more take octets.rs' layout: 37 rows end
+        // in a partial octet, 40 in a whole one.
+        for n in [37, 40] {
+            let w: Vec<f32> = (0..n * k).map(|_| rnd()).collect();
+            for bits in [2, 3, 4, 5, 6, 8] {
+                for group in [32, 64, 128] {
+                    for dtype in [ScaleDtype::BF16, ScaleDtype::F16, ScaleDtype::F32] {
+                        for m in [1, 3, 6] {
+                            let x: Vec<f32> = (0..m * k).map(|_| rnd()).collect();
+                            let q = AffineTensor::quantize(&w, n, k, bits, group, dtype).unwrap();
+                            let want = reference(&x, m, &q.dequantize(), n, k);
+                            let mut got = vec![f32::NAN; m * n];
+                            matmul(&x, m, &Weight::Affine(q), &mut got);
+                            for (a, b) in got.iter().zip(&want) {
+                                assert!(
+                                    (a - b).abs() <= 1e-4 * (1.0 + b.abs()),
+                                    "n {n} bits {bits} g {group} m {m}: {a} vs {b}"
+                                );
+                            }
                         }
                     }
                 }
@@ -391,40 +509,43 @@ mod tests {
     /// several.
     #[test]
     fn parts_continued_in_order_sum_as_the_whole() {
-        let (n, k) = (20, 512);
-        let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
-        let mut weights: Vec<Weight> = [(4, 32), (8, 32), (4, 64), (3, 32), (5, 16), (6, 128)]
-            .into_iter()
-            .map(|(bits, group)| {
-                Weight::Affine(AffineTensor::quantize(&w, n, k, bits, group, ScaleDtype::F16).unwrap())
-            })
-            .collect();
-        weights.push(Weight::Dense(crate::quant::DenseTensor {
-            rows: n,
-            cols: k,
-            data: crate::quant::DenseData::F32(w),
-        }));
-        for unit in [128, 32] {
-            for wt in weights.iter().filter(|w| w.cuts_at(unit)) {
-                let whole = CpuMat::in_units(wt.clone(), unit);
-                assert_eq!(whole.unit, unit, "{}", wt.describe());
-                for cut in [unit, 3 * unit, k - unit] {
-                    let (a, b) = (
-                        CpuMat::in_units(wt.cols_part(0..cut).unwrap(), unit),
-                        CpuMat::in_units(wt.cols_part(cut..k).unwrap(), unit),
-                    );
-                    for m in 1..7 {
-                        let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
-                        let xa: Vec<f32> = x.chunks(k).flat_map(|r| r[..cut].to_vec()).collect();
-                        let xb: Vec<f32> = x.chunks(k).flat_map(|r| r[cut..].to_vec()).collect();
-                        let mut want = vec![0f32; m * n];
-                        matmul_many(&x, m, &[&whole], &mut [&mut want]);
-                        let mut got = vec![0f32; m * n];
-                        matmul_many(&xa, m, &[&a], &mut [&mut got]);
-                        matmul_continue(&xb, m, &b, &mut got);
-                        let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        let what = format!("{}, units of {unit}, cut at {cut}, {m} rows", wt.describe());
-                        assert_eq!(bits_of(&got), bits_of(&want), "{what}");
+        // The octet layout where it applies, 20 rows ending in a partial octet.
+        for n in [20, 24] {
+            let k = 512;
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 37 % 101) as f32 - 50.0) / 100.0).collect();
+            let mut weights: Vec<Weight> = [(4, 32), (8, 32), (4, 64), (3, 32), (5, 16), (6, 128)]
+                .into_iter()
+                .map(|(bits, group)| {
+                    Weight::Affine(AffineTensor::quantize(&w, n, k, bits, group, ScaleDtype::F16).unwrap())
+                })
+                .collect();
+            weights.push(Weight::Dense(crate::quant::DenseTensor {
+                rows: n,
+                cols: k,
+                data: crate::quant::DenseData::F32(w),
+            }));
+            for unit in [128, 32] {
+                for wt in weights.iter().filter(|w| w.cuts_at(unit)) {
+                    let whole = CpuMat::in_units(wt.clone(), unit);
+                    assert_eq!(whole.unit, unit, "{}", wt.describe());
+                    for cut in [unit, 3 * unit, k - unit] {
+                        let (a, b) = (
+                            CpuMat::in_units(wt.cols_part(0..cut).unwrap(), unit),
+                            CpuMat::in_units(wt.cols_part(cut..k).unwrap(), unit),
+                        );
+                        for m in 1..7 {
+                            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.37).sin()).collect();
+                            let xa: Vec<f32> = x.chunks(k).flat_map(|r| r[..cut].to_vec()).collect();
+                            let xb: Vec<f32> = x.chunks(k).flat_map(|r| r[cut..].to_vec()).collect();
+                            let mut want = vec![0f32; m * n];
+                            matmul_many(&x, m, &[&whole], &mut [&mut want]);
+                            let mut got = vec![0f32; m * n];
+                            matmul_many(&xa, m, &[&a], &mut [&mut got]);
+                            matmul_continue(&xb, m, &b, &mut got);
+                            let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                            let what = format!("{}, units of {unit}, cut at {cut}, {m} rows", wt.describe());
+                            assert_eq!(bits_of(&got), bits_of(&want), "{what}");
+                        }
                     }
                 }
             }

@@ -4,8 +4,11 @@
 pub mod attention;
 pub mod kv;
 pub mod matmul;
+pub mod octets;
 pub mod ops;
 pub mod qdot;
+#[cfg(target_arch = "x86_64")]
+pub mod qdot_octets;
 pub mod simd;
 
 use super::{check_top_k, Attend, Backend, Rope};
@@ -25,6 +28,10 @@ pub struct CpuAct {
 }
 
 pub struct Cpu;
+
+/// Rows from which the CPU's row-wise ops (GLU, x's quantization) run in parallel: below,
+/// the fork and join would cost about what they save.
+pub const PAR_ROWS: usize = 4;
 
 impl Backend for Cpu {
     type Act = CpuAct;
@@ -127,7 +134,16 @@ impl Backend for Cpu {
         attention::attention(&q.data, (q.rows, q.cols / hd, hd), kv, layer, spans, attend, &mut out.data)
     }
     fn glu(&self, gate: &CpuAct, up: &CpuAct, act: Activation, out: &mut CpuAct) -> Result<()> {
-        ops::glu(&gate.data, &up.data, act, &mut out.data);
+        // Row by row in parallel where there are rows enough: alone it is a serial stretch
+        // of every batched step (an exp a value) while the other cores wait.
+        let w = gate.cols;
+        if gate.rows >= PAR_ROWS {
+            use rayon::prelude::*;
+            let rows = out.data.par_chunks_mut(w).zip(gate.data.par_chunks(w)).zip(up.data.par_chunks(w));
+            rows.for_each(|((o, g), u)| ops::glu(g, u, act, o));
+        } else {
+            ops::glu(&gate.data, &up.data, act, &mut out.data);
+        }
         Ok(())
     }
     fn add(&self, x: &mut CpuAct, y: &CpuAct) -> Result<()> {

@@ -2,7 +2,6 @@
 
 use crate::backend::Rope;
 use crate::config::{Activation, RopeStyle};
-use crate::quant::Weight;
 
 /// out = x · rsqrt(mean(x²) + eps) · w, per row of width w.len() (f32 throughout, as HF).
 pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
@@ -78,7 +77,7 @@ pub fn add_bias(x: &mut [f32], b: &[f32]) {
 }
 
 /// out[i] = table[tokens[i]] · scale (dequantized row).
-pub fn embed(table: &Weight, tokens: &[u32], scale: f32, out: &mut [f32]) {
+pub fn embed(table: &super::CpuMat, tokens: &[u32], scale: f32, out: &mut [f32]) {
     let d = table.cols();
     for (&t, row) in tokens.iter().zip(out.chunks_exact_mut(d)) {
         table.row_f32(t as usize, row);

@@ -1,4 +1,5 @@
-//! Integer matmul for affine weights, AVX2: decode and prefill alike.
+//! Integer matmul for affine weights in row-major layout, AVX2: decode and prefill alike,
+//! for the matrices the octet layout (octets.rs) does not take: 2/3/5/6-bit, group 16.
 //!
 //! x is quantized once per matmul call, row by row, to int16 with one f32 scale per 32 values
 //! (xd = max|x|/32767, x' = xd·xq: 15 significant bits, far finer than bf16), so the inner
@@ -32,6 +33,8 @@ use std::arch::x86_64::*;
 #[cfg(target_arch = "x86_64")]
 #[path = "qdot_blocks.rs"]
 mod blocks;
+#[cfg(target_arch = "x86_64")]
+pub(crate) use blocks::head_mask;
 #[cfg(target_arch = "x86_64")]
 use blocks::*;
 
@@ -71,6 +74,24 @@ impl Layouts {
     }
 }
 
+/// One 32-value block of x to int16 (into qc), returning its scale.
+fn quantize_block(c: &[f32], qc: &mut [i16]) -> f32 {
+    let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let finite = amax.is_finite() && !c.iter().any(|v| v.is_nan());
+    let inv = if amax > 0.0 && finite { 32767.0 / amax } else { 0.0 };
+    // Round half to even by the 1.5·2²³ trick (|v·inv| ≤ 32767): exact, and it vectorizes
+    // where round_ties_even is a libm call without SSE4.1.
+    const MAGIC: f32 = 12_582_912.0;
+    for (o, v) in qc.iter_mut().zip(c) {
+        *o = ((v * inv + MAGIC) - MAGIC) as i16;
+    }
+    if finite {
+        amax / 32767.0
+    } else {
+        f32::NAN
+    }
+}
+
 /// x's blocks reordered: block value `order[j]` goes to slot j.
 fn permuted(q: &[i16], order: impl Fn(usize) -> usize) -> Vec<i16> {
     let mut out = vec![0i16; q.len()];
@@ -89,17 +110,14 @@ impl QuantX {
         assert!(cols.is_multiple_of(XB) && cols > 0 && x.len().is_multiple_of(cols));
         let mut q = vec![0i16; x.len()];
         let mut d = vec![0f32; x.len() / XB];
-        for ((c, qc), d) in x.chunks_exact(XB).zip(q.chunks_exact_mut(XB)).zip(&mut d) {
-            let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let finite = amax.is_finite() && !c.iter().any(|v| v.is_nan());
-            let inv = if amax > 0.0 && finite { 32767.0 / amax } else { 0.0 };
-            // Round half to even by the 1.5·2²³ trick (|v·inv| ≤ 32767): exact, and it
-            // vectorizes where round_ties_even is a libm call without SSE4.1.
-            const MAGIC: f32 = 12_582_912.0;
-            for (o, v) in qc.iter_mut().zip(c) {
-                *o = ((v * inv + MAGIC) - MAGIC) as i16;
+        if x.len() / cols >= super::PAR_ROWS {
+            use rayon::prelude::*;
+            let blocks = x.par_chunks_exact(XB).zip(q.par_chunks_exact_mut(XB)).zip(d.par_iter_mut());
+            blocks.with_min_len(64).for_each(|((c, qc), d)| *d = quantize_block(c, qc));
+        } else {
+            for ((c, qc), d) in x.chunks_exact(XB).zip(q.chunks_exact_mut(XB)).zip(&mut d) {
+                *d = quantize_block(c, qc);
             }
-            *d = if finite { amax / 32767.0 } else { f32::NAN };
         }
         let q4 = if layouts.nibble { permuted(&q, |j| 2 * (j % 16) + j / 16) } else { Vec::new() };
         let q8 = if layouts.byte { permuted(&q, |j| [0, 16, 8, 24][j / 8] + j % 8) } else { Vec::new() };

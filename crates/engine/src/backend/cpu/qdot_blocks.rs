@@ -27,7 +27,7 @@ pub(super) const BYTE: u8 = 2;
 /// Lanes [0, n) of 8 set (n ≤ 8).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn head_mask(n: usize) -> __m256i {
+pub(crate) unsafe fn head_mask(n: usize) -> __m256i {
     _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))
 }
 
