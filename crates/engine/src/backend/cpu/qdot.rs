@@ -20,9 +20,9 @@
 //! where AVX-512 gives the registers: `rows_vnni`), and a product's arithmetic does not
 //! depend on how many rows share it.
 //!
-//! Where the time goes (2-core x86-64, Gemma 3 270M decode): the 180 MiB 8-bit head streams
-//! at near memory bandwidth and takes about half the step; the 5-bit layers are bound by
-//! the unpacking (5 instructions per 16 values).
+//! Where the time goes (2-core x86-64, Gemma 3 270M decode): its 5-bit layers, here, are
+//! bound by the unpacking (5 instructions per 16 values); its 180 MiB 8-bit head (in octet
+//! layout) streams at near memory bandwidth, about half the step.
 
 // The tile kernels index several per-row arrays in lockstep.
 #![allow(clippy::needless_range_loop)]
