@@ -226,13 +226,13 @@ fn products(x: &[f32], m: usize, ws: &[&CpuMat], outs: &mut [&mut [f32]], accumu
 
 /// Columns r0..r1 of the product through the octet kernels (qdot_octets.rs).
 fn octet_rows(o: &Octets, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, out: Out) {
-    use qdot_octets::{Bf16Lanes, F16Lanes, F32Lanes, OctMat};
+    use qdot::{Bf16Src, F16Src, F32Src};
     let (ptr, n) = (out.ptr.0, o.rows);
     macro_rules! run {
         ($lanes:expr, $s:expr, $b:expr) => {{
             let (scales, biases) = ($lanes($s), $lanes($b));
-            let w = OctMat {
-                q: &o.q,
+            let w = qdot::Mat {
+                bytes: &o.q,
                 cols: o.cols,
                 group: o.group,
                 scales,
@@ -255,9 +255,9 @@ fn octet_rows(o: &Octets, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, out: 
         }};
     }
     match (&o.scales, &o.biases) {
-        (Scales::F16(s), Scales::F16(b)) => run!(F16Lanes, bytemuck::cast_slice(s), bytemuck::cast_slice(b)),
-        (Scales::BF16(s), Scales::BF16(b)) => run!(Bf16Lanes, bytemuck::cast_slice(s), bytemuck::cast_slice(b)),
-        (Scales::F32(s), Scales::F32(b)) => run!(F32Lanes, s, b),
+        (Scales::F16(s), Scales::F16(b)) => run!(F16Src, bytemuck::cast_slice(s), bytemuck::cast_slice(b)),
+        (Scales::BF16(s), Scales::BF16(b)) => run!(Bf16Src, bytemuck::cast_slice(s), bytemuck::cast_slice(b)),
+        (Scales::F32(s), Scales::F32(b)) => run!(F32Src, s, b),
         _ => unreachable!("Octets::takes admits one scale dtype"),
     }
 }

@@ -4,8 +4,8 @@
 //! this layout.)
 
 use super::*;
-use crate::backend::cpu::qdot::{Layouts, QuantX};
-use crate::backend::cpu::qdot_octets::{octet_rows, octet_rows_vnni, Bf16Lanes, F16Lanes, F32Lanes, Lanes8, OctMat};
+use crate::backend::cpu::qdot::{Bf16Src, F16Src, F32Src, Layouts, Mat, QuantX};
+use crate::backend::cpu::qdot_octets::{octet_rows, octet_rows_vnni, Lanes8};
 use crate::backend::cpu::simd::{has_avx2, has_avx512_vnni};
 use crate::quant::affine::ScaleDtype;
 
@@ -51,7 +51,7 @@ fn octets_take_only_what_their_kernels_read() {
 }
 
 /// x rows t of an [rows, n] product through the octet kernels.
-fn run<S: Lanes8>(m: &OctMat<S>, bits: u32, x: &QuantX, n: usize, vnni: bool) -> Vec<f32> {
+fn run<S: Lanes8>(m: &Mat<S>, bits: u32, x: &QuantX, n: usize, vnni: bool) -> Vec<f32> {
     let sums = x.group_sums(m.group);
     let mut out = vec![0.25f32; x.rows * n];
     let o = out.as_mut_ptr();
@@ -102,19 +102,27 @@ fn octet_rows_give_each_x_row_its_bits_alone_and_batched() {
                     };
                     macro_rules! mat {
                         ($lanes:expr, $s:expr, $b:expr) => {
-                            OctMat { q: &o.q, cols: k, group, scales: $lanes($s), biases: $lanes($b), unit, accumulate }
+                            Mat {
+                                bytes: &o.q,
+                                cols: k,
+                                group,
+                                scales: $lanes($s),
+                                biases: $lanes($b),
+                                unit,
+                                accumulate,
+                            }
                         };
                     }
                     match (&o.scales, &o.biases) {
                         (Scales::F16(s), Scales::F16(b)) => {
-                            let m = mat!(F16Lanes, bytemuck::cast_slice(s), bytemuck::cast_slice(b));
+                            let m = mat!(F16Src, bytemuck::cast_slice(s), bytemuck::cast_slice(b));
                             check(&|x, v| run(&m, bits, x, n, v))
                         }
                         (Scales::BF16(s), Scales::BF16(b)) => {
-                            let m = mat!(Bf16Lanes, bytemuck::cast_slice(s), bytemuck::cast_slice(b));
+                            let m = mat!(Bf16Src, bytemuck::cast_slice(s), bytemuck::cast_slice(b));
                             check(&|x, v| run(&m, bits, x, n, v))
                         }
-                        (Scales::F32(s), Scales::F32(b)) => check(&|x, v| run(&mat!(F32Lanes, s, b), bits, x, n, v)),
+                        (Scales::F32(s), Scales::F32(b)) => check(&|x, v| run(&mat!(F32Src, s, b), bits, x, n, v)),
                         _ => unreachable!(),
                     }
                 }

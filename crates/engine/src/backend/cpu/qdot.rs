@@ -193,7 +193,8 @@ impl ScaleSrc for F32Src<'_> {
 
 /// One affine matrix in raw form for the kernel.
 pub struct Mat<'a, S> {
-    /// All rows' packed bytes (rows × cols·BITS/8).
+    /// All rows' packed bytes (rows × cols·BITS/8): row-major here, in octet layout for
+    /// qdot_octets.rs (octets.rs).
     pub bytes: &'a [u8],
     pub cols: usize,
     pub group: usize,

@@ -10,31 +10,25 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::octets::OCT;
-use super::qdot::{QuantX, XB};
+use super::qdot::{Bf16Src, F16Src, F32Src, Mat, QuantX, XB};
 use std::arch::x86_64::*;
 
-/// Eight consecutive scales or biases as one f32 vector.
+/// Eight consecutive scales or biases as one f32 vector (of the sources qdot.rs reads in
+/// bulk).
 pub trait Lanes8: Copy {
     /// # Safety
     /// AVX2+F16C present; values [i, i + 8) are inside the source.
     unsafe fn load8(self, i: usize) -> __m256;
 }
 
-#[derive(Clone, Copy)]
-pub struct F16Lanes<'a>(pub &'a [u16]);
-#[derive(Clone, Copy)]
-pub struct Bf16Lanes<'a>(pub &'a [u16]);
-#[derive(Clone, Copy)]
-pub struct F32Lanes<'a>(pub &'a [f32]);
-
-impl Lanes8 for F16Lanes<'_> {
+impl Lanes8 for F16Src<'_> {
     #[inline(always)]
     unsafe fn load8(self, i: usize) -> __m256 {
         debug_assert!(i + 8 <= self.0.len());
         _mm256_cvtph_ps(_mm_loadu_si128(self.0.as_ptr().add(i).cast()))
     }
 }
-impl Lanes8 for Bf16Lanes<'_> {
+impl Lanes8 for Bf16Src<'_> {
     #[inline(always)]
     unsafe fn load8(self, i: usize) -> __m256 {
         debug_assert!(i + 8 <= self.0.len());
@@ -42,7 +36,7 @@ impl Lanes8 for Bf16Lanes<'_> {
         _mm256_castsi256_ps(_mm256_slli_epi32::<16>(v))
     }
 }
-impl Lanes8 for F32Lanes<'_> {
+impl Lanes8 for F32Src<'_> {
     #[inline(always)]
     unsafe fn load8(self, i: usize) -> __m256 {
         debug_assert!(i + 8 <= self.0.len());
@@ -50,20 +44,8 @@ impl Lanes8 for F32Lanes<'_> {
     }
 }
 
-/// An octet matrix for the kernels: its bytes, shape, scales and biases, and how its
-/// products are summed (as qdot::Mat: units of `unit` columns added in order, continuing
-/// the output's values when `accumulate`).
-pub struct OctMat<'a, S> {
-    pub q: &'a [u8],
-    pub cols: usize,
-    pub group: usize,
-    pub scales: S,
-    pub biases: S,
-    pub unit: usize,
-    pub accumulate: bool,
-}
-
-/// Weight rows r0..r1 (r0 a multiple of 8; r1 too unless it is n) against every row of x.
+/// Weight rows r0..r1 (r0 a multiple of 8; r1 too unless it is n) against every row of x;
+/// `w.bytes` in octet layout (`Octets::q`).
 ///
 /// # Safety
 /// AVX2+FMA+F16C present; the matrix is consistent (`Octets` of n rows and `cols`
@@ -72,7 +54,7 @@ pub struct OctMat<'a, S> {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn octet_rows<const BITS: u32, S: Lanes8>(
-    w: &OctMat<S>,
+    w: &Mat<S>,
     x: &QuantX,
     sums: &[f32],
     rows: (usize, usize),
@@ -90,7 +72,7 @@ pub unsafe fn octet_rows<const BITS: u32, S: Lanes8>(
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn octet_rows_vnni<const BITS: u32, S: Lanes8>(
-    w: &OctMat<S>,
+    w: &Mat<S>,
     x: &QuantX,
     sums: &[f32],
     rows: (usize, usize),
@@ -102,7 +84,7 @@ pub unsafe fn octet_rows_vnni<const BITS: u32, S: Lanes8>(
 
 #[inline(always)]
 unsafe fn octet_rows_as<const BITS: u32, S: Lanes8, const VNNI: bool>(
-    w: &OctMat<S>,
+    w: &Mat<S>,
     x: &QuantX,
     sums: &[f32],
     (r0, r1): (usize, usize),
@@ -151,7 +133,7 @@ struct Tile {
 /// Octet `at.o` against x rows t0..t0+R, unit by unit.
 #[inline(always)]
 unsafe fn tile<const BITS: u32, S: Lanes8, const VNNI: bool, const R: usize, const CH: usize>(
-    w: &OctMat<S>,
+    w: &Mat<S>,
     x: &QuantX,
     sums: &[f32],
     at: Tile,
@@ -159,7 +141,7 @@ unsafe fn tile<const BITS: u32, S: Lanes8, const VNNI: bool, const R: usize, con
     let (k, g) = (w.cols, w.group);
     let (nb, gpr, bpg) = (k / XB, k / g, g / XB);
     let block_bytes = XB * BITS as usize;
-    let wq = w.q.as_ptr().add(at.o * nb * block_bytes);
+    let wq = w.bytes.as_ptr().add(at.o * nb * block_bytes);
     let mut xq = [std::ptr::null::<i32>(); R];
     for j in 0..R {
         xq[j] = x.q.as_ptr().add((at.t0 + j) * k).cast();
