@@ -16,6 +16,7 @@
 
 use super::qdot::XB;
 use crate::quant::affine::{get_q, AffineTensor, Scales};
+use rayon::prelude::*;
 
 /// Weight rows an octet holds: the lanes of one f32 vector.
 pub const OCT: usize = 8;
@@ -51,13 +52,17 @@ impl Octets {
         assert!(Self::takes(a), "octet layout: {}-bit g{} [{}, {}]", a.bits, a.group, a.rows, a.cols);
         let padded = a.rows.next_multiple_of(OCT);
         let mut q = vec![0u8; padded * a.cols * a.bits as usize / 8];
-        for r in 0..a.rows {
-            let words = a.row_words(r);
-            for c in 0..a.cols {
-                let (at, shift) = Self::place(a.bits, a.cols, r, c);
-                q[at] |= (get_q(words, a.bits, c) as u8) << shift;
+        // Octet by octet in parallel (each its own bytes): a large model's load would
+        // otherwise wait seconds on this.
+        q.par_chunks_mut(OCT * a.cols * a.bits as usize / 8).enumerate().for_each(|(o, q)| {
+            for r in o * OCT..(o * OCT + OCT).min(a.rows) {
+                let words = a.row_words(r);
+                for c in 0..a.cols {
+                    let (at, shift) = Self::place(a.bits, a.cols, r % OCT, c);
+                    q[at] |= (get_q(words, a.bits, c) as u8) << shift;
+                }
             }
-        }
+        });
         let gpr = a.cols / a.group;
         let order: Vec<Option<usize>> = (0..padded * gpr).map(|i| Self::source_of(i, gpr, a.rows)).collect();
         Octets {
