@@ -15,7 +15,7 @@
 //! row counts, so a row's product stays the same alone and batched.
 
 use super::qdot::XB;
-use crate::quant::affine::{get_q, AffineTensor, Scales};
+use crate::quant::affine::{AffineTensor, Scales};
 use rayon::prelude::*;
 
 /// Weight rows an octet holds: the lanes of one f32 vector.
@@ -56,11 +56,7 @@ impl Octets {
         // otherwise wait seconds on this.
         q.par_chunks_mut(OCT * a.cols * a.bits as usize / 8).enumerate().for_each(|(o, q)| {
             for r in o * OCT..(o * OCT + OCT).min(a.rows) {
-                let words = a.row_words(r);
-                for c in 0..a.cols {
-                    let (at, shift) = Self::place(a.bits, a.cols, r % OCT, c);
-                    q[at] |= (get_q(words, a.bits, c) as u8) << shift;
-                }
+                Self::place_row(a, r, q);
             }
         });
         let gpr = a.cols / a.group;
@@ -73,6 +69,30 @@ impl Octets {
             q,
             scales: permute(&a.scales, &order),
             biases: permute(&a.biases, &order),
+        }
+    }
+
+    /// Row r of `a` into its octet's bytes `q`, block by block. The packed stream is LSB
+    /// first, so a 4-bit block's 16 bytes hold values 2k and 2k + 1 in byte k's low and high
+    /// nibbles, and an 8-bit block's 32 bytes value k in byte k.
+    fn place_row(a: &AffineTensor, r: usize, q: &mut [u8]) {
+        let bytes: &[u8] = bytemuck::cast_slice(a.row_words(r));
+        let (l, bb) = (r % OCT, XB * a.bits as usize / 8);
+        for (b, src) in bytes.chunks_exact(bb).enumerate() {
+            let dst = &mut q[b * OCT * bb..][..OCT * bb];
+            if a.bits == 4 {
+                // Chunk c, byte 2l + e: value 2c + e low, value 16 + 2c + e high.
+                for c in 0..8 {
+                    let (lo, hi) = (src[c], src[8 + c]);
+                    dst[16 * c + 2 * l] = (lo & 0x0f) | (hi << 4);
+                    dst[16 * c + 2 * l + 1] = (lo >> 4) | (hi & 0xf0);
+                }
+            } else {
+                // Chunk c, byte 2l + e: value 2c + e.
+                for c in 0..16 {
+                    dst[16 * c + 2 * l..][..2].copy_from_slice(&src[2 * c..2 * c + 2]);
+                }
+            }
         }
     }
 
