@@ -308,6 +308,8 @@ impl Engine {
                 // the global one: its parallel regions (the CPU backend's, ~150 a step) then
                 // start inside a pool instead of waking one from outside, ~10 µs each on few
                 // cores. Without the pool they go to the global one, slower but correct.
+                // (rayon keeps such a pool's other workers, idle, for the process's life:
+                // one engine a server.)
                 let _pool = rayon::ThreadPoolBuilder::new()
                     .num_threads(rayon::current_num_threads())
                     .use_current_thread()
