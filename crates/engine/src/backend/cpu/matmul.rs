@@ -154,7 +154,7 @@ impl CpuMat {
     fn path(&self) -> Path<'_> {
         match &self.store {
             Store::Octets(o) => Path::Octets(o),
-            Store::Weight(Weight::Affine(a)) if simd::has_avx2() && qdot_ok(a) => Path::Int(a),
+            Store::Weight(Weight::Affine(a)) if simd::has_avx2() && qdot::takes(a) => Path::Int(a),
             Store::Weight(Weight::Affine(a)) => Path::Affine(a),
             Store::Weight(Weight::Dense(d)) => Path::Dense(d),
         }
@@ -262,12 +262,6 @@ fn octet_rows(o: &Octets, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, out: 
     }
 }
 
-/// Whether the integer decode dot takes this matrix: rows of whole 32-value blocks, scales
-/// and biases of one dtype.
-fn qdot_ok(a: &AffineTensor) -> bool {
-    a.cols.is_multiple_of(qdot::XB) && a.scales.dtype() == a.biases.dtype()
-}
-
 /// Columns r0..r1 of the product through the integer dot (qdot.rs).
 fn int_rows(a: &AffineTensor, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, sc: &mut qdot::Scratch, out: Out) {
     let bytes: &[u8] = bytemuck::cast_slice(&a.packed);
@@ -289,7 +283,7 @@ fn int_rows(a: &AffineTensor, qx: &QuantX, sums: &[f32], r0: usize, r1: usize, s
             run!(qdot::Bf16Src(bytemuck::cast_slice(s)), qdot::Bf16Src(bytemuck::cast_slice(b)))
         }
         (Scales::F32(s), Scales::F32(b)) => run!(qdot::F32Src(s), qdot::F32Src(b)),
-        _ => unreachable!("qdot_ok admits one scale dtype"),
+        _ => unreachable!("qdot::takes admits one scale dtype"),
     }
 }
 

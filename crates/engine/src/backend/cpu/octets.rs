@@ -35,16 +35,12 @@ pub struct Octets {
 }
 
 impl Octets {
-    /// Whether the octet kernels take this matrix: 4 or 8 bits, groups of whole 32-value
-    /// blocks, scales and biases of one dtype. (A last octet of fewer rows is padded with
+    /// Whether the octet kernels take this matrix: one the integer dot takes (qdot.rs), of 4
+    /// or 8 bits and groups of whole 32-value blocks. (A last octet of fewer rows is padded with
     /// zero rows, so that the row count never decides a matrix's arithmetic: a vocabulary
     /// cut to the tokenizer's ids scores them as the whole head does.)
     pub fn takes(a: &AffineTensor) -> bool {
-        matches!(a.bits, 4 | 8)
-            && a.group.is_multiple_of(XB)
-            && a.rows > 0
-            && a.cols.is_multiple_of(XB)
-            && a.scales.dtype() == a.biases.dtype()
+        super::qdot::takes(a) && matches!(a.bits, 4 | 8) && a.group.is_multiple_of(XB) && a.rows > 0
     }
 
     /// `a` re-laid (`takes(a)` must hold).

@@ -57,6 +57,12 @@ pub struct QuantX {
     pub d16: Vec<f32>,
 }
 
+/// Whether the integer dot takes this matrix (in either layout): rows of whole 32-value
+/// blocks, scales and biases of one dtype.
+pub fn takes(a: &crate::quant::affine::AffineTensor) -> bool {
+    a.cols.is_multiple_of(XB) && a.scales.dtype() == a.biases.dtype()
+}
+
 /// Which block layouts of x the matrices of a call need.
 #[derive(Clone, Copy, Default)]
 pub struct Layouts {

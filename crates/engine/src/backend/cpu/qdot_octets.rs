@@ -166,20 +166,11 @@ unsafe fn tile<const BITS: u32, S: Lanes8, const VNNI: bool, const R: usize, con
         }
         for j in 0..R {
             let p = at.out.add((at.t0 + j) * at.n + at.o * OCT);
-            if at.lanes == OCT {
-                let v = match u == 0 && !w.accumulate {
-                    true => acc[j],
-                    false => _mm256_add_ps(_mm256_loadu_ps(p), acc[j]),
-                };
-                _mm256_storeu_ps(p, v);
-            } else {
-                let m = super::qdot::head_mask(at.lanes);
-                let v = match u == 0 && !w.accumulate {
-                    true => acc[j],
-                    false => _mm256_add_ps(_mm256_maskload_ps(p, m), acc[j]),
-                };
-                _mm256_maskstore_ps(p, m, v);
-            }
+            let v = match u == 0 && !w.accumulate {
+                true => acc[j],
+                false => _mm256_add_ps(load_lanes(p, at.lanes), acc[j]),
+            };
+            store_lanes(p, at.lanes, v);
         }
     }
 }
@@ -222,6 +213,25 @@ unsafe fn block<const BITS: u32, const VNNI: bool, const R: usize, const CH: usi
         }
     }
     sum
+}
+
+/// The first `lanes` outputs at p (the rest zero): a whole vector, or masked in a last
+/// octet so that no other row's outputs are read or written.
+#[inline(always)]
+unsafe fn load_lanes(p: *const f32, lanes: usize) -> __m256 {
+    match lanes {
+        OCT => _mm256_loadu_ps(p),
+        _ => _mm256_maskload_ps(p, super::qdot::head_mask(lanes)),
+    }
+}
+
+/// v's first `lanes` values to p (see `load_lanes`).
+#[inline(always)]
+unsafe fn store_lanes(p: *mut f32, lanes: usize, v: __m256) {
+    match lanes {
+        OCT => _mm256_storeu_ps(p, v),
+        _ => _mm256_maskstore_ps(p, super::qdot::head_mask(lanes), v),
+    }
 }
 
 /// x's i-th pair of values from p, in every lane.
