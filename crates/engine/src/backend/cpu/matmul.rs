@@ -177,16 +177,9 @@ fn products(x: &[f32], m: usize, ws: &[&CpuMat], outs: &mut [&mut [f32]], accumu
         return;
     }
     let paths: Vec<Path> = ws.iter().map(|w| w.path()).collect();
-    // x quantized once for every matrix the integer dots take, in the block layouts the
-    // row-major ones read.
+    // x quantized once for every matrix the integer dots take.
     let int = paths.iter().any(|p| matches!(p, Path::Octets(_) | Path::Int(_)));
-    let qx = int.then(|| {
-        let lay = paths.iter().fold(qdot::Layouts::default(), |l, p| match p {
-            Path::Int(a) => l.or(qdot::Layouts::of(a.bits, a.group)),
-            _ => l,
-        });
-        QuantX::new(x, x.len() / m, lay)
-    });
+    let qx = int.then(|| QuantX::new(x, x.len() / m));
     // Σx per group (of the quantized x for the integer dots), once per group size: the
     // matrices of a call (q/k/v, gate/up) mostly share theirs.
     let mut sums: Vec<Vec<f32>> = Vec::new();

@@ -4,7 +4,7 @@
 //! this layout.)
 
 use super::*;
-use crate::backend::cpu::qdot::{Bf16Src, F16Src, F32Src, Layouts, Mat, QuantX};
+use crate::backend::cpu::qdot::{Bf16Src, F16Src, F32Src, Mat, QuantX};
 use crate::backend::cpu::qdot_octets::{octet_rows, octet_rows_vnni, Lanes8};
 use crate::backend::cpu::simd::{has_avx2, has_avx512_vnni};
 use crate::quant::affine::ScaleDtype;
@@ -89,10 +89,10 @@ fn octet_rows_give_each_x_row_its_bits_alone_and_batched() {
                     let what = format!("{bits}-bit g{group} {dtype:?} unit {unit} accumulate {accumulate}");
                     let check = |m: &dyn Fn(&QuantX, bool) -> Vec<f32>| {
                         let bits_of = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                        let all = m(&QuantX::new(&x, k, Layouts::default()), false);
+                        let all = m(&QuantX::new(&x, k), false);
                         assert!(all.iter().all(|v| v.is_finite()), "{what}");
                         for rows in [1, 2, 3, 4, 5, 7, 8, 9, 16, 19] {
-                            let xr = QuantX::new(&x[..rows * k], k, Layouts::default());
+                            let xr = QuantX::new(&x[..rows * k], k);
                             for vnni in [false, true].into_iter().filter(|&v| !v || has_avx512_vnni()) {
                                 let part = m(&xr, vnni);
                                 let v = if vnni { "VNNI" } else { "AVX2" };

@@ -10,11 +10,10 @@
 //! exact (integer sums times xd), y equals w·x' up to f32 rounding: the only error is x's
 //! quantization, |x − x'| ≤ xd/2 per value.
 //!
-//! Unpacking, into u16 lanes: 8-bit weights are 32 bytes unpacked against zero, x permuted
-//! per block to match (values 0-7, 16-23, 8-15, 24-31); 4-bit ones are 16 bytes widened and
-//! split into low and high nibbles (x per block: even values, then odd). Group-16 rows and
-//! the other widths go 16 values at a time: one byte shuffle gives each lane the two bytes
-//! holding its value, one multiply-high shifts it down, a mask keeps BITS bits.
+//! Unpacking, into u16 lanes, 16 values at a time: one byte shuffle gives each lane the two
+//! bytes holding its value, one multiply-high shifts it down, a mask keeps BITS bits. (The
+//! kernel takes any width 2-8; 4- and 8-bit matrices of groups of 32 or more go to the
+//! octet kernels instead, against the same x.)
 //!
 //! Each unpacked weight block serves up to four x rows (prefill, batched decode; eight
 //! where AVX-512 gives the registers: `rows_vnni`), and a product's arithmetic does not
@@ -42,17 +41,12 @@ use blocks::*;
 pub const XB: usize = 32;
 
 /// x quantized for the integer dot: int16 values, one scale per 32 values (and the same
-/// scale repeated per 16, for group-16 weights), and the block layouts asked for.
+/// scale repeated per 16, for group-16 weights).
 pub struct QuantX {
     /// Rows of x, each of `cols` values.
     pub rows: usize,
     pub cols: usize,
     pub q: Vec<i16>,
-    /// Per 32-value block: its 16 even values, then its 16 odd ones (4-bit nibble order).
-    pub q4: Vec<i16>,
-    /// Per 32-value block: values 0-7, 16-23, 8-15, 24-31 (the order in which byte
-    /// unpacking takes 8-bit weights out of 32 bytes, 128-bit half by half).
-    pub q8: Vec<i16>,
     pub d: Vec<f32>,
     pub d16: Vec<f32>,
 }
@@ -61,23 +55,6 @@ pub struct QuantX {
 /// blocks, scales and biases of one dtype.
 pub fn takes(a: &crate::quant::affine::AffineTensor) -> bool {
     a.cols.is_multiple_of(XB) && a.scales.dtype() == a.biases.dtype()
-}
-
-/// Which block layouts of x the matrices of a call need.
-#[derive(Clone, Copy, Default)]
-pub struct Layouts {
-    pub nibble: bool,
-    pub byte: bool,
-}
-
-impl Layouts {
-    /// The layout a matrix of `bits` and `group` reads (group-16 matrices read x in order).
-    pub fn of(bits: u32, group: usize) -> Layouts {
-        Layouts { nibble: bits == 4 && group >= XB, byte: bits == 8 && group >= XB }
-    }
-    pub fn or(self, o: Layouts) -> Layouts {
-        Layouts { nibble: self.nibble || o.nibble, byte: self.byte || o.byte }
-    }
 }
 
 /// One 32-value block of x to int16 (into qc), returning its scale.
@@ -98,21 +75,10 @@ fn quantize_block(c: &[f32], qc: &mut [i16]) -> f32 {
     }
 }
 
-/// x's blocks reordered: block value `order[j]` goes to slot j.
-fn permuted(q: &[i16], order: impl Fn(usize) -> usize) -> Vec<i16> {
-    let mut out = vec![0i16; q.len()];
-    for (o, c) in out.chunks_exact_mut(XB).zip(q.chunks_exact(XB)) {
-        for (j, v) in o.iter_mut().enumerate() {
-            *v = c[order(j)];
-        }
-    }
-    out
-}
-
 impl QuantX {
     /// Quantize the rows of x `[rows, cols]` (cols a multiple of 32). A block holding a NaN
     /// or ±inf gets a NaN scale, so it poisons the outputs as the f32 product would.
-    pub fn new(x: &[f32], cols: usize, layouts: Layouts) -> QuantX {
+    pub fn new(x: &[f32], cols: usize) -> QuantX {
         assert!(cols.is_multiple_of(XB) && cols > 0 && x.len().is_multiple_of(cols));
         let mut q = vec![0i16; x.len()];
         let mut d = vec![0f32; x.len() / XB];
@@ -125,10 +91,8 @@ impl QuantX {
                 *d = quantize_block(c, qc);
             }
         }
-        let q4 = if layouts.nibble { permuted(&q, |j| 2 * (j % 16) + j / 16) } else { Vec::new() };
-        let q8 = if layouts.byte { permuted(&q, |j| [0, 16, 8, 24][j / 8] + j % 8) } else { Vec::new() };
         let d16 = d.iter().flat_map(|&v| [v, v]).collect();
-        QuantX { rows: x.len() / cols, cols, q, q4, q8, d, d16 }
+        QuantX { rows: x.len() / cols, cols, q, d, d16 }
     }
 
     /// Σ x' per group of `group` values (row after row: groups never straddle rows), each
@@ -237,7 +201,7 @@ pub struct Scratch {
 /// CPU must support AVX2+FMA+F16C; the matrix is consistent (bytes, scales, biases hold
 /// every row's values); `out` points at an [x.rows, n] output with n > r1 − 1 that this
 /// call alone writes in columns r0..r1; `x` was quantized from rows of cols values with the
-/// layout `Layouts::of(BITS, group)` names.
+/// `QuantX::new`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
@@ -305,7 +269,7 @@ unsafe fn rows_tiled<const BITS: u32, S: ScaleSrc, const MAX: usize>(
         let i = r - r0;
         let (s, b) = (&ss[i * gpr..(i + 1) * gpr], &bs[i * gpr..(i + 1) * gpr]);
         let mut p = w.bytes.as_ptr().add(r * rb);
-        if r == last && BITS != 8 && !Layouts::of(BITS, g).nibble {
+        if r == last && BITS != 8 {
             sc.pad.clear();
             sc.pad.extend_from_slice(&w.bytes[last * rb..]);
             sc.pad.resize(rb + 16, 0);
@@ -377,14 +341,7 @@ unsafe fn tile<const BITS: u32, const R: usize>(
     (f, bt): (&mut [f32], &mut [f32]),
 ) {
     let (g, kb) = (x.cols / row.s.len(), x.cols / XB);
-    let lay = Layouts::of(BITS, g);
-    let xq = if lay.nibble {
-        x.q4.as_ptr()
-    } else if lay.byte {
-        x.q8.as_ptr()
-    } else {
-        x.q.as_ptr()
-    };
+    let xq = x.q.as_ptr();
     let fpr = x.cols / g.min(XB);
     let stride = fpr.next_multiple_of(8);
     for j in 0..R {
@@ -398,26 +355,17 @@ unsafe fn tile<const BITS: u32, const R: usize>(
     let sh = Shape { t0, xq, groups, factors, blocks, kb, stride };
     // One kernel for the whole tile, so that a unit's loop holds only its own code.
     let args = (sh, (f, bt));
-    match (g, lay.nibble, lay.byte) {
-        (16, _, _) => tile_as::<BITS, R, K16>(row, x, args),
-        (XB, true, _) => tile_as::<BITS, R, KB_NIBBLE>(row, x, args),
-        (XB, _, true) => tile_as::<BITS, R, KB_BYTE>(row, x, args),
-        (XB, _, _) => tile_as::<BITS, R, KB_SEG>(row, x, args),
-        (_, true, _) => tile_as::<BITS, R, KG_NIBBLE>(row, x, args),
-        (_, _, true) => tile_as::<BITS, R, KG_BYTE>(row, x, args),
-        _ => tile_as::<BITS, R, KG_SEG>(row, x, args),
+    match g {
+        16 => tile_as::<BITS, R, K16>(row, x, args),
+        XB => tile_as::<BITS, R, KB>(row, x, args),
+        _ => tile_as::<BITS, R, KG>(row, x, args),
     }
 }
 
-/// The kernels a tile's units run (`unit_acc`): group 16; group 32 in x's nibble, byte or
-/// segment layout; larger groups in the same three.
+/// The kernels a tile's units run (`unit_acc`): group 16, group 32, larger groups.
 const K16: u8 = 0;
-const KB_NIBBLE: u8 = 1;
-const KB_BYTE: u8 = 2;
-const KB_SEG: u8 = 3;
-const KG_NIBBLE: u8 = 4;
-const KG_BYTE: u8 = 5;
-const KG_SEG: u8 = 6;
+const KB: u8 = 1;
+const KG: u8 = 2;
 
 /// `tile` with its kernel K: the whole row's sum, or the units' sums added in order.
 #[cfg(target_arch = "x86_64")]
@@ -510,9 +458,7 @@ unsafe fn unit_acc<const BITS: u32, const R: usize, const K: u8>(
     }
     match K {
         K16 => dot_units16::<BITS, R>(src, f, stride, sh.factors, acc),
-        KB_NIBBLE => dot_blocks::<BITS, NIBBLE, R>(src, f, stride, sh.factors, acc),
-        KB_BYTE => dot_blocks::<BITS, BYTE, R>(src, f, stride, sh.factors, acc),
-        KB_SEG => dot_blocks::<BITS, SEG, R>(src, f, stride, sh.factors, acc),
+        KB => dot_blocks::<BITS, R>(src, f, stride, sh.factors, acc),
         _ => {
             let (kb, b0) = (sh.kb, u * sh.blocks);
             let mut d: [&[f32]; R] = [&[]; R];
@@ -520,11 +466,7 @@ unsafe fn unit_acc<const BITS: u32, const R: usize, const K: u8>(
                 *d = &x.d[(t0 + j) * kb + b0..(t0 + j + 1) * kb];
             }
             let (s, bpg) = (&row.s[g0..g1], sh.blocks / sh.groups);
-            match K {
-                KG_NIBBLE => dot_groups::<BITS, NIBBLE, R>(src, s, d, bpg, acc),
-                KG_BYTE => dot_groups::<BITS, BYTE, R>(src, s, d, bpg, acc),
-                _ => dot_groups::<BITS, SEG, R>(src, s, d, bpg, acc),
-            }
+            dot_groups::<BITS, R>(src, s, d, bpg, acc)
         }
     }
 }

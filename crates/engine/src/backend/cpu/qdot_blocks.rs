@@ -8,7 +8,7 @@ use std::arch::x86_64::*;
 use super::XB;
 
 /// A weight row and R rows of x for the block kernels: the row's packed bytes, each x
-/// row in the layout they read, and the byte shuffle and multipliers of `load16`.
+/// row's int16 values, and the byte shuffle and multipliers of `load16`.
 #[cfg(target_arch = "x86_64")]
 #[derive(Clone, Copy)]
 pub(super) struct Src<const R: usize> {
@@ -17,12 +17,6 @@ pub(super) struct Src<const R: usize> {
     pub shuf: __m256i,
     pub mul: __m256i,
 }
-
-/// How a 32-value block is unpacked: two 16-value segments of any width (x in order),
-/// 4-bit nibbles (x in `q4` order), 8-bit bytes (x in `q8` order).
-pub(super) const SEG: u8 = 0;
-pub(super) const NIBBLE: u8 = 1;
-pub(super) const BYTE: u8 = 2;
 
 /// Lanes [0, n) of 8 set (n ≤ 8).
 #[cfg(target_arch = "x86_64")]
@@ -78,7 +72,7 @@ pub(super) unsafe fn bias_terms(b: &[f32], sums: &[f32], out: &mut [f32]) {
 /// x row j's unit factors at f[j·stride..][..units].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn dot_blocks<const BITS: u32, const L: u8, const R: usize>(
+pub(super) unsafe fn dot_blocks<const BITS: u32, const R: usize>(
     src: Src<R>,
     f: &[f32],
     stride: usize,
@@ -89,7 +83,7 @@ pub(super) unsafe fn dot_blocks<const BITS: u32, const L: u8, const R: usize>(
     let (mut a0, mut a1) = (acc, [_mm256_setzero_ps(); R]);
     let mut b = 0;
     while b + 2 <= units {
-        let (w0, w1) = (wblock::<BITS, L, R>(src, b), wblock::<BITS, L, R>(src, b + 1));
+        let (w0, w1) = (wblock::<BITS, R>(src, b), wblock::<BITS, R>(src, b + 1));
         for j in 0..R {
             let (i0, i1) = (xdot(w0, src.xq[j], b), xdot(w1, src.xq[j], b + 1));
             let f = fp.add(j * stride + b);
@@ -99,7 +93,7 @@ pub(super) unsafe fn dot_blocks<const BITS: u32, const L: u8, const R: usize>(
         b += 2;
     }
     if b < units {
-        let w0 = wblock::<BITS, L, R>(src, b);
+        let w0 = wblock::<BITS, R>(src, b);
         for j in 0..R {
             let i0 = xdot(w0, src.xq[j], b);
             a0[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_broadcast_ss(&*fp.add(j * stride + b)), a0[j]);
@@ -114,7 +108,7 @@ pub(super) unsafe fn dot_blocks<const BITS: u32, const L: u8, const R: usize>(
 /// acc_j + Σ_g s_g · Σ_{b∈g} d_j,b · (q·xq_j over block b) for groups of bpg ≥ 2 blocks.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn dot_groups<const BITS: u32, const L: u8, const R: usize>(
+pub(super) unsafe fn dot_groups<const BITS: u32, const R: usize>(
     src: Src<R>,
     s: &[f32],
     d: [&[f32]; R],
@@ -126,7 +120,7 @@ pub(super) unsafe fn dot_groups<const BITS: u32, const L: u8, const R: usize>(
         let (mut a0, mut a1) = ([_mm256_setzero_ps(); R], [_mm256_setzero_ps(); R]);
         let end = b + bpg;
         while b < end {
-            let (w0, w1) = (wblock::<BITS, L, R>(src, b), wblock::<BITS, L, R>(src, b + 1));
+            let (w0, w1) = (wblock::<BITS, R>(src, b), wblock::<BITS, R>(src, b + 1));
             for j in 0..R {
                 let (i0, i1) = (xdot(w0, src.xq[j], b), xdot(w1, src.xq[j], b + 1));
                 let dp = d[j].as_ptr().add(b);
@@ -174,28 +168,14 @@ pub(super) unsafe fn dot_units16<const BITS: u32, const R: usize>(
     a0
 }
 
-/// The 32 weights of block b as two vectors of u16 lanes, in the order layout L pairs
-/// them with x: values 0-15 and 16-31 (segments), even and odd values (4-bit nibbles), or
-/// the bytes' unpack halves (8-bit).
+/// The 32 weights of block b as two vectors of u16 lanes: values 0-15 and 16-31.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-pub(super) unsafe fn wblock<const BITS: u32, const L: u8, const R: usize>(src: Src<R>, b: usize) -> (__m256i, __m256i) {
-    match L {
-        NIBBLE => {
-            let v = _mm256_cvtepu8_epi16(_mm_loadu_si128(src.p.add(16 * b) as *const __m128i));
-            (_mm256_and_si256(v, _mm256_set1_epi16(15)), _mm256_srli_epi16::<4>(v))
-        }
-        BYTE => {
-            let v = _mm256_loadu_si256(src.p.add(XB * b) as *const __m256i);
-            let z = _mm256_setzero_si256();
-            (_mm256_unpacklo_epi8(v, z), _mm256_unpackhi_epi8(v, z))
-        }
-        _ => (load16::<BITS, R>(src, 2 * b), load16::<BITS, R>(src, 2 * b + 1)),
-    }
+pub(super) unsafe fn wblock<const BITS: u32, const R: usize>(src: Src<R>, b: usize) -> (__m256i, __m256i) {
+    (load16::<BITS, R>(src, 2 * b), load16::<BITS, R>(src, 2 * b + 1))
 }
 
-/// w·xq over block b (w from `wblock`; x row xq in the block's layout) as 8 i32 partial
-/// sums.
+/// w·xq over block b (w from `wblock`) as 8 i32 partial sums.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 pub(super) unsafe fn xdot(w: (__m256i, __m256i), xq: *const i16, b: usize) -> __m256i {

@@ -68,7 +68,7 @@ fn integer_dot_matches_f64_reference_within_int16_rounding() {
                 let w: Vec<f32> = (0..n * k).map(|_| 0.3 + lcg(&mut seed)).collect();
                 let x = activations(k, &mut seed);
                 let a = AffineTensor::quantize(&w, n, k, bits, group, dtype).unwrap();
-                let qx = QuantX::new(&x, k, Layouts::default());
+                let qx = QuantX::new(&x, k);
                 let mut got = vec![f32::NAN; n];
                 let refs = reference(&a, &x, &qx);
                 matmul(&x, 1, &Weight::Affine(a), &mut got);
@@ -121,7 +121,7 @@ fn the_vnni_rows_give_the_avx2_rows_bits() {
             let a = AffineTensor::quantize(&w, n, k, bits, group, ScaleDtype::F16).unwrap();
             let (Scales::F16(s), Scales::F16(b)) = (&a.scales, &a.biases) else { unreachable!("F16 asked") };
             let x: Vec<f32> = (0..19).flat_map(|_| activations(k, &mut seed)).collect();
-            let qx = QuantX::new(&x, k, Layouts::of(bits, group));
+            let qx = QuantX::new(&x, k);
             let sums = qx.group_sums(group);
             for (unit, accumulate) in [(k, false), (k / 2, true)] {
                 let m = Mat {
@@ -134,7 +134,7 @@ fn the_vnni_rows_give_the_avx2_rows_bits() {
                     accumulate,
                 };
                 let run = |vnni: bool, x_rows: usize| {
-                    let xr = QuantX::new(&x[..x_rows * k], k, Layouts::of(bits, group));
+                    let xr = QuantX::new(&x[..x_rows * k], k);
                     let mut out = vec![0.25f32; x_rows * n];
                     let mut sc = Scratch::default();
                     let o = out.as_mut_ptr();
