@@ -310,8 +310,7 @@ fn int_bits<S: qdot::ScaleSrc>(
     // slower in some rounds).
     // SAFETY: AVX2+FMA+F16C present (has_avx2), AVX-512 F/VL/BW/VNNI where rows_vnni runs
     // (has_avx512_vnni); the tensor's lengths were checked when it was built; out is [m, n]
-    // and this task alone writes its columns r0..r1; qx has the layouts of every matrix
-    // taken (matmul_many).
+    // and this task alone writes its columns r0..r1; qx is the call's x (products).
     unsafe {
         if qx.rows >= 8 && simd::has_avx512_vnni() {
             by_bits!(rows_vnni)
