@@ -200,8 +200,7 @@ pub struct Scratch {
 /// # Safety
 /// CPU must support AVX2+FMA+F16C; the matrix is consistent (bytes, scales, biases hold
 /// every row's values); `out` points at an [x.rows, n] output with n > r1 − 1 that this
-/// call alone writes in columns r0..r1; `x` was quantized from rows of cols values with the
-/// `QuantX::new`.
+/// call alone writes in columns r0..r1; `x` holds rows of cols values (`QuantX::new`).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
