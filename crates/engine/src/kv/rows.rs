@@ -457,7 +457,7 @@ mod tests {
     fn attention_over_quantized_rows_equals_attention_over_their_dequantized_copy() {
         for scheme in ["affine:8", "affine:4", "turbo", "turbo:k4v2", "turbo:k2v8", "turbo:k5v5", "turbo:k8v4"] {
             let s = KvScheme::parse(scheme).unwrap();
-            for hd in [64, 128] {
+            for hd in [64, 128, 256] {
                 let codec = RowCodec::new(&s, 0, hd).unwrap().unwrap();
                 assert_eq!(codec.bytes(), s.head_position_bytes(hd, 0), "{scheme} {hd}");
                 for n in [1, 31, 32, 33, 100] {
