@@ -62,10 +62,14 @@ fn save_restore_continue(model: &Decoder<Cpu>, fp: &str, prompt: &[u32], ctx: us
 fn a_saved_cache_continues_as_uninterrupted_generation_in_every_scheme() {
     let (mut model, tok, fp) = load(&smollm2());
     let prompt = tok.encode("The history of the Roman Empire begins with", true).unwrap();
-    for scheme in ["bf16", "affine:8", "affine:4", "turbo", "turbo:k4v2"] {
+    for scheme in ["bf16", "affine:8", "affine:4", "turbo", "turbo:k4v2", "turbo:k5v5", "turbo:k2v8"] {
         model.set_kv_scheme(KvScheme::parse(scheme).unwrap()).unwrap();
         save_restore_continue(&model, &fp, &prompt, 256, 12, 40);
     }
+    // Per-layer bits (`--kv affine:FILE`): 8 and 4 bits alternating over the layers.
+    let bits = (0..model.cfg.n_layers).map(|l| if l % 2 == 0 { 8 } else { 4 }).collect();
+    model.set_kv_scheme(KvScheme::Affine(bits)).unwrap();
+    save_restore_continue(&model, &fp, &prompt, 256, 12, 40);
 }
 
 /// Gemma 3 270M: 600 positions, past the sliding layers' window of 512, in a session that
