@@ -449,12 +449,20 @@ fn quantized_caches_batch_share_prefixes_and_preempt() {
 
 /// The prefix cache on disk: a prompt's blocks are saved when its prefill is done; an
 /// engine started again on the same directory (a restart) starts a prompt sharing some of
-/// them from disk, with the tokens it gives cold; another model's files are not used.
+/// them from disk, with the tokens it gives cold; another model's files are not used. For
+/// a bf16 cache and a quantized one (turbo:k8v3), whose files an engine of the other scheme
+/// on the same directory does not take.
 #[test]
 fn the_prefix_cache_on_disk_outlives_the_engine() {
+    prefix_cache_on_disk_outlives_the_engine("bf16", "turbo");
+    prefix_cache_on_disk_outlives_the_engine("turbo", "bf16");
+}
+
+fn prefix_cache_on_disk_outlives_the_engine(scheme: &str, other: &str) {
     use ferrolm::serving::PrefixCacheDir;
     let tok = tokenizer();
-    let model = load().unwrap();
+    let mut model = load().unwrap();
+    model.set_kv_scheme(ferrolm::kv::scheme::KvScheme::parse(scheme).unwrap()).unwrap();
     let (src, t) = ferrolm::formats::load_with_tokenizer(&model_path(), false).unwrap();
     let fp = ferrolm::kv::file::model_fingerprint(&src, &t);
     let dir = tempfile::tempdir().unwrap();
@@ -479,6 +487,7 @@ fn the_prefix_cache_on_disk_outlives_the_engine() {
         let Event::Started { cached_tokens, .. } = rx.recv().unwrap() else { panic!("no start") };
         (cached_tokens, collect(&rx).0)
     };
+    let engine = |c| engine_with(scheme, c);
     let e = engine(cfg(&fp));
     assert_eq!(run(&e, &a).0, 0);
     drop(e);
@@ -495,4 +504,10 @@ fn the_prefix_cache_on_disk_outlives_the_engine() {
     assert_eq!(files(), 3);
     let e = engine(cfg(&fp));
     assert_eq!(run(&e, &b).0, (b.len() - 1) / ferrolm::kv::BLOCK * ferrolm::kv::BLOCK, "b's own file");
+    drop(e);
+    // An engine of the other scheme computes b cold, and writes its own file.
+    let e = engine_with(other, cfg(&fp));
+    assert_eq!(run(&e, &b).0, 0, "{other} takes no {scheme} file");
+    drop(e);
+    assert_eq!(files(), 4);
 }
