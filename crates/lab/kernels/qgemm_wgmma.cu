@@ -25,7 +25,10 @@
 // warp-specialized form (a producer warpgroup loading and dequantizing for two consumers,
 // stages handed over by mbarriers) measured slower than both and is gone (perf.md's
 // "Designs measured and not taken").
-// Launch: grid (⌈rows/128⌉, ⌈m/128⌉), block 256, dynamic shared memory
+// qgemm_wg_dense (and _if) read the weights from a bf16 copy dequantized beforehand by
+// dequant_bf16 (the same values), so the consumers issue nothing but copies and MMAs: what
+// the design gives once dequantization leaves the loop, its cost then a separate pass.
+// Launch: grid (⌈rows/128⌉, ⌈m/128⌉) (the dense forms: (⌈m/128⌉, ⌈rows/128⌉)), block 256, dynamic shared memory
 // WG_SMEM bytes (past 48 KiB: the function's attribute must allow it). cols a multiple of 64.
 #include "common.cuh"
 #include "affine.cuh"
@@ -95,16 +98,17 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], u64 a, u64 b) {
         : "l"(a), "l"(b));
 }
 
-// Step s's x tile (tokens t0.., 64 values) into `tile` by cp.async from the block's 256
-// threads: 16-byte chunk c = tid + 256·i is token row c/8, chunk c%8 (zero-filled past m).
-__device__ __forceinline__ void copy_x_tile(u8* tile, const bf16_t* __restrict__ x, int t0, int m, int cols, int s,
-                                            int tid) {
+// Step s's tile of a bf16 [n, cols] matrix (rows t0.., 64 values) into `tile` by cp.async
+// from the block's 256 threads: 16-byte chunk c = tid + 256·i is tile row c/8, chunk c%8
+// (zero-filled past n). x's tiles, and the dense form's weight tiles.
+__device__ __forceinline__ void copy_tile(u8* tile, const bf16_t* __restrict__ a, int t0, int n, int cols, int s,
+                                          int tid) {
     const u32 base = smem_u32(tile);
 #pragma unroll
     for (int i = 0; i < WG_BM * 8 / 256; i++) {
         const int c = tid + 256 * i, r = c >> 3, ch = c & 7, t = t0 + r;
-        const bool ok = t < m;
-        cp_async16(base + swz(r, ch), ok ? x + (size_t)t * cols + s * WG_BK + ch * 8 : x, ok);
+        const bool ok = t < n;
+        cp_async16(base + swz(r, ch), ok ? a + (size_t)t * cols + s * WG_BK + ch * 8 : a, ok);
     }
 }
 
@@ -219,7 +223,7 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
 
     auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
     auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
-    auto load_x = [&](int st, int s) { copy_x_tile(x_tile(st), x, t0, m, cols, s, tid); };
+    auto load_x = [&](int st, int s) { copy_tile(x_tile(st), x, t0, m, cols, s, tid); };
 
     float acc[64], tot[64];
 #pragma unroll
@@ -289,3 +293,91 @@ __device__ __forceinline__ void qgemm_wg_body(const u32* __restrict__ w, const s
     }
 QGEMM_WG(qgemm_wg, false)
 QGEMM_WG(qgemm_wg_if, true)
+
+// The dense form: the weights dequantized once into a bf16 [rows, cols] copy
+// (dequant_bf16 below: the same dequant_pair, so the same values the tiles above hold),
+// both tiles then by cp.async and nothing on the consumers' issue path but the MMAs. The
+// ring, the chunked sums and the output are the shared form's.
+template <bool OUT_F32, bool IN_FLIGHT>
+__device__ __forceinline__ void qgemm_wg_dense_body(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
+                                                    void* __restrict__ out, int rows, int cols, int m) {
+    extern __shared__ u8 smem_raw[];
+    u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
+    // Token tiles fastest (grid (⌈m/128⌉, ⌈rows/128⌉)): the blocks of one weight tile run
+    // together, so it comes from HBM about once and from L2 for the others.
+    const int t0 = blockIdx.x * WG_BM, r0 = blockIdx.y * WG_BN, nk = cols / WG_BK;
+    auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
+    auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
+    auto load = [&](int st, int s) {
+        copy_tile(x_tile(st), x, t0, m, cols, s, tid);
+        copy_tile(w_tile(st), w, r0, rows, cols, s, tid);
+    };
+    float acc[64], tot[64];
+#pragma unroll
+    for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
+    constexpr int P = IN_FLIGHT ? STAGES - 2 : STAGES - 1;
+#pragma unroll
+    for (int st = 0; st < P; st++) {
+        if (st < nk) load(st, st);
+        cp_async_commit();
+    }
+    constexpr int SPC = CHUNK_K / WG_BK;
+    for (int s0 = 0; s0 < nk; s0 += SPC) {
+#pragma unroll
+        for (int j = 0; j < SPC; j++) {
+            const int s = s0 + j, st = s % STAGES;
+            if (s < nk) {
+                cp_async_wait<P - 1>();
+                fence_async_smem();
+                __syncthreads();
+                issue_step(acc, smem_u32(x_tile(st)) + wg * 64 * 128, smem_u32(w_tile(st)));
+                const int sn = s + P;
+                if (sn < nk) load(sn % STAGES, sn);
+                cp_async_commit();
+                if (IN_FLIGHT) wg_wait1();
+                else wg_wait0();
+                pin(acc);
+            }
+        }
+        drain_chunk(acc, tot);
+    }
+    store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * wg + 16 * warp + (lane >> 2), lane);
+}
+
+#define QGEMM_WG_DENSE(name, in_flight)                                                                        \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                       \
+        name(const bf16_t* w, const bf16_t* x, bf16_t* out, int rows, int cols, int m) {                        \
+        qgemm_wg_dense_body<false, in_flight>(w, x, out, rows, cols, m);                                        \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 1)                                                       \
+        name##_f32(const bf16_t* w, const bf16_t* x, float* out, int rows, int cols, int m) {                   \
+        qgemm_wg_dense_body<true, in_flight>(w, x, out, rows, cols, m);                                         \
+    }
+QGEMM_WG_DENSE(qgemm_wg_dense, false)
+QGEMM_WG_DENSE(qgemm_wg_dense_if, true)
+
+// out [rows, cols] bf16 = the affine matrix dequantized as the GEMMs do (dequant_pair): one
+// 32-bit word of one row a thread, its 32/BITS values stored as bf16 pairs.
+extern "C" __global__ void dequant_bf16(const u32* __restrict__ w, const scale_t* __restrict__ ws,
+                                        const scale_t* __restrict__ wb, bf16_t* __restrict__ out, int rows,
+                                        int cols) {
+    constexpr int VPW = 32 / BITS;  // values a word
+    const size_t words = (size_t)rows * (cols / VPW);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t k = i * VPW, r = k / cols, c = k % cols, g = r * (cols / GROUP) + c / GROUP;
+        const u32 q = w[i];
+        const float sc = s2f(ws[g]), bi = s2f(wb[g]);
+        u32 p[VPW / 2];
+#pragma unroll
+        for (int j = 0; j < VPW / 2; j++)
+            p[j] = dequant_pair((q >> (2 * j * BITS)) & MASK, (q >> ((2 * j + 1) * BITS)) & MASK, sc, bi);
+        if constexpr (VPW == 8) {
+            *reinterpret_cast<uint4*>(out + k) = make_uint4(p[0], p[1], p[2], p[3]);
+        } else {
+            u32* o = reinterpret_cast<u32*>(out + k);
+#pragma unroll
+            for (int j = 0; j < VPW / 2; j++) o[j] = p[j];
+        }
+    }
+}

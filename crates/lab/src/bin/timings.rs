@@ -414,7 +414,7 @@ fn qgemm(lab: &mut Session) -> Result<()> {
 /// scales, as `timings qgemm`).
 fn wgmma_gemm(lab: &mut Session) -> Result<()> {
     use ferrolm::backend::cuda::QgemmKernel;
-    use ferrolm_lab::wgmma::{qgemm_wg, WgForm};
+    use ferrolm_lab::wgmma::{dequant_bf16, qgemm_wg, WgForm};
     let (g, c, r) = (lab.g, Cpu, &mut lab.r);
     let affine = |r: &mut Rng, n: usize, k: usize| {
         AffineTensor::quantize(&r.v(n * k, 0.05), n, k, 4, 64, ScaleDtype::F16).map(Weight::Affine)
@@ -427,10 +427,12 @@ fn wgmma_gemm(lab: &mut Session) -> Result<()> {
         let xg = g.act_from(m, k, &x)?;
         let mut want = c.act(m, n)?;
         c.matmul(&cpu(m, k, x), &CpuMat::new(w), &mut want)?;
+        let mut dense = g.act_poisoned(n, k, false)?;
+        dequant_bf16(g, &wg, &mut dense)?;
         for form in WgForm::ALL {
             for f32_out in [false, true] {
                 let mut og = g.act_poisoned(m, n, f32_out)?;
-                qgemm_wg(g, form, &xg, &wg, &mut og)?;
+                qgemm_wg(g, form, &xg, &wg, Some(&dense), &mut og)?;
                 let what = format!("qgemm_wg {form:?} q4 g64 F16 n{n} k{k} m{m} f32out {f32_out}");
                 lab.checks.check(&what, &g.read_rows(&og, 0)?, &want.data, 1e-2);
             }
@@ -447,13 +449,16 @@ fn wgmma_gemm(lab: &mut Session) -> Result<()> {
             let tp = stream_time(g, 20, &mut || g.matmul(&xg, &wg, &mut og))? / 1e3;
             let tf = |t: f64| 2.0 * (m * n * k) as f64 / t / 1e12;
             print!("q4 g64 m{m} n{n} k{k}: product {:.1} µs ({:.1} TFLOP/s)", tp * 1e6, tf(tp));
+            let mut dense = g.act_poisoned(n, k, false)?;
+            let td = stream_time(g, 20, &mut || dequant_bf16(g, &wg, &mut dense))? / 1e3;
+            print!("; dequantizing to bf16 {:.1} µs", td * 1e6);
             for form in WgForm::ALL {
                 let mut oa = g.act_poisoned(m, n, true)?;
-                qgemm_wg(g, form, &xg, &wg, &mut oa)?;
+                qgemm_wg(g, form, &xg, &wg, Some(&dense), &mut oa)?;
                 let a = g.read_rows(&oa, 0)?;
                 let same = a.iter().zip(&b).filter(|(x, y)| x.to_bits() == y.to_bits()).count();
                 let err = ferrolm_lab::timing::rel_err(&a, &b);
-                let tw = stream_time(g, 20, &mut || qgemm_wg(g, form, &xg, &wg, &mut og))? / 1e3;
+                let tw = stream_time(g, 20, &mut || qgemm_wg(g, form, &xg, &wg, Some(&dense), &mut og))? / 1e3;
                 print!(
                     "; {form:?} {:.1} µs ({:.1} TFLOP/s, {:.3}x), bits equal to the tiled kernel's {same}/{} (rel. diff {err:.2e})",
                     tw * 1e6,
