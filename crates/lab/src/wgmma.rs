@@ -26,15 +26,27 @@ pub enum WgForm {
     DenseInFlight,
     /// The same through a ring of six stages (four steps ahead instead of two).
     DenseInFlight6,
+    /// qgemm_wg_dense_ws: the dense form warp-specialized (a producer warpgroup copying
+    /// for two consumers through mbarriers, 384 threads).
+    DenseWs,
+    /// The same through six stages.
+    DenseWs6,
 }
 
 impl WgForm {
-    pub const ALL: [WgForm; 5] =
-        [WgForm::Shared, WgForm::SharedInFlight, WgForm::Dense, WgForm::DenseInFlight, WgForm::DenseInFlight6];
+    pub const ALL: [WgForm; 7] = [
+        WgForm::Shared,
+        WgForm::SharedInFlight,
+        WgForm::Dense,
+        WgForm::DenseInFlight,
+        WgForm::DenseInFlight6,
+        WgForm::DenseWs,
+        WgForm::DenseWs6,
+    ];
 
     /// Whether the form reads the dequantized bf16 copy of the weights.
     pub fn dense(self) -> bool {
-        matches!(self, WgForm::Dense | WgForm::DenseInFlight | WgForm::DenseInFlight6)
+        !matches!(self, WgForm::Shared | WgForm::SharedInFlight)
     }
 
     /// The kernel's name (bf16 out; `_f32` appended for f32).
@@ -44,16 +56,24 @@ impl WgForm {
             WgForm::SharedInFlight => "qgemm_wg_if",
             WgForm::Dense => "qgemm_wg_dense",
             WgForm::DenseInFlight | WgForm::DenseInFlight6 => "qgemm_wg_dense_if",
+            WgForm::DenseWs | WgForm::DenseWs6 => "qgemm_wg_dense_ws",
         }
     }
 
     /// The ring's stages (the kernel's STAGES) and its dynamic shared memory: a 32 KiB x
     /// and w tile pair a stage, plus 1 KiB to align the tiles (the kernel's WG_SMEM).
     fn stages(self) -> usize {
-        if self == WgForm::DenseInFlight6 {
+        if matches!(self, WgForm::DenseInFlight6 | WgForm::DenseWs6) {
             6
         } else {
             4
+        }
+    }
+    fn threads(self) -> u32 {
+        if matches!(self, WgForm::DenseWs | WgForm::DenseWs6) {
+            384
+        } else {
+            256
         }
     }
     fn smem(self) -> usize {
@@ -119,6 +139,6 @@ pub fn qgemm_wg(
     };
     let (row_tiles, token_tiles) = (rows.div_ceil(TILE) as u32, x.rows.div_ceil(TILE) as u32);
     let grid = if form.dense() { (token_tiles, row_tiles, 1) } else { (row_tiles, token_tiles, 1) };
-    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: form.smem() as u32 };
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (form.threads(), 1, 1), shared_mem_bytes: form.smem() as u32 };
     g.launch(&f, cfg, &args, Order::Serial, "qgemm_wg launch")
 }
