@@ -29,7 +29,7 @@ fn run_counted<B: Backend>(
 ) -> (Vec<Vec<f32>>, usize) {
     let v = model.logits_width();
     let blocks = KvBlocks { full: 64, sliding: 0, head: 0 };
-    let mut store = model.backend.kv_store(&model.cfg, blocks).unwrap();
+    let mut store = model.backend.kv_store_scheme(&model.cfg, blocks, model.kv_scheme()).unwrap();
     let mut paged = PagedKv::new(BLOCK, blocks.full, None);
     let mut seqs: Vec<SeqKv> = prompts.iter().map(|_| SeqKv::default()).collect();
     let mut out: Vec<Vec<f32>> = prompts.iter().map(|p| vec![f32::NAN; p.len() * v]).collect();
@@ -63,6 +63,22 @@ fn run_counted<B: Backend>(
     (out, calls)
 }
 
+/// Every row `batched` knows (the last of each chunk; the others NaN) is the bits of the
+/// same row in `alone`; returns how many were compared.
+fn rows_equal(alone: &[Vec<f32>], batched: &[Vec<f32>], v: usize, what: &str) -> usize {
+    let mut compared = 0;
+    for (a, b) in alone.iter().zip(batched) {
+        for (ra, rb) in a.chunks_exact(v).zip(b.chunks_exact(v)) {
+            if rb[0].is_nan() {
+                continue;
+            }
+            assert!(ra == rb, "{what}: a batched row differs from its one-row call");
+            compared += 1;
+        }
+    }
+    compared
+}
+
 #[test]
 fn batched_calls_give_the_same_bits_as_one_row_calls() {
     let (mc, mg, tok) = smollm2();
@@ -74,16 +90,7 @@ fn batched_calls_give_the_same_bits_as_one_row_calls() {
     // All together, chunks of 1..5 rows varying by step and sequence: only each chunk's last
     // row is known; it must equal the one-row calls' bits.
     let batched = run(&mg, &prompts, |step, i, _| 1 + (step * 3 + i * 5) % 5);
-    let mut compared = 0;
-    for (a, b) in alone.iter().zip(&batched) {
-        for (ra, rb) in a.chunks_exact(v).zip(b.chunks_exact(v)) {
-            if rb[0].is_nan() {
-                continue;
-            }
-            assert!(ra == rb, "a batched row differs from its one-row call");
-            compared += 1;
-        }
-    }
+    let compared = rows_equal(&alone, &batched, v, "bf16");
     assert!(compared >= 6, "{compared} rows compared");
     // And against the CPU (the same calls): the argmax agrees at ≥ 90% of positions (bf16
     // activations against f32; the model parity tests hold the tighter bar).
@@ -96,6 +103,31 @@ fn batched_calls_give_the_same_bits_as_one_row_calls() {
         }
     }
     assert!(agree * 10 >= n * 9, "argmax agrees at {agree} of {n} positions");
+}
+
+/// A quantized cache keeps batch invariance: in turbo:k8v3 and affine:4 rows, each
+/// sequence's logits are the same bits one row a call alone and batched with others in
+/// chunks of 1-5 rows (decode over quantized rows, and prefill chunks over a quantized
+/// prefix), for sequences ending short of, on and past a block's end (33, 47, 64 positions).
+#[test]
+fn quantized_caches_give_the_same_bits_alone_and_batched() {
+    let (_, mut mg, tok) = smollm2();
+    let text = "The river flows north through three towns. Each town has a bridge, a market and a \
+                school; the first town also has a mill that grinds the grain of the whole valley, \
+                and its people trade flour for wool and timber with the towns downstream. In \
+                spring the river floods the lower fields, so the farmers plant late and harvest \
+                in the first cold weeks of autumn, when the roads are dry again.";
+    let ids = tok.encode(text, true).unwrap();
+    assert!(ids.len() >= 64, "{} tokens", ids.len());
+    let prompts: Vec<Vec<u32>> = [33, 47, 64].iter().map(|&n| ids[..n].to_vec()).collect();
+    let v = mg.logits_width();
+    for scheme in ["turbo:k8v3", "affine:4"] {
+        mg.set_kv_scheme(ferrolm::kv::scheme::KvScheme::parse(scheme).unwrap()).unwrap();
+        let alone = run(&mg, &prompts, |step, i, _| usize::from(step >= 100 * i));
+        let batched = run(&mg, &prompts, |step, i, _| 1 + (step * 3 + i * 5) % 5);
+        let compared = rows_equal(&alone, &batched, v, scheme);
+        assert!(compared >= 30, "{scheme}: {compared} rows compared");
+    }
 }
 
 /// Calls replayed from graphs captured per padded size give the bits of calls launched
@@ -195,7 +227,7 @@ fn run_generated<B: Backend>(
     active: impl Fn(usize, usize) -> bool,
 ) -> Vec<Vec<Vec<f32>>> {
     let blocks = KvBlocks { full: 64, sliding: 0, head: 0 };
-    let mut store = model.backend.kv_store(&model.cfg, blocks).unwrap();
+    let mut store = model.backend.kv_store_scheme(&model.cfg, blocks, model.kv_scheme()).unwrap();
     let mut paged = PagedKv::new(BLOCK, blocks.full, None);
     let mut seqs: Vec<SeqKv> = prompts.iter().map(|_| SeqKv::default()).collect();
     for (s, p) in seqs.iter_mut().zip(prompts) {
