@@ -25,16 +25,18 @@
 // warp-specialized form (a producer warpgroup loading and dequantizing for two consumers,
 // stages handed over by mbarriers) measured slower than both and is gone (perf.md's
 // "Designs measured and not taken").
-// qgemm_wg_dense (and _if) read the weights from a bf16 copy dequantized beforehand by
-// dequant_bf16 (the same values), so the consumers issue nothing but copies and MMAs: what
-// the design gives once dequantization leaves the loop, its cost then a separate pass.
-// Launch: grid (⌈rows/128⌉, ⌈m/128⌉) (the dense forms: (⌈m/128⌉, ⌈rows/128⌉)), block 256, dynamic shared memory
-// WG_SMEM bytes (past 48 KiB: the function's attribute must allow it). cols a multiple of 64.
+// qgemm_wg_dense reads the weights from a bf16 copy dequantized beforehand by dequant_bf16
+// (the same values), so the consumers issue nothing but copies and MMAs: 1.56-1.91x the
+// product's GEMM at the 8B shapes on an H100 through six stages, its bits (perf-log.md
+// Session 55). Forms measured and gone: four stages, each step waited for, and a producer
+// warpgroup copying for two consumers through mbarriers (perf.md's table).
+// Launch: grid (⌈rows/128⌉, ⌈m/128⌉) (the dense form: (⌈m/128⌉, ⌈rows/128⌉)), block 256,
+// dynamic shared memory WG_SMEM bytes (past 48 KiB: the function's attribute must allow
+// it). cols a multiple of 64.
 #include "common.cuh"
 #include "affine.cuh"
 #include "mma.cuh"
 #include "qgemm.cuh"
-#include "mbarrier.cuh"
 
 typedef unsigned long long u64;
 typedef unsigned char u8;
@@ -297,9 +299,10 @@ QGEMM_WG(qgemm_wg_if, true)
 
 // The dense form: the weights dequantized once into a bf16 [rows, cols] copy
 // (dequant_bf16 below: the same dequant_pair, so the same values the tiles above hold),
-// both tiles then by cp.async and nothing on the consumers' issue path but the MMAs. The
-// ring, the chunked sums and the output are the shared form's.
-template <bool OUT_F32, bool IN_FLIGHT>
+// both tiles then by cp.async and nothing on the consumers' issue path but copies and
+// MMAs; one step's MMAs in flight across the next (qgemm_wg_if's ring), STAGES - 2 steps
+// of copies ahead. The chunked sums and the output are the shared form's.
+template <bool OUT_F32>
 __device__ __forceinline__ void qgemm_wg_dense_body(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                                                     void* __restrict__ out, int rows, int cols, int m) {
     extern __shared__ u8 smem_raw[];
@@ -317,7 +320,7 @@ __device__ __forceinline__ void qgemm_wg_dense_body(const bf16_t* __restrict__ w
     float acc[64], tot[64];
 #pragma unroll
     for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
-    constexpr int P = IN_FLIGHT ? STAGES - 2 : STAGES - 1;
+    constexpr int P = STAGES - 2;  // a stage is free two steps after its use
 #pragma unroll
     for (int st = 0; st < P; st++) {
         if (st < nk) load(st, st);
@@ -336,8 +339,7 @@ __device__ __forceinline__ void qgemm_wg_dense_body(const bf16_t* __restrict__ w
                 const int sn = s + P;
                 if (sn < nk) load(sn % STAGES, sn);
                 cp_async_commit();
-                if (IN_FLIGHT) wg_wait1();
-                else wg_wait0();
+                wg_wait1();
                 pin(acc);
             }
         }
@@ -346,17 +348,14 @@ __device__ __forceinline__ void qgemm_wg_dense_body(const bf16_t* __restrict__ w
     store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * wg + 16 * warp + (lane >> 2), lane);
 }
 
-#define QGEMM_WG_DENSE(name, in_flight)                                                                        \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                                       \
-        name(const bf16_t* w, const bf16_t* x, bf16_t* out, int rows, int cols, int m) {                        \
-        qgemm_wg_dense_body<false, in_flight>(w, x, out, rows, cols, m);                                        \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, 1)                                                       \
-        name##_f32(const bf16_t* w, const bf16_t* x, float* out, int rows, int cols, int m) {                   \
-        qgemm_wg_dense_body<true, in_flight>(w, x, out, rows, cols, m);                                         \
-    }
-QGEMM_WG_DENSE(qgemm_wg_dense, false)
-QGEMM_WG_DENSE(qgemm_wg_dense_if, true)
+extern "C" __global__ void __launch_bounds__(256, 1)
+    qgemm_wg_dense(const bf16_t* w, const bf16_t* x, bf16_t* out, int rows, int cols, int m) {
+    qgemm_wg_dense_body<false>(w, x, out, rows, cols, m);
+}
+extern "C" __global__ void __launch_bounds__(256, 1)
+    qgemm_wg_dense_f32(const bf16_t* w, const bf16_t* x, float* out, int rows, int cols, int m) {
+    qgemm_wg_dense_body<true>(w, x, out, rows, cols, m);
+}
 
 // out [rows, cols] bf16 = the affine matrix dequantized as the GEMMs do (dequant_pair): one
 // 32-bit word of one row a thread, its 32/BITS values stored as bf16 pairs.
@@ -381,112 +380,4 @@ extern "C" __global__ void dequant_bf16(const u32* __restrict__ w, const scale_t
             for (int j = 0; j < VPW / 2; j++) o[j] = p[j];
         }
     }
-}
-
-// The dense form warp-specialized (qgemm_wg_dense_ws, 384 threads): warpgroup 0 produces,
-// warpgroups 1 and 2 consume. Each producer thread copies its share of a step's x and w
-// tiles (cp.async, into a stage both consumers have released on
-// its `empty` barrier; STAGES - 2 steps ahead), waits for its copies of the oldest step, fences them to the async
-// proxy and arrives on that stage's `full` barrier. A consumer warpgroup waits on `full`,
-// issues the step's four wgmma, keeps that group in flight while it waits for the previous
-// step's, then releases the previous stage. No block barrier in the loop: the tensor
-// cores are fed while the copies of later steps land. Bits: the chunked sums as above.
-// (The shared form's producer, which dequantized, could not keep up: perf.md.)
-
-// Wait for `bar`'s phase of `parity` (the loop in one asm: no C++ control flow around the
-// consumers' in-flight MMAs).
-__device__ __forceinline__ void mbar_wait_asm(unsigned long long* bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred p;\nWAIT_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
-        "r"(parity)
-        : "memory");
-}
-
-// Step s's tile rows [64h, 64h + 64) of a bf16 [n, cols] matrix (rows t0..) by cp.async from
-// 128 threads: the producer's half of copy_tile's chunks, twice.
-__device__ __forceinline__ void copy_tile_128(u8* tile, const bf16_t* __restrict__ a, int t0, int n, int cols,
-                                              int s, int tid) {
-    const u32 base = smem_u32(tile);
-#pragma unroll
-    for (int i = 0; i < WG_BM * 8 / 128; i++) {
-        const int c = tid + 128 * i, r = c >> 3, ch = c & 7, t = t0 + r;
-        const bool ok = t < n;
-        cp_async16(base + swz(r, ch), ok ? a + (size_t)t * cols + s * WG_BK + ch * 8 : a, ok);
-    }
-}
-
-template <bool OUT_F32>
-__device__ __forceinline__ void qgemm_dense_ws_body(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
-                                                    void* __restrict__ out, int rows, int cols, int m) {
-    extern __shared__ u8 smem_raw[];
-    __shared__ unsigned long long full[STAGES], empty[STAGES];
-    u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
-    const int t0 = blockIdx.x * WG_BM, r0 = blockIdx.y * WG_BN, nk = cols / WG_BK;
-    if (tid < STAGES) {
-        mbar_init(&full[tid], 128);   // the producer's threads
-        mbar_init(&empty[tid], 256);  // the consumers' threads
-    }
-    __syncthreads();
-    auto x_tile = [&](int st) { return smem + st * WG_STAGE; };
-    auto w_tile = [&](int st) { return smem + st * WG_STAGE + WG_TILE; };
-
-    if (wg == 0) {
-        // Steps the copies run ahead of the oldest in flight: STAGES - 2, since a consumer
-        // releases step s's stage only once it has issued step s + 1 (one group in flight).
-        constexpr int D = STAGES - 2;
-        auto load = [&](int s) {
-            const int st = s % STAGES;
-            // The stage step s - STAGES used, released by both consumers.
-            if (s >= STAGES) mbar_wait(&empty[st], (s / STAGES - 1) & 1);
-            copy_tile_128(x_tile(st), x, t0, m, cols, s, tid);
-            copy_tile_128(w_tile(st), w, r0, rows, cols, s, tid);
-        };
-        for (int s = 0; s < D; s++) {
-            if (s < nk) load(s);
-            cp_async_commit();
-        }
-        for (int s = 0; s < nk; s++) {
-            if (s + D < nk) load(s + D);
-            cp_async_commit();
-            cp_async_wait<D>();  // this thread's copies of step s
-            fence_async_smem();
-            mbar_arrive(&full[s % STAGES]);
-        }
-        return;
-    }
-
-    const int cw = wg - 1;
-    float acc[64], tot[64];
-#pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
-    constexpr int SPC = CHUNK_K / WG_BK;  // steps a chunk, unrolled (see qgemm_wg_body)
-    for (int s0 = 0; s0 < nk; s0 += SPC) {
-#pragma unroll
-        for (int j = 0; j < SPC; j++) {
-            const int s = s0 + j, st = s % STAGES;
-            if (s < nk) {
-                mbar_wait_asm(&full[st], (s / STAGES) & 1);
-                issue_step(acc, smem_u32(x_tile(st)) + cw * 64 * 128, smem_u32(w_tile(st)));
-                if (j > 0) {
-                    wg_wait1();  // step s-1's group: its stage is free
-                    mbar_arrive(&empty[(s - 1) % STAGES]);
-                }
-            }
-        }
-        drain_chunk(acc, tot);
-        mbar_arrive(&empty[(min(s0 + SPC, nk) - 1) % STAGES]);
-    }
-    store_out<OUT_F32>(tot, out, rows, m, r0, t0 + 64 * cw + 16 * warp + (lane >> 2), lane);
-}
-
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_dense_ws(const bf16_t* w, const bf16_t* x, bf16_t* out, int rows, int cols, int m) {
-    qgemm_dense_ws_body<false>(w, x, out, rows, cols, m);
-}
-extern "C" __global__ void __launch_bounds__(384, 1)
-    qgemm_wg_dense_ws_f32(const bf16_t* w, const bf16_t* x, float* out, int rows, int cols, int m) {
-    qgemm_dense_ws_body<true>(w, x, out, rows, cols, m);
 }

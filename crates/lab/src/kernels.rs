@@ -19,15 +19,12 @@ pub fn sync_probe() -> &'static KernelFile {
     &F
 }
 
-/// kernels/qgemm_wgmma.cu with mbarrier.cuh spliced in: the quantized GEMM on warpgroup
-/// MMA (compiled for sm_90a), every thread loading, dequantizing and multiplying, and its
-/// dense forms over a dequantized bf16 copy.
+/// kernels/qgemm_wgmma.cu: the quantized GEMM on warpgroup MMA (compiled for sm_90a), every
+/// thread loading, dequantizing and multiplying, and its dense form over a dequantized
+/// bf16 copy.
 pub fn qgemm_wgmma() -> &'static KernelFile {
-    static F: OnceLock<KernelFile> = OnceLock::new();
-    F.get_or_init(|| KernelFile {
-        name: "qgemm_wgmma.cu",
-        src: Box::leak(splice(include_str!("../kernels/qgemm_wgmma.cu")).into_boxed_str()),
-    })
+    static F: KernelFile = KernelFile { name: "qgemm_wgmma.cu", src: include_str!("../kernels/qgemm_wgmma.cu") };
+    &F
 }
 
 /// The engine's gemv.cu with kernels/bgemv.cuh appended: the batched decode GEMV, built

@@ -20,33 +20,16 @@ pub enum WgForm {
     /// step shorter ahead).
     SharedInFlight,
     /// qgemm_wg_dense: the weights from a bf16 copy dequantized beforehand
-    /// ([`dequant_bf16`]), both tiles by cp.async; each step's MMAs waited for.
+    /// ([`dequant_bf16`]), both tiles by cp.async, one step's MMAs in flight, six stages.
     Dense,
-    /// qgemm_wg_dense_if: the dense form with one step's MMAs in flight.
-    DenseInFlight,
-    /// The same through a ring of six stages (four steps ahead instead of two).
-    DenseInFlight6,
-    /// qgemm_wg_dense_ws: the dense form warp-specialized (a producer warpgroup copying
-    /// for two consumers through mbarriers, 384 threads).
-    DenseWs,
-    /// The same through six stages.
-    DenseWs6,
 }
 
 impl WgForm {
-    pub const ALL: [WgForm; 7] = [
-        WgForm::Shared,
-        WgForm::SharedInFlight,
-        WgForm::Dense,
-        WgForm::DenseInFlight,
-        WgForm::DenseInFlight6,
-        WgForm::DenseWs,
-        WgForm::DenseWs6,
-    ];
+    pub const ALL: [WgForm; 3] = [WgForm::Shared, WgForm::SharedInFlight, WgForm::Dense];
 
     /// Whether the form reads the dequantized bf16 copy of the weights.
     pub fn dense(self) -> bool {
-        !matches!(self, WgForm::Shared | WgForm::SharedInFlight)
+        self == WgForm::Dense
     }
 
     /// The kernel's name (bf16 out; `_f32` appended for f32).
@@ -55,25 +38,16 @@ impl WgForm {
             WgForm::Shared => "qgemm_wg",
             WgForm::SharedInFlight => "qgemm_wg_if",
             WgForm::Dense => "qgemm_wg_dense",
-            WgForm::DenseInFlight | WgForm::DenseInFlight6 => "qgemm_wg_dense_if",
-            WgForm::DenseWs | WgForm::DenseWs6 => "qgemm_wg_dense_ws",
         }
     }
 
     /// The ring's stages (the kernel's STAGES) and its dynamic shared memory: a 32 KiB x
     /// and w tile pair a stage, plus 1 KiB to align the tiles (the kernel's WG_SMEM).
     fn stages(self) -> usize {
-        if matches!(self, WgForm::DenseInFlight6 | WgForm::DenseWs6) {
+        if self == WgForm::Dense {
             6
         } else {
             4
-        }
-    }
-    fn threads(self) -> u32 {
-        if matches!(self, WgForm::DenseWs | WgForm::DenseWs6) {
-            384
-        } else {
-            256
         }
     }
     fn smem(self) -> usize {
@@ -139,6 +113,6 @@ pub fn qgemm_wg(
     };
     let (row_tiles, token_tiles) = (rows.div_ceil(TILE) as u32, x.rows.div_ceil(TILE) as u32);
     let grid = if form.dense() { (token_tiles, row_tiles, 1) } else { (row_tiles, token_tiles, 1) };
-    let cfg = LaunchConfig { grid_dim: grid, block_dim: (form.threads(), 1, 1), shared_mem_bytes: form.smem() as u32 };
+    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: form.smem() as u32 };
     g.launch(&f, cfg, &args, Order::Serial, "qgemm_wg launch")
 }
