@@ -56,7 +56,7 @@ impl WgForm {
 }
 
 /// The affine weights `w` dequantized into `out`, a bf16 `[rows, cols]` buffer (the values
-/// the shared forms' tiles hold), for the dense forms.
+/// the shared forms' tiles hold), for the dense form.
 pub fn dequant_bf16(g: &Cuda, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
     let CudaMat::Affine { words, scales, biases, defines, rows, cols, .. } = w else {
         return Err(Error::Unsupported("dequant_bf16 takes affine weights".into()));
@@ -66,12 +66,12 @@ pub fn dequant_bf16(g: &Cuda, w: &CudaMat, out: &mut CudaAct) -> Result<()> {
     };
     let f = g.function_for_arch(kernels::qgemm_wgmma(), defines, "dequant_bf16", "sm_90a")?;
     let args = [g.arg(words), scales.arg(g), biases.arg(g), g.arg(o), KArg::I32(*rows as i32), KArg::I32(*cols as i32)];
-    let cfg = LaunchConfig { grid_dim: (132 * 16, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig { grid_dim: (g.sms as u32 * 16, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     g.launch(&f, cfg, &args, Order::Serial, "dequant_bf16 launch")
 }
 
 /// out = x·wᵀ on the wgmma kernel in `form`: x bf16 `[m, cols]`, w affine `[rows, cols]`
-/// with cols a multiple of 64 (and for the dense forms `dense`, its [`dequant_bf16`]
+/// with cols a multiple of 64 (and for the dense form `dense`, its [`dequant_bf16`]
 /// copy), out bf16 or f32 `[m, rows]`.
 pub fn qgemm_wg(
     g: &Cuda,
@@ -102,7 +102,7 @@ pub fn qgemm_wg(
     let dims = [KArg::I32(*rows as i32), KArg::I32(*cols as i32), KArg::I32(x.rows as i32)];
     let args: Vec<KArg> = if form.dense() {
         let Some(CudaAct { buf: ActBuf::Bf16(wd), rows: r, cols: c }) = dense else {
-            return Err(Error::Invalid("qgemm_wg: a dense form takes the bf16 copy of w".into()));
+            return Err(Error::Invalid("qgemm_wg: the dense form takes the bf16 copy of w".into()));
         };
         if (*r, *c) != (*rows, *cols) {
             return Err(Error::Invalid("qgemm_wg: the bf16 copy's shape is not w's".into()));
