@@ -370,5 +370,33 @@ __device__ __forceinline__ void qgemm_body(QMat gate, QMat up, const bf16_t* __r
 TILED_ENTRIES(, 64)
 TILED_ENTRIES(_w128, 128)
 
+// out = the affine matrix as bf16, each weight dequant_pair's value (the one every kernel
+// here multiplies by), for gemm_wgmma.cu's kernels: one 32-bit word of one row a thread.
+// Row r goes to out row r, or where half > 0 (the GLU form's gate and up interleaved by
+// half rows) to (r / half)·2·half + up·half + r % half. cols a multiple of 32 / BITS.
+extern "C" __global__ void dequant_bf16(const u32* __restrict__ w, const scale_t* __restrict__ ws,
+                                        const scale_t* __restrict__ wb, bf16_t* __restrict__ out, int rows,
+                                        int cols, int half, int up) {
+    constexpr int VPW = 32 / BITS;  // values a word
+    const size_t words = (size_t)rows * (cols / VPW);
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < words; i += (size_t)gridDim.x * blockDim.x) {
+        const size_t k = i * VPW, r = k / cols, c = k % cols, g = r * (cols / GROUP) + c / GROUP;
+        const size_t ro = half > 0 ? (r / half) * 2 * half + up * half + r % half : r;
+        const u32 q = w[i];
+        const float sc = s2f(ws[g]), bi = s2f(wb[g]);
+        u32 p[VPW / 2];
+#pragma unroll
+        for (int j = 0; j < VPW / 2; j++)
+            p[j] = dequant_pair((q >> (2 * j * BITS)) & MASK, (q >> ((2 * j + 1) * BITS)) & MASK, sc, bi);
+        bf16_t* o = out + ro * cols + c;
+        if constexpr (VPW == 8) {
+            *reinterpret_cast<uint4*>(o) = make_uint4(p[0], p[1], p[2], p[3]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < VPW / 2; j++) reinterpret_cast<u32*>(o)[j] = p[j];
+        }
+    }
+}
+
 // The few-token kernels (m ≤ 64) with this arithmetic.
 #include "gemm_small.cuh"

@@ -51,7 +51,7 @@ fn every_kernel_variant_compiles_for_sm90() {
     use rayon::prelude::*;
     variants.par_iter().with_max_len(1).for_each(|(f, defines)| {
         let opts: &[&str] = if full_optimization(f.name, defines) { &[] } else { &["--Ofast-compile=max"] };
-        let bin = nvrtc::compile_with(f.name, f.src, "sm_90", defines, opts)
+        let bin = nvrtc::compile_with(f.name, f.src, &kernels::compile_arch(f.name, "sm_90"), defines, opts)
             .unwrap_or_else(|e| panic!("{} {defines:?} {opts:?}: {e}", f.name));
         assert_eq!(&bin[..4], b"\x7fELF", "{} {defines:?}: not a CUBIN", f.name);
     });

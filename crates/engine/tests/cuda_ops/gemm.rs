@@ -130,14 +130,23 @@ fn to_bits(v: &[f32]) -> Vec<u32> {
 /// with a partial chunk, a half 64-step (544), under one chunk (192) and more chunks than
 /// the few-token kernel's warps (4160: three rounds); each bit width.
 fn same_bits_as_tiled(kernels: &[QgemmKernel], ms: &[usize]) {
+    same_bits_as_tiled_over(kernels, ms, &SHAPES);
+}
+
+/// (rows, cols, bits, group, scale dtype) of `same_bits_as_tiled`.
+type Shape = (usize, usize, u32, usize, ScaleDtype);
+const SHAPES: [Shape; 5] = [
+    (203, 544, 4, 32, ScaleDtype::F16),
+    (61, 4160, 4, 64, ScaleDtype::BF16),
+    (64, 192, 2, 16, ScaleDtype::F32),
+    (37, 1152, 8, 128, ScaleDtype::F16),
+    (130, 256, 2, 128, ScaleDtype::BF16),
+];
+
+/// `same_bits_as_tiled` over the given shapes.
+fn same_bits_as_tiled_over(kernels: &[QgemmKernel], ms: &[usize], shapes: &[Shape]) {
     let (g, mut r) = (gpu(), Rng::seeded());
-    for (n, k, bits, group, dt) in [
-        (203, 544, 4, 32, ScaleDtype::F16),
-        (61, 4160, 4, 64, ScaleDtype::BF16),
-        (64, 192, 2, 16, ScaleDtype::F32),
-        (37, 1152, 8, 128, ScaleDtype::F16),
-        (130, 256, 2, 128, ScaleDtype::BF16),
-    ] {
+    for &(n, k, bits, group, dt) in shapes {
         let (w, up) = (affine(&mut r, n, k, bits, group, dt), affine(&mut r, n, k, bits, group, dt));
         let (wg, ug) = (g.matrix(w).unwrap(), g.matrix(up).unwrap());
         for &m in ms {
@@ -189,4 +198,34 @@ fn few_token_kernel_gives_the_tiled_bits() {
 #[test]
 fn wide_tiles_give_the_tiled_bits() {
     same_bits_as_tiled(&[QgemmKernel::Wide], &[1, 65, 128, 300]);
+}
+
+/// The wgmma kernel (sm_90 devices: weights dequantized to a bf16 copy, warpgroup MMAs over
+/// 128 × 128 tiles) gives the tiled kernel's bits: partial and several token tiles, rows
+/// over several weight tiles and partial ones, a partial chunk (576 = 2¼ chunks), each bit
+/// width, and the GLU form's gate and up interleaved. Elsewhere it is refused, never run.
+#[test]
+fn the_wgmma_kernel_gives_the_tiled_bits() {
+    let g = gpu();
+    if g.arch != "sm_90" {
+        let (x, w) = (
+            g.act_from(1, 64, &[0.0; 64]).unwrap(),
+            g.matrix(affine(&mut Rng::seeded(), 8, 64, 4, 64, ScaleDtype::F16)).unwrap(),
+        );
+        let e = g.qgemm_as(&x, &w, &mut g.act_poisoned(1, 8, false).unwrap(), QgemmKernel::Wgmma).unwrap_err();
+        assert!(e.to_string().contains("sm_90"), "{e}");
+        return;
+    }
+    let shapes: Vec<Shape> = SHAPES
+        .into_iter()
+        .filter(|s| s.1 % 64 == 0)
+        .chain([(203, 576, 4, 32, ScaleDtype::F16), (300, 1024, 4, 64, ScaleDtype::BF16)])
+        .collect();
+    same_bits_as_tiled_over(&[QgemmKernel::Wgmma], &[1, 127, 128, 300, 512], &shapes);
+    // cols not a multiple of 64: refused by name (Auto keeps the tiles there).
+    let mut r = Rng::seeded();
+    let w = g.matrix(affine(&mut r, 64, 544, 4, 32, ScaleDtype::F16)).unwrap();
+    let x = g.act_from(512, 544, &bf(&r.v(512 * 544, 1.0))).unwrap();
+    let e = g.qgemm_as(&x, &w, &mut g.act_poisoned(512, 64, false).unwrap(), QgemmKernel::Wgmma).unwrap_err();
+    assert!(e.to_string().contains("multiple of 64"), "{e}");
 }

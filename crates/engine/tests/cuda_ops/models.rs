@@ -133,7 +133,7 @@ fn smollm2_cuda_agrees_with_cpu() {
 /// window and wraps the sliding layers' rings, in prefill and in decode); decode with the
 /// post-norm adds folded into the next GEMV (the default) and as launches of their own, each
 /// really taken; GeGLU fused and not, in decode and in prefill; the prefill GEMM's 64- and
-/// 128-token tiles.
+/// 128-token tiles, and its wgmma kernel (prefills of 512 tokens and more on sm_90) or not.
 #[test]
 fn gemma3_cuda_agrees_with_cpu() {
     let path = gemma3_path();
@@ -147,6 +147,7 @@ fn gemma3_cuda_agrees_with_cpu() {
         ("unfused decode GeGLU", CudaConfig { decode_fused_glu: false, ..d.clone() }),
         ("prefill GeGLU switched", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }),
         ("GEMM tile width switched", CudaConfig { gemm_wide_tiles: !d.gemm_wide_tiles, ..d.clone() }),
+        ("wgmma GEMM switched", CudaConfig { gemm_wgmma: !d.gemm_wgmma, ..d.clone() }),
     ];
     for (variant, cfg) in variants {
         let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();

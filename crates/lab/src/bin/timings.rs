@@ -8,7 +8,7 @@
 //!   flash      flash prefill of 512 rows at depth 0 and 8192 against the split-K attention
 //!   qgemm      the tensor-core GEMM at prefill size (64- and 128-token tiles) against the
 //!              matmul path at the 1B and 8B shapes
-//!   wgmma      the lab's wgmma GEMM (kernels/qgemm_wgmma.cu), each of its two forms, at
+//!   wgmma      the wgmma GEMMs (the lab's kernels/qgemm_wgmma.cu forms, the product's), at
 //!              512 and 4096 tokens on the 1B and 8B shapes: bits against the tiled
 //!              kernel's, error against the CPU, then time beside the product's GEMM
 //!   few        the few-token GEMM (1 to 64 tokens: the serving engine's calls) against
@@ -30,7 +30,7 @@
 //! a check fails or an op errs, 2 on bad arguments.
 
 use ferrolm::backend::cpu::{Cpu, CpuMat};
-use ferrolm::backend::cuda::{Cuda, CudaMat};
+use ferrolm::backend::cuda::{Cuda, CudaAct, CudaMat};
 use ferrolm::backend::{Attend, Backend, Rope};
 use ferrolm::config::{Activation, RopeStyle};
 use ferrolm::quant::{AffineTensor, ScaleDtype, Weight};
@@ -406,15 +406,16 @@ fn qgemm(lab: &mut Session) -> Result<()> {
     Ok(())
 }
 
-/// The lab's wgmma GEMM (issue 29's 8B prefill) in each form (all threads loading and
-/// multiplying, with or without a step's MMAs in flight): at 2048 × 2048 against the CPU,
-/// then at the 1B and 8B shapes their bits against the product's tiled kernel (the same
-/// chunked arithmetic: equal where wgmma's k16 steps round as mma.sync's) and their times
-/// beside the product's GEMM as configured, at 512 and 4096 tokens (4-bit, group 64, f16
-/// scales, as `timings qgemm`).
+/// The wgmma GEMMs (issue 29's 8B prefill): the lab's forms (all threads loading,
+/// dequantizing and multiplying, with or without a step's MMAs in flight) and the product's
+/// `QgemmKernel::Wgmma` (a dequantized bf16 copy, then the dense ring), at 2048 × 2048
+/// against the CPU, then at the 1B and 8B shapes their bits against the product's tiled
+/// kernel (the same chunked arithmetic) and their times beside the product's mma.sync tiles
+/// (Tiled, Wide), at 512 and 4096 tokens (4-bit, group 64, f16 scales, as `timings qgemm`).
+/// The product's wgmma time includes its dequantization pass.
 fn wgmma_gemm(lab: &mut Session) -> Result<()> {
     use ferrolm::backend::cuda::QgemmKernel;
-    use ferrolm_lab::wgmma::{dequant_bf16, qgemm_wg, WgForm};
+    use ferrolm_lab::wgmma::{qgemm_wg, WgForm};
     let (g, c, r) = (lab.g, Cpu, &mut lab.r);
     let affine = |r: &mut Rng, n: usize, k: usize| {
         AffineTensor::quantize(&r.v(n * k, 0.05), n, k, 4, 64, ScaleDtype::F16).map(Weight::Affine)
@@ -427,12 +428,10 @@ fn wgmma_gemm(lab: &mut Session) -> Result<()> {
         let xg = g.act_from(m, k, &x)?;
         let mut want = c.act(m, n)?;
         c.matmul(&cpu(m, k, x), &CpuMat::new(w), &mut want)?;
-        let mut dense = g.act_poisoned(n, k, false)?;
-        dequant_bf16(g, &wg, &mut dense)?;
         for form in WgForm::ALL {
             for f32_out in [false, true] {
                 let mut og = g.act_poisoned(m, n, f32_out)?;
-                qgemm_wg(g, form, &xg, &wg, Some(&dense), &mut og)?;
+                qgemm_wg(g, form, &xg, &wg, &mut og)?;
                 let what = format!("qgemm_wg {form:?} q4 g64 F16 n{n} k{k} m{m} f32out {f32_out}");
                 lab.checks.check(&what, &g.read_rows(&og, 0)?, &want.data, 1e-2);
             }
@@ -446,26 +445,29 @@ fn wgmma_gemm(lab: &mut Session) -> Result<()> {
             g.qgemm_as(&xg, &wg, &mut ob, QgemmKernel::Tiled)?;
             let b = g.read_rows(&ob, 0)?;
             let mut og = g.act_poisoned(m, n, false)?;
-            let tp = stream_time(g, 20, &mut || g.matmul(&xg, &wg, &mut og))? / 1e3;
             let tf = |t: f64| 2.0 * (m * n * k) as f64 / t / 1e12;
-            print!("q4 g64 m{m} n{n} k{k}: product {:.1} µs ({:.1} TFLOP/s)", tp * 1e6, tf(tp));
-            let mut dense = g.act_poisoned(n, k, false)?;
-            let td = stream_time(g, 20, &mut || dequant_bf16(g, &wg, &mut dense))? / 1e3;
-            print!("; dequantizing to bf16 {:.1} µs", td * 1e6);
-            for form in WgForm::ALL {
+            let tp = stream_time(g, 20, &mut || g.qgemm_as(&xg, &wg, &mut og, QgemmKernel::Wide))? / 1e3;
+            print!("q4 g64 m{m} n{n} k{k}: product Wide {:.1} µs ({:.1} TFLOP/s)", tp * 1e6, tf(tp));
+            let mut run = |name: String, f: &mut dyn FnMut(&mut CudaAct) -> Result<()>| -> Result<()> {
                 let mut oa = g.act_poisoned(m, n, true)?;
-                qgemm_wg(g, form, &xg, &wg, Some(&dense), &mut oa)?;
+                f(&mut oa)?;
                 let a = g.read_rows(&oa, 0)?;
                 let same = a.iter().zip(&b).filter(|(x, y)| x.to_bits() == y.to_bits()).count();
                 let err = ferrolm_lab::timing::rel_err(&a, &b);
-                let tw = stream_time(g, 20, &mut || qgemm_wg(g, form, &xg, &wg, Some(&dense), &mut og))? / 1e3;
+                let tw = stream_time(g, 20, &mut || f(&mut og))? / 1e3;
                 print!(
-                    "; {form:?} {:.1} µs ({:.1} TFLOP/s, {:.3}x), bits equal to the tiled kernel's {same}/{} (rel. diff {err:.2e})",
+                    "; {name} {:.1} µs ({:.1} TFLOP/s, {:.3}x), bits equal to the tiled kernel's {same}/{} (rel. diff {err:.2e})",
                     tw * 1e6,
                     tf(tw),
                     tp / tw,
                     a.len()
                 );
+                Ok(())
+            };
+            run("product Tiled".into(), &mut |o| g.qgemm_as(&xg, &wg, o, QgemmKernel::Tiled))?;
+            run("product Wgmma".into(), &mut |o| g.qgemm_as(&xg, &wg, o, QgemmKernel::Wgmma))?;
+            for form in WgForm::ALL {
+                run(format!("{form:?}"), &mut |o| qgemm_wg(g, form, &xg, &wg, o))?;
             }
             println!();
         }

@@ -34,6 +34,11 @@ pub struct CudaConfig {
     /// (each dequantized weight tile serves twice the tokens) instead of 64: +11% prefill on
     /// the 8B shape at 512 and 4096 tokens (docs/perf.md). `FERROLM_GEMM_WIDE`.
     pub gemm_wide_tiles: bool,
+    /// Prefill GEMMs of 512 tokens and more on sm_90 devices (cols a multiple of 64)
+    /// dequantize the weights into a bf16 copy and multiply on Hopper's warpgroup MMA
+    /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. Its
+    /// measured gain: docs/perf.md. `FERROLM_GEMM_WGMMA`.
+    pub gemm_wgmma: bool,
     /// Prefill over a quantized KV store runs flash attention, its tiles dequantized into
     /// shared memory, instead of the split-K kernel on CUDA cores: turbo:k8v3's first token
     /// after 8192 cached positions on the 8B shape 4.24 s against 13.09 s, bf16's 4.48 s
@@ -109,6 +114,7 @@ impl Default for CudaConfig {
             decode_fused_glu: true,
             prefill_fused_glu: true,
             gemm_wide_tiles: true,
+            gemm_wgmma: true,
             flash_quant_prefill: true,
             fused_quant_decode: true,
             head_argmax: true,

@@ -110,7 +110,10 @@ impl Context {
     /// Load `func` from `file` compiled with `defines` (memory cache, then the NVRTC disk
     /// cache, then NVRTC).
     pub fn function(&self, file: &KernelFile, defines: &[String], func: &str) -> Result<CudaFunction> {
-        self.function_on(file, defines, func, &self.arch)
+        if !super::kernels::runs_on(file.name, &self.arch) {
+            return Err(Error::Unsupported(format!("{} runs on sm_90 devices only, not {}", file.name, self.arch)));
+        }
+        self.function_on(file, defines, func, &super::kernels::compile_arch(file.name, &self.arch))
     }
 
     /// `function` compiled for `arch` rather than the device's own (crates/lab: "sm_90a" for

@@ -64,6 +64,11 @@ pub enum QgemmKernel {
     Wide,
     /// Eight rows per block, K over up to 8 warps (gemm_small.cuh), up to [`SMALL_M`] tokens.
     Small,
+    /// The weights dequantized into a bf16 copy, then Hopper's warpgroup MMA over 128 × 128
+    /// tiles (gemm_wgmma.cu, sm_90 devices only, cols a multiple of 64). Auto takes it from
+    /// [`WGMMA_MIN_M`] tokens where `CudaConfig::gemm_wgmma` (the default) and no graph is
+    /// being captured.
+    Wgmma,
 }
 
 /// Whether the few-token kernel beats the tiled one at m tokens over `rows` rows (of each
@@ -105,6 +110,9 @@ impl QgemmKernel {
             QgemmKernel::Auto => QgemmKernel::Tiled,
             k => k,
         };
+        if kernel == QgemmKernel::Wgmma {
+            return Err(Error::Invalid("the wgmma qgemm launches through gemm_wgmma.rs".into()));
+        }
         if kernel == QgemmKernel::Small {
             if m > SMALL_M {
                 return Err(Error::Invalid(format!("the few-token qgemm takes at most {SMALL_M} tokens, not {m}")));
@@ -169,6 +177,9 @@ impl Cuda {
                 x.rows
             )));
         }
+        if self.takes_wgmma(kernel, x.rows, cols)? {
+            return self.qgemm_wgmma(x, (w, None), out);
+        }
         let f32_out = matches!(out.buf, ActBuf::F32(_));
         let base = if f32_out { "qgemm_f32" } else { "qgemm" };
         let (name, cfg) = kernel.pick(base, (x.rows, cols), (rows, TILE_ROWS), self.cfg.gemm_wide_tiles)?;
@@ -228,6 +239,10 @@ impl Cuda {
         }
         if [*rows, *cols, x.rows].iter().any(|&v| i32::try_from(v).is_err()) {
             return Ok(false);
+        }
+        if self.takes_wgmma(kernel, x.rows, *cols)? {
+            self.qgemm_wgmma(x, (gate, Some((up, act))), out)?;
+            return Ok(true);
         }
         let (name, cfg) =
             kernel.pick("qgemm_glu", (x.rows, *cols), (*rows, TILE_ROWS / 2), self.cfg.gemm_wide_tiles)?;

@@ -27,6 +27,7 @@ pub const FILES: &[KernelFile] = &[
     kernel!("gemm.cu"),
     kernel!("flash_attention.cu"),
     kernel!("kv_quant.cu"),
+    kernel!("gemm_wgmma.cu"),
 ];
 
 pub fn file(name: &str) -> &'static KernelFile {
@@ -102,11 +103,30 @@ pub fn flash_kv_quant_defines(hd: usize, format: &[String]) -> Vec<String> {
 const PER_VARIANT: [&str; 6] =
     ["affine.cu", "gemv.cu", "gemm.cu", "flash_attention.cu", "attention_decode.cu", "kv_quant.cu"];
 
-/// `all_variants` that compile for `arch` ("sm_86", "sm_90", …). Every variant builds on
-/// sm_80 and later (sm_90 features, clusters and PDL, are launch attributes).
+/// Files of Hopper's architecture-specific instructions (wgmma): built for sm_90a, which
+/// runs on sm_90 devices only.
+const SM90A_ONLY: [&str; 1] = ["gemm_wgmma.cu"];
+
+/// The architecture `file` is compiled for on a device of `arch`: its own, or sm_90a for
+/// the files of sm_90's architecture-specific instructions.
+pub fn compile_arch(file: &str, arch: &str) -> String {
+    if arch == "sm_90" && SM90A_ONLY.contains(&file) {
+        "sm_90a".into()
+    } else {
+        arch.into()
+    }
+}
+
+/// Whether a device of `arch` can run `file`'s kernels.
+pub fn runs_on(file: &str, arch: &str) -> bool {
+    arch == "sm_90" || !SM90A_ONLY.contains(&file)
+}
+
+/// `all_variants` that compile for `arch` ("sm_86", "sm_90", …): every variant but the
+/// sm_90a files' builds on sm_80 and later (sm_90 features, clusters and PDL, are launch
+/// attributes).
 pub fn all_variants_for(arch: &str) -> Vec<(&'static KernelFile, Vec<String>)> {
-    let _ = arch;
-    all_variants()
+    all_variants().into_iter().filter(|(f, _)| runs_on(f.name, arch)).collect()
 }
 
 /// Every (file, defines) the backend may compile: what CI compiles with NVRTC.

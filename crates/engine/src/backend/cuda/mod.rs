@@ -13,7 +13,7 @@
 //! - device: `Cuda`, the above put together;
 //! - gemv, decode, decode_rows: the decode GEMV and the decode step (decode.rs reads top to
 //!   bottom), and a generated call's rows through the same kernels, batched;
-//! - prefill, gemm, flash, elementwise, sampling: the other phases' ops;
+//! - prefill, gemm, gemm_wgmma, flash, elementwise, sampling: the other phases' ops;
 //! - ops: `Backend for Cuda`.
 
 // Kernel launches take long positional argument lists; a binding that shadows an unrelated
@@ -29,6 +29,7 @@ mod driver;
 mod elementwise;
 mod flash;
 mod gemm;
+mod gemm_wgmma;
 mod gemv;
 pub mod kernels;
 mod kv_quant;
@@ -44,6 +45,7 @@ mod trace;
 pub use config::CudaConfig;
 pub use device::Cuda;
 pub use gemm::{QgemmKernel, SMALL_M};
+pub use gemm_wgmma::WGMMA_MIN_M;
 pub use tensors::{ActBuf, CudaAct, CudaKv, CudaMat, DevScales};
 /// The launch API, for crates/lab's probes (cargo feature `lab`).
 #[cfg(feature = "lab")]

@@ -4,6 +4,7 @@
 //! second start compiles nothing. cudarc's safe NVRTC wrapper stops at PTX, so the program
 //! lifecycle is driven through its raw bindings here.
 
+use super::kernels::compile_arch;
 use crate::{Error, Result};
 use cudarc::nvrtc::sys;
 use std::ffi::{CStr, CString};
@@ -20,6 +21,7 @@ pub const HEADERS: &[(&str, &str)] = &[
     ("attention_decode.cuh", include_str!("../../../kernels/attention_decode.cuh")),
     ("attention_decode_mma.cuh", include_str!("../../../kernels/attention_decode_mma.cuh")),
     ("x_staged.cuh", include_str!("../../../kernels/x_staged.cuh")),
+    ("wgmma.cuh", include_str!("../../../kernels/wgmma.cuh")),
     ("kv_encode.cuh", include_str!("../../../kernels/kv_encode.cuh")),
     ("kv_quant_mma.cuh", include_str!("../../../kernels/kv_quant_mma.cuh")),
     ("argmax.cuh", include_str!("../../../kernels/argmax.cuh")),
@@ -169,7 +171,7 @@ pub fn warm_cache(arch: &str) -> Result<(usize, usize)> {
     let hits = std::sync::atomic::AtomicUsize::new(0);
     let variants = super::kernels::all_variants_for(arch);
     variants.par_iter().try_for_each(|(f, defines)| {
-        let (_, hit) = cached(f.name, &source(f.name, f.src), arch, defines)?;
+        let (_, hit) = cached(f.name, &source(f.name, f.src), &compile_arch(f.name, arch), defines)?;
         if hit {
             hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
@@ -187,21 +189,26 @@ pub fn prune_cache(arch: &str) -> Result<usize> {
 }
 
 fn prune_cache_in(dir: &std::path::Path, arch: &str) -> Result<usize> {
-    let keep: std::collections::HashSet<String> = super::kernels::all_variants_for(arch)
+    let variants = super::kernels::all_variants_for(arch);
+    let keep: std::collections::HashSet<String> = variants
         .iter()
-        .map(|(f, defines)| format!("{}.cubin", cache_key(f.name, &source(f.name, f.src), arch, defines)))
+        .map(|(f, defines)| {
+            format!("{}.cubin", cache_key(f.name, &source(f.name, f.src), &compile_arch(f.name, arch), defines))
+        })
         .collect();
     let entries = match std::fs::read_dir(dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
         Err(e) => return Err(Error::Invalid(format!("reading the kernel cache {}: {e}", dir.display()))),
     };
-    // Only this arch's CUBINs ("<file>-<arch>-<hash>.cubin"): other arches' stay.
-    let tag = format!("-{arch}-");
+    // Only the CUBINs built for this device ("<file>-<arch>-<hash>.cubin", its own arch or
+    // the sm_90a of its architecture-specific files): other devices' stay.
+    let tags: std::collections::HashSet<String> =
+        variants.iter().map(|(f, _)| format!("-{}-", compile_arch(f.name, arch))).collect();
     let mut removed = 0;
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
-        let ours = name.ends_with(".cubin") && name.contains(&tag);
+        let ours = name.ends_with(".cubin") && tags.iter().any(|t| name.contains(t.as_str()));
         if ours && !keep.contains(&name) {
             std::fs::remove_file(entry.path())
                 .map_err(|e| Error::Invalid(format!("removing {} from the kernel cache: {e}", name)))?;

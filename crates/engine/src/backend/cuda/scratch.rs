@@ -27,6 +27,9 @@ pub(crate) struct Scratch {
     attention: Mutex<HashMap<(usize, usize, usize), AttnScratch>>,
     /// The staged x images (x_staged.cuh) by byte size.
     staged_x: Mutex<HashMap<usize, CudaSlice<u8>>>,
+    /// The wgmma GEMM's bf16 weight copy (gemm_wgmma.rs), grown by replacement: the calls
+    /// that use it are never captured, and the old buffer is freed in stream order.
+    wgmma_weights: Mutex<Option<CudaSlice<u16>>>,
 }
 
 impl Scratch {
@@ -86,5 +89,15 @@ impl Scratch {
             e.insert(ctx.zeros(bytes, "allocating a staged x image")?);
         }
         Ok(ctx.arg(&m[&bytes]))
+    }
+
+    /// The wgmma GEMM's weight copy, at least `n` bf16 values.
+    pub(crate) fn wgmma_weights(&self, ctx: &Context, n: usize) -> Result<KArg> {
+        let mut b = self.wgmma_weights.lock().unwrap_or_else(|e| e.into_inner());
+        if b.as_ref().is_none_or(|s| s.len() < n) {
+            *b = None;
+            *b = Some(ctx.zeros(n, "allocating the wgmma GEMM's weight copy")?);
+        }
+        Ok(ctx.arg(b.as_ref().expect("set above")))
     }
 }
