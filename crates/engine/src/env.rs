@@ -78,6 +78,9 @@ impl CudaConfig {
             head_argmax: on_unless_zero("FERROLM_HEAD_ARGMAX", d.head_argmax),
             gemm_wide_tiles: var("FERROLM_GEMM_WIDE").map_or(d.gemm_wide_tiles, |v| v == "1"),
             gemm_wgmma: var("FERROLM_GEMM_WGMMA").map_or(d.gemm_wgmma, |v| v == "1"),
+            prefill_chunk: var("FERROLM_PREFILL_CHUNK")
+                .and_then(|v| v.parse().ok())
+                .map_or(d.prefill_chunk, |n: usize| n.clamp(16, 65536)),
             flash_quant_prefill: var("FERROLM_FLASH_KVQ").map_or(d.flash_quant_prefill, |v| v == "1"),
             fused_quant_decode: on_unless_zero("FERROLM_KVQ_FUSED", d.fused_quant_decode),
             attention_clusters: on_unless_zero("FERROLM_ATTN_CLUSTER", d.attention_clusters),

@@ -39,6 +39,10 @@ pub struct CudaConfig {
     /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. Its
     /// measured gain: docs/perf.md. `FERROLM_GEMM_WGMMA`.
     pub gemm_wgmma: bool,
+    /// Prompt tokens per forward call of a prefill (`Backend::prefill_chunk`: a session's
+    /// prompt goes through in chunks of this many, and the serving engine's steps take at
+    /// most this many rows). `FERROLM_PREFILL_CHUNK`.
+    pub prefill_chunk: usize,
     /// Prefill over a quantized KV store runs flash attention, its tiles dequantized into
     /// shared memory, instead of the split-K kernel on CUDA cores: turbo:k8v3's first token
     /// after 8192 cached positions on the 8B shape 4.24 s against 13.09 s, bf16's 4.48 s
@@ -115,6 +119,7 @@ impl Default for CudaConfig {
             prefill_fused_glu: true,
             gemm_wide_tiles: true,
             gemm_wgmma: true,
+            prefill_chunk: 512,
             flash_quant_prefill: true,
             fused_quant_decode: true,
             head_argmax: true,

@@ -30,9 +30,7 @@ impl Backend for Cuda {
         self.measure_copy_bandwidth().map(Some)
     }
     fn prefill_chunk(&self) -> usize {
-        // 64-token GEMM tiles: 512 rows give small models' matmuls enough blocks, and a
-        // 1B model's MLP activations stay ~25 MB.
-        512
+        self.cfg.prefill_chunk
     }
     fn matrix(&self, w: crate::quant::Weight) -> Result<CudaMat> {
         self.ctx.matrix(w)
