@@ -36,8 +36,8 @@ pub struct CudaConfig {
     pub gemm_wide_tiles: bool,
     /// Prefill GEMMs of 512 tokens and more on sm_90 devices (cols a multiple of 64)
     /// dequantize the weights into a bf16 copy and multiply on Hopper's warpgroup MMA
-    /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. Its
-    /// measured gain: docs/perf.md. `FERROLM_GEMM_WGMMA`.
+    /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. Off
+    /// until measured end to end on a GPU (its kernel alone: docs/perf.md). `FERROLM_GEMM_WGMMA`.
     pub gemm_wgmma: bool,
     /// Prompt tokens per forward call of a prefill (`Backend::prefill_chunk`: a session's
     /// prompt goes through in chunks of this many, and the serving engine's steps take at
@@ -118,7 +118,7 @@ impl Default for CudaConfig {
             decode_fused_glu: true,
             prefill_fused_glu: true,
             gemm_wide_tiles: true,
-            gemm_wgmma: true,
+            gemm_wgmma: false,
             prefill_chunk: 512,
             flash_quant_prefill: true,
             fused_quant_decode: true,
