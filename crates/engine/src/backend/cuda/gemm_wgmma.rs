@@ -92,8 +92,14 @@ impl Cuda {
         let f = self.function(kernels::file(FILE), &[], name)?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
             .map_err(drv("allowing the wgmma qgemm its shared memory"))?;
-        let mut args = vec![copy, self.arg(xb), out.arg(self), KArg::I32(rows as i32), KArg::I32(cols as i32)];
-        args.push(KArg::I32(m as i32));
+        let mut args = vec![
+            copy,
+            self.arg(xb),
+            out.arg(self),
+            KArg::I32(rows as i32),
+            KArg::I32(cols as i32),
+            KArg::I32(m as i32),
+        ];
         if let Some(act) = act {
             args.push(KArg::I32(i32::from(act == Activation::GeluTanh)));
         }
