@@ -249,6 +249,17 @@ pub trait Backend: Sync {
     fn begin_generated(&self, tokens: &[u32], spans: &[Span<'_>]) -> Result<()> {
         self.begin(tokens, spans, true)
     }
+    /// A layer a forward call of `rows` rows will run, named one layer ahead (before the
+    /// layer before it is queued; the first layer just before itself), so a backend may
+    /// prepare `w` while that layer runs (CUDA's wgmma GEMM dequantizes the weights on a
+    /// side stream, `CudaConfig::wgmma_ahead`). A hint: by default nothing; the results
+    /// are the same either way.
+    fn prepare_layer(&self, _w: &LayerWeights<'_, Self>, _rows: usize) -> Result<()>
+    where
+        Self: Sized,
+    {
+        Ok(())
+    }
     /// Run one decode step `f`. A backend may capture it the first time under `key` and
     /// replay the capture afterwards (CUDA graphs); `f` must then launch the same work with
     /// the same buffers every time, only the staged token, position and block tables

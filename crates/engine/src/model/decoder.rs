@@ -340,7 +340,14 @@ impl<B: Backend> Decoder<B> {
             // backend/cuda/decode.rs).
             (true, Some(spare)) => b.decode_layers(&layers, (x, spare), kv, spans, s.reborrow()),
             _ => {
-                for l in &layers {
+                let rows = tokens.len();
+                for (i, l) in layers.iter().enumerate() {
+                    if i == 0 {
+                        b.prepare_layer(&l.weights, rows)?;
+                    }
+                    if let Some(next) = layers.get(i + 1) {
+                        b.prepare_layer(&next.weights, rows)?;
+                    }
                     layer_ops(b, &l.weights, x, kv, l.index, spans, l.rope, l.shape, s.reborrow())?;
                 }
                 Ok(())

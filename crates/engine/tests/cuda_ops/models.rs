@@ -148,6 +148,7 @@ fn gemma3_cuda_agrees_with_cpu() {
         ("prefill GeGLU switched", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }),
         ("GEMM tile width switched", CudaConfig { gemm_wide_tiles: !d.gemm_wide_tiles, ..d.clone() }),
         ("wgmma GEMM switched", CudaConfig { gemm_wgmma: !d.gemm_wgmma, ..d.clone() }),
+        ("wgmma GEMM ahead", CudaConfig { gemm_wgmma: true, wgmma_ahead: true, ..d.clone() }),
     ];
     for (variant, cfg) in variants {
         let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
@@ -158,6 +159,40 @@ fn gemma3_cuda_agrees_with_cpu() {
         let folds = mg.backend.post_norm_folds();
         assert_eq!(folds > 0, fold, "Gemma 3 270M, {variant}: folds {folds}");
     }
+}
+
+/// The wgmma GEMM's weights dequantized a layer ahead on the side stream (`wgmma_ahead`)
+/// give the bits of the copies made just before each GEMM: Gemma 3's teacher-forced logits
+/// over a text of two full 512-token prefill chunks and a partial one (the full ones take
+/// the wgmma kernel on sm_90), each run reading copies made ahead.
+#[test]
+fn wgmma_weights_dequantized_ahead_give_the_same_bits() {
+    let path = gemma3_path();
+    let base = CudaConfig { gemm_wgmma: true, ..CudaConfig::from_env() };
+    let load = |wgmma_ahead: bool| {
+        let (mut b, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
+        let cfg = CudaConfig { wgmma_ahead, ..base.clone() };
+        (Decoder::load(Cuda::with_config(0, cfg).unwrap(), &mut b).unwrap(), tok)
+    };
+    let (plain, tok) = load(false);
+    let (ahead, _) = load(true);
+    let text = "The river bends twice before the mill, and the miller's daughter counts the boats. ".repeat(70);
+    let ids = tok.encode(&text, true).unwrap();
+    assert!(ids.len() > 2 * 512 && ids.len() < 4096, "{} tokens", ids.len());
+    let want = teacher_forced(&plain, &ids);
+    for run in 0..2 {
+        assert!(
+            teacher_forced(&ahead, &ids) == want,
+            "run {run}: the logits differ with the weights dequantized ahead"
+        );
+    }
+    let hits = ahead.backend.wgmma_ahead_hits();
+    if plain.backend.arch == "sm_90" {
+        assert!(hits > 0, "no wgmma GEMM read a copy made ahead");
+    } else {
+        assert_eq!(hits, 0, "copies made ahead on {}", plain.backend.arch);
+    }
+    eprintln!("wgmma GEMMs over copies made ahead: {hits}");
 }
 
 /// Residual stream after each layer, CUDA vs CPU: where a divergence starts.

@@ -39,6 +39,11 @@ pub struct CudaConfig {
     /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. Off
     /// until measured end to end on a GPU (its kernel alone: docs/perf.md). `FERROLM_GEMM_WGMMA`.
     pub gemm_wgmma: bool,
+    /// With `gemm_wgmma`, a prefill's next layer is dequantized on a side stream while the
+    /// current layer runs (two layer-sized copies, 872 MB on an 8B model), so the GEMMs find
+    /// their copies made instead of waiting for the pass. Off until measured on a GPU.
+    /// `FERROLM_WGMMA_AHEAD`.
+    pub wgmma_ahead: bool,
     /// Prompt tokens per forward call of a prefill (`Backend::prefill_chunk`: a session's
     /// prompt goes through in chunks of this many, and the serving engine's steps take at
     /// most this many rows). `FERROLM_PREFILL_CHUNK`.
@@ -119,6 +124,7 @@ impl Default for CudaConfig {
             prefill_fused_glu: true,
             gemm_wide_tiles: true,
             gemm_wgmma: false,
+            wgmma_ahead: false,
             prefill_chunk: 512,
             flash_quant_prefill: true,
             fused_quant_decode: true,

@@ -40,6 +40,9 @@ pub struct Context {
     pub stream: Arc<CudaStream>,
     /// Where queued reads of fed steps' tokens copy (steps.rs), beside the main stream.
     pub(crate) read_stream: Arc<CudaStream>,
+    /// Where a prefill's next layer is dequantized while the current one runs (gemm_wgmma.rs,
+    /// `CudaConfig::wgmma_ahead`), ordered against the main stream by explicit events.
+    pub(crate) side_stream: Arc<CudaStream>,
     /// e.g. "sm_90"
     pub arch: String,
     pub device_name: String,
@@ -80,12 +83,13 @@ impl Context {
         // cudarc's cross-stream event tracking is not needed (the work runs on one stream;
         // the read stream only copies finished steps' tokens, ordered by explicit events),
         // and its event records would otherwise land inside captured graphs.
-        // SAFETY: every operation runs on `stream`, except queued reads' copies, which wait
-        // for an event recorded on it.
+        // SAFETY: every operation runs on `stream`, except queued reads' copies and the
+        // dequantizations ahead, which wait for events recorded on it (and it for theirs).
         unsafe { ctx.disable_event_tracking() };
         // Created streams, not the legacy default one: only these can be captured.
         let stream = ctx.new_stream().map_err(drv("creating a stream"))?;
         let read_stream = ctx.new_stream().map_err(drv("creating a stream"))?;
+        let side_stream = ctx.new_stream().map_err(drv("creating a stream"))?;
         let trace = match &cfg.trace {
             Some(path) => Some((Trace::new(&stream, path)?, Trace::defines(cfg.trace_all))),
             None => None,
@@ -94,6 +98,7 @@ impl Context {
             ctx,
             stream,
             read_stream,
+            side_stream,
             arch: format!("sm_{major}{minor}"),
             device_name,
             sms,
@@ -168,6 +173,19 @@ impl Context {
     /// Launch `f` on the stream with `args` (in the kernel's parameter order and types),
     /// joining the stream as `order` says. In a dry pass (`dry_pass`) nothing is launched.
     pub fn launch(&self, f: &CudaFunction, c: LaunchConfig, args: &[KArg], order: Order, what: &str) -> Result<()> {
+        self.launch_in(&self.stream, f, c, args, order, what)
+    }
+
+    /// `launch` on `stream` (the main one, or the side stream).
+    pub(crate) fn launch_in(
+        &self,
+        stream: &CudaStream,
+        f: &CudaFunction,
+        c: LaunchConfig,
+        args: &[KArg],
+        order: Order,
+        what: &str,
+    ) -> Result<()> {
         if let Order::OverlapClustered(cluster) = order {
             let along = if c.grid_dim.2 > 1 { c.grid_dim.2 } else { c.grid_dim.0 };
             if !self.clusters || !along.is_multiple_of(cluster) {
@@ -196,7 +214,7 @@ impl Context {
             return Ok(());
         }
         let mut attrs = self.launch_attrs(&c, order);
-        let config = self.launch_config(&c, &mut attrs);
+        let config = self.launch_config(stream, &c, &mut attrs);
         self.ctx.bind_to_thread().map_err(drv(what))?;
         // SAFETY: the caller passes args matching the kernel's parameters (device addresses
         // of live buffers, sizes checked by the caller); slots, ptrs and attrs outlive the call.
@@ -221,6 +239,11 @@ impl Context {
         f()
     }
 
+    /// Whether this thread runs a dry pass (`dry_pass`): its launches are skipped.
+    pub(crate) fn in_dry_pass(&self) -> bool {
+        DRY_PASS.get()
+    }
+
     fn launch_attrs(&self, c: &LaunchConfig, order: Order) -> Vec<sys::CUlaunchAttribute> {
         let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
         if self.pdl && order != Order::Serial {
@@ -243,9 +266,14 @@ impl Context {
         attrs
     }
 
-    /// The driver's launch configuration for `c` on our stream with `attrs` (which must
+    /// The driver's launch configuration for `c` on `stream` with `attrs` (which must
     /// outlive its use).
-    fn launch_config(&self, c: &LaunchConfig, attrs: &mut [sys::CUlaunchAttribute]) -> sys::CUlaunchConfig {
+    fn launch_config(
+        &self,
+        stream: &CudaStream,
+        c: &LaunchConfig,
+        attrs: &mut [sys::CUlaunchAttribute],
+    ) -> sys::CUlaunchConfig {
         sys::CUlaunchConfig {
             gridDimX: c.grid_dim.0,
             gridDimY: c.grid_dim.1,
@@ -254,7 +282,7 @@ impl Context {
             blockDimY: c.block_dim.1,
             blockDimZ: c.block_dim.2,
             sharedMemBytes: c.shared_mem_bytes,
-            hStream: self.stream.cu_stream(),
+            hStream: stream.cu_stream(),
             attrs: attrs.as_mut_ptr(),
             numAttrs: attrs.len() as u32,
         }
@@ -273,7 +301,7 @@ impl Context {
     #[cfg(feature = "lab")]
     pub fn max_active_clusters(&self, f: &CudaFunction, c: LaunchConfig, cluster: u32) -> Result<usize> {
         let mut attrs = self.launch_attrs(&c, Order::OverlapClustered(cluster));
-        let config = self.launch_config(&c, &mut attrs);
+        let config = self.launch_config(&self.stream, &c, &mut attrs);
         let mut n: std::ffi::c_int = 0;
         self.ctx.bind_to_thread().map_err(drv("cluster occupancy"))?;
         // SAFETY: config and attrs are live for the call; n is written by the driver.

@@ -20,6 +20,8 @@ pub struct Cuda {
     pub(crate) head_argmax_launches: AtomicUsize,
     /// Post-norm adds folded into a GEMV's input (decode.rs's decode_layers).
     pub(crate) post_norm_folds: AtomicUsize,
+    /// wgmma GEMMs that read a copy dequantized ahead (gemm_wgmma.rs's `Ahead`).
+    pub(crate) wgmma_ahead_hits: AtomicUsize,
 }
 
 /// The context's fields and launch API are the backend's: `cuda.stream`, `cuda.launch(..)`.
@@ -47,6 +49,7 @@ impl Cuda {
             staged_x_launches: AtomicUsize::new(0),
             head_argmax_launches: AtomicUsize::new(0),
             post_norm_folds: AtomicUsize::new(0),
+            wgmma_ahead_hits: AtomicUsize::new(0),
         })
     }
 
@@ -72,5 +75,10 @@ impl Cuda {
     /// Post-norm adds folded into the next GEMV's staging.
     pub fn post_norm_folds(&self) -> usize {
         self.post_norm_folds.load(Relaxed)
+    }
+
+    /// wgmma GEMMs so far that read weights dequantized ahead (`CudaConfig::wgmma_ahead`).
+    pub fn wgmma_ahead_hits(&self) -> usize {
+        self.wgmma_ahead_hits.load(Relaxed)
     }
 }

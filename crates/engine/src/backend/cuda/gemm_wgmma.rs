@@ -7,7 +7,8 @@
 //!
 //! The copy lives in one scratch buffer for every call (`Scratch::wgmma_weights`): as
 //! large as the largest matrix it served (a GLU's gate and up together: 235 MB on an 8B
-//! model).
+//! model). With `CudaConfig::wgmma_ahead`, a prefill's layers are dequantized one layer
+//! ahead on the side stream instead ([`Ahead`]), and the GEMMs read those copies.
 
 use super::context::Order;
 use super::device::Cuda;
@@ -15,11 +16,13 @@ use super::driver::{drv, KArg};
 use super::gemm::QgemmKernel;
 use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaMat};
+use crate::backend::LayerWeights;
 use crate::config::Activation;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-use cudarc::driver::LaunchConfig;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
 
 /// Fewest tokens Auto gives the wgmma kernel: below, the dequantization pass weighs more
 /// than the faster multiply gains (8B shapes on an H100 at 512 tokens: 1.20-1.37x the
@@ -37,6 +40,60 @@ const SMEM_BYTES: usize = 6 * 2 * TILE * 128 + 1024;
 const GLU_HALF: usize = TILE / 2;
 /// Blocks of the grid-stride dequantization per SM (256 threads each).
 const DEQUANT_BLOCKS_PER_SM: usize = 16;
+/// The same on the side stream (`Ahead`): its blocks stay resident for the whole pass, so
+/// few, to share each SM with the GEMM's one block (256 threads at ~170 registers leave
+/// room for two blocks of 256 threads at dequant_bf16's 30) rather than keep it waiting.
+const AHEAD_BLOCKS_PER_SM: usize = 2;
+/// Copies in an `Ahead` slot start at multiples of this many values (1 KiB).
+const AHEAD_ALIGN: usize = 512;
+
+/// A copy's matrices: the device addresses of their words (gate's and up's for a GLU's
+/// interleaved copy, up's 0 for one matrix).
+type CopyKey = (u64, u64);
+
+/// A prefill's layers dequantized one layer ahead (`CudaConfig::wgmma_ahead`): two slots,
+/// the next layer's copies written into one on the side stream while the current layer's
+/// GEMMs read the other's. `Backend::prepare_layer` fills them; a GEMM whose copy is in a
+/// slot waits for that slot's pass (once) and reads it, any other dequantizes as before.
+#[derive(Default)]
+pub(crate) struct Ahead {
+    slots: [Option<Slot>; 2],
+    /// The slot the next layer's copies go to.
+    next: usize,
+}
+
+struct Slot {
+    /// The side stream, which writes `buf`.
+    side: Arc<CudaStream>,
+    buf: CudaSlice<u16>,
+    /// Each copy's matrices and its offset in `buf` (values).
+    copies: Vec<(CopyKey, usize)>,
+    /// Recorded on the main stream before the copies are written, after the GEMMs that
+    /// read the slot's previous copies: the side stream waits for it.
+    free: CudaEvent,
+    /// Recorded on the side stream after the copies are written.
+    ready: CudaEvent,
+    /// Whether the main stream already waits for `ready`.
+    joined: bool,
+}
+
+impl Drop for Slot {
+    /// `buf` is freed in the main stream's order: the side stream's pass into it must be
+    /// over first (a pass whose copies no GEMM waited for, when a call stopped early).
+    fn drop(&mut self) {
+        if let Err(e) = self.side.synchronize() {
+            eprintln!("ferrolm: waiting for the weights dequantized ahead: {e}");
+        }
+    }
+}
+
+impl Ahead {
+    /// Forget every copy (a forward call begins: the matrices of later calls may be others
+    /// at the same addresses).
+    pub(crate) fn forget(&mut self) {
+        self.slots.iter_mut().flatten().for_each(|s| s.copies.clear());
+    }
+}
 
 impl Cuda {
     /// Whether a call of m tokens over cols runs on the wgmma kernel as `kernel` asks: named,
@@ -80,15 +137,15 @@ impl Cuda {
         if row_blocks > 65535 {
             return Err(Error::Unsupported(format!("the wgmma qgemm over {rows} rows")));
         }
-        let copy_rows = if glu.is_some() { 2 * rows.div_ceil(GLU_HALF) * GLU_HALF } else { rows };
-        let copy = self.scratch.wgmma_weights(&self.ctx, copy_rows * cols)?;
-        match glu {
-            None => self.dequant_bf16(w, copy, (0, 0))?,
-            Some((up, _)) => {
-                self.dequant_bf16(w, copy, (GLU_HALF, 0))?;
-                self.dequant_bf16(up, copy, (GLU_HALF, 1))?;
+        let up = glu.map(|(up, _)| up);
+        let copy = match self.copy_made_ahead(self.copy_key(w, up))? {
+            Some(copy) => copy,
+            None => {
+                let copy = self.scratch.wgmma_weights(&self.ctx, copy_len(w, up.is_some()))?;
+                self.dequant_copy(w, up, copy, &self.stream)?;
+                copy
             }
-        }
+        };
         let f = self.function(kernels::file(FILE), &[], name)?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
             .map_err(drv("allowing the wgmma qgemm its shared memory"))?;
@@ -112,9 +169,21 @@ impl Cuda {
         self.launch(&f, cfg, &args, Order::Serial, "qgemm_wgmma launch")
     }
 
-    /// `w` dequantized into the bf16 copy at `copy` (gemm.cu's dequant_bf16): row r at row
-    /// r, or with (half, up) = (64, u) interleaved for the GLU form.
-    fn dequant_bf16(&self, w: &CudaMat, copy: KArg, (half, up): (usize, usize)) -> Result<()> {
+    /// The copy of `w` (with `up`, the GLU form's interleaved copy) at `copy`, made on
+    /// `stream` (the main one, or the side stream's pass ahead).
+    fn dequant_copy(&self, w: &CudaMat, up: Option<&CudaMat>, copy: KArg, stream: &CudaStream) -> Result<()> {
+        match up {
+            None => self.dequant_bf16(w, copy, (0, 0), stream),
+            Some(up) => {
+                self.dequant_bf16(w, copy, (GLU_HALF, 0), stream)?;
+                self.dequant_bf16(up, copy, (GLU_HALF, 1), stream)
+            }
+        }
+    }
+
+    /// `w` dequantized into the bf16 copy at `copy` (gemm.cu's dequant_bf16) on `stream`:
+    /// row r at row r, or with (half, up) = (64, u) interleaved for the GLU form.
+    fn dequant_bf16(&self, w: &CudaMat, copy: KArg, (half, up): (usize, usize), stream: &CudaStream) -> Result<()> {
         let CudaMat::Affine { words, scales, biases, defines, rows, cols, .. } = w else {
             return Err(Error::Unsupported("the wgmma qgemm needs affine-quantized weights".into()));
         };
@@ -129,8 +198,124 @@ impl Cuda {
             KArg::I32(half as i32),
             KArg::I32(up as i32),
         ];
-        let blocks = (self.sms * DEQUANT_BLOCKS_PER_SM) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        self.launch(&f, cfg, &args, Order::Serial, "dequant_bf16 launch")
+        let ahead = !std::ptr::eq(stream, &*self.stream);
+        let per_sm = if ahead { AHEAD_BLOCKS_PER_SM } else { DEQUANT_BLOCKS_PER_SM };
+        let cfg =
+            LaunchConfig { grid_dim: ((self.sms * per_sm) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        self.launch_in(stream, &f, cfg, &args, Order::Serial, "dequant_bf16 launch")
+    }
+
+    /// Which matrices a copy of `w` (with `up`: the GLU form's) holds.
+    fn copy_key(&self, w: &CudaMat, up: Option<&CudaMat>) -> CopyKey {
+        let addr = |m: &CudaMat| match m {
+            CudaMat::Affine { words, .. } => match self.arg(words) {
+                KArg::Ptr(p) => p,
+                _ => 0,
+            },
+            CudaMat::Dense { .. } => 0,
+        };
+        (addr(w), up.map_or(0, addr))
+    }
+
+    /// The copy with `key` a pass ahead made, once the main stream waits for that pass.
+    fn copy_made_ahead(&self, key: CopyKey) -> Result<Option<KArg>> {
+        let mut ahead = self.scratch.wgmma_ahead.lock().unwrap_or_else(|e| e.into_inner());
+        for slot in ahead.slots.iter_mut().flatten() {
+            let Some(&(_, at)) = slot.copies.iter().find(|(k, _)| *k == key) else { continue };
+            if !slot.joined {
+                self.stream.wait(&slot.ready).map_err(drv("waiting for the weights dequantized ahead"))?;
+                slot.joined = true;
+            }
+            let KArg::Ptr(base) = self.arg(&slot.buf) else { unreachable!("a buffer's argument is its address") };
+            self.wgmma_ahead_hits.fetch_add(1, Relaxed);
+            return Ok(Some(KArg::Ptr(base + 2 * at as u64)));
+        }
+        Ok(None)
+    }
+
+    /// `Backend::prepare_layer`: the copies of layer `w`'s matrices that the wgmma GEMM
+    /// will take at `m` rows, made on the side stream into the next `Ahead` slot once the
+    /// main stream's work queued so far (the GEMMs reading that slot's last copies) is done.
+    /// Nothing without `CudaConfig::wgmma_ahead`, inside a capture or in a dry pass.
+    pub(super) fn prepare_wgmma_layer(&self, w: &LayerWeights<'_, Cuda>, m: usize) -> Result<()> {
+        if !self.cfg.wgmma_ahead || self.capturing.load(Relaxed) || self.in_dry_pass() {
+            return Ok(());
+        }
+        let plan = self.layer_copies(w, m)?;
+        let Some(&(_, _, last)) = plan.last() else { return Ok(()) };
+        let mut ahead = self.scratch.wgmma_ahead.lock().unwrap_or_else(|e| e.into_inner());
+        let i = ahead.next;
+        ahead.next ^= 1;
+        let slot = self.ahead_slot(&mut ahead.slots[i], last.next_multiple_of(AHEAD_ALIGN))?;
+        slot.copies.clear();
+        slot.joined = false;
+        let what = "ordering the weights dequantized ahead";
+        slot.free.record(&self.stream).map_err(drv(what))?;
+        self.side_stream.wait(&slot.free).map_err(drv(what))?;
+        let KArg::Ptr(base) = self.arg(&slot.buf) else { unreachable!("a buffer's argument is its address") };
+        let mut at = 0;
+        for &((a, up), key, end) in &plan {
+            self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), &self.side_stream)?;
+            slot.copies.push((key, at));
+            at = end.next_multiple_of(AHEAD_ALIGN);
+        }
+        slot.ready.record(&self.side_stream).map_err(drv(what))
+    }
+
+    /// The copies a layer's GEMMs at m rows take (q, k, v, o, gate and up as the GLU form
+    /// reads them where the prefill fuses it, down), each with its key and where it ends
+    /// in a slot (values).
+    #[allow(clippy::type_complexity)]
+    fn layer_copies<'a>(
+        &self,
+        w: &LayerWeights<'a, Cuda>,
+        m: usize,
+    ) -> Result<Vec<((&'a CudaMat, Option<&'a CudaMat>), CopyKey, usize)>> {
+        let pair = self.cfg.prefill_fused_glu && same_format(w.w_gate, w.w_up);
+        let mut calls: Vec<(&CudaMat, Option<&CudaMat>)> = vec![(w.wq, None), (w.wk, None), (w.wv, None), (w.wo, None)];
+        match pair {
+            true => calls.push((w.w_gate, Some(w.w_up))),
+            false => calls.extend([(w.w_gate, None), (w.w_up, None)]),
+        }
+        calls.push((w.w_down, None));
+        let mut plan = Vec::with_capacity(calls.len());
+        let mut at = 0;
+        for (a, up) in calls {
+            if matches!(a, CudaMat::Affine { .. }) && self.takes_wgmma(QgemmKernel::Auto, m, a.cols())? {
+                let end = at + copy_len(a, up.is_some());
+                plan.push(((a, up), self.copy_key(a, up), end));
+                at = end.next_multiple_of(AHEAD_ALIGN);
+            }
+        }
+        Ok(plan)
+    }
+
+    /// Slot `slot`, made or grown to hold `n` values.
+    fn ahead_slot<'s>(&self, slot: &'s mut Option<Slot>, n: usize) -> Result<&'s mut Slot> {
+        if slot.as_ref().is_none_or(|s| s.buf.len() < n) {
+            *slot = None;
+            let event = || self.ctx.ctx.new_event(None).map_err(drv("creating an event"));
+            let buf = self.ctx.zeros(n, "allocating the weights dequantized ahead")?;
+            let side = self.side_stream.clone();
+            *slot = Some(Slot { side, buf, copies: Vec::new(), free: event()?, ready: event()?, joined: false });
+        }
+        Ok(slot.as_mut().expect("set above"))
+    }
+}
+
+/// Values in a copy of `w` (the GLU form's: gate's and up's rows, each padded to a whole
+/// half tile).
+fn copy_len(w: &CudaMat, glu: bool) -> usize {
+    let rows = if glu { 2 * w.rows().div_ceil(GLU_HALF) * GLU_HALF } else { w.rows() };
+    rows * w.cols()
+}
+
+/// Whether gate and up are of one affine format and shape (what the GLU GEMM needs).
+fn same_format(gate: &CudaMat, up: &CudaMat) -> bool {
+    match (gate, up) {
+        (CudaMat::Affine { defines: d, rows, cols, .. }, CudaMat::Affine { defines: ud, rows: ur, cols: uc, .. }) => {
+            d == ud && (rows, cols) == (ur, uc)
+        }
+        _ => false,
     }
 }

@@ -66,10 +66,14 @@ impl Backend for Cuda {
         kv.import(self, layer, rows, data)
     }
     fn begin(&self, tokens: &[u32], spans: &[Span<'_>], invariant: bool) -> Result<()> {
+        self.scratch.wgmma_ahead.lock().unwrap_or_else(|e| e.into_inner()).forget();
         self.steps.begin(self, tokens, spans, (invariant, false))
     }
     fn begin_generated(&self, tokens: &[u32], spans: &[Span<'_>]) -> Result<()> {
         self.steps.begin(self, tokens, spans, (true, true))
+    }
+    fn prepare_layer(&self, w: &crate::backend::LayerWeights<'_, Self>, rows: usize) -> Result<()> {
+        self.prepare_wgmma_layer(w, rows)
     }
     /// Generated rows take the decode step's kernels, batched (decode_rows.rs).
     fn generated_rows_apart(&self) -> bool {

@@ -30,6 +30,8 @@ pub(crate) struct Scratch {
     /// The wgmma GEMM's bf16 weight copy (gemm_wgmma.rs), grown by replacement: the calls
     /// that use it are never captured, and the old buffer is freed in stream order.
     wgmma_weights: Mutex<Option<CudaSlice<u16>>>,
+    /// A prefill's layers dequantized one layer ahead (gemm_wgmma.rs).
+    pub(crate) wgmma_ahead: Mutex<super::gemm_wgmma::Ahead>,
 }
 
 impl Scratch {
