@@ -77,8 +77,11 @@ impl CudaConfig {
             prefill_fused_glu: on_unless_zero("FERROLM_PREFILL_GLU", d.prefill_fused_glu),
             head_argmax: on_unless_zero("FERROLM_HEAD_ARGMAX", d.head_argmax),
             gemm_wide_tiles: var("FERROLM_GEMM_WIDE").map_or(d.gemm_wide_tiles, |v| v == "1"),
-            gemm_wgmma: var("FERROLM_GEMM_WGMMA").map_or(d.gemm_wgmma, |v| v == "1"),
-            wgmma_ahead: var("FERROLM_WGMMA_AHEAD").map_or(d.wgmma_ahead, |v| v == "1"),
+            gemm_wgmma: on_unless_zero("FERROLM_GEMM_WGMMA", d.gemm_wgmma),
+            wgmma_ahead: on_unless_zero("FERROLM_WGMMA_AHEAD", d.wgmma_ahead),
+            wgmma_min_weights: var("FERROLM_WGMMA_MIN_WEIGHTS")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d.wgmma_min_weights),
             prefill_chunk: var("FERROLM_PREFILL_CHUNK")
                 .and_then(|v| v.parse().ok())
                 .map_or(d.prefill_chunk, |n: usize| n.clamp(16, 65536)),

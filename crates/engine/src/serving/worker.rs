@@ -116,7 +116,9 @@ impl<'m, B: Backend> Worker<'m, B> {
         shared: Arc<Shared>,
         rx: mpsc::Receiver<Msg>,
     ) -> crate::Result<Self> {
-        let step_rows = model.backend.prefill_chunk();
+        // A step's rows bound how long the decodes batched with a prompt wait for it: at
+        // most CALL_ROWS (512) prompt rows a step, however large a session's prefill chunk.
+        let step_rows = model.backend.prefill_chunk().min(crate::kv::CALL_ROWS);
         let caches = Caches::new(model, cfg.kv_memory.unwrap_or(0), cfg.max_batch, step_rows)?;
         let scheme = model.kv_scheme().to_string();
         let disk = cfg.prefix_cache_dir.clone().map(|d| DiskPrefixes::open(d, &scheme)).transpose()?;

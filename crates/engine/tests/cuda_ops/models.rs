@@ -133,7 +133,9 @@ fn smollm2_cuda_agrees_with_cpu() {
 /// window and wraps the sliding layers' rings, in prefill and in decode); decode with the
 /// post-norm adds folded into the next GEMV (the default) and as launches of their own, each
 /// really taken; GeGLU fused and not, in decode and in prefill; the prefill GEMM's 64- and
-/// 128-token tiles, and its wgmma kernel (prefills of 512 tokens and more on sm_90) or not.
+/// 128-token tiles, and its wgmma kernel (prefills of 512 tokens and more on sm_90; taken
+/// for every matrix here, below its default size floor) or not, its weights dequantized
+/// ahead or not.
 #[test]
 fn gemma3_cuda_agrees_with_cpu() {
     let path = gemma3_path();
@@ -141,14 +143,17 @@ fn gemma3_cuda_agrees_with_cpu() {
     let mc = Decoder::load(Cpu, &mut a).unwrap();
     let want = CpuReference::new("Gemma 3 270M", &mc, &tok, include_str!("../goldens/gemma3_hf.json"));
     let d = CudaConfig::from_env();
+    // Gemma 3 270M's matrices are smaller than the wgmma GEMM's default floor.
+    let wgmma = CudaConfig { gemm_wgmma: true, wgmma_min_weights: 0, ..d.clone() };
     let variants = [
         ("default", d.clone()),
         ("post-norm fold off", CudaConfig { post_norm_fold: false, ..d.clone() }),
         ("unfused decode GeGLU", CudaConfig { decode_fused_glu: false, ..d.clone() }),
         ("prefill GeGLU switched", CudaConfig { prefill_fused_glu: !d.prefill_fused_glu, ..d.clone() }),
         ("GEMM tile width switched", CudaConfig { gemm_wide_tiles: !d.gemm_wide_tiles, ..d.clone() }),
-        ("wgmma GEMM switched", CudaConfig { gemm_wgmma: !d.gemm_wgmma, ..d.clone() }),
-        ("wgmma GEMM ahead", CudaConfig { gemm_wgmma: true, wgmma_ahead: true, ..d.clone() }),
+        ("wgmma GEMM off", CudaConfig { gemm_wgmma: false, ..d.clone() }),
+        ("wgmma GEMM on every matrix", CudaConfig { wgmma_min_weights: 0, wgmma_ahead: false, ..wgmma.clone() }),
+        ("wgmma GEMM ahead", CudaConfig { wgmma_min_weights: 0, wgmma_ahead: true, ..wgmma }),
     ];
     for (variant, cfg) in variants {
         let (mut b, _) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
@@ -161,25 +166,28 @@ fn gemma3_cuda_agrees_with_cpu() {
     }
 }
 
-/// The wgmma GEMM's weights dequantized a layer ahead on the side stream (`wgmma_ahead`)
-/// give the bits of the copies made just before each GEMM: Gemma 3's teacher-forced logits
+/// The wgmma GEMM gives the tiled kernels' bits end to end, and with its weights
+/// dequantized a layer ahead on the side stream (`wgmma_ahead`) the bits of the copies
+/// made just before each GEMM: Gemma 3's teacher-forced logits
 /// over a text of two full 512-token prefill chunks and a partial one (the full ones take
 /// the wgmma kernel on sm_90), each run reading copies made ahead.
 #[test]
 fn wgmma_weights_dequantized_ahead_give_the_same_bits() {
     let path = gemma3_path();
-    let base = CudaConfig { gemm_wgmma: true, ..CudaConfig::from_env() };
-    let load = |wgmma_ahead: bool| {
+    let base = CudaConfig { gemm_wgmma: true, wgmma_min_weights: 0, ..CudaConfig::from_env() };
+    let load = |gemm_wgmma: bool, wgmma_ahead: bool| {
         let (mut b, tok) = ferrolm::formats::load_with_tokenizer(&path, false).unwrap();
-        let cfg = CudaConfig { wgmma_ahead, ..base.clone() };
+        let cfg = CudaConfig { gemm_wgmma, wgmma_ahead, ..base.clone() };
         (Decoder::load(Cuda::with_config(0, cfg).unwrap(), &mut b).unwrap(), tok)
     };
-    let (plain, tok) = load(false);
-    let (ahead, _) = load(true);
+    let (plain, tok) = load(true, false);
+    let (ahead, _) = load(true, true);
     let text = "The river bends twice before the mill, and the miller's daughter counts the boats. ".repeat(70);
     let ids = tok.encode(&text, true).unwrap();
     assert!(ids.len() > 2 * 512 && ids.len() < 4096, "{} tokens", ids.len());
     let want = teacher_forced(&plain, &ids);
+    let tiled = teacher_forced(&load(false, false).0, &ids);
+    assert!(tiled == want, "the wgmma GEMM's logits differ from the tiled kernels'");
     for run in 0..2 {
         assert!(
             teacher_forced(&ahead, &ids) == want,

@@ -36,17 +36,24 @@ pub struct CudaConfig {
     pub gemm_wide_tiles: bool,
     /// Prefill GEMMs of 512 tokens and more on sm_90 devices (cols a multiple of 64)
     /// dequantize the weights into a bf16 copy and multiply on Hopper's warpgroup MMA
-    /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. Off
-    /// until measured end to end on a GPU (its kernel alone: docs/perf.md). `FERROLM_GEMM_WGMMA`.
+    /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. The 8B
+    /// shape's prefill on an H100: pp512 1.29x the tiled kernels (with `wgmma_ahead` 1.33x),
+    /// pp4096 1.79x in one 4096-token chunk (docs/perf.md). `FERROLM_GEMM_WGMMA`.
     pub gemm_wgmma: bool,
+    /// The fewest weights (rows · cols) of a matrix whose prefill GEMMs `gemm_wgmma` takes:
+    /// 4096 · 1024, every matrix of the 8B shape (where it was measured end to end) and the
+    /// 1B shape's but k and v (its kernel 1.07-1.46x at 512 tokens, docs/perf.md); smaller
+    /// models keep the tiled kernels, not yet measured against it. `FERROLM_WGMMA_MIN_WEIGHTS`.
+    pub wgmma_min_weights: usize,
     /// With `gemm_wgmma`, a prefill's next layer is dequantized on a side stream while the
     /// current layer runs (two layer-sized copies, 872 MB on an 8B model), so the GEMMs find
-    /// their copies made instead of waiting for the pass. Off until measured on a GPU.
-    /// `FERROLM_WGMMA_AHEAD`.
+    /// their copies made instead of waiting for the pass: +3% at pp512, +7% at pp4096 in
+    /// 512-token chunks on the 8B shape (docs/perf.md). `FERROLM_WGMMA_AHEAD`.
     pub wgmma_ahead: bool,
-    /// Prompt tokens per forward call of a prefill (`Backend::prefill_chunk`: a session's
-    /// prompt goes through in chunks of this many, and the serving engine's steps take at
-    /// most this many rows). `FERROLM_PREFILL_CHUNK`.
+    /// Prompt tokens per forward call of a session's prefill (`Backend::prefill_chunk`):
+    /// 4096, so that each matrix is dequantized for the wgmma GEMM once per 4096 tokens,
+    /// not eight times (8B pp4096 20,673 tok/s against 14,618 in chunks of 512). The serving
+    /// engine's steps take at most min(this, 512) rows. `FERROLM_PREFILL_CHUNK`.
     pub prefill_chunk: usize,
     /// Prefill over a quantized KV store runs flash attention, its tiles dequantized into
     /// shared memory, instead of the split-K kernel on CUDA cores: turbo:k8v3's first token
@@ -123,9 +130,10 @@ impl Default for CudaConfig {
             decode_fused_glu: true,
             prefill_fused_glu: true,
             gemm_wide_tiles: true,
-            gemm_wgmma: false,
-            wgmma_ahead: false,
-            prefill_chunk: 512,
+            gemm_wgmma: true,
+            wgmma_min_weights: 4096 * 1024,
+            wgmma_ahead: true,
+            prefill_chunk: 4096,
             flash_quant_prefill: true,
             fused_quant_decode: true,
             head_argmax: true,

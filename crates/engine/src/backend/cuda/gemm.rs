@@ -177,7 +177,7 @@ impl Cuda {
                 x.rows
             )));
         }
-        if self.takes_wgmma(kernel, x.rows, cols)? {
+        if self.takes_wgmma(kernel, x.rows, (rows, cols))? {
             return self.qgemm_wgmma(x, (w, None), out);
         }
         let f32_out = matches!(out.buf, ActBuf::F32(_));
@@ -240,7 +240,7 @@ impl Cuda {
         if [*rows, *cols, x.rows].iter().any(|&v| i32::try_from(v).is_err()) {
             return Ok(false);
         }
-        if self.takes_wgmma(kernel, x.rows, *cols)? {
+        if self.takes_wgmma(kernel, x.rows, (*rows, *cols))? {
             self.qgemm_wgmma(x, (gate, Some((up, act))), out)?;
             return Ok(true);
         }

@@ -3,7 +3,8 @@
 //! GEMM multiplies by), then 128 tokens × 128 rows a block through a six-stage cp.async
 //! ring. Its outputs have the tiled kernel's bits (cuda_parity's gemm tests), so Auto may
 //! take it for any call it serves: from [`WGMMA_MIN_M`] tokens on sm_90 devices, with
-//! `CudaConfig::gemm_wgmma`, outside graph captures, cols a multiple of 64.
+//! `CudaConfig::gemm_wgmma`, outside graph captures, cols a multiple of 64, matrices of
+//! `CudaConfig::wgmma_min_weights` weights and more.
 //!
 //! The copy lives in one scratch buffer for every call (`Scratch::wgmma_weights`): as
 //! large as the largest matrix it served (a GLU's gate and up together: 235 MB on an 8B
@@ -96,9 +97,10 @@ impl Ahead {
 }
 
 impl Cuda {
-    /// Whether a call of m tokens over cols runs on the wgmma kernel as `kernel` asks: named,
-    /// it must (an error where it cannot); Auto, where it serves and the configuration lets it.
-    pub(super) fn takes_wgmma(&self, kernel: QgemmKernel, m: usize, cols: usize) -> Result<bool> {
+    /// Whether a call of m tokens over a [rows, cols] matrix runs on the wgmma kernel as
+    /// `kernel` asks: named, it must (an error where it cannot); Auto, where it serves and
+    /// the configuration lets it (`gemm_wgmma`, `wgmma_min_weights`).
+    pub(super) fn takes_wgmma(&self, kernel: QgemmKernel, m: usize, (rows, cols): (usize, usize)) -> Result<bool> {
         let runs = kernels::runs_on(FILE, &self.arch);
         let fits = cols.is_multiple_of(COLS_MULTIPLE);
         match kernel {
@@ -110,7 +112,8 @@ impl Cuda {
             }
             QgemmKernel::Wgmma => Ok(true),
             QgemmKernel::Auto => {
-                Ok(self.cfg.gemm_wgmma && runs && fits && m >= WGMMA_MIN_M && !self.capturing.load(Relaxed))
+                let large = rows * cols >= self.cfg.wgmma_min_weights;
+                Ok(self.cfg.gemm_wgmma && runs && fits && large && m >= WGMMA_MIN_M && !self.capturing.load(Relaxed))
             }
             _ => Ok(false),
         }
@@ -281,7 +284,7 @@ impl Cuda {
         let mut plan = Vec::with_capacity(calls.len());
         let mut at = 0;
         for (a, up) in calls {
-            if matches!(a, CudaMat::Affine { .. }) && self.takes_wgmma(QgemmKernel::Auto, m, a.cols())? {
+            if matches!(a, CudaMat::Affine { .. }) && self.takes_wgmma(QgemmKernel::Auto, m, (a.rows(), a.cols()))? {
                 let end = at + copy_len(a, up.is_some());
                 plan.push(((a, up), self.copy_key(a, up), end));
                 at = end.next_multiple_of(AHEAD_ALIGN);
