@@ -208,6 +208,21 @@ impl Cuda {
         self.launch_in(stream, &f, cfg, &args, Order::Serial, "dequant_bf16 launch")
     }
 
+    /// `w` dequantized into `copy` as the wgmma GEMM's copy (row r at row r), for
+    /// crates/lab's forms of the ring.
+    #[cfg(feature = "lab")]
+    pub fn wgmma_dequant_into(&self, w: &CudaMat, copy: &mut CudaSlice<u16>) -> Result<()> {
+        if copy.len() < copy_len(w, false) {
+            return Err(Error::Invalid(format!(
+                "a copy of {} values for a [{}, {}] matrix",
+                copy.len(),
+                w.rows(),
+                w.cols()
+            )));
+        }
+        self.dequant_copy(w, None, self.arg(copy), &self.stream)
+    }
+
     /// Which matrices a copy of `w` (with `up`: the GLU form's) holds.
     fn copy_key(&self, w: &CudaMat, up: Option<&CudaMat>) -> CopyKey {
         let addr = |m: &CudaMat| match m {
