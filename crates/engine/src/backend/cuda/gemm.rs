@@ -66,8 +66,8 @@ pub enum QgemmKernel {
     Small,
     /// The weights dequantized into a bf16 copy, then Hopper's warpgroup MMA over 128 × 128
     /// tiles (gemm_wgmma.cu, sm_90 devices only, cols a multiple of 64). Auto takes it from
-    /// [`WGMMA_MIN_M`] tokens where `CudaConfig::gemm_wgmma` is set and no graph is
-    /// being captured.
+    /// [`WGMMA_MIN_M`] tokens for matrices of `CudaConfig::wgmma_min_weights` weights and
+    /// more where `CudaConfig::gemm_wgmma` (the default) and no graph is being captured.
     Wgmma,
 }
 
