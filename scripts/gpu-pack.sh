@@ -11,7 +11,11 @@
 # what the parcel holds to /root/gb and $FERROLM_HOME (default /root/fh), appends its piece,
 # and writes each model to $FERROLM_HOME/models once its bytes are all there (checked).
 # Calls must follow each other within ~30 s (the machine keeps /root while it is warm).
-#   usage: scripts/gpu-pack.sh        env: PIECE (bytes per later parcel, default 62000000)
+# Every parcel leaves TREE_ALLOWANCE (8 MiB) for the working tree, whatever its size today,
+# so that parcels cut before a commit still fit and still join after it (a cut that moved
+# with the tree's size once made a second pack's pieces misalign with a first's).
+#   usage: scripts/gpu-pack.sh        env: PIECE (bytes per later parcel, default 64 MiB
+#                                     less the allowance and 1 MiB)
 set -euo pipefail
 cd "$(dirname "$0")/../gpu-bin"
 models=${FERROLM_HOME:-$HOME/.cache/ferrolm}/models
@@ -21,9 +25,10 @@ for f in ferrolm cuda_parity timings; do [[ -f $f ]] && cp "$f" p1/; done
 cp tok/*.gguf p1/tok.gguf
 [[ -f m2/kernels.tar.xz ]] && cp m2/kernels.tar.xz p1/
 [[ -d peer ]] && cp -r peer p1/peer
-python3 - "$models" "${PIECE:-62000000}" <<'PY'
+python3 - "$models" "${PIECE:-$(((64 - 8 - 1) << 20))}" <<'PY'
 import hashlib, json, os, sys
 models, piece = sys.argv[1], int(sys.argv[2])
+allowance = 8 << 20
 names = ["SmolLM2-135M-Instruct.Q4_1.gguf", "gemma-3-270m-q4_k_m.gguf"]
 blob, manifest = b"", []
 for n in names:
@@ -36,7 +41,11 @@ import subprocess
 tree = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd="..",
                       capture_output=True, check=True).stdout.split(b"\0")
 tree_bytes = sum(os.path.getsize(os.path.join("..", f.decode())) for f in tree if f and os.path.isfile(os.path.join("..", f.decode())))
-first = max(0, (64 << 20) - tree_bytes - used - (1 << 20))
+if tree_bytes > allowance:
+    sys.exit(f"the working tree is {tree_bytes} bytes, past the parcels' allowance of {allowance}")
+if piece > (64 << 20) - allowance - (1 << 20):
+    sys.exit(f"PIECE {piece} leaves no room for the working tree")
+first = max(0, (64 << 20) - allowance - used - (1 << 20))
 cuts = [blob[:first]] + [blob[i:i + piece] for i in range(first, len(blob), piece)]
 for i, c in enumerate(cuts, 1):
     os.makedirs(f"p{i}", exist_ok=True)

@@ -3,6 +3,8 @@
 #   usage: bash scripts/gpu-unpack.sh gpu-bin/pN
 #   env:   GPU_ROOT (default /root): where the binaries (gb/), the stream and peer/ go;
 #          FERROLM_HOME (default $GPU_ROOT/fh)
+# A checksum mismatch means the machine holds pieces of another pack: remove
+# $GPU_ROOT/blob and $GPU_ROOT/blob.parcels and unpack again from p1.
 set -euo pipefail
 p=${1:?usage: gpu-unpack.sh gpu-bin/pN}
 root=${GPU_ROOT:-/root}
