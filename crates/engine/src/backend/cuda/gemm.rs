@@ -224,12 +224,12 @@ impl Cuda {
     ) -> Result<bool> {
         let (
             CudaMat::Affine { words: gw, scales: gs, biases: gb, defines, rows, cols, .. },
-            CudaMat::Affine { words: uw, scales: us, biases: ub, defines: ud, rows: ur, cols: uc, .. },
+            CudaMat::Affine { words: uw, scales: us, biases: ub, .. },
         ) = (gate, up)
         else {
             return Ok(false);
         };
-        let same = defines == ud && (rows, cols) == (ur, uc) && cols.is_multiple_of(COLS_MULTIPLE);
+        let same = same_format(gate, up) && cols.is_multiple_of(COLS_MULTIPLE);
         let (ActBuf::Bf16(xb), ActBuf::Bf16(_)) = (&x.buf, &out.buf) else { return Ok(false) };
         if !same || x.cols != *cols || out.cols != *rows || out.rows != x.rows {
             return Ok(false);
@@ -264,6 +264,16 @@ impl Cuda {
         // Matches gemm.cu's qgemm_glu (or its few-token forms); shapes checked above.
         self.launch(&func, cfg, &args, Order::Serial, "qgemm_glu launch")?;
         Ok(true)
+    }
+}
+
+/// Whether gate and up are of one affine format and shape (what the GLU GEMM needs).
+pub(super) fn same_format(gate: &CudaMat, up: &CudaMat) -> bool {
+    match (gate, up) {
+        (CudaMat::Affine { defines: d, rows, cols, .. }, CudaMat::Affine { defines: ud, rows: ur, cols: uc, .. }) => {
+            d == ud && (rows, cols) == (ur, uc)
+        }
+        _ => false,
     }
 }
 

@@ -14,7 +14,7 @@
 use super::context::Order;
 use super::device::Cuda;
 use super::driver::{drv, KArg};
-use super::gemm::QgemmKernel;
+use super::gemm::{same_format, QgemmKernel};
 use super::kernels;
 use super::tensors::{ActBuf, CudaAct, CudaMat};
 use crate::backend::LayerWeights;
@@ -259,36 +259,36 @@ impl Cuda {
         if !self.cfg.wgmma_ahead || self.capturing.load(Relaxed) || self.in_dry_pass() {
             return Ok(());
         }
-        let plan = self.layer_copies(w, m)?;
-        let Some(&(_, _, last)) = plan.last() else { return Ok(()) };
+        let (plan, len) = self.layer_copies(w, m)?;
+        if plan.is_empty() {
+            return Ok(());
+        }
         let mut ahead = self.scratch.wgmma_ahead.lock().unwrap_or_else(|e| e.into_inner());
         let i = ahead.next;
         ahead.next ^= 1;
-        let slot = self.ahead_slot(&mut ahead.slots[i], last.next_multiple_of(AHEAD_ALIGN))?;
+        let slot = self.ahead_slot(&mut ahead.slots[i], len)?;
         slot.copies.clear();
         slot.joined = false;
         let what = "ordering the weights dequantized ahead";
         slot.free.record(&self.stream).map_err(drv(what))?;
         self.side_stream.wait(&slot.free).map_err(drv(what))?;
         let KArg::Ptr(base) = self.arg(&slot.buf) else { unreachable!("a buffer's argument is its address") };
-        let mut at = 0;
-        for &((a, up), key, end) in &plan {
+        for &((a, up), key, at) in &plan {
             self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), &self.side_stream)?;
             slot.copies.push((key, at));
-            at = end.next_multiple_of(AHEAD_ALIGN);
         }
         slot.ready.record(&self.side_stream).map_err(drv(what))
     }
 
     /// The copies a layer's GEMMs at m rows take (q, k, v, o, gate and up as the GLU form
-    /// reads them where the prefill fuses it, down), each with its key and where it ends
-    /// in a slot (values).
+    /// reads them where the prefill fuses it, down), each with its key and where it starts
+    /// in a slot, and the values the slot needs for them all.
     #[allow(clippy::type_complexity)]
     fn layer_copies<'a>(
         &self,
         w: &LayerWeights<'a, Cuda>,
         m: usize,
-    ) -> Result<Vec<((&'a CudaMat, Option<&'a CudaMat>), CopyKey, usize)>> {
+    ) -> Result<(Vec<((&'a CudaMat, Option<&'a CudaMat>), CopyKey, usize)>, usize)> {
         let pair = self.cfg.prefill_fused_glu && same_format(w.w_gate, w.w_up);
         let mut calls: Vec<(&CudaMat, Option<&CudaMat>)> = vec![(w.wq, None), (w.wk, None), (w.wv, None), (w.wo, None)];
         match pair {
@@ -300,12 +300,11 @@ impl Cuda {
         let mut at = 0;
         for (a, up) in calls {
             if matches!(a, CudaMat::Affine { .. }) && self.takes_wgmma(QgemmKernel::Auto, m, (a.rows(), a.cols()))? {
-                let end = at + copy_len(a, up.is_some());
-                plan.push(((a, up), self.copy_key(a, up), end));
-                at = end.next_multiple_of(AHEAD_ALIGN);
+                plan.push(((a, up), self.copy_key(a, up), at));
+                at = (at + copy_len(a, up.is_some())).next_multiple_of(AHEAD_ALIGN);
             }
         }
-        Ok(plan)
+        Ok((plan, at))
     }
 
     /// Slot `slot`, made or grown to hold `n` values.
@@ -326,14 +325,4 @@ impl Cuda {
 fn copy_len(w: &CudaMat, glu: bool) -> usize {
     let rows = if glu { 2 * w.rows().div_ceil(GLU_HALF) * GLU_HALF } else { w.rows() };
     rows * w.cols()
-}
-
-/// Whether gate and up are of one affine format and shape (what the GLU GEMM needs).
-fn same_format(gate: &CudaMat, up: &CudaMat) -> bool {
-    match (gate, up) {
-        (CudaMat::Affine { defines: d, rows, cols, .. }, CudaMat::Affine { defines: ud, rows: ur, cols: uc, .. }) => {
-            d == ud && (rows, cols) == (ur, uc)
-        }
-        _ => false,
-    }
 }
