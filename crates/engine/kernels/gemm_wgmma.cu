@@ -24,6 +24,10 @@
 // qgemm_wgmma_glu: the copy holds gate and up interleaved by 64 rows (dequant_bf16's
 // `half` = 64), so a tile is 64 rows of gate and the same 64 rows of up; the epilogue
 // stores act(gate)·up (qgemm.cuh's glu_value on the f32 sums) into out [m, rows].
+// qgemm_wgmma_split: several matrices that multiply the same x (a layer's q, k and v) in
+// one launch, so the small ones fill the SMs the large one leaves idle: the copy holds them
+// one after another, each but the last a whole number of 128-row tiles, and a tile's outputs
+// go to its matrix's out [m, rows_i] (bf16). Each output is computed as alone: the same bits.
 // Launch: block 256, dynamic shared memory WG_SMEM bytes (the function's attribute must
 // allow it). cols a multiple of 64.
 #include "common.cuh"
@@ -35,11 +39,18 @@
 #define WG_STAGE (2 * WG_TILE)              // x tile, then w tile
 #define WG_SMEM (STAGES * WG_STAGE + 1024)  // + alignment slack
 
+// qgemm_wgmma_split's outputs: up to three matrices' out and rows.
+struct SplitOut {
+    bf16_t* out[3];
+    int rows[3];
+};
+
 // out: 0 bf16 [m, rows], 1 f32 [m, rows], 2 GLU (bf16 [m, rows], rows outputs from a
-// copy of 2·⌈rows/64⌉·64 rows).
+// copy of 2·⌈rows/64⌉·64 rows), 3 split (bf16, `split`; rows the sum of its rows).
 template <int OUT>
 __device__ __forceinline__ void qgemm_wgmma_body(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
-                                                 void* __restrict__ out, int rows, int cols, int m, int act) {
+                                                 void* __restrict__ out, int rows, int cols, int m, int act,
+                                                 const SplitOut& split = {}) {
     extern __shared__ u8 smem_raw[];
     u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
@@ -94,6 +105,16 @@ __device__ __forceinline__ void qgemm_wgmma_body(const bf16_t* __restrict__ w, c
             if (r < rows) po[0] = f2bf(glu_value(tot[i], tot[i + 32], act));
             if (r + 1 < rows) po[1] = f2bf(glu_value(tot[i + 1], tot[i + 33], act));
         });
+    } else if constexpr (OUT == 3) {
+        // The matrix the tile's rows belong to, and its first row there (constant indices:
+        // the outputs stay in registers).
+        bf16_t* o = split.out[0];
+        int n = split.rows[0], r0 = w0;
+        if (r0 >= n) {
+            r0 -= n, o = split.out[1], n = split.rows[1];
+            if (r0 >= n) r0 -= n, o = split.out[2], n = split.rows[2];
+        }
+        store_out<false>(tot, o, n, m, r0, t_lane, lane);
     } else {
         store_out<OUT == 1>(tot, out, rows, m, w0, t_lane, lane);
     }
@@ -111,4 +132,12 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 extern "C" __global__ void __launch_bounds__(256, 1)
     qgemm_wgmma_glu(const bf16_t* w, const bf16_t* x, bf16_t* out, int rows, int cols, int m, int act) {
     qgemm_wgmma_body<2>(w, x, out, rows, cols, m, act);
+}
+// Up to three matrices' products (rows0 and rows1 multiples of 128; unused ones 0 rows);
+// grid (⌈m/128⌉, ⌈(rows0 + rows1 + rows2)/128⌉).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    qgemm_wgmma_split(const bf16_t* w, const bf16_t* x, bf16_t* out0, bf16_t* out1, bf16_t* out2, int rows0,
+                      int rows1, int rows2, int cols, int m) {
+    const SplitOut split = {{out0, out1, out2}, {rows0, rows1, rows2}};
+    qgemm_wgmma_body<3>(w, x, nullptr, rows0 + rows1 + rows2, cols, m, 0, split);
 }

@@ -229,3 +229,53 @@ fn the_wgmma_kernel_gives_the_tiled_bits() {
     let e = g.qgemm_as(&x, &w, &mut g.act_poisoned(512, 64, false).unwrap(), QgemmKernel::Wgmma).unwrap_err();
     assert!(e.to_string().contains("multiple of 64"), "{e}");
 }
+
+/// A layer's q, k and v in one wgmma launch (qgemm_wgmma_split, which `matmul_many` takes
+/// from 512 tokens): each output has the bits of its matrix's own tiled GEMM, for two and
+/// three matrices, a ragged last matrix, several and partial token tiles. Where a matrix
+/// but the last is not whole tiles, or a matrix is under the size floor, it declines.
+#[test]
+fn one_wgmma_launch_for_several_matrices_gives_each_its_bits() {
+    use ferrolm::backend::cuda::{Cuda, CudaConfig};
+    if gpu().arch != "sm_90" {
+        return; // the wgmma kernel's refusal elsewhere: the_wgmma_kernel_gives_the_tiled_bits
+    }
+    let cfg = CudaConfig { gemm_wgmma: true, wgmma_min_weights: 0, wgmma_split: true, ..CudaConfig::from_env() };
+    let g = Cuda::with_config(0, cfg.clone()).unwrap();
+    let mut r = Rng::seeded();
+    let k = 576;
+    for (rows, taken) in [
+        (&[256, 128, 128][..], true),
+        (&[384, 200][..], true),
+        (&[128, 256, 72][..], true),
+        (&[200, 128, 128][..], false),
+    ] {
+        let ws: Vec<_> =
+            rows.iter().map(|&n| g.matrix(affine(&mut r, n, k, 4, 32, ScaleDtype::F16)).unwrap()).collect();
+        let refs: Vec<_> = ws.iter().collect();
+        for m in [512, 700] {
+            let x = g.act_from(m, k, &bf(&r.v(m * k, 1.0))).unwrap();
+            let mut outs: Vec<_> = rows.iter().map(|&n| g.act_poisoned(m, n, false).unwrap()).collect();
+            let mut out_refs: Vec<_> = outs.iter_mut().collect();
+            assert_eq!(g.qgemm_wgmma_split(&x, &refs, &mut out_refs).unwrap(), taken, "rows {rows:?} m{m}");
+            if !taken {
+                continue;
+            }
+            for (i, (w, o)) in ws.iter().zip(&outs).enumerate() {
+                let mut tiled = g.act_poisoned(m, rows[i], false).unwrap();
+                g.qgemm_as(&x, w, &mut tiled, QgemmKernel::Tiled).unwrap();
+                let want = to_bits(&g.read_rows(&tiled, 0).unwrap());
+                assert_eq!(to_bits(&g.read_rows(o, 0).unwrap()), want, "rows {rows:?} m{m}: matrix {i}");
+            }
+        }
+    }
+    // Under the floor (one matrix of 128 · 576 weights): the launches one by one.
+    let floor = CudaConfig { wgmma_min_weights: 128 * k + 1, ..cfg };
+    let g = Cuda::with_config(0, floor).unwrap();
+    let ws: Vec<_> =
+        [256, 128].iter().map(|&n| g.matrix(affine(&mut r, n, k, 4, 32, ScaleDtype::F16)).unwrap()).collect();
+    let x = g.act_from(512, k, &bf(&r.v(512 * k, 1.0))).unwrap();
+    let mut outs: Vec<_> = [256, 128].iter().map(|&n| g.act_poisoned(512, n, false).unwrap()).collect();
+    let mut out_refs: Vec<_> = outs.iter_mut().collect();
+    assert!(!g.qgemm_wgmma_split(&x, &ws.iter().collect::<Vec<_>>(), &mut out_refs).unwrap());
+}

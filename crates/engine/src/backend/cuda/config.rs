@@ -50,6 +50,11 @@ pub struct CudaConfig {
     /// their copies made instead of waiting for the pass: +3% at pp512, +7% at pp4096 in
     /// 512-token chunks on the 8B shape (docs/perf.md). `FERROLM_WGMMA_AHEAD`.
     pub wgmma_ahead: bool,
+    /// With `gemm_wgmma`, the matrices a call multiplies by the same rows (a layer's q, k
+    /// and v) go through one wgmma launch over their copies laid end to end
+    /// (qgemm_wgmma_split), so k's and v's few tiles run beside q's instead of leaving most
+    /// SMs idle in launches of their own; the same bits. `FERROLM_WGMMA_SPLIT`.
+    pub wgmma_split: bool,
     /// Prompt tokens per forward call of a session's prefill (`Backend::prefill_chunk`):
     /// 4096, so that each matrix is dequantized for the wgmma GEMM once per 4096 tokens,
     /// not eight times (8B pp4096 20,673 tok/s against 14,618 in chunks of 512). The serving
@@ -133,6 +138,7 @@ impl Default for CudaConfig {
             gemm_wgmma: true,
             wgmma_min_weights: 4096 * 1024,
             wgmma_ahead: true,
+            wgmma_split: true,
             prefill_chunk: 4096,
             flash_quant_prefill: true,
             fused_quant_decode: true,

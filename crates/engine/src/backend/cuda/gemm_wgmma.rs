@@ -48,6 +48,9 @@ const AHEAD_BLOCKS_PER_SM: usize = 2;
 /// Copies in an `Ahead` slot start at multiples of this many values (1 KiB).
 const AHEAD_ALIGN: usize = 512;
 
+/// A dequantization pass: the stream it runs on and its grid-stride blocks per SM.
+type Pass<'a> = (&'a CudaStream, usize);
+
 /// A copy's matrices: the device addresses of their words (gate's and up's for a GLU's
 /// interleaved copy, up's 0 for one matrix).
 type CopyKey = (u64, u64);
@@ -145,13 +148,10 @@ impl Cuda {
             Some(copy) => copy,
             None => {
                 let copy = self.scratch.wgmma_weights(&self.ctx, copy_len(w, up.is_some()))?;
-                self.dequant_copy(w, up, copy, &self.stream)?;
+                self.dequant_copy(w, up, copy, self.main_pass())?;
                 copy
             }
         };
-        let f = self.function(kernels::file(FILE), &[], name)?;
-        f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
-            .map_err(drv("allowing the wgmma qgemm its shared memory"))?;
         let mut args = vec![
             copy,
             self.arg(xb),
@@ -163,30 +163,124 @@ impl Cuda {
         if let Some(act) = act {
             args.push(KArg::I32(i32::from(act == Activation::GeluTanh)));
         }
+        // Matches gemm_wgmma.cu's entry `name` (bf16 copy, x, out, rows, cols, m[, act]).
+        self.launch_wgmma(name, &args, m, row_blocks)
+    }
+
+    /// outs[i] = x·ws[i]ᵀ for two or three matrices (a layer's q, k and v) in one launch of
+    /// qgemm_wgmma_split over their copies laid end to end, where `CudaConfig::wgmma_split`
+    /// lets it and Auto gives each matrix the wgmma kernel: affine weights of the same cols,
+    /// bf16 outputs, every matrix but the last a whole number of tiles. False (nothing run)
+    /// elsewhere. Each output has the bits of its own launch.
+    pub fn qgemm_wgmma_split(&self, x: &CudaAct, ws: &[&CudaMat], outs: &mut [&mut CudaAct]) -> Result<bool> {
+        let (m, cols) = (x.rows, x.cols);
+        let rows: Vec<usize> = ws.iter().map(|w| w.rows()).collect();
+        let fits = self.cfg.wgmma_split
+            && (2..=3).contains(&ws.len())
+            && outs.len() == ws.len()
+            && matches!(x.buf, ActBuf::Bf16(_))
+            && rows[..rows.len() - 1].iter().all(|r| r.is_multiple_of(TILE))
+            && i32::try_from(rows.iter().sum::<usize>()).is_ok()
+            && ws.iter().zip(outs.iter()).all(|(w, o)| {
+                matches!(w, CudaMat::Affine { .. })
+                    && w.cols() == cols
+                    && matches!(o.buf, ActBuf::Bf16(_))
+                    && (o.rows, o.cols) == (m, w.rows())
+            });
+        if !fits || m == 0 {
+            return Ok(false);
+        }
+        for w in ws {
+            if !self.takes_wgmma(QgemmKernel::Auto, m, (w.rows(), cols))? {
+                return Ok(false);
+            }
+        }
+        let total: usize = rows.iter().sum();
+        if total.div_ceil(TILE) > 65535 {
+            return Ok(false);
+        }
+        let copy = self.split_copy(ws)?;
+        let out = |i: usize| outs[i.min(ws.len() - 1)].arg(self);
+        let rows_arg = |i: usize| KArg::I32(rows.get(i).map_or(0, |&r| r as i32));
+        let args = [
+            copy,
+            self.arg(x.bf16()),
+            out(0),
+            out(1),
+            out(2),
+            rows_arg(0),
+            rows_arg(1),
+            rows_arg(2),
+            KArg::I32(cols as i32),
+            KArg::I32(m as i32),
+        ];
+        // Matches qgemm_wgmma_split (copy, x, out0..2, rows0..2, cols, m).
+        self.launch_wgmma("qgemm_wgmma_split", &args, m, total.div_ceil(TILE))?;
+        Ok(true)
+    }
+
+    /// One copy of `ws` laid end to end: the copies a pass ahead made, where they lie so in
+    /// one slot (`layer_copies` plans a layer's q, k and v that way), else made now.
+    fn split_copy(&self, ws: &[&CudaMat]) -> Result<KArg> {
+        // Each copy's start in values, and the values of them all.
+        let mut starts = Vec::with_capacity(ws.len());
+        let mut total = 0usize;
+        for w in ws {
+            starts.push(total as u64);
+            total += copy_len(w, false);
+        }
+        let mut made = Vec::with_capacity(ws.len());
+        for w in ws {
+            made.push(self.copy_made_ahead(self.copy_key(w, None))?);
+        }
+        let end_to_end = made.iter().zip(&starts).all(
+            |(copy, at)| matches!((copy, &made[0]), (Some(KArg::Ptr(p)), Some(KArg::Ptr(p0))) if *p == p0 + 2 * at),
+        );
+        if end_to_end {
+            return Ok(made[0].expect("checked above"));
+        }
+        let copy = self.scratch.wgmma_weights(&self.ctx, total)?;
+        let KArg::Ptr(base) = copy else { unreachable!("a buffer's argument is its address") };
+        for (w, at) in ws.iter().zip(&starts) {
+            self.dequant_copy(w, None, KArg::Ptr(base + 2 * at), self.main_pass())?;
+        }
+        Ok(copy)
+    }
+
+    /// A wgmma ring kernel `name` of gemm_wgmma.cu over m tokens and `row_blocks` tiles of
+    /// weight rows (block 256, the ring's shared memory).
+    fn launch_wgmma(&self, name: &str, args: &[KArg], m: usize, row_blocks: usize) -> Result<()> {
+        let f = self.function(kernels::file(FILE), &[], name)?;
+        f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
+            .map_err(drv("allowing the wgmma qgemm its shared memory"))?;
         let cfg = LaunchConfig {
             grid_dim: (m.div_ceil(TILE) as u32, row_blocks as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: SMEM_BYTES as u32,
         };
-        // Matches gemm_wgmma.cu's entry `name` (bf16 copy, x, out, rows, cols, m[, act]).
-        self.launch(&f, cfg, &args, Order::Serial, "qgemm_wgmma launch")
+        self.launch(&f, cfg, args, Order::Serial, "qgemm_wgmma launch")
     }
 
-    /// The copy of `w` (with `up`, the GLU form's interleaved copy) at `copy`, made on
-    /// `stream` (the main one, or the side stream's pass ahead).
-    fn dequant_copy(&self, w: &CudaMat, up: Option<&CudaMat>, copy: KArg, stream: &CudaStream) -> Result<()> {
+    /// A dequantization pass on the main stream, just before its GEMM: the whole GPU.
+    fn main_pass(&self) -> Pass<'_> {
+        (&self.stream, DEQUANT_BLOCKS_PER_SM)
+    }
+
+    /// The copy of `w` (with `up`, the GLU form's interleaved copy) at `copy`, made by
+    /// `pass` (the main stream's, or the side stream's ahead).
+    fn dequant_copy(&self, w: &CudaMat, up: Option<&CudaMat>, copy: KArg, pass: Pass<'_>) -> Result<()> {
         match up {
-            None => self.dequant_bf16(w, copy, (0, 0), stream),
+            None => self.dequant_bf16(w, copy, (0, 0), pass),
             Some(up) => {
-                self.dequant_bf16(w, copy, (GLU_HALF, 0), stream)?;
-                self.dequant_bf16(up, copy, (GLU_HALF, 1), stream)
+                self.dequant_bf16(w, copy, (GLU_HALF, 0), pass)?;
+                self.dequant_bf16(up, copy, (GLU_HALF, 1), pass)
             }
         }
     }
 
-    /// `w` dequantized into the bf16 copy at `copy` (gemm.cu's dequant_bf16) on `stream`:
+    /// `w` dequantized into the bf16 copy at `copy` (gemm.cu's dequant_bf16) by `pass`:
     /// row r at row r, or with (half, up) = (64, u) interleaved for the GLU form.
-    fn dequant_bf16(&self, w: &CudaMat, copy: KArg, (half, up): (usize, usize), stream: &CudaStream) -> Result<()> {
+    fn dequant_bf16(&self, w: &CudaMat, copy: KArg, (half, up): (usize, usize), pass: Pass<'_>) -> Result<()> {
         let CudaMat::Affine { words, scales, biases, defines, rows, cols, .. } = w else {
             return Err(Error::Unsupported("the wgmma qgemm needs affine-quantized weights".into()));
         };
@@ -201,8 +295,7 @@ impl Cuda {
             KArg::I32(half as i32),
             KArg::I32(up as i32),
         ];
-        let ahead = !std::ptr::eq(stream, &*self.stream);
-        let per_sm = if ahead { AHEAD_BLOCKS_PER_SM } else { DEQUANT_BLOCKS_PER_SM };
+        let (stream, per_sm) = pass;
         let cfg =
             LaunchConfig { grid_dim: ((self.sms * per_sm) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch_in(stream, &f, cfg, &args, Order::Serial, "dequant_bf16 launch")
@@ -220,7 +313,7 @@ impl Cuda {
                 w.cols()
             )));
         }
-        self.dequant_copy(w, None, self.arg(copy), &self.stream)
+        self.dequant_copy(w, None, self.arg(copy), self.main_pass())
     }
 
     /// Which matrices a copy of `w` (with `up`: the GLU form's) holds.
@@ -264,6 +357,10 @@ impl Cuda {
             return Ok(());
         }
         let mut ahead = self.scratch.wgmma_ahead.lock().unwrap_or_else(|e| e.into_inner());
+        // The call's first layer: nothing runs beside its pass (the GEMMs wait for it), so
+        // it takes the whole GPU.
+        let first = ahead.slots.iter().flatten().all(|s| s.copies.is_empty());
+        let per_sm = if first { DEQUANT_BLOCKS_PER_SM } else { AHEAD_BLOCKS_PER_SM };
         let i = ahead.next;
         ahead.next ^= 1;
         let slot = self.ahead_slot(&mut ahead.slots[i], len)?;
@@ -274,7 +371,7 @@ impl Cuda {
         self.side_stream.wait(&slot.free).map_err(drv(what))?;
         let KArg::Ptr(base) = self.arg(&slot.buf) else { unreachable!("a buffer's argument is its address") };
         for &((a, up), key, at) in &plan {
-            self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), &self.side_stream)?;
+            self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), (&self.side_stream, per_sm))?;
             slot.copies.push((key, at));
         }
         slot.ready.record(&self.side_stream).map_err(drv(what))
