@@ -19,15 +19,18 @@
 // Chunking as qgemm.cuh: the accumulators restart from zero every CHUNK_K values and the
 // chunk sums are added in order into f32 totals, and wgmma's k16 arithmetic is mma.sync's,
 // so the outputs have gemm.cu's bits (cuda_parity's gemm tests hold them to it).
+// Where cols is a multiple of 2·CHUNK_K, chunks alternate between two accumulator sets and
+// a chunk is added into the totals under the next chunk's first MMAs, instead of the ring
+// waiting for every group at each chunk's end (the tensor cores idle once every four
+// steps): +3-5% end to end on the 8B prefill (docs/perf.md). Only every other chunk, with
+// a wait for all groups at each iteration's end: where a loop carries a group in flight
+// while the other set is read, ptxas serializes every wgmma (C7514). 255 registers, no
+// spills: one block an SM and nothing beside it.
 // Grid (⌈m/128⌉, ⌈rows/128⌉): token tiles fastest, so the blocks of one weight tile run
 // together and it comes from HBM about once.
 // qgemm_wgmma_glu: the copy holds gate and up interleaved by 64 rows (dequant_bf16's
 // `half` = 64), so a tile is 64 rows of gate and the same 64 rows of up; the epilogue
 // stores act(gate)·up (qgemm.cuh's glu_value on the f32 sums) into out [m, rows].
-// qgemm_wgmma_split: several matrices that multiply the same x (a layer's q, k and v) in
-// one launch, so the small ones fill the SMs the large one leaves idle: the copy holds them
-// one after another, each but the last a whole number of 128-row tiles, and a tile's outputs
-// go to its matrix's out [m, rows_i] (bf16). Each output is computed as alone: the same bits.
 // Launch: block 256, dynamic shared memory WG_SMEM bytes (the function's attribute must
 // allow it). cols a multiple of 64.
 #include "common.cuh"
@@ -39,18 +42,11 @@
 #define WG_STAGE (2 * WG_TILE)              // x tile, then w tile
 #define WG_SMEM (STAGES * WG_STAGE + 1024)  // + alignment slack
 
-// qgemm_wgmma_split's outputs: up to three matrices' out and rows.
-struct SplitOut {
-    bf16_t* out[3];
-    int rows[3];
-};
-
 // out: 0 bf16 [m, rows], 1 f32 [m, rows], 2 GLU (bf16 [m, rows], rows outputs from a
-// copy of 2·⌈rows/64⌉·64 rows), 3 split (bf16, `split`; rows the sum of its rows).
+// copy of 2·⌈rows/64⌉·64 rows).
 template <int OUT>
 __device__ __forceinline__ void qgemm_wgmma_body(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
-                                                 void* __restrict__ out, int rows, int cols, int m, int act,
-                                                 const SplitOut& split = {}) {
+                                                 void* __restrict__ out, int rows, int cols, int m, int act) {
     extern __shared__ u8 smem_raw[];
     u8* smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31, warp = (tid >> 5) & 3;
@@ -62,36 +58,57 @@ __device__ __forceinline__ void qgemm_wgmma_body(const bf16_t* __restrict__ w, c
         copy_tile(x_tile(st), x, t0, m, cols, s, tid);
         copy_tile(w_tile(st), w, w0, w_rows, cols, s, tid);
     };
-    float acc[64], tot[64];
+    float acc[64], acc2[64], tot[64];
 #pragma unroll
-    for (int i = 0; i < 64; i++) acc[i] = tot[i] = 0.f;
+    for (int i = 0; i < 64; i++) acc[i] = acc2[i] = tot[i] = 0.f;
     constexpr int P = STAGES - 2;  // steps of copies ahead
 #pragma unroll
     for (int st = 0; st < P; st++) {
         if (st < nk) load(st, st);
         cp_async_commit();
     }
-    // A chunk's steps unrolled: the accumulators are touched only by the MMAs between a
-    // chunk's first step and its end, so no control flow merges with a group in flight
-    // (ptxas would wait for it there).
+    // Step s into a: its copies waited for, its MMAs issued, step s + P's copies sent, and
+    // every group but this step's waited for.
+    auto step = [&](float (&a)[64], int s) {
+        const int st = s % STAGES;
+        cp_async_wait<P - 1>();
+        fence_async_smem();
+        __syncthreads();  // every thread's copies in, and step s-2's MMAs done everywhere
+        issue_step(a, smem_u32(x_tile(st)) + wg * 64 * 128, smem_u32(w_tile(st)));
+        const int sn = s + P;
+        if (sn < nk) load(sn % STAGES, sn);
+        cp_async_commit();
+        wg_wait1();
+        pin(a);
+    };
     constexpr int SPC = CHUNK_K / WG_BK;
-    for (int s0 = 0; s0 < nk; s0 += SPC) {
+    if (nk % (2 * SPC) == 0) {
+        // Two chunks an iteration on two accumulator sets: the first is added into the
+        // totals under the second's first MMAs.
+        for (int s0 = 0; s0 < nk; s0 += 2 * SPC) {
 #pragma unroll
-        for (int j = 0; j < SPC; j++) {
-            const int s = s0 + j, st = s % STAGES;
-            if (s < nk) {
-                cp_async_wait<P - 1>();  // step s's copies (later steps' may be in flight)
-                fence_async_smem();
-                __syncthreads();  // every thread's copies in, and step s-2's MMAs done everywhere
-                issue_step(acc, smem_u32(x_tile(st)) + wg * 64 * 128, smem_u32(w_tile(st)));
-                const int sn = s + P;
-                if (sn < nk) load(sn % STAGES, sn);
-                cp_async_commit();
-                wg_wait1();  // step s-1's group (this step's stays in flight)
-                pin(acc);
+            for (int j = 0; j < SPC; j++) step(acc, s0 + j);
+#pragma unroll
+            for (int j = 0; j < SPC; j++) {
+                step(acc2, s0 + SPC + j);
+                if (j == 0) {
+                    pin(acc);
+#pragma unroll
+                    for (int i = 0; i < 64; i++) tot[i] += acc[i], acc[i] = 0.f;
+                }
             }
+            drain_chunk(acc2, tot);
         }
-        drain_chunk(acc, tot);
+    } else {
+        // A chunk's steps unrolled: the accumulators are touched only by the MMAs between a
+        // chunk's first step and its end, so no control flow merges with a group in flight
+        // (ptxas would wait for it there).
+        for (int s0 = 0; s0 < nk; s0 += SPC) {
+#pragma unroll
+            for (int j = 0; j < SPC; j++)
+                if (s0 + j < nk) step(acc, s0 + j);
+            drain_chunk(acc, tot);
+        }
     }
     const int t_lane = t0 + 64 * wg + 16 * warp + (lane >> 2);
     if constexpr (OUT == 2) {
@@ -105,16 +122,6 @@ __device__ __forceinline__ void qgemm_wgmma_body(const bf16_t* __restrict__ w, c
             if (r < rows) po[0] = f2bf(glu_value(tot[i], tot[i + 32], act));
             if (r + 1 < rows) po[1] = f2bf(glu_value(tot[i + 1], tot[i + 33], act));
         });
-    } else if constexpr (OUT == 3) {
-        // The matrix the tile's rows belong to, and its first row there (constant indices:
-        // the outputs stay in registers).
-        bf16_t* o = split.out[0];
-        int n = split.rows[0], r0 = w0;
-        if (r0 >= n) {
-            r0 -= n, o = split.out[1], n = split.rows[1];
-            if (r0 >= n) r0 -= n, o = split.out[2], n = split.rows[2];
-        }
-        store_out<false>(tot, o, n, m, r0, t_lane, lane);
     } else {
         store_out<OUT == 1>(tot, out, rows, m, w0, t_lane, lane);
     }
@@ -132,12 +139,4 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 extern "C" __global__ void __launch_bounds__(256, 1)
     qgemm_wgmma_glu(const bf16_t* w, const bf16_t* x, bf16_t* out, int rows, int cols, int m, int act) {
     qgemm_wgmma_body<2>(w, x, out, rows, cols, m, act);
-}
-// Up to three matrices' products (rows0 and rows1 multiples of 128; unused ones 0 rows);
-// grid (⌈m/128⌉, ⌈(rows0 + rows1 + rows2)/128⌉).
-extern "C" __global__ void __launch_bounds__(256, 1)
-    qgemm_wgmma_split(const bf16_t* w, const bf16_t* x, bf16_t* out0, bf16_t* out1, bf16_t* out2, int rows0,
-                      int rows1, int rows2, int cols, int m) {
-    const SplitOut split = {{out0, out1, out2}, {rows0, rows1, rows2}};
-    qgemm_wgmma_body<3>(w, x, nullptr, rows0 + rows1 + rows2, cols, m, 0, split);
 }

@@ -27,13 +27,6 @@ pub fn qgemm_wgmma() -> &'static KernelFile {
     &F
 }
 
-/// kernels/wgmma_acc2.cu: the product's dense wgmma ring with two accumulator sets
-/// (compiled for sm_90a).
-pub fn wgmma_acc2() -> &'static KernelFile {
-    static F: KernelFile = KernelFile { name: "wgmma_acc2.cu", src: include_str!("../kernels/wgmma_acc2.cu") };
-    &F
-}
-
 /// The engine's gemv.cu with kernels/bgemv.cuh appended: the batched decode GEMV, built
 /// from the GEMV's own tiles and sums.
 pub fn bgemv() -> &'static KernelFile {
@@ -179,18 +172,6 @@ mod tests {
             let stages = if i == 0 { "STAGES=3" } else { "STAGES=4" };
             assert_cubin("qgemm_wgmma", f.name, f.src, "sm_90a", &[d.clone(), vec![stages.to_string()]].concat());
         }
-    }
-
-    /// The dense ring with two accumulator sets compiles for sm_90a (it has no per-format
-    /// defines).
-    #[test]
-    fn the_two_accumulator_ring_compiles() {
-        if !nvrtc::available() {
-            eprintln!("SKIPPED: libnvrtc not found (source scripts/nvrtc-env.sh)");
-            return;
-        }
-        let f = wgmma_acc2();
-        assert_cubin("wgmma_acc2", f.name, f.src, "sm_90a", &[]);
     }
 
     /// The probes' kernels compile against today's engine headers (NVRTC's quick pass, as

@@ -3,7 +3,7 @@
 
 use crate::kernels;
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-use cudarc::driver::{CudaSlice, LaunchConfig};
+use cudarc::driver::LaunchConfig;
 use ferrolm::backend::cuda::{ActBuf, Cuda, CudaAct, CudaMat, KArg, Order};
 use ferrolm::{Error, Result};
 
@@ -66,37 +66,4 @@ pub fn qgemm_wg(g: &Cuda, form: WgForm, x: &CudaAct, w: &CudaMat, out: &mut Cuda
     let grid = (rows.div_ceil(TILE) as u32, x.rows.div_ceil(TILE) as u32, 1);
     let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: SMEM as u32 };
     g.launch(&f, cfg, &args, Order::Serial, "qgemm_wg launch")
-}
-
-/// The two-accumulator ring's dynamic shared memory (kernels/wgmma_acc2.cu's WG_SMEM: six
-/// stages, as the product's ring).
-const ACC2_SMEM: usize = 6 * 2 * TILE * 128 + 1024;
-
-/// out = x·wᵀ on kernels/wgmma_acc2.cu over `copy`, the bf16 `[rows, cols]` copy of a
-/// matrix as the product's wgmma GEMM dequantizes it (`Cuda::wgmma_dequant_into`): x bf16
-/// `[m, cols]`, out bf16 or f32 `[m, rows]`, cols a multiple of 512.
-pub fn wgmma_acc2(
-    g: &Cuda,
-    copy: &CudaSlice<u16>,
-    (rows, cols): (usize, usize),
-    x: &CudaAct,
-    out: &mut CudaAct,
-) -> Result<()> {
-    let (ActBuf::Bf16(xb), true) = (&x.buf, x.cols == cols && out.rows == x.rows && out.cols == rows) else {
-        return Err(Error::Invalid("wgmma_acc2: bf16 x [m, cols] and out [m, rows]".into()));
-    };
-    if !cols.is_multiple_of(512) || copy.len() < rows * cols {
-        return Err(Error::Unsupported(format!("wgmma_acc2: cols {cols} (a multiple of 512), copy of {}", copy.len())));
-    }
-    let (name, o) = match &out.buf {
-        ActBuf::Bf16(o) => ("wgmma_acc2", g.arg(o)),
-        ActBuf::F32(o) => ("wgmma_acc2_f32", g.arg(o)),
-    };
-    let f = g.function_for_arch(kernels::wgmma_acc2(), &[], name, "sm_90a")?;
-    f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ACC2_SMEM as i32)
-        .map_err(crate::drv("wgmma_acc2 shared memory"))?;
-    let args = [g.arg(copy), g.arg(xb), o, KArg::I32(rows as i32), KArg::I32(cols as i32), KArg::I32(x.rows as i32)];
-    let grid = (x.rows.div_ceil(TILE) as u32, rows.div_ceil(TILE) as u32, 1);
-    let cfg = LaunchConfig { grid_dim: grid, block_dim: (256, 1, 1), shared_mem_bytes: ACC2_SMEM as u32 };
-    g.launch(&f, cfg, &args, Order::Serial, "wgmma_acc2 launch")
 }

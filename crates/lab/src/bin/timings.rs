@@ -412,12 +412,10 @@ fn qgemm(lab: &mut Session) -> Result<()> {
 /// against the CPU, then at the 1B and 8B shapes their bits against the product's tiled
 /// kernel (the same chunked arithmetic) and their times beside the product's mma.sync tiles
 /// (Tiled, Wide), at 512 and 4096 tokens (4-bit, group 64, f16 scales, as `timings qgemm`).
-/// The product's wgmma time includes its dequantization pass; the lab's two-accumulator
-/// ring (kernels/wgmma_acc2.cu, cols a multiple of 512) is timed over a copy made once,
-/// beside the pass's own time.
+/// The product's wgmma time includes its dequantization pass, whose own time follows.
 fn wgmma_gemm(lab: &mut Session) -> Result<()> {
     use ferrolm::backend::cuda::QgemmKernel;
-    use ferrolm_lab::wgmma::{qgemm_wg, wgmma_acc2, WgForm};
+    use ferrolm_lab::wgmma::{qgemm_wg, WgForm};
     let (g, c, r) = (lab.g, Cpu, &mut lab.r);
     let affine = |r: &mut Rng, n: usize, k: usize| {
         AffineTensor::quantize(&r.v(n * k, 0.05), n, k, 4, 64, ScaleDtype::F16).map(Weight::Affine)
@@ -471,12 +469,9 @@ fn wgmma_gemm(lab: &mut Session) -> Result<()> {
             for form in WgForm::ALL {
                 run(format!("{form:?}"), &mut |o| qgemm_wg(g, form, &xg, &wg, o))?;
             }
-            if k.is_multiple_of(512) {
-                let mut copy = g.zeros::<u16>(n * k, "the lab's weight copy")?;
-                let td = stream_time(g, 20, &mut || g.wgmma_dequant_into(&wg, &mut copy))? / 1e3;
-                print!("; dequantization {:.1} µs", td * 1e6);
-                run("Acc2 ring without it".into(), &mut |o| wgmma_acc2(g, &copy, (n, k), &xg, o))?;
-            }
+            let mut copy = g.zeros::<u16>(n * k, "the lab's weight copy")?;
+            let td = stream_time(g, 20, &mut || g.wgmma_dequant_into(&wg, &mut copy))? / 1e3;
+            print!("; its dequantization {:.1} µs", td * 1e6);
             println!();
         }
     }

@@ -37,8 +37,9 @@ pub struct CudaConfig {
     /// Prefill GEMMs of 512 tokens and more on sm_90 devices (cols a multiple of 64)
     /// dequantize the weights into a bf16 copy and multiply on Hopper's warpgroup MMA
     /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. The 8B
-    /// shape's prefill on an H100: pp512 1.29x the tiled kernels (with `wgmma_ahead` 1.33x),
-    /// pp4096 1.79x in one 4096-token chunk (docs/perf.md). `FERROLM_GEMM_WGMMA`.
+    /// shape's prefill on an H100: pp512 1.29x the tiled kernels (with `wgmma_ahead` 1.33x,
+    /// with the ring's two accumulator sets since 1.40x: 1.51x llama.cpp), pp4096 1.79x in
+    /// one 4096-token chunk (now 1.89x llama.cpp; docs/perf.md). `FERROLM_GEMM_WGMMA`.
     pub gemm_wgmma: bool,
     /// The fewest weights (rows · cols) of a matrix whose prefill GEMMs `gemm_wgmma` takes:
     /// 4096 · 1024, every matrix of the 8B shape (where it was measured end to end) and the
@@ -50,11 +51,6 @@ pub struct CudaConfig {
     /// their copies made instead of waiting for the pass: +3% at pp512, +7% at pp4096 in
     /// 512-token chunks on the 8B shape (docs/perf.md). `FERROLM_WGMMA_AHEAD`.
     pub wgmma_ahead: bool,
-    /// With `gemm_wgmma`, the matrices a call multiplies by the same rows (a layer's q, k
-    /// and v) go through one wgmma launch over their copies laid end to end
-    /// (qgemm_wgmma_split), so k's and v's few tiles run beside q's instead of leaving most
-    /// SMs idle in launches of their own; the same bits. `FERROLM_WGMMA_SPLIT`.
-    pub wgmma_split: bool,
     /// Prompt tokens per forward call of a session's prefill (`Backend::prefill_chunk`):
     /// 4096, so that each matrix is dequantized for the wgmma GEMM once per 4096 tokens,
     /// not eight times (8B pp4096 20,673 tok/s against 14,618 in chunks of 512). The serving
@@ -138,7 +134,6 @@ impl Default for CudaConfig {
             gemm_wgmma: true,
             wgmma_min_weights: 4096 * 1024,
             wgmma_ahead: true,
-            wgmma_split: true,
             prefill_chunk: 4096,
             flash_quant_prefill: true,
             fused_quant_decode: true,

@@ -144,9 +144,6 @@ impl Backend for Cuda {
         if self.gemv(GemvIn::Bf16(x), ws, outs, GemvOut::Store, GemvExtra::None)? {
             return Ok(());
         }
-        if self.qgemm_wgmma_split(x, ws, outs)? {
-            return Ok(());
-        }
         // Matrices of different formats (mixed-bit models): one launch each, one row still
         // on the decode GEMV.
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
