@@ -42,16 +42,21 @@ const GLU_HALF: usize = TILE / 2;
 /// Blocks of the grid-stride dequantization per SM (256 threads each).
 const DEQUANT_BLOCKS_PER_SM: usize = 16;
 /// The same on the side stream (`Ahead`): its blocks stay resident for the whole pass, so
-/// few. The GEMM's block holds an SM's whole register file (256 threads at 255 registers),
-/// so the pass's blocks run on SMs no GEMM block holds: those a launch leaves free (the
-/// 8B's 128-tile launches leave 4 of an H100's 132), wave tails, between launches. Measured
-/// so (8B pp512, H100): +3.7% over dequantizing each matrix before its GEMM.
+/// few: at most two of 256 threads, and only as many threads as fit beside the GEMM's block
+/// (`ahead_pass`). The ring with two accumulator sets holds an SM's whole register file
+/// (256 threads at 255 registers), so the pass's blocks run on SMs no GEMM block holds:
+/// those a launch leaves free (the 8B's 128-tile launches leave 4 of an H100's 132), wave
+/// tails, between launches. Measured so (8B pp512, H100): +3.7% over dequantizing each
+/// matrix before its GEMM.
 const AHEAD_BLOCKS_PER_SM: usize = 2;
+/// An SM's register file (sm_90: 64K 32-bit registers), allocated per warp in units of 256.
+const REGS_PER_SM: usize = 65536;
 /// Copies in an `Ahead` slot start at multiples of this many values (1 KiB).
 const AHEAD_ALIGN: usize = 512;
 
-/// A dequantization pass: the stream it runs on and its grid-stride blocks per SM.
-type Pass<'a> = (&'a CudaStream, usize);
+/// A dequantization pass: the stream it runs on, its grid-stride blocks per SM and their
+/// threads.
+type Pass<'a> = (&'a CudaStream, usize, u32);
 
 /// A copy's matrices: the device addresses of their words (gate's and up's for a GLU's
 /// interleaved copy, up's 0 for one matrix).
@@ -185,7 +190,30 @@ impl Cuda {
 
     /// A dequantization pass on the main stream, just before its GEMM: the whole GPU.
     fn main_pass(&self) -> Pass<'_> {
-        (&self.stream, DEQUANT_BLOCKS_PER_SM)
+        (&self.stream, DEQUANT_BLOCKS_PER_SM, 256)
+    }
+
+    /// The side stream's pass over `w` while the GEMMs run: as many of dequant_bf16's
+    /// threads as fit on an SM beside one block of the ring (two blocks of 256, one of 256
+    /// or one of 128), so both share each SM; where none fit, two blocks of 256, which run
+    /// on the SMs no GEMM block holds.
+    fn ahead_pass(&self, w: &CudaMat) -> Result<Pass<'_>> {
+        let CudaMat::Affine { defines, .. } = w else {
+            return Err(Error::Unsupported("the wgmma qgemm needs affine-quantized weights".into()));
+        };
+        let regs = |f: cudarc::driver::CudaFunction| f.num_regs().map_err(drv("reading a kernel's registers"));
+        let pass = regs(self.function(kernels::file("gemm.cu"), defines, "dequant_bf16")?)?;
+        let mut gemm = 0;
+        for name in ["qgemm_wgmma", "qgemm_wgmma_f32", "qgemm_wgmma_glu"] {
+            gemm = gemm.max(regs(self.function(kernels::file(FILE), &[], name)?)?);
+        }
+        let (blocks, threads) = match pass_threads_beside(gemm as usize, pass as usize) {
+            t if t >= 256 * AHEAD_BLOCKS_PER_SM => (AHEAD_BLOCKS_PER_SM, 256),
+            t if t >= 256 => (1, 256),
+            t if t >= 128 => (1, 128),
+            _ => (AHEAD_BLOCKS_PER_SM, 256),
+        };
+        Ok((&self.side_stream, blocks, threads))
     }
 
     /// The copy of `w` (with `up`, the GLU form's interleaved copy) at `copy`, made by
@@ -217,9 +245,12 @@ impl Cuda {
             KArg::I32(half as i32),
             KArg::I32(up as i32),
         ];
-        let (stream, per_sm) = pass;
-        let cfg =
-            LaunchConfig { grid_dim: ((self.sms * per_sm) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (stream, per_sm, threads) = pass;
+        let cfg = LaunchConfig {
+            grid_dim: ((self.sms * per_sm) as u32, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
         self.launch_in(stream, &f, cfg, &args, Order::Serial, "dequant_bf16 launch")
     }
 
@@ -282,7 +313,6 @@ impl Cuda {
         // The call's first layer: nothing runs beside its pass (the GEMMs wait for it), so
         // it takes the whole GPU.
         let first = ahead.slots.iter().flatten().all(|s| s.copies.is_empty());
-        let per_sm = if first { DEQUANT_BLOCKS_PER_SM } else { AHEAD_BLOCKS_PER_SM };
         let i = ahead.next;
         ahead.next ^= 1;
         let slot = self.ahead_slot(&mut ahead.slots[i], len)?;
@@ -293,7 +323,8 @@ impl Cuda {
         self.side_stream.wait(&slot.free).map_err(drv(what))?;
         let KArg::Ptr(base) = self.arg(&slot.buf) else { unreachable!("a buffer's argument is its address") };
         for &((a, up), key, at) in &plan {
-            self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), (&self.side_stream, per_sm))?;
+            let pass = if first { (&*self.side_stream, DEQUANT_BLOCKS_PER_SM, 256) } else { self.ahead_pass(a)? };
+            self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), pass)?;
             slot.copies.push((key, at));
         }
         slot.ready.record(&self.side_stream).map_err(drv(what))
@@ -344,4 +375,27 @@ impl Cuda {
 fn copy_len(w: &CudaMat, glu: bool) -> usize {
     let rows = if glu { 2 * w.rows().div_ceil(GLU_HALF) * GLU_HALF } else { w.rows() };
     rows * w.cols()
+}
+
+/// Threads of a kernel at `pass_regs` registers that fit on an SM beside one block of 256
+/// threads at `gemm_regs` (registers allocated per warp in units of 256).
+fn pass_threads_beside(gemm_regs: usize, pass_regs: usize) -> usize {
+    let per_warp = |regs: usize| (regs * 32).next_multiple_of(256);
+    let free = REGS_PER_SM.saturating_sub(8 * per_warp(gemm_regs));
+    free / per_warp(pass_regs).max(1) * 32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pass_threads_beside;
+
+    /// The ring at 255 registers leaves no room; at 240, four warps of a 30-register pass
+    /// (32 a thread once rounded); the one-set ring's 170, twenty.
+    #[test]
+    fn pass_threads_fit_beside_the_ring_by_registers() {
+        assert_eq!(pass_threads_beside(255, 30), 0);
+        assert_eq!(pass_threads_beside(240, 30), 128);
+        assert_eq!(pass_threads_beside(240, 40), 96);
+        assert_eq!(pass_threads_beside(170, 30), 640);
+    }
 }
