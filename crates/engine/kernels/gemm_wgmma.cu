@@ -22,7 +22,7 @@
 // Where cols is a multiple of 2·CHUNK_K, chunks alternate between two accumulator sets and
 // a chunk is added into the totals under the next chunk's first MMAs, instead of the ring
 // waiting for every group at each chunk's end (the tensor cores idle once every four
-// steps): +3-5% end to end on the 8B prefill (docs/perf.md). Only every other chunk, with
+// steps): +3-6% end to end on the 8B prefill (docs/perf.md). Only every other chunk, with
 // a wait for all groups at each iteration's end: where a loop carries a group in flight
 // while the other set is read, ptxas serializes every wgmma (C7514). 255 registers, no
 // spills: one block an SM and nothing beside it.

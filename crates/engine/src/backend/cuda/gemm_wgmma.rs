@@ -21,7 +21,7 @@ use crate::backend::LayerWeights;
 use crate::config::Activation;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -155,7 +155,7 @@ impl Cuda {
             Some(copy) => copy,
             None => {
                 let copy = self.scratch.wgmma_weights(&self.ctx, copy_len(w, up.is_some()))?;
-                self.dequant_copy(w, up, copy, self.main_pass())?;
+                self.dequant_copy(w, up, copy, self.whole_pass(&self.stream))?;
                 copy
             }
         };
@@ -170,13 +170,6 @@ impl Cuda {
         if let Some(act) = act {
             args.push(KArg::I32(i32::from(act == Activation::GeluTanh)));
         }
-        // Matches gemm_wgmma.cu's entry `name` (bf16 copy, x, out, rows, cols, m[, act]).
-        self.launch_wgmma(name, &args, m, row_blocks)
-    }
-
-    /// A wgmma ring kernel `name` of gemm_wgmma.cu over m tokens and `row_blocks` tiles of
-    /// weight rows (block 256, the ring's shared memory).
-    fn launch_wgmma(&self, name: &str, args: &[KArg], m: usize, row_blocks: usize) -> Result<()> {
         let f = self.function(kernels::file(FILE), &[], name)?;
         f.set_attribute(Attr::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM_BYTES as i32)
             .map_err(drv("allowing the wgmma qgemm its shared memory"))?;
@@ -185,29 +178,35 @@ impl Cuda {
             block_dim: (256, 1, 1),
             shared_mem_bytes: SMEM_BYTES as u32,
         };
-        self.launch(&f, cfg, args, Order::Serial, "qgemm_wgmma launch")
+        // Matches gemm_wgmma.cu's entry `name` (bf16 copy, x, out, rows, cols, m[, act]).
+        self.launch(&f, cfg, &args, Order::Serial, "qgemm_wgmma launch")
     }
 
-    /// A dequantization pass on the main stream, just before its GEMM: the whole GPU.
-    fn main_pass(&self) -> Pass<'_> {
-        (&self.stream, DEQUANT_BLOCKS_PER_SM, 256)
+    /// A dequantization pass on `stream` with nothing beside it (just before its GEMM, or
+    /// the first layer's ahead): the whole GPU.
+    fn whole_pass<'a>(&self, stream: &'a CudaStream) -> Pass<'a> {
+        (stream, DEQUANT_BLOCKS_PER_SM, 256)
     }
 
-    /// The side stream's pass over `w` while the GEMMs run: as many of dequant_bf16's
-    /// threads as fit on an SM beside one block of the ring (two blocks of 256, one of 256
-    /// or one of 128), so both share each SM; where none fit, two blocks of 256, which run
-    /// on the SMs no GEMM block holds.
-    fn ahead_pass(&self, w: &CudaMat) -> Result<Pass<'_>> {
+    /// The most registers a thread of the ring's entries takes.
+    fn ring_regs(&self) -> Result<usize> {
+        let mut most = 0;
+        for name in ["qgemm_wgmma", "qgemm_wgmma_f32", "qgemm_wgmma_glu"] {
+            most = most.max(kernel_regs(&self.function(kernels::file(FILE), &[], name)?)?);
+        }
+        Ok(most)
+    }
+
+    /// The side stream's pass over `w` while the GEMMs (at `ring_regs` registers a thread)
+    /// run: as many of dequant_bf16's threads as fit on an SM beside one block of the ring
+    /// (two blocks of 256, one of 256 or one of 128), so both share each SM; where none
+    /// fit, two blocks of 256, which run on the SMs no GEMM block holds.
+    fn ahead_pass(&self, w: &CudaMat, ring_regs: usize) -> Result<Pass<'_>> {
         let CudaMat::Affine { defines, .. } = w else {
             return Err(Error::Unsupported("the wgmma qgemm needs affine-quantized weights".into()));
         };
-        let regs = |f: cudarc::driver::CudaFunction| f.num_regs().map_err(drv("reading a kernel's registers"));
-        let pass = regs(self.function(kernels::file("gemm.cu"), defines, "dequant_bf16")?)?;
-        let mut gemm = 0;
-        for name in ["qgemm_wgmma", "qgemm_wgmma_f32", "qgemm_wgmma_glu"] {
-            gemm = gemm.max(regs(self.function(kernels::file(FILE), &[], name)?)?);
-        }
-        let (blocks, threads) = match pass_threads_beside(gemm as usize, pass as usize) {
+        let pass = kernel_regs(&self.function(kernels::file("gemm.cu"), defines, "dequant_bf16")?)?;
+        let (blocks, threads) = match pass_threads_beside(ring_regs, pass) {
             t if t >= 256 * AHEAD_BLOCKS_PER_SM => (AHEAD_BLOCKS_PER_SM, 256),
             t if t >= 256 => (1, 256),
             t if t >= 128 => (1, 128),
@@ -266,7 +265,7 @@ impl Cuda {
                 w.cols()
             )));
         }
-        self.dequant_copy(w, None, self.arg(copy), self.main_pass())
+        self.dequant_copy(w, None, self.arg(copy), self.whole_pass(&self.stream))
     }
 
     /// Which matrices a copy of `w` (with `up`: the GLU form's) holds.
@@ -313,6 +312,7 @@ impl Cuda {
         // The call's first layer: nothing runs beside its pass (the GEMMs wait for it), so
         // it takes the whole GPU.
         let first = ahead.slots.iter().flatten().all(|s| s.copies.is_empty());
+        let ring_regs = if first { None } else { Some(self.ring_regs()?) };
         let i = ahead.next;
         ahead.next ^= 1;
         let slot = self.ahead_slot(&mut ahead.slots[i], len)?;
@@ -323,7 +323,10 @@ impl Cuda {
         self.side_stream.wait(&slot.free).map_err(drv(what))?;
         let KArg::Ptr(base) = self.arg(&slot.buf) else { unreachable!("a buffer's argument is its address") };
         for &((a, up), key, at) in &plan {
-            let pass = if first { (&*self.side_stream, DEQUANT_BLOCKS_PER_SM, 256) } else { self.ahead_pass(a)? };
+            let pass = match ring_regs {
+                None => self.whole_pass(&self.side_stream),
+                Some(regs) => self.ahead_pass(a, regs)?,
+            };
             self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), pass)?;
             slot.copies.push((key, at));
         }
@@ -375,6 +378,11 @@ impl Cuda {
 fn copy_len(w: &CudaMat, glu: bool) -> usize {
     let rows = if glu { 2 * w.rows().div_ceil(GLU_HALF) * GLU_HALF } else { w.rows() };
     rows * w.cols()
+}
+
+/// Registers a thread of `f` takes.
+fn kernel_regs(f: &CudaFunction) -> Result<usize> {
+    Ok(f.num_regs().map_err(drv("reading a kernel's registers"))? as usize)
 }
 
 /// Threads of a kernel at `pass_regs` registers that fit on an SM beside one block of 256
