@@ -1,7 +1,8 @@
 // The prefill GEMM on Hopper's warpgroup MMA (sm_90a only) over weights dequantized
 // beforehand: out[t, r] = Σ_k x[t, k]·w[r, k], x bf16 [m, cols], w a bf16 [rows, cols]
 // copy of an affine matrix written by gemm.cu's dequant_bf16 (the values qgemm.cuh's
-// dequant_pair gives every quantized GEMM), out bf16 or f32 [m, rows]. No per-format
+// dequant_pair gives every quantized GEMM), out bf16 or f32 [m, rows] (or added into an
+// f32 [m, rows] as bf16 values: qgemm_wgmma_add, a residual's update). No per-format
 // defines: one build serves every weight format. Launcher: backend/cuda/gemm_wgmma.rs.
 //
 // Why: the tiled mma.sync kernels (gemm.cu) dequantize inside the loop and reach about a
@@ -43,7 +44,7 @@
 #define WG_SMEM (STAGES * WG_STAGE + 1024)  // + alignment slack
 
 // out: 0 bf16 [m, rows], 1 f32 [m, rows], 2 GLU (bf16 [m, rows], rows outputs from a
-// copy of 2·⌈rows/64⌉·64 rows).
+// copy of 2·⌈rows/64⌉·64 rows), 3 f32 [m, rows] += the bf16-rounded products.
 template <int OUT>
 __device__ __forceinline__ void qgemm_wgmma_body(const bf16_t* __restrict__ w, const bf16_t* __restrict__ x,
                                                  void* __restrict__ out, int rows, int cols, int m, int act) {
@@ -123,7 +124,7 @@ __device__ __forceinline__ void qgemm_wgmma_body(const bf16_t* __restrict__ w, c
             if (r + 1 < rows) po[1] = f2bf(glu_value(tot[i + 1], tot[i + 33], act));
         });
     } else {
-        store_out<OUT == 1>(tot, out, rows, m, w0, t_lane, lane);
+        store_out<OUT == 1, OUT == 3>(tot, out, rows, m, w0, t_lane, lane);
     }
 }
 
@@ -134,6 +135,11 @@ extern "C" __global__ void __launch_bounds__(256, 1)
 extern "C" __global__ void __launch_bounds__(256, 1)
     qgemm_wgmma_f32(const bf16_t* w, const bf16_t* x, float* out, int rows, int cols, int m) {
     qgemm_wgmma_body<1>(w, x, out, rows, cols, m, 0);
+}
+// out += bf16(x·wᵀ) on an f32 out: the same bits as qgemm_wgmma then add_f32_bf16.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    qgemm_wgmma_add(const bf16_t* w, const bf16_t* x, float* out, int rows, int cols, int m) {
+    qgemm_wgmma_body<3>(w, x, out, rows, cols, m, 0);
 }
 // out = act(x·gateᵀ)·(x·upᵀ), act 0 silu, 1 gelu (tanh); grid (⌈m/128⌉, ⌈rows/64⌉).
 extern "C" __global__ void __launch_bounds__(256, 1)

@@ -112,14 +112,19 @@ __device__ __forceinline__ void for_each_out_pair(int t_lane, int lane, F f) {
 }
 
 // A warpgroup's f32 totals into out [m, rows] (tile rows r0..): this thread's tokens t_lane
-// and t_lane + 8.
-template <bool OUT_F32>
+// and t_lane + 8. OUT_F32 stores f32; ADD (f32 out) adds each total rounded to bf16, as
+// storing bf16 and elementwise.cu's add_f32_bf16 after it would; else bf16 is stored.
+template <bool OUT_F32, bool ADD = false>
 __device__ __forceinline__ void store_out(const float (&tot)[64], void* __restrict__ out, int rows, int m, int r0,
                                           int t_lane, int lane) {
     for_each_out_pair<WG_BN>(t_lane, lane, [&](int t, int c, int i) {
         const int r = r0 + c;
         if (t >= m) return;
-        if constexpr (OUT_F32) {
+        if constexpr (ADD) {
+            float* po = reinterpret_cast<float*>(out) + (size_t)t * rows + r;
+            if (r < rows) po[0] += bf2f(f2bf(tot[i]));
+            if (r + 1 < rows) po[1] += bf2f(f2bf(tot[i + 1]));
+        } else if constexpr (OUT_F32) {
             float* po = reinterpret_cast<float*>(out) + (size_t)t * rows + r;
             if (r < rows) po[0] = tot[i];
             if (r + 1 < rows) po[1] = tot[i + 1];

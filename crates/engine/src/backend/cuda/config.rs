@@ -51,6 +51,16 @@ pub struct CudaConfig {
     /// their copies made instead of waiting for the pass: +3% at pp512, +7% at pp4096 in
     /// 512-token chunks on the 8B shape (docs/perf.md). `FERROLM_WGMMA_AHEAD`.
     pub wgmma_ahead: bool,
+    /// With `wgmma_ahead`, the pass ahead yields the SMs to the GEMMs: the main stream at
+    /// the highest priority and the side stream at the lowest, and the pass in short blocks
+    /// (a few words a thread) instead of two resident grid-stride blocks an SM, so the
+    /// block scheduler gives a freed SM to a waiting GEMM block first and a pass block
+    /// holds one for microseconds. `FERROLM_WGMMA_PASS_YIELDS`.
+    pub wgmma_pass_yields: bool,
+    /// `Backend::matmul_add` on the wgmma GEMM adds its bf16-rounded products into the f32
+    /// residual in the GEMM's epilogue (qgemm_wgmma_add) instead of storing them for
+    /// add_f32_bf16 after it; the same bits. `FERROLM_WGMMA_ADD`.
+    pub wgmma_add_epilogue: bool,
     /// Prompt tokens per forward call of a session's prefill (`Backend::prefill_chunk`):
     /// 4096, so that each matrix is dequantized for the wgmma GEMM once per 4096 tokens,
     /// not eight times (8B pp4096 20,673 tok/s against 14,618 in chunks of 512). The serving
@@ -134,6 +144,8 @@ impl Default for CudaConfig {
             gemm_wgmma: true,
             wgmma_min_weights: 4096 * 1024,
             wgmma_ahead: true,
+            wgmma_pass_yields: false,
+            wgmma_add_epilogue: true,
             prefill_chunk: 4096,
             flash_quant_prefill: true,
             fused_quant_decode: true,

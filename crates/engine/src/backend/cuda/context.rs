@@ -87,9 +87,16 @@ impl Context {
         // dequantizations ahead, which wait for events recorded on it (and it for theirs).
         unsafe { ctx.disable_event_tracking() };
         // Created streams, not the legacy default one: only these can be captured.
-        let stream = ctx.new_stream().map_err(drv("creating a stream"))?;
         let read_stream = ctx.new_stream().map_err(drv("creating a stream"))?;
-        let side_stream = ctx.new_stream().map_err(drv("creating a stream"))?;
+        let (stream, side_stream) = if cfg.wgmma_pass_yields {
+            // The weights dequantized ahead wait for any block of the main stream's.
+            let (least, greatest) =
+                cudarc::driver::result::stream::get_priority_range().map_err(drv("reading the stream priorities"))?;
+            let with = |p| ctx.new_stream_with_priority(p).map_err(drv("creating a stream"));
+            (with(greatest)?, with(least)?)
+        } else {
+            (ctx.new_stream().map_err(drv("creating a stream"))?, ctx.new_stream().map_err(drv("creating a stream"))?)
+        };
         let trace = match &cfg.trace {
             Some(path) => Some((Trace::new(&stream, path)?, Trace::defines(cfg.trace_all))),
             None => None,

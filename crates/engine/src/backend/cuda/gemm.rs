@@ -178,7 +178,7 @@ impl Cuda {
             )));
         }
         if self.takes_wgmma(kernel, x.rows, (rows, cols))? {
-            return self.qgemm_wgmma(x, (w, None), out);
+            return self.qgemm_wgmma(x, (w, None), out, false);
         }
         let f32_out = matches!(out.buf, ActBuf::F32(_));
         let base = if f32_out { "qgemm_f32" } else { "qgemm" };
@@ -241,7 +241,7 @@ impl Cuda {
             return Ok(false);
         }
         if self.takes_wgmma(kernel, x.rows, (*rows, *cols))? {
-            self.qgemm_wgmma(x, (gate, Some((up, act))), out)?;
+            self.qgemm_wgmma(x, (gate, Some((up, act))), out, false)?;
             return Ok(true);
         }
         let (name, cfg) =

@@ -21,7 +21,7 @@ use crate::backend::LayerWeights;
 use crate::config::Activation;
 use crate::{Error, Result};
 use cudarc::driver::sys::CUfunction_attribute_enum as Attr;
-use cudarc::driver::{CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, LaunchConfig};
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 
@@ -42,21 +42,30 @@ const GLU_HALF: usize = TILE / 2;
 /// Blocks of the grid-stride dequantization per SM (256 threads each).
 const DEQUANT_BLOCKS_PER_SM: usize = 16;
 /// The same on the side stream (`Ahead`): its blocks stay resident for the whole pass, so
-/// few: at most two of 256 threads, and only as many threads as fit beside the GEMM's block
-/// (`ahead_pass`). The ring with two accumulator sets holds an SM's whole register file
-/// (256 threads at 255 registers), so the pass's blocks run on SMs no GEMM block holds:
-/// those a launch leaves free (the 8B's 128-tile launches leave 4 of an H100's 132), wave
-/// tails, between launches. Measured so (8B pp512, H100): +3.7% over dequantizing each
-/// matrix before its GEMM.
+/// few. The GEMM's block holds an SM's whole register file (256 threads at 255 registers),
+/// so the pass's blocks run on SMs no GEMM block holds: those a launch leaves free (the
+/// 8B's 128-tile launches leave 4 of an H100's 132), wave tails, between launches. Measured
+/// so (8B pp512, H100): +3.7% over dequantizing each matrix before its GEMM; a ring capped
+/// at 240 registers with one 128-thread pass block beside it on each SM: 0.51x (docs/perf.md).
 const AHEAD_BLOCKS_PER_SM: usize = 2;
-/// An SM's register file (sm_90: 64K 32-bit registers), allocated per warp in units of 256.
-const REGS_PER_SM: usize = 65536;
 /// Copies in an `Ahead` slot start at multiples of this many values (1 KiB).
 const AHEAD_ALIGN: usize = 512;
 
-/// A dequantization pass: the stream it runs on, its grid-stride blocks per SM and their
-/// threads.
-type Pass<'a> = (&'a CudaStream, usize, u32);
+/// Words a thread of the yielding pass's short blocks dequantizes
+/// (`CudaConfig::wgmma_pass_yields`): 8 KiB of weights a block.
+const YIELD_WORDS_A_THREAD: usize = 8;
+
+/// How many blocks a dequantization pass launches.
+#[derive(Clone, Copy)]
+enum PassBlocks {
+    /// This many grid-stride blocks an SM.
+    PerSm(usize),
+    /// Short blocks, `YIELD_WORDS_A_THREAD` words a thread.
+    Short,
+}
+
+/// A dequantization pass: the stream it runs on and its blocks.
+type Pass<'a> = (&'a CudaStream, PassBlocks);
 
 /// A copy's matrices: the device addresses of their words (gate's and up's for a GLU's
 /// interleaved copy, up's 0 for one matrix).
@@ -129,23 +138,44 @@ impl Cuda {
         }
     }
 
-    /// out = x·wᵀ, or with `glu` = (up, act) out = act(x·wᵀ)·(x·upᵀ), on the wgmma kernel.
-    /// Shapes, formats and sizes as qgemm_as / qgemm_glu_as checked them.
+    /// x += y·wᵀ (each product rounded to bf16 first: `Backend::matmul_add`'s bits) on the
+    /// wgmma kernel, for an f32 residual x, where Auto takes it and
+    /// `CudaConfig::wgmma_add_epilogue`; false where it does not (nothing done).
+    pub(super) fn matmul_add_wgmma(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct) -> Result<bool> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let fits = matches!(w, CudaMat::Affine { .. })
+            && matches!((&y.buf, &x.buf), (ActBuf::Bf16(_), ActBuf::F32(_)))
+            && y.cols == cols
+            && x.cols == rows
+            && x.rows == y.rows
+            && [rows, cols, y.rows].iter().all(|&v| i32::try_from(v).is_ok());
+        if !(self.cfg.wgmma_add_epilogue && fits && self.takes_wgmma(QgemmKernel::Auto, y.rows, (rows, cols))?) {
+            return Ok(false);
+        }
+        self.qgemm_wgmma(y, (w, None), x, true)?;
+        Ok(true)
+    }
+
+    /// out = x·wᵀ, or with `glu` = (up, act) out = act(x·wᵀ)·(x·upᵀ), on the wgmma kernel;
+    /// with `add`, out (f32) += x·wᵀ rounded to bf16. Shapes, formats and sizes as
+    /// qgemm_as / qgemm_glu_as / matmul_add_wgmma checked them.
     pub(super) fn qgemm_wgmma(
         &self,
         x: &CudaAct,
         (w, glu): (&CudaMat, Option<(&CudaMat, Activation)>),
         out: &mut CudaAct,
+        add: bool,
     ) -> Result<()> {
         let (rows, cols, m) = (w.rows(), w.cols(), x.rows);
         let ActBuf::Bf16(xb) = &x.buf else {
             return Err(Error::Invalid("CUDA qgemm takes bf16 activations, not f32".into()));
         };
-        let (name, row_blocks, act) = match (glu, &out.buf) {
-            (None, ActBuf::Bf16(_)) => ("qgemm_wgmma", rows.div_ceil(TILE), None),
-            (None, ActBuf::F32(_)) => ("qgemm_wgmma_f32", rows.div_ceil(TILE), None),
-            (Some((_, act)), ActBuf::Bf16(_)) => ("qgemm_wgmma_glu", rows.div_ceil(GLU_HALF), Some(act)),
-            (Some(_), ActBuf::F32(_)) => return Err(Error::Invalid("the GLU qgemm writes bf16".into())),
+        let (name, row_blocks, act) = match (glu, &out.buf, add) {
+            (None, ActBuf::Bf16(_), false) => ("qgemm_wgmma", rows.div_ceil(TILE), None),
+            (None, ActBuf::F32(_), false) => ("qgemm_wgmma_f32", rows.div_ceil(TILE), None),
+            (None, ActBuf::F32(_), true) => ("qgemm_wgmma_add", rows.div_ceil(TILE), None),
+            (Some((_, act)), ActBuf::Bf16(_), false) => ("qgemm_wgmma_glu", rows.div_ceil(GLU_HALF), Some(act)),
+            _ => return Err(Error::Invalid("the wgmma qgemm adds into f32 only, and its GLU form writes bf16".into())),
         };
         if row_blocks > 65535 {
             return Err(Error::Unsupported(format!("the wgmma qgemm over {rows} rows")));
@@ -185,34 +215,7 @@ impl Cuda {
     /// A dequantization pass on `stream` with nothing beside it (just before its GEMM, or
     /// the first layer's ahead): the whole GPU.
     fn whole_pass<'a>(&self, stream: &'a CudaStream) -> Pass<'a> {
-        (stream, DEQUANT_BLOCKS_PER_SM, 256)
-    }
-
-    /// The most registers a thread of the ring's entries takes.
-    fn ring_regs(&self) -> Result<usize> {
-        let mut most = 0;
-        for name in ["qgemm_wgmma", "qgemm_wgmma_f32", "qgemm_wgmma_glu"] {
-            most = most.max(kernel_regs(&self.function(kernels::file(FILE), &[], name)?)?);
-        }
-        Ok(most)
-    }
-
-    /// The side stream's pass over `w` while the GEMMs (at `ring_regs` registers a thread)
-    /// run: as many of dequant_bf16's threads as fit on an SM beside one block of the ring
-    /// (two blocks of 256, one of 256 or one of 128), so both share each SM; where none
-    /// fit, two blocks of 256, which run on the SMs no GEMM block holds.
-    fn ahead_pass(&self, w: &CudaMat, ring_regs: usize) -> Result<Pass<'_>> {
-        let CudaMat::Affine { defines, .. } = w else {
-            return Err(Error::Unsupported("the wgmma qgemm needs affine-quantized weights".into()));
-        };
-        let pass = kernel_regs(&self.function(kernels::file("gemm.cu"), defines, "dequant_bf16")?)?;
-        let (blocks, threads) = match pass_threads_beside(ring_regs, pass) {
-            t if t >= 256 * AHEAD_BLOCKS_PER_SM => (AHEAD_BLOCKS_PER_SM, 256),
-            t if t >= 256 => (1, 256),
-            t if t >= 128 => (1, 128),
-            _ => (AHEAD_BLOCKS_PER_SM, 256),
-        };
-        Ok((&self.side_stream, blocks, threads))
+        (stream, PassBlocks::PerSm(DEQUANT_BLOCKS_PER_SM))
     }
 
     /// The copy of `w` (with `up`, the GLU form's interleaved copy) at `copy`, made by
@@ -244,12 +247,12 @@ impl Cuda {
             KArg::I32(half as i32),
             KArg::I32(up as i32),
         ];
-        let (stream, per_sm, threads) = pass;
-        let cfg = LaunchConfig {
-            grid_dim: ((self.sms * per_sm) as u32, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: 0,
+        let (stream, blocks) = pass;
+        let blocks = match blocks {
+            PassBlocks::PerSm(per_sm) => self.sms * per_sm,
+            PassBlocks::Short => words.len().div_ceil(256 * YIELD_WORDS_A_THREAD),
         };
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch_in(stream, &f, cfg, &args, Order::Serial, "dequant_bf16 launch")
     }
 
@@ -312,7 +315,11 @@ impl Cuda {
         // The call's first layer: nothing runs beside its pass (the GEMMs wait for it), so
         // it takes the whole GPU.
         let first = ahead.slots.iter().flatten().all(|s| s.copies.is_empty());
-        let ring_regs = if first { None } else { Some(self.ring_regs()?) };
+        let pass = match (first, self.cfg.wgmma_pass_yields) {
+            (true, _) => self.whole_pass(&self.side_stream),
+            (false, true) => (&*self.side_stream, PassBlocks::Short),
+            (false, false) => (&*self.side_stream, PassBlocks::PerSm(AHEAD_BLOCKS_PER_SM)),
+        };
         let i = ahead.next;
         ahead.next ^= 1;
         let slot = self.ahead_slot(&mut ahead.slots[i], len)?;
@@ -323,10 +330,6 @@ impl Cuda {
         self.side_stream.wait(&slot.free).map_err(drv(what))?;
         let KArg::Ptr(base) = self.arg(&slot.buf) else { unreachable!("a buffer's argument is its address") };
         for &((a, up), key, at) in &plan {
-            let pass = match ring_regs {
-                None => self.whole_pass(&self.side_stream),
-                Some(regs) => self.ahead_pass(a, regs)?,
-            };
             self.dequant_copy(a, up, KArg::Ptr(base + 2 * at as u64), pass)?;
             slot.copies.push((key, at));
         }
@@ -378,32 +381,4 @@ impl Cuda {
 fn copy_len(w: &CudaMat, glu: bool) -> usize {
     let rows = if glu { 2 * w.rows().div_ceil(GLU_HALF) * GLU_HALF } else { w.rows() };
     rows * w.cols()
-}
-
-/// Registers a thread of `f` takes.
-fn kernel_regs(f: &CudaFunction) -> Result<usize> {
-    Ok(f.num_regs().map_err(drv("reading a kernel's registers"))? as usize)
-}
-
-/// Threads of a kernel at `pass_regs` registers that fit on an SM beside one block of 256
-/// threads at `gemm_regs` (registers allocated per warp in units of 256).
-fn pass_threads_beside(gemm_regs: usize, pass_regs: usize) -> usize {
-    let per_warp = |regs: usize| (regs * 32).next_multiple_of(256);
-    let free = REGS_PER_SM.saturating_sub(8 * per_warp(gemm_regs));
-    free / per_warp(pass_regs).max(1) * 32
-}
-
-#[cfg(test)]
-mod tests {
-    use super::pass_threads_beside;
-
-    /// The ring at 255 registers leaves no room; at 240, four warps of a 30-register pass
-    /// (32 a thread once rounded); the one-set ring's 170, twenty.
-    #[test]
-    fn pass_threads_fit_beside_the_ring_by_registers() {
-        assert_eq!(pass_threads_beside(255, 30), 0);
-        assert_eq!(pass_threads_beside(240, 30), 128);
-        assert_eq!(pass_threads_beside(240, 40), 96);
-        assert_eq!(pass_threads_beside(170, 30), 640);
-    }
 }
