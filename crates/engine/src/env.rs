@@ -79,8 +79,6 @@ impl CudaConfig {
             gemm_wide_tiles: var("FERROLM_GEMM_WIDE").map_or(d.gemm_wide_tiles, |v| v == "1"),
             gemm_wgmma: on_unless_zero("FERROLM_GEMM_WGMMA", d.gemm_wgmma),
             wgmma_ahead: on_unless_zero("FERROLM_WGMMA_AHEAD", d.wgmma_ahead),
-            wgmma_pass_yields: on_unless_zero("FERROLM_WGMMA_PASS_YIELDS", d.wgmma_pass_yields),
-            wgmma_add_epilogue: on_unless_zero("FERROLM_WGMMA_ADD", d.wgmma_add_epilogue),
             wgmma_min_weights: var("FERROLM_WGMMA_MIN_WEIGHTS")
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(d.wgmma_min_weights),

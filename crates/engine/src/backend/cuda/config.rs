@@ -37,9 +37,10 @@ pub struct CudaConfig {
     /// Prefill GEMMs of 512 tokens and more on sm_90 devices (cols a multiple of 64)
     /// dequantize the weights into a bf16 copy and multiply on Hopper's warpgroup MMA
     /// (gemm_wgmma.cu) instead of the tiles dequantizing in the loop; the same bits. The 8B
-    /// shape's prefill on an H100: pp512 1.29x the tiled kernels (with `wgmma_ahead` 1.33x,
-    /// with the ring's two accumulator sets since 1.40x: 1.51x llama.cpp), pp4096 1.79x in
-    /// one 4096-token chunk (now 1.89x llama.cpp; docs/perf.md). `FERROLM_GEMM_WGMMA`.
+    /// shape's prefill on an H100: pp512 1.29x the tiled kernels (with `wgmma_ahead` 1.33x;
+    /// with the ring's two accumulator sets, the pass ahead yielding and the residual adds
+    /// in the epilogue 1.61-1.64x llama.cpp), pp4096 1.79x in one 4096-token chunk (now
+    /// 1.97x llama.cpp; docs/perf.md). `FERROLM_GEMM_WGMMA`.
     pub gemm_wgmma: bool,
     /// The fewest weights (rows · cols) of a matrix whose prefill GEMMs `gemm_wgmma` takes:
     /// 4096 · 1024, every matrix of the 8B shape (where it was measured end to end) and the
@@ -49,18 +50,10 @@ pub struct CudaConfig {
     /// With `gemm_wgmma`, a prefill's next layer is dequantized on a side stream while the
     /// current layer runs (two layer-sized copies, 872 MB on an 8B model), so the GEMMs find
     /// their copies made instead of waiting for the pass: +3% at pp512, +7% at pp4096 in
-    /// 512-token chunks on the 8B shape (docs/perf.md). `FERROLM_WGMMA_AHEAD`.
+    /// 512-token chunks on the 8B shape when first measured; the pass in short blocks on a
+    /// low-priority stream since, +10% at pp512 over that first form (docs/perf.md).
+    /// `FERROLM_WGMMA_AHEAD`.
     pub wgmma_ahead: bool,
-    /// With `wgmma_ahead`, the pass ahead yields the SMs to the GEMMs: the main stream at
-    /// the highest priority and the side stream at the lowest, and the pass in short blocks
-    /// (a few words a thread) instead of two resident grid-stride blocks an SM, so the
-    /// block scheduler gives a freed SM to a waiting GEMM block first and a pass block
-    /// holds one for microseconds. `FERROLM_WGMMA_PASS_YIELDS`.
-    pub wgmma_pass_yields: bool,
-    /// `Backend::matmul_add` on the wgmma GEMM adds its bf16-rounded products into the f32
-    /// residual in the GEMM's epilogue (qgemm_wgmma_add) instead of storing them for
-    /// add_f32_bf16 after it; the same bits. `FERROLM_WGMMA_ADD`.
-    pub wgmma_add_epilogue: bool,
     /// Prompt tokens per forward call of a session's prefill (`Backend::prefill_chunk`):
     /// 4096, so that each matrix is dequantized for the wgmma GEMM once per 4096 tokens,
     /// not eight times (8B pp4096 20,673 tok/s against 14,618 in chunks of 512). The serving
@@ -144,8 +137,6 @@ impl Default for CudaConfig {
             gemm_wgmma: true,
             wgmma_min_weights: 4096 * 1024,
             wgmma_ahead: true,
-            wgmma_pass_yields: false,
-            wgmma_add_epilogue: true,
             prefill_chunk: 4096,
             flash_quant_prefill: true,
             fused_quant_decode: true,

@@ -88,15 +88,12 @@ impl Context {
         unsafe { ctx.disable_event_tracking() };
         // Created streams, not the legacy default one: only these can be captured.
         let read_stream = ctx.new_stream().map_err(drv("creating a stream"))?;
-        let (stream, side_stream) = if cfg.wgmma_pass_yields {
-            // The weights dequantized ahead wait for any block of the main stream's.
-            let (least, greatest) =
-                cudarc::driver::result::stream::get_priority_range().map_err(drv("reading the stream priorities"))?;
-            let with = |p| ctx.new_stream_with_priority(p).map_err(drv("creating a stream"));
-            (with(greatest)?, with(least)?)
-        } else {
-            (ctx.new_stream().map_err(drv("creating a stream"))?, ctx.new_stream().map_err(drv("creating a stream"))?)
-        };
+        // The weights dequantized ahead (side stream) yield every SM to a waiting block of
+        // the main stream's (gemm_wgmma.rs's `PassBlocks::Short`).
+        let (least, greatest) =
+            cudarc::driver::result::stream::get_priority_range().map_err(drv("reading the stream priorities"))?;
+        let stream = ctx.new_stream_with_priority(greatest).map_err(drv("creating a stream"))?;
+        let side_stream = ctx.new_stream_with_priority(least).map_err(drv("creating a stream"))?;
         let trace = match &cfg.trace {
             Some(path) => Some((Trace::new(&stream, path)?, Trace::defines(cfg.trace_all))),
             None => None,

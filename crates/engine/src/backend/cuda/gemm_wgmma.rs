@@ -41,26 +41,27 @@ const SMEM_BYTES: usize = 6 * 2 * TILE * 128 + 1024;
 const GLU_HALF: usize = TILE / 2;
 /// Blocks of the grid-stride dequantization per SM (256 threads each).
 const DEQUANT_BLOCKS_PER_SM: usize = 16;
-/// The same on the side stream (`Ahead`): its blocks stay resident for the whole pass, so
-/// few. The GEMM's block holds an SM's whole register file (256 threads at 255 registers),
-/// so the pass's blocks run on SMs no GEMM block holds: those a launch leaves free (the
-/// 8B's 128-tile launches leave 4 of an H100's 132), wave tails, between launches. Measured
-/// so (8B pp512, H100): +3.7% over dequantizing each matrix before its GEMM; a ring capped
-/// at 240 registers with one 128-thread pass block beside it on each SM: 0.51x (docs/perf.md).
-const AHEAD_BLOCKS_PER_SM: usize = 2;
 /// Copies in an `Ahead` slot start at multiples of this many values (1 KiB).
 const AHEAD_ALIGN: usize = 512;
 
-/// Words a thread of the yielding pass's short blocks dequantizes
-/// (`CudaConfig::wgmma_pass_yields`): 8 KiB of weights a block.
-const YIELD_WORDS_A_THREAD: usize = 8;
+/// Words a thread of the pass ahead dequantizes (`PassBlocks::Short`): 8 KiB of weights a
+/// block.
+const AHEAD_WORDS_A_THREAD: usize = 8;
 
 /// How many blocks a dequantization pass launches.
 #[derive(Clone, Copy)]
 enum PassBlocks {
     /// This many grid-stride blocks an SM.
     PerSm(usize),
-    /// Short blocks, `YIELD_WORDS_A_THREAD` words a thread.
+    /// Short blocks, `AHEAD_WORDS_A_THREAD` words a thread: the pass ahead, on the side
+    /// stream at the lowest priority (the main stream has the highest). The GEMM's block
+    /// holds an SM's whole register file (256 threads at 255 registers), so nothing runs
+    /// beside it; a freed SM goes to a waiting GEMM block first, and a pass block holds
+    /// one for microseconds: the pass fills the SMs a launch leaves free (the 8B's
+    /// 128-tile launches leave 4 of an H100's 132, k's and v's ~100), wave tails and the
+    /// gaps between launches. 8B pp512 on an H100: +10% over two resident grid-stride
+    /// blocks an SM at the default priority, which held their SMs for the whole pass
+    /// (docs/perf.md).
     Short,
 }
 
@@ -139,8 +140,8 @@ impl Cuda {
     }
 
     /// x += y·wᵀ (each product rounded to bf16 first: `Backend::matmul_add`'s bits) on the
-    /// wgmma kernel, for an f32 residual x, where Auto takes it and
-    /// `CudaConfig::wgmma_add_epilogue`; false where it does not (nothing done).
+    /// wgmma kernel, the add in its epilogue (no product stored and read back), for an f32
+    /// residual x where Auto takes the kernel; false where it does not (nothing done).
     pub(super) fn matmul_add_wgmma(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct) -> Result<bool> {
         let (rows, cols) = (w.rows(), w.cols());
         let fits = matches!(w, CudaMat::Affine { .. })
@@ -149,7 +150,7 @@ impl Cuda {
             && x.cols == rows
             && x.rows == y.rows
             && [rows, cols, y.rows].iter().all(|&v| i32::try_from(v).is_ok());
-        if !(self.cfg.wgmma_add_epilogue && fits && self.takes_wgmma(QgemmKernel::Auto, y.rows, (rows, cols))?) {
+        if !(fits && self.takes_wgmma(QgemmKernel::Auto, y.rows, (rows, cols))?) {
             return Ok(false);
         }
         self.qgemm_wgmma(y, (w, None), x, true)?;
@@ -250,7 +251,7 @@ impl Cuda {
         let (stream, blocks) = pass;
         let blocks = match blocks {
             PassBlocks::PerSm(per_sm) => self.sms * per_sm,
-            PassBlocks::Short => words.len().div_ceil(256 * YIELD_WORDS_A_THREAD),
+            PassBlocks::Short => words.len().div_ceil(256 * AHEAD_WORDS_A_THREAD),
         };
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         self.launch_in(stream, &f, cfg, &args, Order::Serial, "dequant_bf16 launch")
@@ -315,11 +316,7 @@ impl Cuda {
         // The call's first layer: nothing runs beside its pass (the GEMMs wait for it), so
         // it takes the whole GPU.
         let first = ahead.slots.iter().flatten().all(|s| s.copies.is_empty());
-        let pass = match (first, self.cfg.wgmma_pass_yields) {
-            (true, _) => self.whole_pass(&self.side_stream),
-            (false, true) => (&*self.side_stream, PassBlocks::Short),
-            (false, false) => (&*self.side_stream, PassBlocks::PerSm(AHEAD_BLOCKS_PER_SM)),
-        };
+        let pass = if first { self.whole_pass(&self.side_stream) } else { (&*self.side_stream, PassBlocks::Short) };
         let i = ahead.next;
         ahead.next ^= 1;
         let slot = self.ahead_slot(&mut ahead.slots[i], len)?;
