@@ -3,7 +3,8 @@
 # device call's 64 MiB (with the working tree, measured here), so that every call that does work also
 # carries the next piece of the models, and nothing waits on a call of its own:
 #   p1: the binaries (ferrolm, cuda_parity, timings when staged), the tokenizer GGUF, the
-#       kernels archive (KERNEL_CACHE=1), gpu-bin/peer/* when present (llama.cpp's source,
+#       kernels archive (KERNEL_CACHE=1; in a last parcel of its own where p1 would pass a
+#       call's limit with it), gpu-bin/peer/* when present (llama.cpp's source,
 #       docs/peers.md), then the first bytes of the models;
 #   p2...: the rest of the models (SmolLM2, then Gemma 3 270M) in order.
 # The models travel as one byte stream with a manifest (name, offset, size, sha256); on the
@@ -35,7 +36,15 @@ for n in names:
     data = open(os.path.join(models, n), "rb").read()
     manifest.append({"name": n, "offset": len(blob), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()})
     blob += data
+budget = (64 << 20) - allowance - (1 << 20)
 used = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk("p1") for f in fs)
+# A kernel archive that would push p1 past a call's limit travels in a last parcel of its own.
+archive_apart = used > budget and os.path.exists("p1/kernels.tar.xz")
+if archive_apart:
+    used -= os.path.getsize("p1/kernels.tar.xz")
+    os.replace("p1/kernels.tar.xz", "kernels-apart.tar.xz")
+if used > budget:
+    sys.exit(f"p1's binaries and files take {used} bytes, past a parcel's {budget}")
 # A call carries the working tree too (tracked and untracked files git does not ignore).
 import subprocess
 tree = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd="..",
@@ -43,10 +52,14 @@ tree = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclu
 tree_bytes = sum(os.path.getsize(os.path.join("..", f.decode())) for f in tree if f and os.path.isfile(os.path.join("..", f.decode())))
 if tree_bytes > allowance:
     sys.exit(f"the working tree is {tree_bytes} bytes, past the parcels' allowance of {allowance}")
-if piece > (64 << 20) - allowance - (1 << 20):
+if piece > budget:
     sys.exit(f"PIECE {piece} leaves no room for the working tree")
-first = max(0, (64 << 20) - allowance - used - (1 << 20))
+first = max(0, budget - used)
 cuts = [blob[:first]] + [blob[i:i + piece] for i in range(first, len(blob), piece)]
+if archive_apart:
+    cuts.append(b"")
+    os.makedirs(f"p{len(cuts)}", exist_ok=True)
+    os.replace("kernels-apart.tar.xz", f"p{len(cuts)}/kernels.tar.xz")
 for i, c in enumerate(cuts, 1):
     os.makedirs(f"p{i}", exist_ok=True)
     open(f"p{i}/piece", "wb").write(c)
