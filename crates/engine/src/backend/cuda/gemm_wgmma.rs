@@ -141,11 +141,12 @@ impl Cuda {
 
     /// x += y·wᵀ (each product rounded to bf16 first: `Backend::matmul_add`'s bits) on the
     /// wgmma kernel, the add in its epilogue (no product stored and read back), for an f32
-    /// residual x where Auto takes the kernel; false where it does not (nothing done).
-    pub(super) fn matmul_add_wgmma(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct) -> Result<bool> {
+    /// residual x where Auto takes the kernel and the fallback's product `tmp` would be
+    /// bf16 (the same rounding); false where it does not (nothing done).
+    pub(super) fn matmul_add_wgmma(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &CudaAct) -> Result<bool> {
         let (rows, cols) = (w.rows(), w.cols());
         let fits = matches!(w, CudaMat::Affine { .. })
-            && matches!((&y.buf, &x.buf), (ActBuf::Bf16(_), ActBuf::F32(_)))
+            && matches!((&y.buf, &x.buf, &tmp.buf), (ActBuf::Bf16(_), ActBuf::F32(_), ActBuf::Bf16(_)))
             && y.cols == cols
             && x.cols == rows
             && x.rows == y.rows

@@ -248,7 +248,7 @@ impl Backend for Cuda {
     /// One row: gemv_ba (the add in the store).
     fn matmul_add(&self, y: &CudaAct, w: &CudaMat, x: &mut CudaAct, tmp: &mut CudaAct) -> Result<()> {
         if self.gemv(GemvIn::Bf16(y), &[w], &mut [&mut *x], GemvOut::Add, GemvExtra::None)?
-            || (matches!(tmp.buf, ActBuf::Bf16(_)) && self.matmul_add_wgmma(y, w, x)?)
+            || self.matmul_add_wgmma(y, w, x, tmp)?
         {
             return Ok(());
         }
