@@ -4,8 +4,8 @@
 # carries the next piece of the models, and nothing waits on a call of its own:
 #   p1: the binaries (ferrolm, cuda_parity, timings when staged), the tokenizer GGUF, the
 #       kernels archive (KERNEL_CACHE=1; in a last parcel of its own where p1 would pass a
-#       call's limit with it), gpu-bin/peer/* when present (llama.cpp's source,
-#       docs/peers.md), then the first bytes of the models;
+#       call's limit with it, which gpu-unpack.sh takes at any point), gpu-bin/peer/* when
+#       present (llama.cpp's source, docs/peers.md), then the first bytes of the models;
 #   p2...: the rest of the models (SmolLM2, then Gemma 3 270M) in order.
 # The models travel as one byte stream with a manifest (name, offset, size, sha256); on the
 # machine, `bash scripts/gpu-unpack.sh gpu-bin/pN` in each call (carry [gpu-bin/pN]) copies

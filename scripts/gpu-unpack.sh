@@ -3,6 +3,9 @@
 #   usage: bash scripts/gpu-unpack.sh gpu-bin/pN
 #   env:   GPU_ROOT (default /root): where the binaries (gb/), the stream and peer/ go;
 #          FERROLM_HOME (default $GPU_ROOT/fh)
+# Parcels with bytes of the models go in order; the kernel archive's parcel (no such bytes)
+# may go at any point, e.g. second, so that the suite but `models::` runs before the models
+# are all there.
 # A checksum mismatch means the machine holds pieces of another pack: remove
 # $GPU_ROOT/blob and $GPU_ROOT/blob.parcels and unpack again from p1.
 set -euo pipefail
@@ -20,13 +23,14 @@ p, home, root = sys.argv[1:4]
 m = json.load(open(os.path.join(p, "manifest.json")))
 blob, done = os.path.join(root, "blob"), os.path.join(root, "blob.parcels")
 have = open(done).read().split() if os.path.exists(done) else []
-if str(m["index"]) not in have:
+# A parcel with no bytes of the models (the kernel archive's own) may come at any time.
+if os.path.getsize(os.path.join(p, "piece")) > 0 and str(m["index"]) not in have:
     if len(have) + 1 != m["index"]:
         sys.exit(f"parcel {m['index']} out of order: have {have}")
     with open(blob, "ab") as f:
         f.write(open(os.path.join(p, "piece"), "rb").read())
     open(done, "a").write(f"{m['index']}\n")
-size = os.path.getsize(blob)
+size = os.path.getsize(blob) if os.path.exists(blob) else 0
 for f in m["files"]:
     out = os.path.join(home, "models", f["name"])
     if os.path.exists(out) or f["offset"] + f["size"] > size:
