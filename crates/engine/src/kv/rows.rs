@@ -272,12 +272,60 @@ pub fn attend_group(
     scale: f32,
     out: &mut [f32],
 ) -> crate::Result<()> {
+    attend_group_dispatch(codec, qs, rows, scale, out, None)?;
+    out.chunks_mut(codec.head_dim).try_for_each(|o| codec.finish_v(o))
+}
+
+/// One part of a span for `merge_parts`: per query head the part's score maximum m and
+/// Σ exp(s − m) into `stats`, and Σ exp(s − m)·v (not normalized, still in the accumulation
+/// domain) into `out`.
+pub fn attend_group_part(
+    codec: &RowCodec,
+    qs: &[f32],
+    rows: &[KvRow<'_>],
+    scale: f32,
+    out: &mut [f32],
+    stats: &mut [(f32, f32)],
+) -> crate::Result<()> {
+    attend_group_dispatch(codec, qs, rows, scale, out, Some(stats))
+}
+
+/// One part of a span as `attend_group_part` leaves it: the value sums not normalized
+/// (heads × head_dim) and per head the part's score maximum and Σ exp(s − m).
+pub type SpanPart = (Vec<f32>, Vec<(f32, f32)>);
+
+/// The parts of one span (`attend_group_part`'s outputs and stats, in position order)
+/// merged in that order into `out`, then out of the accumulation domain: the span's
+/// attention.
+pub fn merge_parts(codec: &RowCodec, parts: &[SpanPart], out: &mut [f32]) -> crate::Result<()> {
+    let hd = codec.head_dim;
+    for (j, o) in out.chunks_mut(hd).enumerate() {
+        let m = parts.iter().fold(f32::NEG_INFINITY, |m, (_, st)| m.max(st[j].0));
+        let sum: f32 = parts.iter().map(|(_, st)| (st[j].0 - m).exp() * st[j].1).sum();
+        o.fill(0.0);
+        for (acc, st) in parts {
+            let w = (st[j].0 - m).exp() / sum;
+            o.iter_mut().zip(&acc[j * hd..(j + 1) * hd]).for_each(|(a, v)| *a += w * v);
+        }
+        codec.finish_v(o)?;
+    }
+    Ok(())
+}
+
+fn attend_group_dispatch(
+    codec: &RowCodec,
+    qs: &[f32],
+    rows: &[KvRow<'_>],
+    scale: f32,
+    out: &mut [f32],
+    stats: Option<&mut [(f32, f32)]>,
+) -> crate::Result<()> {
     #[cfg(target_arch = "x86_64")]
     if crate::backend::cpu::simd::has_avx2() {
         // SAFETY: the CPU has AVX2 and FMA (checked above).
-        return unsafe { attend_group_avx2(codec, qs, rows, scale, out) };
+        return unsafe { attend_group_avx2(codec, qs, rows, scale, out, stats) };
     }
-    attend_group_any(codec, qs, rows, scale, out)
+    attend_group_any(codec, qs, rows, scale, out, stats)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -288,10 +336,14 @@ unsafe fn attend_group_avx2(
     rows: &[KvRow<'_>],
     scale: f32,
     out: &mut [f32],
+    stats: Option<&mut [(f32, f32)]>,
 ) -> crate::Result<()> {
-    attend_group_any(codec, qs, rows, scale, out)
+    attend_group_any(codec, qs, rows, scale, out, stats)
 }
 
+/// Softmax-weighted values of `rows` per query head, in the accumulation domain. Without
+/// `stats` the weights are normalized; with it they are exp(s − m), and (m, Σ) per head go
+/// to `stats` (a part of a longer span).
 #[inline(always)]
 fn attend_group_any(
     codec: &RowCodec,
@@ -299,6 +351,7 @@ fn attend_group_any(
     rows: &[KvRow<'_>],
     scale: f32,
     out: &mut [f32],
+    mut stats: Option<&mut [(f32, f32)]>,
 ) -> crate::Result<()> {
     let (hd, n) = (codec.head_dim, rows.len());
     let q_sums: Vec<Vec<f32>> = qs.chunks(hd).map(|q| codec.group_sums(q)).collect();
@@ -320,11 +373,19 @@ fn attend_group_any(
             }
         }
     }
-    let mut sums = Vec::with_capacity(q_sums.len());
-    for s in e.chunks_mut(n.max(1)) {
+    // What each head's exp(s − m) is divided by: Σ, or 1 for a part.
+    let mut divisors = Vec::with_capacity(q_sums.len());
+    for (j, s) in e.chunks_mut(n.max(1)).enumerate() {
         let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         s.iter_mut().for_each(|x| *x = (*x - m).exp());
-        sums.push(s.iter().sum::<f32>());
+        let sum = s.iter().sum::<f32>();
+        match stats.as_deref_mut() {
+            Some(st) => {
+                st[j] = (m, sum);
+                divisors.push(1.0);
+            }
+            None => divisors.push(sum),
+        }
     }
     out.fill(0.0);
     let mut vals = vec![0f32; hd];
@@ -334,11 +395,11 @@ fn attend_group_any(
             KvRow::Head(_, v) => vals.iter_mut().zip(v.iter()).for_each(|(o, x)| *o = x.to_f32()),
         }
         for (j, o) in out.chunks_mut(hd).enumerate() {
-            let w = e[j * n + p] / sums[j];
+            let w = e[j * n + p] / divisors[j];
             o.iter_mut().zip(&vals).for_each(|(a, v)| *a += w * v);
         }
     }
-    out.chunks_mut(hd).try_for_each(|o| codec.finish_v(o))
+    Ok(())
 }
 
 /// MLX affine groups of 64 with bf16 scale and bias, into `out`'s layout.
@@ -477,6 +538,39 @@ mod tests {
                     let err = out.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt() / norm;
                     assert!(err < 2e-5, "{scheme} head_dim {hd}, {n} positions: relative error {err:.2e}");
                 }
+            }
+        }
+    }
+
+    /// A span cut into parts (`attend_group_part`, then `merge_parts`) attends as the
+    /// reference over the whole span, for a group of heads, parts of unequal lengths.
+    #[test]
+    fn parts_of_a_span_merge_to_the_whole_spans_attention() {
+        for scheme in ["affine:8", "turbo"] {
+            let (hd, heads, n) = (64, 3, 300);
+            let codec = RowCodec::new(&KvScheme::parse(scheme).unwrap(), 0, hd).unwrap().unwrap();
+            let mut store = vec![0u8; n * codec.bytes()];
+            for (p, row) in store.chunks_mut(codec.bytes()).enumerate() {
+                codec.encode(&randoms(hd, 7 + p as u64), &randoms(hd, 1000 + p as u64), Precision::F32, row).unwrap();
+            }
+            let rows: Vec<KvRow> = store.chunks(codec.bytes()).map(KvRow::Quant).collect();
+            let qs = randoms(heads * hd, 5);
+            let scale = 1.0 / (hd as f32).sqrt();
+            let parts: Vec<SpanPart> = [0..128, 128..256, 256..n]
+                .into_iter()
+                .map(|r| {
+                    let (mut acc, mut stats) = (vec![0f32; heads * hd], vec![(0f32, 0f32); heads]);
+                    attend_group_part(&codec, &qs, &rows[r], scale, &mut acc, &mut stats).unwrap();
+                    (acc, stats)
+                })
+                .collect();
+            let mut out = vec![0f32; heads * hd];
+            merge_parts(&codec, &parts, &mut out).unwrap();
+            for (j, o) in out.chunks(hd).enumerate() {
+                let want = reference(&codec, &qs[j * hd..(j + 1) * hd], &rows, scale);
+                let norm = want.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-3);
+                let err = o.iter().zip(&want).map(|(a, b)| (*a as f64 - b).powi(2)).sum::<f64>().sqrt() / norm;
+                assert!(err < 2e-5, "{scheme}, head {j}: relative error {err:.2e}");
             }
         }
     }

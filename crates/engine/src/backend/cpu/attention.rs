@@ -30,17 +30,7 @@ pub fn attention<'a>(
     let scale = attend.scale;
     if let Some(q_layers) = &kv.quant {
         let codec = &q_layers.codecs[layer];
-        // A task per (row, KV head): the query heads sharing a KV head are consecutive, and
-        // each cached row's codes are unpacked once for all of them.
-        return out.par_chunks_mut(group * hd).enumerate().try_for_each(|(idx, o)| {
-            let (t, kvh) = (idx / n_kv, idx % n_kv);
-            let (seq, pos) = rows[t];
-            let span = &spans[seq];
-            let qs = &q[t * n_heads * hd + kvh * group * hd..][..group * hd];
-            let kv_rows: Vec<crate::kv::rows::KvRow> =
-                (attend.first(pos)..=pos).map(|p| kv.kv_row(layer, kv.row(layer, span, p), kvh)).collect();
-            crate::kv::rows::attend_group(codec, qs, &kv_rows, scale, o)
-        });
+        return quantized(codec, q, (n_heads, hd), kv, layer, (spans, &rows), attend, out);
     }
     let (kc, vc) = (&kv.k[layer], &kv.v[layer]);
     let simd = super::simd::has_avx2() && hd.is_multiple_of(8);
@@ -82,4 +72,64 @@ pub fn attention<'a>(
         }
     });
     Ok(())
+}
+
+/// Positions one task of `quantized` attends over at most: a longer span is cut into parts
+/// of this many, attended in parallel and merged in order. A function of the row's own span
+/// alone, so a row's bits do not depend on what else the call holds; it gives every core
+/// work where one decode row has few KV heads (SmolLM2: 3 tasks on 2 cores otherwise).
+const QUANT_PART: usize = 256;
+
+/// `attention` over a quantized store: a task per (query row, KV head, part of the span),
+/// the query heads sharing a KV head together (each cached row's codes unpacked once for
+/// all of them), then each (row, KV head)'s parts merged in position order.
+#[allow(clippy::too_many_arguments)]
+fn quantized(
+    codec: &crate::kv::rows::RowCodec,
+    q: &[f32],
+    (n_heads, hd): (usize, usize),
+    kv: &CpuKv,
+    layer: usize,
+    (spans, rows): (&[Span<'_>], &[(usize, usize)]),
+    attend: Attend,
+    out: &mut [f32],
+) -> crate::Result<()> {
+    use crate::kv::rows::{attend_group, attend_group_part, merge_parts, KvRow};
+    let n_kv = kv.width / hd;
+    let group = n_heads / n_kv;
+    let qs_of = |idx: usize| &q[(idx / n_kv) * n_heads * hd + (idx % n_kv) * group * hd..][..group * hd];
+    let kv_rows = |idx: usize, positions: std::ops::RangeInclusive<usize>| -> Vec<KvRow> {
+        let (seq, kvh) = (rows[idx / n_kv].0, idx % n_kv);
+        positions.map(|p| kv.kv_row(layer, kv.row(layer, &spans[seq], p), kvh)).collect()
+    };
+    let span_of = |idx: usize| {
+        let pos = rows[idx / n_kv].1;
+        (attend.first(pos), pos)
+    };
+    // The parts of the spans longer than one part, in (row, KV head) order.
+    let tasks: Vec<(usize, usize)> = (0..rows.len() * n_kv)
+        .flat_map(|idx| {
+            let (first, last) = span_of(idx);
+            let len = if last - first < QUANT_PART { 0 } else { last - first + 1 };
+            (first..first + len).step_by(QUANT_PART).map(move |lo| (idx, lo))
+        })
+        .collect();
+    let parts: Vec<crate::kv::rows::SpanPart> = tasks
+        .par_iter()
+        .map(|&(idx, lo)| {
+            let hi = (lo + QUANT_PART - 1).min(span_of(idx).1);
+            let (mut acc, mut stats) = (vec![0f32; group * hd], vec![(0f32, 0f32); group]);
+            attend_group_part(codec, qs_of(idx), &kv_rows(idx, lo..=hi), attend.scale, &mut acc, &mut stats)?;
+            Ok((acc, stats))
+        })
+        .collect::<crate::Result<_>>()?;
+    out.par_chunks_mut(group * hd).enumerate().try_for_each(|(idx, o)| {
+        let (first, last) = span_of(idx);
+        if last - first < QUANT_PART {
+            return attend_group(codec, qs_of(idx), &kv_rows(idx, first..=last), attend.scale, o);
+        }
+        let start = tasks.partition_point(|&(i, _)| i < idx);
+        let end = tasks.partition_point(|&(i, _)| i <= idx);
+        merge_parts(codec, &parts[start..end], o)
+    })
 }
