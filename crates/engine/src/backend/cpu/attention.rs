@@ -106,12 +106,16 @@ fn quantized(
         let pos = rows[idx / n_kv].1;
         (attend.first(pos), pos)
     };
+    let in_parts = |idx: usize| {
+        let (first, last) = span_of(idx);
+        last - first >= QUANT_PART
+    };
     // The parts of the spans longer than one part, in (row, KV head) order.
     let tasks: Vec<(usize, usize)> = (0..rows.len() * n_kv)
+        .filter(|&idx| in_parts(idx))
         .flat_map(|idx| {
             let (first, last) = span_of(idx);
-            let len = if last - first < QUANT_PART { 0 } else { last - first + 1 };
-            (first..first + len).step_by(QUANT_PART).map(move |lo| (idx, lo))
+            (first..=last).step_by(QUANT_PART).map(move |lo| (idx, lo))
         })
         .collect();
     let parts: Vec<crate::kv::rows::SpanPart> = tasks
@@ -124,8 +128,8 @@ fn quantized(
         })
         .collect::<crate::Result<_>>()?;
     out.par_chunks_mut(group * hd).enumerate().try_for_each(|(idx, o)| {
-        let (first, last) = span_of(idx);
-        if last - first < QUANT_PART {
+        if !in_parts(idx) {
+            let (first, last) = span_of(idx);
             return attend_group(codec, qs_of(idx), &kv_rows(idx, first..=last), attend.scale, o);
         }
         let start = tasks.partition_point(|&(i, _)| i < idx);
