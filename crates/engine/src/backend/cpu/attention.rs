@@ -80,6 +80,12 @@ pub fn attention<'a>(
 /// work where one decode row has few KV heads (SmolLM2: 3 tasks on 2 cores otherwise).
 const QUANT_PART: usize = 256;
 
+/// Unmerged parts `quantized` holds at once: a long prefill's rows go in runs of at most
+/// this many parts (each group·head_dim floats: 4 KiB for Gemma 3 270M), so its transient
+/// memory stays ~4 MiB where the whole call at 4,096 tokens would hold ~130 MB. Plenty of
+/// tasks for any core count.
+const PARTS_AT_ONCE: usize = 1024;
+
 /// `attention` over a quantized store: a task per (query row, KV head, part of the span),
 /// the query heads sharing a KV head together (each cached row's codes unpacked once for
 /// all of them), then each (row, KV head)'s parts merged in position order.
@@ -106,34 +112,79 @@ fn quantized(
         let pos = rows[idx / n_kv].1;
         (attend.first(pos), pos)
     };
-    let in_parts = |idx: usize| {
+    let width = group * hd;
+    let parts_of = |idx: usize| {
         let (first, last) = span_of(idx);
-        last - first >= QUANT_PART
-    };
-    // The parts of the spans longer than one part, in (row, KV head) order.
-    let tasks: Vec<(usize, usize)> = (0..rows.len() * n_kv)
-        .filter(|&idx| in_parts(idx))
-        .flat_map(|idx| {
-            let (first, last) = span_of(idx);
-            (first..=last).step_by(QUANT_PART).map(move |lo| (idx, lo))
-        })
-        .collect();
-    let parts: Vec<crate::kv::rows::SpanPart> = tasks
-        .par_iter()
-        .map(|&(idx, lo)| {
-            let hi = (lo + QUANT_PART - 1).min(span_of(idx).1);
-            let (mut acc, mut stats) = (vec![0f32; group * hd], vec![(0f32, 0f32); group]);
-            attend_group_part(codec, qs_of(idx), &kv_rows(idx, lo..=hi), attend.scale, &mut acc, &mut stats)?;
-            Ok((acc, stats))
-        })
-        .collect::<crate::Result<_>>()?;
-    out.par_chunks_mut(group * hd).enumerate().try_for_each(|(idx, o)| {
-        if !in_parts(idx) {
-            let (first, last) = span_of(idx);
-            return attend_group(codec, qs_of(idx), &kv_rows(idx, first..=last), attend.scale, o);
+        if last - first >= QUANT_PART {
+            (last - first) / QUANT_PART + 1
+        } else {
+            0
         }
-        let start = tasks.partition_point(|&(i, _)| i < idx);
-        let end = tasks.partition_point(|&(i, _)| i <= idx);
-        merge_parts(codec, &parts[start..end], o)
-    })
+    };
+    // One pass over (row, KV head) indices a..b: their spans' parts in parallel, then each
+    // index's parts merged in position order (or its short span attended whole).
+    let attend_range = |(a, b): (usize, usize), out: &mut [f32]| -> crate::Result<()> {
+        let tasks: Vec<(usize, usize)> = (a..b)
+            .filter(|&idx| parts_of(idx) > 0)
+            .flat_map(|idx| {
+                let (first, last) = span_of(idx);
+                (first..=last).step_by(QUANT_PART).map(move |lo| (idx, lo))
+            })
+            .collect();
+        let parts: Vec<crate::kv::rows::SpanPart> = tasks
+            .par_iter()
+            .map(|&(idx, lo)| {
+                let hi = (lo + QUANT_PART - 1).min(span_of(idx).1);
+                let (mut acc, mut stats) = (vec![0f32; width], vec![(0f32, 0f32); group]);
+                attend_group_part(codec, qs_of(idx), &kv_rows(idx, lo..=hi), attend.scale, &mut acc, &mut stats)?;
+                Ok((acc, stats))
+            })
+            .collect::<crate::Result<_>>()?;
+        out.par_chunks_mut(width).zip(a..b).try_for_each(|(o, idx)| {
+            if parts_of(idx) == 0 {
+                let (first, last) = span_of(idx);
+                return attend_group(codec, qs_of(idx), &kv_rows(idx, first..=last), attend.scale, o);
+            }
+            let start = tasks.partition_point(|&(i, _)| i < idx);
+            let end = tasks.partition_point(|&(i, _)| i <= idx);
+            merge_parts(codec, &parts[start..end], o)
+        })
+    };
+    for (a, b) in runs(rows.len() * n_kv, parts_of, PARTS_AT_ONCE) {
+        attend_range((a, b), &mut out[a * width..b * width])?;
+    }
+    Ok(())
+}
+
+/// Cuts indices 0..total into consecutive runs holding at most `cap` parts each (`parts_of`
+/// of every index summed; a run holds at least one index), so that a long prefill holds a
+/// bounded number of unmerged parts. Each index's bits are its own whatever run it is in.
+fn runs(total: usize, parts_of: impl Fn(usize) -> usize, cap: usize) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let mut a = 0;
+    while a < total {
+        let (mut b, mut held) = (a + 1, parts_of(a));
+        while b < total && held + parts_of(b) <= cap {
+            held += parts_of(b);
+            b += 1;
+        }
+        out.push((a, b));
+        a = b;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::runs;
+
+    #[test]
+    fn runs_cover_every_index_once_within_the_cap() {
+        let parts = |i: usize| [0, 3, 5, 0, 2, 9, 1, 1, 0, 4][i];
+        let got = runs(10, parts, 6);
+        assert_eq!(got, [(0, 2), (2, 4), (4, 5), (5, 6), (6, 10)]);
+        assert_eq!(runs(0, parts, 6), []);
+        // An index over the cap alone still gets its run.
+        assert_eq!(runs(3, |_| 10, 4), [(0, 1), (1, 2), (2, 3)]);
+    }
 }
