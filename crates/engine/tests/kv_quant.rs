@@ -37,6 +37,12 @@ fn logits_from(
     out
 }
 
+/// The first `n` tokens of the corpus's prose (no BOS).
+fn prose_ids(tok: &Tokenizer, n: usize) -> Vec<u32> {
+    let text = include_str!("../../../tools/corpus/kjv-genesis-1-24.txt");
+    tok.encode(text, false).unwrap().into_iter().take(n).collect()
+}
+
 fn log_softmax(r: &[f32]) -> Vec<f64> {
     let m = r.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
     let lse = m + r.iter().map(|&x| (x as f64 - m).exp()).sum::<f64>().ln();
@@ -58,9 +64,7 @@ fn compare(base: &[Vec<f32>], other: &[Vec<f32>]) -> (f64, f64) {
 #[test]
 fn quantized_caches_stay_close_to_bf16() {
     let (m, tok) = model();
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/corpus/kjv-genesis-1-24.txt"))
-        .unwrap();
-    let ids: Vec<u32> = tok.encode(&text, false).unwrap().into_iter().take(160).collect();
+    let ids = prose_ids(&tok, 160);
     let base = logits(&m, &KvScheme::Bf16, &ids, 128);
     let again = logits(&m, &KvScheme::Bf16, &ids, 128);
     assert_eq!(base, again, "the bf16 store is deterministic");
@@ -92,9 +96,7 @@ fn quantized_caches_stay_close_to_bf16() {
 #[test]
 fn a_long_quantized_prefill_is_the_same_bits_in_one_call_or_two() {
     let (m, tok) = model();
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/corpus/kjv-genesis-1-24.txt"))
-        .unwrap();
-    let ids: Vec<u32> = tok.encode(&text, false).unwrap().into_iter().take(640).collect();
+    let ids = prose_ids(&tok, 640);
     assert_eq!(ids.len(), 640);
     let scheme = KvScheme::parse("turbo").unwrap();
     let cache = || SeqCache::with_layout(&m.backend, &m.cfg, ids.len(), &scheme, 0).unwrap();
@@ -112,9 +114,7 @@ fn a_long_quantized_prefill_is_the_same_bits_in_one_call_or_two() {
 #[test]
 fn leading_positions_kept_in_bf16_cost_less() {
     let (m, tok) = model();
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tools/corpus/kjv-genesis-1-24.txt"))
-        .unwrap();
-    let ids: Vec<u32> = tok.encode(&text, false).unwrap().into_iter().take(160).collect();
+    let ids = prose_ids(&tok, 160);
     let base = logits(&m, &KvScheme::Bf16, &ids, 100);
     for s in ["turbo:k4v2", "affine:4"] {
         let scheme = KvScheme::parse(s).unwrap();
