@@ -7,7 +7,8 @@
 # may go at any point, e.g. second, so that the suite but `models::` runs before the models
 # are all there.
 # A checksum mismatch means the machine holds pieces of another pack: remove
-# $GPU_ROOT/blob and $GPU_ROOT/blob.parcels and unpack again from p1.
+# $GPU_ROOT/blob and $GPU_ROOT/blob.parcels and unpack again from p1 (p1, when no record
+# says it was taken, starts the stream afresh by itself).
 set -euo pipefail
 p=${1:?usage: gpu-unpack.sh gpu-bin/pN}
 root=${GPU_ROOT:-/root}
@@ -23,6 +24,13 @@ p, home, root = sys.argv[1:4]
 m = json.load(open(os.path.join(p, "manifest.json")))
 blob, done = os.path.join(root, "blob"), os.path.join(root, "blob.parcels")
 have = open(done).read().split() if os.path.exists(done) else []
+# Parcel 1 not yet taken starts the stream afresh: a machine once held bytes of another
+# pack with no record of them (a fresh lease, Session 61), which misaligned every model.
+if m["index"] == 1 and "1" not in have and os.path.getsize(os.path.join(p, "piece")) > 0:
+    for f in (blob, done):
+        if os.path.exists(f):
+            os.remove(f)
+    have = []
 # A parcel with no bytes of the models (the kernel archive's own) may come at any time.
 if os.path.getsize(os.path.join(p, "piece")) > 0 and str(m["index"]) not in have:
     if len(have) + 1 != m["index"]:
