@@ -52,19 +52,21 @@ assert mlx == ours == gguf, f"token ids differ:\nmlx  {mlx}\nours {ours}\ngguf {
 print(f"tokenizer OK: {len(mlx)} ids identical (mlx-lm, ferrolm on the MLX dir, ferrolm on the GGUF)")
 PY
 
-for case in "bf16:8" "4" "synthetic"; do
+check_case() {
+  local case=$1
   echo "== 3/4. $case: mlx-lm vs ferrolm on the same directory"
-  out="$tmp/$case-$RANDOM"
+  local out="$tmp/$case-$RANDOM" own="$tmp/$case"
+  mkdir -p "$own"
   if [[ $case == synthetic ]]; then
     $bin convert --synthetic llama-3.2-1b --output "$out"
   elif [[ $case == bf16:* ]]; then
-    $bin convert --input "$model" --output "$tmp/bf16" --quantize bf16
-    $bin convert --input "$tmp/bf16" --output "$out" --quantize "${case#bf16:}"
+    $bin convert --input "$model" --output "$own/bf16" --quantize bf16
+    $bin convert --input "$own/bf16" --output "$out" --quantize "${case#bf16:}"
   else
     $bin convert --input "$model" --output "$out" --quantize "$case"
   fi
-  $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 512 --json > "$tmp/ppl.json"
-  python3 - "$tmp/ppl.json" "$tmp/hf.json" "$tmp/ours.json" "$case" <<'PY'
+  $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 512 --json > "$own/ppl.json"
+  python3 - "$own/ppl.json" "$tmp/hf.json" "$own/ours.json" "$case" <<'PY'
 import json, sys
 p, hf = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 assert p["targets"][:-1] == hf["tokens"][1:], "ferrolm tokenized the prose differently"
@@ -74,6 +76,20 @@ n = 64 if sys.argv[4] == "synthetic" else len(hf["tokens"])
 json.dump({"tokens": hf["tokens"][:n], "argmax": p["argmax"][:n]}, open(sys.argv[3], "w"))
 print(f"ferrolm ppl {p['ppl']:.3f} on this directory")
 PY
-  python3 tools/oracle/mlx_load_check.py "$out" --expect "$tmp/ours.json"
+  python3 tools/oracle/mlx_load_check.py "$out" --expect "$own/ours.json"
+}
+# The three cases side by side (each is mostly one core: mlx-lm's CPU runs), each one's
+# output kept apart and shown in order; any failure fails the script.
+cases=("bf16:8" "4" "synthetic")
+pids=()
+for i in "${!cases[@]}"; do
+  (set -euo pipefail; check_case "${cases[i]}") >"$tmp/case$i.log" 2>&1 &
+  pids+=($!)
 done
+failed=0
+for i in "${!cases[@]}"; do
+  wait "${pids[i]}" || failed=1
+  cat "$tmp/case$i.log"
+done
+[[ $failed == 0 ]] || { echo "mlx-check: a case failed" >&2; exit 1; }
 echo "mlx-check: all OK"
