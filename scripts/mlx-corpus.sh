@@ -8,7 +8,8 @@
 # mean |ΔNLL| ≤ 0.01 nats and the argmax agrees on ≥ 99% of the positions whose mlx-lm top-2
 # margin > 0.05; a combination mlx-lm refuses is listed as refused, and a model quantized
 # past being one (mlx-lm's perplexity > 1000: SmolLM2 at 2 bits, groups 32 and 64) is listed
-# and not judged. Needs pip "mlx[cpu]" mlx-lm (installed if missing). ~9 minutes on 2 cores.
+# and not judged. Needs pip "mlx[cpu]" mlx-lm (installed if missing). Cases run side by
+# side, one per core.
 #   usage: scripts/mlx-corpus.sh [CASE...]   (a case: B:G or a recipe name; default all)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,19 +32,21 @@ if [[ ${#cases[@]} -eq 0 ]]; then
   for b in 2 3 4 6 8; do for g in 32 64 128; do cases+=("$b:$g"); done; done
   cases+=(mixed_2_6 mixed_3_4 mixed_3_6 mixed_4_6)
 fi
-status=0
-for c in "${cases[@]}"; do
-  out="$tmp/$c"
+# One case: 0 passed, refused or not judged; 1 judged and failed; 2 the converter failed.
+run_case() {
+  local c=$1 own="$tmp/case-$1"
+  local out="$tmp/$c" args rc
+  mkdir -p "$own"
   if [[ $c == mixed_* ]]; then args=(--bits 4 --group 64 --predicate "$c"); else args=(--bits "${c%:*}" --group "${c#*:}"); fi
   set +e
-  python3 tools/oracle/mlx_corpus.py convert "$tmp/bf16" "$out" "${args[@]}" >"$tmp/log" 2>&1
+  python3 tools/oracle/mlx_corpus.py convert "$tmp/bf16" "$out" "${args[@]}" >"$own/log" 2>&1
   rc=$?
   set -e
-  if [[ $rc == 3 ]]; then echo "$c: refused by mlx-lm ($(grep -m1 refuses "$tmp/log"))"; continue; fi
-  [[ $rc == 0 ]] || { cat "$tmp/log"; exit 1; }
-  python3 tools/oracle/mlx_corpus.py score "$out" "$tmp/prose.txt" "$tmp/mlx.json" 2>/dev/null
-  $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 4096 --json >"$tmp/ours.json"
-  python3 - "$c" "$tmp/mlx.json" "$tmp/ours.json" <<'PY' || status=1
+  if [[ $rc == 3 ]]; then echo "$c: refused by mlx-lm ($(grep -m1 refuses "$own/log"))"; return 0; fi
+  [[ $rc == 0 ]] || { cat "$own/log"; return 2; }
+  python3 tools/oracle/mlx_corpus.py score "$out" "$tmp/prose.txt" "$own/mlx.json" 2>/dev/null
+  $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 4096 --json >"$own/ours.json"
+  python3 - "$c" "$own/mlx.json" "$own/ours.json" <<'PY'
 import json, math, sys
 case, m, o = sys.argv[1], json.load(open(sys.argv[2])), json.load(open(sys.argv[3]))
 assert o["targets"] == m["ids"][1:], f"{case}: ferrolm and mlx-lm tokenize the text differently"
@@ -62,5 +65,23 @@ ok = mean <= 0.01 and agree >= 0.99 * len(sure)
 print(line + ("" if ok else "  FAIL"))
 sys.exit(0 if ok else 1)
 PY
+}
+# Cases side by side, one per core at a time (each is mostly one core: mlx-lm's CPU runs),
+# each one's output shown in order.
+status=0
+jobs_at_once=$(nproc)
+for ((i = 0; i < ${#cases[@]}; i += jobs_at_once)); do
+  pids=()
+  for c in "${cases[@]:i:jobs_at_once}"; do
+    (run_case "$c") >"$tmp/case-$c.out" 2>&1 &
+    pids+=($!)
+  done
+  for j in "${!pids[@]}"; do
+    rc=0
+    wait "${pids[j]}" || rc=$?
+    cat "$tmp/case-${cases[i + j]}.out"
+    [[ $rc == 2 ]] && exit 1
+    [[ $rc == 0 ]] || status=1
+  done
 done
 exit $status
