@@ -103,7 +103,8 @@ fn quantized(
     use crate::kv::rows::{attend_group, attend_group_part, merge_parts, KvRow};
     let n_kv = kv.width / hd;
     let group = n_heads / n_kv;
-    let qs_of = |idx: usize| &q[(idx / n_kv) * n_heads * hd + (idx % n_kv) * group * hd..][..group * hd];
+    let width = group * hd;
+    let qs_of = |idx: usize| &q[(idx / n_kv) * n_heads * hd + (idx % n_kv) * width..][..width];
     let kv_rows = |idx: usize, positions: std::ops::RangeInclusive<usize>| -> Vec<KvRow> {
         let (seq, kvh) = (rows[idx / n_kv].0, idx % n_kv);
         positions.map(|p| kv.kv_row(layer, kv.row(layer, &spans[seq], p), kvh)).collect()
@@ -112,7 +113,6 @@ fn quantized(
         let pos = rows[idx / n_kv].1;
         (attend.first(pos), pos)
     };
-    let width = group * hd;
     let parts_of = |idx: usize| {
         let (first, last) = span_of(idx);
         if last - first >= QUANT_PART {
