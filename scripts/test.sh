@@ -12,6 +12,11 @@ source scripts/nvrtc-env.sh
 # it a fresh build of every test target took 297 s here against 331 s, and its target
 # directory 664 MiB against 2.6 GiB.
 export CARGO_PROFILE_RELEASE_DEBUG=0
+# And opt-level 2, not release's 3: the engine's build (twice: the library and its unit
+# tests) took 162 s of CPU at 2 against 321 at 3 here; the tests ran as fast (rustc
+# keeps float semantics at every level, so the bits are the same), and the whole script
+# from an empty target directory 22.5 minutes against ~23.7 (perf-log.md Session 62).
+export CARGO_PROFILE_RELEASE_OPT_LEVEL=2
 # Every build here has one feature set, so the engine compiles once: `cuda-tests` only adds
 # the GPU test target (required-features), which must compile here and runs only on a GPU
 # (scripts/gpu-check.sh). So the run names every other test target (from cargo metadata,
@@ -32,7 +37,8 @@ mapfile -t tests <<< "$listed"
 # background beside the others: most targets leave a core idle (a long test of its own at
 # the end, single-threaded model loads), so together they take less wall time than in turn
 # (the whole script 748 s against 792 s here, the build present; perf-log.md Session 47).
-kc_bin=$(cargo test --workspace --release "${features[@]}" --lib --bins "${tests[@]}" --no-run \
+# The GPU test target (cuda_parity) builds here too, beside the others, and does not run.
+kc_bin=$(cargo test --workspace --release "${features[@]}" --lib --bins "${tests[@]}" --test cuda_parity --no-run \
   --message-format=json | python3 scripts/test-exe.py kernels_compile)
 kc_log=$(mktemp)
 (cd crates/engine && "$kc_bin") >"$kc_log" 2>&1 &
@@ -51,7 +57,6 @@ trap - EXIT
 cat "$kc_log"
 rm -f "$kc_log"
 [[ $kc_status == 0 ]] || { echo "scripts/test.sh: kernels_compile failed ($kc_status)" >&2; exit 1; }
-cargo build --workspace --release "${features[@]}" --test cuda_parity
 # The official openai Python client against `ferrolm serve` (tools/openai_compat.py).
 python3 -c "import openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check openai
 # The CLI in the tests' feature set (already built for tests/cli.rs: a no-op), for the scripts
