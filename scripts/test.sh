@@ -15,7 +15,8 @@ export CARGO_PROFILE_RELEASE_DEBUG=0
 # And opt-level 2, not release's 3: the engine's build (twice: the library and its unit
 # tests) took 162 s of CPU at 2 against 321 at 3 here; the tests ran as fast (rustc
 # keeps float semantics at every level, so the bits are the same), and the whole script
-# from an empty target directory 22.5 minutes against ~23.7 (perf-log.md Session 62).
+# from an empty target directory 22.5 minutes against ~23.7 (perf-log.md Session 62). The
+# binaries it leaves in target/release are these: `cargo build --release` before timing.
 export CARGO_PROFILE_RELEASE_OPT_LEVEL=2
 # Every build here has one feature set, so the engine compiles once: `cuda-tests` only adds
 # the GPU test target (required-features), which must compile here and runs only on a GPU
