@@ -71,12 +71,12 @@ check_case() {
     $bin convert --input "$model" --output "$out" --quantize "$case"
   fi
   $bin perplexity --model "$out" --file "$tmp/prose.txt" --ctx 512 --json > "$own/ppl.json"
-  python3 - "$own/ppl.json" "$tmp/hf.json" "$own/ours.json" "$case" <<'PY'
+  python3 - "$own/ppl.json" "$tmp/hf.json" "$own/ours.json" "$case" "$tmp/hf128.json" <<'PY'
 import json, sys
 p, hf = json.load(open(sys.argv[1])), json.load(open(sys.argv[2]))
 assert p["targets"][:-1] == hf["tokens"][1:], "ferrolm tokenized the prose differently"
-# mlx-lm runs the first 128 positions (see hf128.json), the 1B synthetic model's first 64.
-n = 64 if sys.argv[4] == "synthetic" else 128
+# mlx-lm runs hf128.json's positions, the 1B synthetic model's first 64.
+n = 64 if sys.argv[4] == "synthetic" else len(json.load(open(sys.argv[5]))["tokens"])
 json.dump({"tokens": hf["tokens"][:n], "argmax": p["argmax"][:n]}, open(sys.argv[3], "w"))
 print(f"ferrolm ppl {p['ppl']:.3f} on this directory")
 PY
